@@ -1,0 +1,64 @@
+"""persist-pipeline: durable shards of timestamped updates on SQL consensus and blobs.
+
+Public API (everything else is internal)::
+
+    from persist_pipeline import PersistClient, ShardId, InlinePolicy, UpperMismatch, PersistError
+
+Module map:
+
+- ``client``: :class:`PersistClient`, the entry point; opens handles, inspect/compact/gc.
+- ``write`` / ``read``: write handles (compare_and_append, append) and read handles
+  (snapshot, listen, since holds; critical readers).
+- ``config``: :class:`InlinePolicy` (inline vs blob) and every tunable with its default.
+- ``updates``: validation, consolidation (the engine-agnostic merge function) and the
+  part encodings (Parquet k/v/t/d; inline protobuf).
+- ``compaction`` / ``gc``: maintenance, each returning a metrics dict.
+- ``consensus/`` and ``blob/``: backends behind small ABCs, opened by URI scheme.
+- ``internal/``: the state model, pure transitions, the Spine, codecs, the CaS loop.
+- ``proto/``: the protobuf wire formats; ``cli``: the ``persist-pipeline`` command.
+- ``exceptions``: every error, rooted at :class:`PersistError`.
+"""
+
+from __future__ import annotations
+
+from persist_pipeline.client import PersistClient, ShardSummary
+from persist_pipeline.config import InlinePolicy, PersistConfig
+from persist_pipeline.exceptions import (
+    CorruptData,
+    InvalidInput,
+    NotYetAvailable,
+    PersistError,
+    ShardNotFound,
+    SinceViolation,
+    UpperMismatch,
+)
+from persist_pipeline.frontier import CLOSED, Frontier
+from persist_pipeline.ids import ShardId
+from persist_pipeline.read import CriticalReaderHandle, Listen, ListenEvent, ReadHandle
+from persist_pipeline.write import WriteHandle, WriteResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CLOSED",
+    "CorruptData",
+    "CriticalReaderHandle",
+    "Frontier",
+    "InlinePolicy",
+    "InvalidInput",
+    "Listen",
+    "ListenEvent",
+    "NotYetAvailable",
+    "PersistClient",
+    "PersistConfig",
+    "PersistError",
+    "ReadHandle",
+    "ShardId",
+    "ShardNotFound",
+    "ShardSummary",
+    "SinceViolation",
+    "UpperMismatch",
+    "WriteHandle",
+    "WriteResult",
+    "__version__",
+]

@@ -1,0 +1,152 @@
+"""The blob interface: an immutable key-value object store (S3, a directory, memory)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from persist_pipeline.exceptions import InvalidInput
+
+#: Characters no key or listing prefix may contain.
+_FORBIDDEN_CHARS = ("\x00", "\\")
+
+
+def validate_key(key: str) -> str:
+    """Check ``key`` against the rules of :class:`Blob` and return it unchanged.
+
+    A key is a non-empty string of ``/``-separated segments with no leading ``/``, no
+    empty, ``.`` or ``..`` segment (so no ``//`` and no trailing ``/``), and no NUL or
+    backslash.
+
+    Args:
+        key: the key to check.
+
+    Returns:
+        ``key`` itself.
+
+    Raises:
+        InvalidInput: if ``key`` is not a string or breaks a rule.
+    """
+    if not isinstance(key, str):
+        raise InvalidInput(f"blob key must be a str, got {type(key).__name__}")
+    if not key:
+        raise InvalidInput("blob key must not be empty")
+    _check_chars(key, "key")
+    if key.startswith("/"):
+        raise InvalidInput(f"blob key must be relative (no leading '/'): {key!r}")
+    for segment in key.split("/"):
+        _check_segment(segment, key, "key")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """Check a listing prefix and return it unchanged.
+
+    A prefix is ``""`` or the beginning of a valid key: the same rules as
+    :func:`validate_key`, except that its last segment may be partial (any text,
+    including empty, so ``"a/"`` and ``"a/.."`` are accepted: they only filter).
+
+    Args:
+        prefix: the prefix to check.
+
+    Returns:
+        ``prefix`` itself.
+
+    Raises:
+        InvalidInput: if ``prefix`` is not a string or cannot begin any valid key.
+    """
+    if not isinstance(prefix, str):
+        raise InvalidInput(f"blob prefix must be a str, got {type(prefix).__name__}")
+    _check_chars(prefix, "prefix")
+    if prefix.startswith("/"):
+        raise InvalidInput(f"blob prefix must be relative (no leading '/'): {prefix!r}")
+    for segment in prefix.split("/")[:-1]:
+        _check_segment(segment, prefix, "prefix")
+    return prefix
+
+
+def _check_chars(text: str, what: str) -> None:
+    for char in _FORBIDDEN_CHARS:
+        if char in text:
+            raise InvalidInput(f"blob {what} must not contain NUL or backslash: {text!r}")
+
+
+def _check_segment(segment: str, text: str, what: str) -> None:
+    if segment in ("", ".", ".."):
+        raise InvalidInput(
+            f"blob {what} must not have an empty, '.' or '..' segment: {text!r}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BlobMeta:
+    """What a listing says of one object.
+
+    Attributes:
+        key: the object's key, relative to the store's root/prefix.
+        size: its size in bytes.
+        last_modified: seconds since the epoch when it was written (store's clock).
+    """
+
+    key: str
+    size: int
+    last_modified: float
+
+
+class Blob(ABC):
+    """An object store holding immutable values under ``/``-separated keys.
+
+    Keys are relative to the store's root (for S3, the URI's prefix). A key is
+    non-empty, has no leading ``/``, no empty, ``.`` or ``..`` segments and no NUL or
+    backslash; anything else raises :class:`~persist_pipeline.exceptions.InvalidInput`.
+    Errors are raised as :class:`~persist_pipeline.exceptions.BlobError` subclasses.
+    """
+
+    #: "s3", "file", "mem", ... for metrics and messages.
+    kind: str = "blob"
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The value at ``key``, or None if there is none."""
+
+    @abstractmethod
+    def set(self, key: str, value: bytes) -> None:
+        """Write ``value`` at ``key`` atomically: a reader sees all of it or nothing."""
+
+    @abstractmethod
+    def delete(self, key: str) -> int | None:
+        """Delete ``key``; returns the deleted size if known, None if it did not exist."""
+
+    @abstractmethod
+    def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
+        """Every object whose key starts with ``prefix``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release clients. Idempotent."""
+
+    def describe(self) -> str:
+        """A human-readable location with credentials removed, for logs and errors."""
+        return self.kind
+
+
+def validate_value(value: bytes) -> bytes:
+    """Check a value to store and return it as immutable ``bytes``.
+
+    ``bytearray`` and ``memoryview`` are accepted and copied, so a caller mutating its
+    buffer later cannot change what was stored.
+
+    Args:
+        value: the value to store.
+
+    Returns:
+        ``value`` as ``bytes``.
+
+    Raises:
+        InvalidInput: if ``value`` is not bytes-like.
+    """
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise InvalidInput(f"blob value must be bytes, got {type(value).__name__}")

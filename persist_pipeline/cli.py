@@ -1,0 +1,158 @@
+"""The ``persist-pipeline`` command (also ``python -m persist_pipeline``).
+
+Global options ``--consensus URI --blob URI [--wal-blob URI]`` default to the
+``PERSIST_*`` environment variables. Every error is printed as one line on stderr
+with exit code 2 (bad input) or 1 (anything else); no stack traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from persist_pipeline.client import PersistClient
+from persist_pipeline.exceptions import InvalidInput, InvalidUpdates, PersistError
+from persist_pipeline.ingest import read_updates_file
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse's exit code 2 with our one-line style
+        self.print_usage(sys.stderr)
+        print(f"persist-pipeline: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _frontier(text: str) -> int | None:
+    if text.lower() in ("closed", "none", "empty"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a time: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"times are non-negative: {value}")
+    return value
+
+
+def _time(text: str) -> int:
+    value = _frontier(text)
+    if value is None:
+        raise argparse.ArgumentTypeError("a time is required here")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="persist-pipeline", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--consensus", metavar="URI", help="consensus URI (PERSIST_CONSENSUS_URI)")
+    p.add_argument("--blob", metavar="URI", help="blob URI (PERSIST_BLOB_URI)")
+    p.add_argument("--wal-blob", metavar="URI", help="WAL blob URI (PERSIST_WAL_BLOB_URI)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    sub.add_parser("shards", help="list shards with their summaries (JSON)")
+    s = sub.add_parser("new-shard", help="create a shard and print its id")
+    s.add_argument("--id", help="use this shard id instead of a fresh one")
+    s = sub.add_parser("inspect", help="print a shard's state as JSON")
+    s.add_argument("shard")
+    s = sub.add_parser("append", help="compare_and_append a file (Parquet, CSV or JSONL)")
+    s.add_argument("shard")
+    s.add_argument("file", type=Path)
+    s.add_argument("--expected-upper", type=_time, required=True)
+    s.add_argument("--new-upper", type=_frontier, required=True,
+                   help="new upper time, or 'closed'")
+    s.add_argument("--format", choices=["parquet", "csv", "jsonl"],
+                   help="file format (default: from the extension)")
+    s = sub.add_parser("snapshot", help="write the collection at --as-of")
+    s.add_argument("shard")
+    s.add_argument("--as-of", type=_time, required=True)
+    s.add_argument("--out", type=Path, help="output .parquet or .csv (default: stdout, CSV)")
+    s = sub.add_parser("compact", help="run pending merges and flush inline parts")
+    s.add_argument("shard")
+    s = sub.add_parser("gc", help="delete unreferenced blobs and truncate consensus")
+    s.add_argument("shard")
+    return p
+
+
+def _print_json(obj: object) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def _write_table(table: pa.Table, out: Path | None) -> None:
+    printable = table.set_column(0, "k", pa.array(
+        [b.hex() for b in table.column("k").to_pylist()], pa.string()))
+    printable = printable.set_column(1, "v", pa.array(
+        [b.hex() for b in table.column("v").to_pylist()], pa.string()))
+    if out is None:
+        pacsv.write_csv(printable, sys.stdout.buffer)
+    elif out.suffix == ".parquet":
+        pq.write_table(table, out)
+    elif out.suffix == ".csv":
+        pacsv.write_csv(printable, out)
+    else:
+        raise InvalidInput(f"--out must end in .parquet or .csv, got {out.name!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.command == "new-shard":
+        from persist_pipeline.ids import ShardId
+
+        shard = ShardId.parse(args.id) if args.id else ShardId.new()
+        with PersistClient.open(args.consensus, args.blob, args.wal_blob) as client:
+            client.open_writer(shard).expire()
+        print(shard)
+        return 0
+    with PersistClient.open(args.consensus, args.blob, args.wal_blob) as client:
+        if args.command == "shards":
+            _print_json({k: v.__dict__ if hasattr(v, "__dict__") else _summary(v)
+                         for k, v in client.shard_summaries().items()})
+        elif args.command == "inspect":
+            _print_json(client.inspect(args.shard))
+        elif args.command == "append":
+            updates = read_updates_file(args.file, args.format)
+            with client.open_writer(args.shard, debug="cli") as writer:
+                res = writer.compare_and_append(updates, args.expected_upper, args.new_upper)
+            _print_json({"placement": res.placement, "encoded_bytes": res.encoded_bytes,
+                         "seqno": res.seqno, "upper": res.upper, "updates": res.num_updates})
+        elif args.command == "snapshot":
+            with client.open_reader(args.shard, debug="cli") as reader:
+                _write_table(reader.snapshot(args.as_of), args.out)
+        elif args.command == "compact":
+            _print_json(client.compact(args.shard))
+        elif args.command == "gc":
+            _print_json(client.gc(args.shard))
+    return 0
+
+
+def _summary(s: object) -> dict[str, Any]:
+    return {name: getattr(s, name) for name in getattr(s, "__slots__", ())}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except InvalidUpdates as e:
+        print(f"persist-pipeline: invalid input: {e}", file=sys.stderr)
+        return 2
+    except InvalidInput as e:
+        print(f"persist-pipeline: invalid input: {e}", file=sys.stderr)
+        return 2
+    except PersistError as e:
+        print(f"persist-pipeline: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"persist-pipeline: {e.strerror or e}: {getattr(e, 'filename', '')}",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

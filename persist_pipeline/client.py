@@ -1,0 +1,225 @@
+"""The entry point: :class:`PersistClient` opens shards on one persist location."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from persist_pipeline.blob import open_blob
+from persist_pipeline.blob.base import Blob
+from persist_pipeline.blob.cache import CachingBlob
+from persist_pipeline.compaction import compact_shard
+from persist_pipeline.config import InlinePolicy, PersistConfig
+from persist_pipeline.consensus import open_consensus
+from persist_pipeline.consensus.base import Consensus
+from persist_pipeline.exceptions import InvalidConfig
+from persist_pipeline.frontier import Frontier
+from persist_pipeline.gc import gc_shard
+from persist_pipeline.ids import ShardId, new_critical_reader_id, new_reader_id, new_writer_id
+from persist_pipeline.internal import state_codec
+from persist_pipeline.internal.blobs import ShardBlobs
+from persist_pipeline.internal.machine import Machine, MachineMetrics
+from persist_pipeline.internal.state import HollowPart, InlinePart
+from persist_pipeline.internal.trace import merge_requests
+from persist_pipeline.read import CriticalReaderHandle, ReadHandle
+from persist_pipeline.write import WriteHandle
+
+ShardLike = ShardId | str
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSummary:
+    """A shard's vital signs, read from consensus without reading its state."""
+
+    shard_id: str
+    seqno: int
+    upper: Frontier
+    since: Frontier
+    inline_bytes: int
+    num_batches: int
+    num_inline_parts: int
+    pending_merges: int
+    inline_fallbacks: int
+    walltime_ms: int
+
+
+class PersistClient:
+    """A handle on one persist location: a consensus store plus blob store(s).
+
+    Thread-safe. Handles opened from the same client share each shard's cached state.
+    """
+
+    def __init__(self, consensus: Consensus, blob: Blob, wal_blob: Blob | None = None,
+                 config: PersistConfig | None = None) -> None:
+        self.consensus = consensus
+        self.config = config or PersistConfig()
+        cache = self.config.blob_cache_bytes
+        self.blobs = ShardBlobs(
+            main=blob, wal=wal_blob,
+            cached_main=CachingBlob(blob, cache) if cache else blob,
+            cached_wal=(CachingBlob(wal_blob, cache) if cache else wal_blob)
+            if wal_blob is not None else None)
+        self.metrics = MachineMetrics()
+        self._machines: dict[str, Machine] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(
+        cls,
+        consensus_uri: str | None = None,
+        blob_uri: str | None = None,
+        wal_blob_uri: str | None = None,
+        inline_policy: InlinePolicy | None = None,
+        config: PersistConfig | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> PersistClient:
+        """Open a location by URI; unset arguments come from ``PERSIST_*`` variables.
+
+        Args:
+            consensus_uri: ``postgresql://...``, ``cockroachdb://...``,
+                ``sqlite:///path.db`` or ``mem://`` (``PERSIST_CONSENSUS_URI``).
+            blob_uri: ``s3://bucket/prefix?endpoint_url=...``, ``file:///dir`` or
+                ``mem://`` (``PERSIST_BLOB_URI``).
+            wal_blob_uri: optional low-latency store for fresh write parts
+                (``PERSIST_WAL_BLOB_URI``).
+            inline_policy: where writes go (``PERSIST_INLINE_UPDATE_*_BYTES``).
+            config: other tunables.
+            env: the environment to read (default ``os.environ``).
+        """
+        env = os.environ if env is None else env
+        consensus_uri = consensus_uri or env.get("PERSIST_CONSENSUS_URI")
+        blob_uri = blob_uri or env.get("PERSIST_BLOB_URI")
+        wal_blob_uri = wal_blob_uri or env.get("PERSIST_WAL_BLOB_URI") or None
+        if not consensus_uri:
+            raise InvalidConfig("no consensus URI: pass consensus_uri or set "
+                                "PERSIST_CONSENSUS_URI (e.g. sqlite:///persist.db)")
+        if not blob_uri:
+            raise InvalidConfig("no blob URI: pass blob_uri or set PERSIST_BLOB_URI "
+                                "(e.g. file:///var/lib/persist)")
+        policy = inline_policy or InlinePolicy.from_env(env)
+        base = config or PersistConfig()
+        from dataclasses import replace
+
+        cfg = replace(base, inline_policy=policy)
+        consensus = open_consensus(consensus_uri)
+        try:
+            blob = open_blob(blob_uri)
+            wal = open_blob(wal_blob_uri) if wal_blob_uri else None
+        except BaseException:
+            consensus.close()
+            raise
+        return cls(consensus, blob, wal, cfg)
+
+    @property
+    def inline_policy(self) -> InlinePolicy:
+        return self.config.inline_policy
+
+    def machine(self, shard: ShardLike) -> Machine:
+        """The shared :class:`Machine` of a shard (internal; used by executors)."""
+        shard_id = str(ShardId.parse(shard))
+        with self._lock:
+            m = self._machines.get(shard_id)
+            if m is None:
+                m = Machine(shard_id, self.consensus, self.blobs, self.config, self.metrics)
+                self._machines[shard_id] = m
+            return m
+
+    def _existing(self, shard: ShardLike) -> Machine:
+        m = self.machine(shard)
+        m.fetch_latest()  # raises ShardNotFound
+        return m
+
+    def open_writer(self, shard: ShardLike, *, debug: str = "") -> WriteHandle:
+        """A writer; creates the shard (``since = upper = 0``) if it does not exist."""
+        m = self.machine(shard)
+        m.open(create=True)
+        return WriteHandle(m, new_writer_id(), self.inline_policy, self.blobs.wal is not None,
+                           debug)
+
+    def open_reader(self, shard: ShardLike, *, create: bool = False,
+                    debug: str = "") -> ReadHandle:
+        """A leased reader holding the shard's current since.
+
+        Raises:
+            ShardNotFound: the shard does not exist and ``create`` is False.
+        """
+        m = self.machine(shard)
+        m.open(create=create)
+        return ReadHandle(m, new_reader_id(), debug)
+
+    def open_critical_reader(self, shard: ShardLike, reader_id: str | None = None,
+                             opaque: bytes = b"", *, debug: str = "") -> CriticalReaderHandle:
+        """A critical reader (no lease; fenced by ``opaque``). Reuse ``reader_id`` across
+        restarts to resume the same hold."""
+        m = self._existing(shard)
+        return CriticalReaderHandle(m, reader_id or new_critical_reader_id(), opaque, debug)
+
+    def inspect(self, shard: ShardLike) -> dict[str, Any]:
+        """A JSON-ready description of a shard's state."""
+        state = self._existing(shard).fetch_latest()
+        parts = [p for b in state.batches.values() for p in b.parts]
+        hollow = [p for p in parts if isinstance(p, HollowPart)]
+        return {
+            "shard_id": state.shard_id,
+            "seqno": state.seqno,
+            "upper": state.upper,
+            "since": state.since,
+            "walltime_ms": state.walltime_ms,
+            "batches": len(state.batches),
+            "updates": sum(b.num_updates for b in state.batches.values()),
+            "parts": {
+                "inline": sum(1 for p in parts if isinstance(p, InlinePart)),
+                "hollow_main": sum(1 for p in hollow if p.store == "main"),
+                "hollow_wal": sum(1 for p in hollow if p.store == "wal"),
+            },
+            "inline_bytes": state.inline_bytes,
+            "inline_max_bytes": self.inline_policy.max_bytes,
+            "hollow_bytes": sum(p.encoded_size for p in hollow),
+            "inline_fallbacks": state.inline_fallbacks,
+            "spine": [{"lower": e.lower, "upper": e.upper, "level": e.level,
+                       "batches": e.num_batches, "pending": e.pending}
+                      for e in state.ordered_spine],
+            "pending_merge_requests": len(merge_requests(state)),
+            "readers": sorted(state.leased_readers),
+            "critical_readers": sorted(state.critical_readers),
+            "writers": sorted(state.writers),
+            "rollups": sorted(state.rollups),
+        }
+
+    def compact(self, shard: ShardLike) -> dict[str, Any]:
+        """Run every pending merge and flush inline parts, in this process."""
+        return compact_shard(self._existing(shard))
+
+    def gc(self, shard: ShardLike, *, sweep_orphans: bool = True) -> dict[str, Any]:
+        """Delete unreferenced blobs and truncate consensus; returns metrics."""
+        return gc_shard(self._existing(shard), sweep_orphans=sweep_orphans)
+
+    def list_shards(self) -> list[str]:
+        return sorted(self.consensus.list_shards())
+
+    def shard_summaries(self) -> dict[str, ShardSummary]:
+        """Every shard's summary in one consensus query (cost independent of state size)."""
+        out = {}
+        for shard_id, head in self.consensus.list_heads().items():
+            s = state_codec.decode_summary(head.summary, f"shard {shard_id}")
+            out[shard_id] = ShardSummary(
+                shard_id, head.seqno, state_codec.frontier_from_proto(s.upper),
+                state_codec.frontier_from_proto(s.since), s.inline_bytes, s.num_batches,
+                s.num_inline_parts, s.pending_merges, s.inline_fallbacks, s.walltime_ms)
+        return out
+
+    def close(self) -> None:
+        """Release connections. Open handles stop working."""
+        self.consensus.close()
+        self.blobs.main.close()
+        if self.blobs.wal is not None:
+            self.blobs.wal.close()
+
+    def __enter__(self) -> PersistClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

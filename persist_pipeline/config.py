@@ -1,0 +1,131 @@
+"""Settings: every tunable is a named constant with its default and a one-line meaning.
+
+:class:`InlinePolicy` decides where a write goes; :class:`PersistConfig` holds the rest.
+Both can be read from the environment (``PERSIST_*`` variables).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+from persist_pipeline.exceptions import InvalidConfig
+
+#: Writes whose encoded size is strictly below this may be inlined into consensus.
+INLINE_UPDATE_THRESHOLD_BYTES = 4096
+#: The most inline bytes one shard's state may hold (inclusive).
+INLINE_UPDATE_MAX_BYTES = 1 << 20
+#: Target size of one Parquet part written by a large write or by compaction.
+BLOB_TARGET_SIZE_BYTES = 64 << 20
+#: Write a full-state rollup to blob every this many seqnos.
+ROLLUP_THRESHOLD = 128
+#: Leased readers and writers that miss heartbeats for this long are expired.
+READER_LEASE_DURATION_S = 15 * 60.0
+#: How often handles heartbeat in the background (a fraction of the lease).
+HEARTBEAT_INTERVAL_S = 60.0
+#: GC only deletes unreferenced blobs older than this (protects in-flight writes).
+GC_ORPHAN_MIN_AGE_S = 3600.0
+#: Bytes of fetched parts kept in the in-process LRU cache.
+BLOB_CACHE_BYTES = 64 << 20
+#: How long a compare-and-set loop retries transient backend errors before giving up.
+RETRY_DEADLINE_S = 60.0
+#: How often a listen polls consensus for new data.
+LISTEN_POLL_INTERVAL_S = 0.1
+
+Placement = Literal["inline", "wal", "blob", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class InlinePolicy:
+    """Where a write goes: inline in consensus, or a blob part (seed 000).
+
+    A write whose encoded size is strictly below ``threshold_bytes`` is an inline
+    candidate; it is inlined only if the shard's inline total stays within
+    ``max_bytes``, which is checked again inside the state transition (only there is
+    the current total known for sure). ``InlinePolicy(0, 0)`` turns inlining off and
+    ``InlinePolicy(4096, 0)`` is permanent backpressure (every write falls through).
+
+    Attributes:
+        threshold_bytes: ``persist_inline_update_threshold_bytes`` (exclusive).
+        max_bytes: ``persist_inline_update_max_bytes`` (inclusive).
+    """
+
+    threshold_bytes: int = INLINE_UPDATE_THRESHOLD_BYTES
+    max_bytes: int = INLINE_UPDATE_MAX_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("threshold_bytes", "max_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidConfig(f"InlinePolicy.{name} must be a non-negative int, "
+                                    f"got {value!r}")
+
+    def is_candidate(self, encoded_bytes: int) -> bool:
+        """Whether a write of this encoded size may be inlined at all."""
+        return encoded_bytes < self.threshold_bytes
+
+    def fits(self, encoded_bytes: int, current_inline_bytes: int) -> bool:
+        """Whether inlining this write keeps the shard within ``max_bytes``."""
+        return self.is_candidate(encoded_bytes) and (
+            current_inline_bytes + encoded_bytes <= self.max_bytes
+        )
+
+    def decide(self, encoded_bytes: int, current_inline_bytes: int) -> Literal["inline", "blob"]:
+        """The destination for a write, given the shard's current inline total."""
+        return "inline" if self.fits(encoded_bytes, current_inline_bytes) else "blob"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> InlinePolicy:
+        """Read ``PERSIST_INLINE_UPDATE_THRESHOLD_BYTES`` / ``..._MAX_BYTES``."""
+        env = os.environ if env is None else env
+        return cls(
+            threshold_bytes=_env_int(env, "PERSIST_INLINE_UPDATE_THRESHOLD_BYTES",
+                                     INLINE_UPDATE_THRESHOLD_BYTES),
+            max_bytes=_env_int(env, "PERSIST_INLINE_UPDATE_MAX_BYTES", INLINE_UPDATE_MAX_BYTES),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PersistConfig:
+    """Tunables other than the inline policy; defaults are the constants above."""
+
+    inline_policy: InlinePolicy = field(default_factory=InlinePolicy)
+    blob_target_size_bytes: int = BLOB_TARGET_SIZE_BYTES
+    rollup_threshold: int = ROLLUP_THRESHOLD
+    reader_lease_duration_s: float = READER_LEASE_DURATION_S
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    gc_orphan_min_age_s: float = GC_ORPHAN_MIN_AGE_S
+    blob_cache_bytes: int = BLOB_CACHE_BYTES
+    retry_deadline_s: float = RETRY_DEADLINE_S
+    listen_poll_interval_s: float = LISTEN_POLL_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "inline_policy":
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise InvalidConfig(f"PersistConfig.{f.name} must be a non-negative number, "
+                                    f"got {value!r}")
+        if self.gc_orphan_min_age_s < 1:
+            raise InvalidConfig("PersistConfig.gc_orphan_min_age_s must be at least 1 second: "
+                                "writers need half of it to commit the parts they upload")
+        if self.rollup_threshold < 1:
+            raise InvalidConfig("PersistConfig.rollup_threshold must be at least 1")
+        if self.blob_target_size_bytes < 1:
+            raise InvalidConfig("PersistConfig.blob_target_size_bytes must be at least 1")
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise InvalidConfig(f"{name} must be an integer number of bytes, got {raw!r}") from None
+    if value < 0:
+        raise InvalidConfig(f"{name} must be non-negative, got {value}")
+    return value

@@ -1,0 +1,70 @@
+"""Consensus backends: the versioned, compare-and-set metadata store of every shard.
+
+Open one from a URI with :func:`open_consensus`.
+"""
+
+from __future__ import annotations
+
+from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus.memory import MemoryConsensus
+from persist_pipeline.consensus.sql import SCHEMES as _SQL_SCHEMES
+from persist_pipeline.consensus.sql import SqlConsensus
+from persist_pipeline.exceptions import InvalidUri
+
+__all__ = [
+    "SUPPORTED_SCHEMES",
+    "Consensus",
+    "MemoryConsensus",
+    "SqlConsensus",
+    "VersionedData",
+    "open_consensus",
+]
+
+#: Every URI scheme :func:`open_consensus` accepts.
+SUPPORTED_SCHEMES: tuple[str, ...] = ("mem", *_SQL_SCHEMES)
+
+_EXAMPLES = (
+    "mem:// (private), mem://NAME (shared in this process), sqlite:///PATH, "
+    "postgresql://USER[:PASSWORD]@HOST[:PORT]/DB (also postgres://, "
+    "postgresql+psycopg2://), cockroachdb://USER@HOST:PORT/DB"
+)
+
+
+def open_consensus(uri: str) -> Consensus:
+    """Opens the consensus store named by ``uri``.
+
+    Args:
+        uri: ``mem://`` for a fresh private in-memory store, ``mem://NAME`` for the
+            in-memory store NAME shared by every opener in this process,
+            ``sqlite:///path/to/file.db``, ``postgresql://...`` (also ``postgres://``,
+            ``postgresql+psycopg2://``) or ``cockroachdb://...``.
+
+    Returns:
+        The store; close it (or use it as a context manager) when done.
+
+    Raises:
+        InvalidUri: ``uri`` is not a string, is malformed or has an unsupported scheme.
+        ConsensusAuthError: the database rejected the credentials.
+        ConsensusUnavailable: the database could not be reached.
+        ConsensusError: the database could not be opened for another reason.
+    """
+    if not isinstance(uri, str):
+        raise InvalidUri(
+            f"consensus URI must be a str, got {type(uri).__name__}; supported: {_EXAMPLES}"
+        )
+    scheme, sep, rest = uri.strip().partition("://")
+    if not sep or not scheme:
+        raise InvalidUri(f"malformed consensus URI {_quote(uri)}; supported: {_EXAMPLES}")
+    scheme = scheme.lower()
+    if scheme == "mem":
+        return MemoryConsensus(rest or None)
+    if scheme not in _SQL_SCHEMES:
+        raise InvalidUri(f"unsupported consensus URI scheme {scheme!r}; supported: {_EXAMPLES}")
+    return SqlConsensus(uri.strip())
+
+
+def _quote(uri: str) -> str:
+    """``uri`` for an error message: short, and without anything after a ``:`` in the
+    authority that could be a password."""
+    shown = uri if len(uri) <= 80 else uri[:77] + "..."
+    return repr(shown.split("@", 1)[-1]) if "@" in shown else repr(shown)

@@ -1,0 +1,132 @@
+"""Maps SQL driver errors to :mod:`persist_pipeline.exceptions` without leaking secrets.
+
+Every message names the database by its redacted URL (password shown as ``***``) and
+any occurrence of the password in a driver message is masked as well.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+import psycopg2
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import URL
+
+from persist_pipeline.exceptions import (
+    ConsensusAuthError,
+    ConsensusError,
+    ConsensusUnavailable,
+)
+
+_MASK = "***"
+
+_PG_AUTH_MARKERS = (
+    "password authentication failed",
+    "authentication failed",
+    "no password supplied",
+    "fe_sendauth",
+    "no pg_hba.conf entry",
+    "pg_hba.conf rejects",
+)
+_PG_TRANSIENT_MARKERS = (
+    "connection refused",
+    "could not connect",
+    "timeout expired",
+    "timed out",
+    "could not translate host name",
+    "server closed the connection",
+    "terminating connection",
+    "connection already closed",
+    "ssl syscall error",
+    "the database system is",
+    "no route to host",
+    "network is unreachable",
+    "too many connections",
+    "remaining connection slots",
+)
+# SQLSTATE classes/codes that mean "try again": connection exceptions, operator
+# intervention (shutdown, cannot connect now), serialization failures and deadlocks,
+# insufficient resources, lock timeouts and statement timeouts.
+_PG_TRANSIENT_CODES = ("08", "57P", "40001", "40P01", "53", "55P03", "57014")
+
+
+def redact_url(url: URL) -> str:
+    """``url`` as a string with its password (also a ``password`` query key) masked."""
+    if "password" in url.query:
+        url = url.update_query_dict({"password": _MASK})
+    return url.render_as_string(hide_password=True)
+
+
+def _secrets(url: URL) -> list[str]:
+    found = [url.password] if url.password else []
+    query_password = url.query.get("password")
+    if isinstance(query_password, str) and query_password:
+        found.append(query_password)
+    return [str(s) for s in found]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0].strip() if text else type(exc).__name__
+
+
+def _classify_pg(orig: psycopg2.Error, message: str) -> type[ConsensusError]:
+    lowered = message.lower()
+    code = orig.pgcode or ""
+    if code.startswith("28") or any(m in lowered for m in _PG_AUTH_MARKERS):
+        return ConsensusAuthError
+    if "role" in lowered and "does not exist" in lowered and "database" not in lowered:
+        return ConsensusAuthError
+    if code.startswith(_PG_TRANSIENT_CODES) or any(m in lowered for m in _PG_TRANSIENT_MARKERS):
+        return ConsensusUnavailable
+    if "does not exist" in lowered and "database" in lowered:
+        return ConsensusError
+    if isinstance(orig, psycopg2.OperationalError | psycopg2.InterfaceError) and not code:
+        return ConsensusUnavailable
+    return ConsensusError
+
+
+def _classify_sqlite(orig: sqlite3.Error, message: str) -> type[ConsensusError]:
+    lowered = message.lower()
+    if "locked" in lowered or "busy" in lowered:
+        return ConsensusUnavailable
+    return ConsensusError
+
+
+def _hint(cls: type[ConsensusError], message: str) -> str:
+    lowered = message.lower()
+    if cls is ConsensusAuthError:
+        return " (check the user name and password)"
+    if "does not exist" in lowered and "database" in lowered:
+        return " (create the database first, e.g. with createdb)"
+    if "unable to open database file" in lowered:
+        return " (does the file's directory exist and is it writable?)"
+    if "file is not a database" in lowered:
+        return " (the file is not a SQLite database)"
+    return ""
+
+
+def map_error(exc: BaseException, url: URL, action: str) -> ConsensusError:
+    """The :class:`ConsensusError` subclass instance to raise for ``exc``.
+
+    Args:
+        exc: a driver error (psycopg2, sqlite3) or a SQLAlchemy error wrapping one.
+        url: the database URL; only its redacted form appears in the message.
+        action: what was being done, e.g. ``"compare_and_set"``.
+    """
+    orig: BaseException = exc
+    if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None:
+        orig = exc.orig
+    message = _first_line(orig)
+    for secret in _secrets(url):
+        message = message.replace(secret, _MASK)
+    cls: type[ConsensusError]
+    if isinstance(orig, psycopg2.Error):
+        cls = _classify_pg(orig, message)
+    elif isinstance(orig, sqlite3.Error):
+        cls = _classify_sqlite(orig, message)
+    elif isinstance(orig, sa_exc.TimeoutError | TimeoutError | ConnectionError):
+        cls = ConsensusUnavailable
+    else:
+        cls = ConsensusError
+    return cls(f"{action} on {redact_url(url)} failed: {message}{_hint(cls, message)}")

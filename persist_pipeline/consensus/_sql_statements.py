@@ -1,0 +1,185 @@
+"""The consensus schema and every statement :class:`SqlConsensus` runs.
+
+Statements are SQLAlchemy Core constructs built once at import. :func:`compile_all`
+renders them once per engine into driver SQL with bound parameters (never formatted
+values), optionally as server-side prepared statements (PostgreSQL), so the hot path
+executes a ready string on a raw DBAPI cursor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    ColumnElement,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    and_,
+    bindparam,
+    delete,
+    exists,
+    func,
+    literal_column,
+    select,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
+from sqlalchemy.engine import Dialect
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.expression import ClauseElement
+
+metadata = MetaData()
+
+#: One row per record: a shard's records are numbered 1, 2, 3, ... by ``seqno``.
+consensus = Table(
+    "consensus",
+    metadata,
+    Column("shard", Text, nullable=False),
+    Column("seqno", BigInteger, nullable=False),
+    Column("data", LargeBinary, nullable=False),
+    Column("summary", LargeBinary, nullable=False),
+    PrimaryKeyConstraint("shard", "seqno"),
+)
+
+#: One row per shard ever created, so ``list_heads`` can do one index lookup per shard.
+shards = Table("shards", metadata, Column("shard", Text, primary_key=True))
+
+_shard = bindparam("shard", type_=Text)
+_seqno = bindparam("seqno", type_=BigInteger)
+_data = bindparam("data", type_=LargeBinary)
+_summary = bindparam("summary", type_=LargeBinary)
+_new_row = (_shard, _seqno, _data, _summary)
+_columns = ["shard", "seqno", "data", "summary"]
+
+
+def _head_seqno_of(shard: ColumnElement[Any], *correlate: Any) -> ColumnElement[Any]:
+    """``(SELECT max(seqno) FROM consensus WHERE shard = <shard>)``: an index lookup."""
+    h = consensus.alias("h")
+    query = select(func.max(h.c.seqno)).where(h.c.shard == shard)
+    return query.correlate(*correlate).scalar_subquery()
+
+
+def _statements(insert: Callable[[Table], Any]) -> dict[str, ClauseElement]:
+    """Every statement, with ``insert`` the dialect's ``insert`` (for ON CONFLICT)."""
+    c, s = consensus.alias("c"), shards.alias("s")
+    e = consensus.alias("e")
+    no_records = ~exists().where(e.c.shard == _shard)
+    return {
+        "head": select(consensus.c.seqno, consensus.c.data, consensus.c.summary)
+        .where(consensus.c.shard == _shard)
+        .order_by(consensus.c.seqno.desc())
+        .limit(literal_column("1", Integer)),
+        "head_seqno": select(_head_seqno_of(_shard)),
+        # Compare-and-set: one INSERT that only inserts when the head is as expected;
+        # concurrent winners of the head check collide on the primary key and all but
+        # one insert nothing (ON CONFLICT DO NOTHING), so rowcount 1 means success.
+        "cas": insert(consensus)
+        .from_select(
+            _columns,
+            select(*_new_row).where(
+                _head_seqno_of(_shard) == bindparam("expected", type_=BigInteger)
+            ),
+        )
+        .on_conflict_do_nothing(),
+        # Creation (expected None): only if the shard has no record at all, so a stale
+        # creator cannot re-insert seqno 1 after truncation removed it.
+        "create": insert(consensus)
+        .from_select(_columns, select(*_new_row).where(no_records))
+        .on_conflict_do_nothing(),
+        "register": insert(shards).values(shard=_shard).on_conflict_do_nothing(),
+        "scan": select(consensus.c.seqno, consensus.c.data, consensus.c.summary)
+        .where(
+            consensus.c.shard == _shard,
+            consensus.c.seqno >= bindparam("from_seqno", type_=BigInteger),
+        )
+        .order_by(consensus.c.seqno)
+        .limit(bindparam("limit", type_=BigInteger)),
+        "scan_all": select(consensus.c.seqno, consensus.c.data, consensus.c.summary)
+        .where(
+            consensus.c.shard == _shard,
+            consensus.c.seqno >= bindparam("from_seqno", type_=BigInteger),
+        )
+        .order_by(consensus.c.seqno),
+        "truncate": delete(consensus).where(
+            consensus.c.shard == _shard,
+            consensus.c.seqno < bindparam("below", type_=BigInteger),
+        ),
+        "list_shards": select(s.c.shard)
+        .where(exists().where(c.c.shard == s.c.shard))
+        .order_by(s.c.shard),
+        # One query for all shards: per registered shard, an index lookup of its max seqno
+        # and of that record.
+        "list_heads": select(c.c.shard, c.c.seqno, c.c.summary)
+        .select_from(
+            s.join(c, and_(c.c.shard == s.c.shard, c.c.seqno == _head_seqno_of(s.c.shard, s)))
+        )
+        .order_by(c.c.shard),
+    }
+
+
+PG_STATEMENTS = _statements(postgresql.insert)
+SQLITE_STATEMENTS = _statements(sqlite.insert)
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """One statement rendered for one engine.
+
+    Attributes:
+        sql: what ``cursor.execute`` runs, with positional placeholders.
+        names: the parameter name for each placeholder, in order.
+        defaults: values of parameters SQLAlchemy generated itself (e.g. OFFSET 0).
+        prepare: for a server-side prepared statement, the ``PREPARE`` to run once per
+            connection before ``sql`` (an ``EXECUTE``) can be used; else None.
+    """
+
+    sql: str
+    names: tuple[str, ...]
+    defaults: Mapping[str, Any]
+    prepare: str | None = None
+
+    def args(self, params: Mapping[str, Any]) -> tuple[Any, ...]:
+        """The positional arguments for ``sql`` from named ``params``."""
+        return tuple(params[n] if n in params else self.defaults[n] for n in self.names)
+
+
+def _plain(stmt: ClauseElement, dialect: Dialect) -> Rendered:
+    compiled = cast(SQLCompiler, stmt.compile(dialect=dialect))
+    return Rendered(compiled.string, tuple(compiled.positiontup or ()), dict(compiled.params))
+
+
+def _prepared(name: str, stmt: ClauseElement) -> Rendered:
+    dialect = postgresql.dialect(paramstyle="numeric_dollar")  # type: ignore[no-untyped-call]
+    compiled = cast(SQLCompiler, stmt.compile(dialect=dialect))
+    names = tuple(compiled.positiontup or ())
+    types = ", ".join(dialect.type_compiler_instance.process(compiled.binds[n].type) for n in names)
+    declared = f" ({types})" if names else ""
+    prepare = f"PREPARE pp_{name}{declared} AS {compiled.string}"
+    placeholders = ", ".join(["%s"] * len(names))
+    execute = f"EXECUTE pp_{name} ({placeholders})" if names else f"EXECUTE pp_{name}"
+    return Rendered(execute, names, dict(compiled.params), prepare)
+
+
+def compile_all(kind: str, dialect: Dialect) -> dict[str, Rendered]:
+    """Every statement rendered for an engine of ``kind`` using ``dialect``.
+
+    Args:
+        kind: ``"postgresql"`` (server-side prepared statements), ``"cockroachdb"``
+            (plain statements; CockroachDB caches plans itself) or ``"sqlite"`` (plain;
+            the sqlite3 module caches prepared statements per connection).
+        dialect: the engine's dialect.
+    """
+    if kind == "postgresql":
+        return {name: _prepared(name, stmt) for name, stmt in PG_STATEMENTS.items()}
+    if kind == "cockroachdb":
+        fmt = PGDialect_psycopg2(paramstyle="format")  # type: ignore[no-untyped-call]
+        return {name: _plain(stmt, fmt) for name, stmt in PG_STATEMENTS.items()}
+    return {name: _plain(stmt, dialect) for name, stmt in SQLITE_STATEMENTS.items()}

@@ -1,0 +1,403 @@
+"""Consensus in a SQL database: PostgreSQL, CockroachDB (via psycopg2) or SQLite.
+
+Every method is one autocommit statement (a new shard's first record adds one registry
+insert before it), executed on a raw DBAPI cursor with SQL rendered once per engine from
+SQLAlchemy Core constructs (see :mod:`._sql_statements`). On PostgreSQL the statements
+are server-side prepared once per connection, which halves the cost of parsing and
+planning the compare-and-set.
+
+Connections come from a SQLAlchemy pool with ``pool_pre_ping``. A few are then kept for
+reuse without a new ping while used in the last ``_MAX_REUSE_IDLE_S`` seconds, so a busy
+writer pays one round trip per call, not two; before reuse a local poll of the socket
+catches connections the server has closed. A connection lost silently (no FIN from the
+peer) fails one call with :class:`ConsensusUnavailable` and is discarded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import select
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import psycopg2
+import psycopg2.errors
+from sqlalchemy import create_engine, event, inspect
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import registry
+from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.pool import PoolProxiedConnection
+from sqlalchemy.schema import CreateTable
+
+from persist_pipeline.consensus._checks import check_cas, check_int, check_limit, check_shard
+from persist_pipeline.consensus._sql_errors import map_error, redact_url
+from persist_pipeline.consensus._sql_statements import Rendered, compile_all, metadata
+from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.exceptions import ConsensusError, InvalidInput, InvalidUri
+
+T = TypeVar("T")
+
+#: URI scheme -> backend kind.
+SCHEMES: Mapping[str, str] = {
+    "postgresql": "postgresql",
+    "postgres": "postgresql",
+    "postgresql+psycopg2": "postgresql",
+    "cockroachdb": "cockroachdb",
+    "sqlite": "sqlite",
+}
+_DRIVERS = {
+    "postgresql": "postgresql+psycopg2",
+    "cockroachdb": "pp_cockroachdb",
+    "sqlite": "sqlite",
+}
+_SQLITE_BUSY_TIMEOUT_S = 30
+_CONNECT_TIMEOUT_S = 10
+_MAX_REUSE_IDLE_S = 5.0
+_KEEP_CONNECTIONS = 4  # below the pool's default size of 5
+_PREPARED = "persist_pipeline.prepared"
+
+
+class _CockroachDialect(PGDialect_psycopg2):
+    """The psycopg2 PostgreSQL dialect, accepting CockroachDB's version string."""
+
+    supports_statement_cache = True
+
+    def _get_server_version_info(self, connection: Any) -> tuple[int, ...]:
+        version = str(connection.exec_driver_sql("select pg_catalog.version()").scalar())
+        if "cockroachdb" in version.lower():
+            return (13, 0)  # CockroachDB speaks the PostgreSQL 13 wire protocol and SQL.
+        result: tuple[int, ...] = super()._get_server_version_info(  # type: ignore[no-untyped-call]
+            connection
+        )
+        return result
+
+
+registry.register("pp_cockroachdb", __name__, "_CockroachDialect")
+
+
+def parse_uri(uri: str) -> tuple[str, URL]:
+    """The backend kind (``postgresql``, ``cockroachdb``, ``sqlite``) and parsed URL.
+
+    Raises:
+        InvalidUri: ``uri`` is malformed, has an unsupported scheme, or is a SQLite URI
+            without a file path.
+    """
+    if not isinstance(uri, str) or "://" not in uri:
+        raise InvalidUri(f"not a SQL consensus URI: expected scheme://..., got {type(uri)}")
+    scheme = uri.split("://", 1)[0].lower()
+    kind = SCHEMES.get(scheme)
+    if kind is None:
+        raise InvalidUri(
+            f"unsupported SQL consensus scheme {scheme!r}; supported: {', '.join(SCHEMES)}"
+        )
+    try:
+        url = make_url(uri)
+    except (sa_exc.ArgumentError, ValueError) as exc:
+        # The driver's message would echo the URI, password included.
+        raise InvalidUri(f"malformed {scheme} consensus URI: {type(exc).__name__}") from None
+    if kind == "sqlite" and (not url.database or url.database == ":memory:"):
+        raise InvalidUri(
+            "a sqlite consensus URI needs a file path, e.g. sqlite:///path/to/consensus.db "
+            "(use mem:// for an in-memory store)"
+        )
+    return kind, url
+
+
+def _sqlite_timeout(url: URL) -> float:
+    raw = url.query.get("timeout", _SQLITE_BUSY_TIMEOUT_S)
+    try:
+        timeout = float(raw if isinstance(raw, str | int | float) else "x")
+    except ValueError:
+        raise InvalidUri(f"sqlite consensus URI: timeout must be seconds, got {raw!r}") from None
+    if not 0 <= timeout <= 3600:
+        raise InvalidUri(f"sqlite consensus URI: timeout must be in [0, 3600], got {timeout}")
+    return timeout
+
+
+def _create_engine(kind: str, url: URL) -> Engine:
+    engine_url = url.set(drivername=_DRIVERS[kind])
+    common: dict[str, Any] = {"pool_pre_ping": True, "isolation_level": "AUTOCOMMIT"}
+    if kind == "sqlite":
+        timeout = _sqlite_timeout(url)
+        engine = create_engine(engine_url, connect_args={"timeout": timeout}, **common)
+        event.listen(engine, "connect", functools.partial(_on_sqlite_connect, timeout))
+        return engine
+    connect_args: dict[str, Any] = {}
+    if "connect_timeout" not in url.query:
+        connect_args["connect_timeout"] = _CONNECT_TIMEOUT_S
+    if "application_name" not in url.query:
+        connect_args["application_name"] = "persist-pipeline"
+    extra = {"use_native_hstore": False} if kind == "cockroachdb" else {}
+    return create_engine(engine_url, connect_args=connect_args, **common, **extra)
+
+
+def _on_sqlite_connect(timeout: float, dbapi_connection: Any, _record: Any) -> None:
+    """WAL (readers never block the writer) and a busy timeout, so processes can share
+    the file; FULL sync so an acknowledged write survives a power loss."""
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = FULL")
+    finally:
+        cursor.close()
+
+
+def _quiet(conn: PoolProxiedConnection) -> bool:
+    """False if an idle connection has input waiting: a server closing it (termination,
+    restart, idle timeout) sends an error and EOF, seen here without a round trip."""
+    dbapi_connection: Any = conn.dbapi_connection
+    fileno = getattr(dbapi_connection, "fileno", None)
+    if fileno is None:  # sqlite3: nothing to lose
+        return True
+    try:
+        if getattr(dbapi_connection, "closed", 0):
+            return False
+        fd = fileno()
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+            return not poller.poll(0)
+        readable, _, _ = select.select([fd], [], [], 0)
+        return not readable
+    except (OSError, ValueError, psycopg2.Error):
+        return False
+
+
+class _Connections:
+    """Pool connections kept checked out for reuse without a pre-ping while fresh."""
+
+    def __init__(self, engine: Engine, keep: int) -> None:
+        self._engine = engine
+        self._keep = keep
+        self._idle: list[tuple[PoolProxiedConnection, float]] = []  # oldest first
+        self._lock = threading.Lock()
+
+    def acquire(self) -> PoolProxiedConnection:
+        """A recently used, live connection, else one from the (pinging) pool."""
+        while True:
+            stale: list[PoolProxiedConnection] = []
+            with self._lock:
+                if not self._idle:
+                    break
+                conn, used = self._idle.pop()
+                if time.monotonic() - used > _MAX_REUSE_IDLE_S:
+                    # Everything below is older still: let the pool ping them.
+                    stale = [conn, *(c for c, _ in self._idle)]
+                    self._idle.clear()
+            if stale:
+                for old in stale:
+                    old.close()
+                break
+            if _quiet(conn):
+                return conn
+            conn.invalidate()
+        return self._engine.raw_connection()
+
+    def release(self, conn: PoolProxiedConnection) -> None:
+        with self._lock:
+            if len(self._idle) < self._keep:
+                self._idle.append((conn, time.monotonic()))
+                return
+        conn.close()
+
+    def discard(self, conn: PoolProxiedConnection, error: BaseException) -> None:
+        """Returns ``conn`` after ``error``: reused if the driver reported a statement
+        error on a healthy connection, otherwise invalidated."""
+        dbapi = self._engine.dialect.loaded_dbapi
+        if isinstance(error, dbapi.Error) and not self._engine.dialect.is_disconnect(
+            error, conn.dbapi_connection, None
+        ):
+            self.release(conn)
+        else:
+            conn.invalidate(error if isinstance(error, Exception) else None)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn, _ in idle:
+            conn.close()
+
+
+def _rowcount(cursor: Any) -> int:
+    return int(cursor.rowcount)
+
+
+def _fetchall(cursor: Any) -> list[tuple[Any, ...]]:
+    return list(cursor.fetchall())
+
+
+class SqlConsensus(Consensus):
+    """Consensus in a SQL database (see the module docstring).
+
+    Tables ``consensus(shard, seqno, data, summary)`` and ``shards(shard)`` are created if
+    missing when the store is opened, which also connects once, so a bad host, database
+    or password is reported here and not at the first call.
+    """
+
+    def __init__(self, uri: str) -> None:
+        """Opens the database at ``uri``.
+
+        Args:
+            uri: ``postgresql://user[:password]@host[:port]/db`` (also ``postgres://``,
+                ``postgresql+psycopg2://``), ``cockroachdb://...`` or
+                ``sqlite:///path/to/file.db``.
+
+        Raises:
+            InvalidUri: the URI is malformed or unsupported.
+            ConsensusAuthError: the database rejected the credentials.
+            ConsensusUnavailable: the database could not be reached.
+            ConsensusError: anything else (e.g. the database does not exist).
+        """
+        self._kind, self._url = parse_uri(uri)
+        self._display = redact_url(self._url)
+        self._engine = _create_engine(self._kind, self._url)
+        self._statements = compile_all(self._kind, self._engine.dialect)
+        self._conns = _Connections(self._engine, keep=_KEEP_CONNECTIONS)
+        self._closed = False
+        try:
+            self._create_tables()
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    def __repr__(self) -> str:
+        return f"SqlConsensus({self._display!r})"
+
+    @property
+    def url(self) -> str:
+        """The database URL with its password masked."""
+        return self._display
+
+    def _create_tables(self) -> None:
+        for attempt in range(3):
+            try:
+                with self._engine.connect() as conn:
+                    for table in metadata.sorted_tables:
+                        conn.execute(CreateTable(table, if_not_exists=True))
+                return
+            except sa_exc.DBAPIError as exc:
+                # A concurrent creator can make PostgreSQL's CREATE TABLE IF NOT EXISTS
+                # fail (unique violation on pg_type); then the tables exist.
+                raced = isinstance(exc, sa_exc.IntegrityError | sa_exc.ProgrammingError)
+                if raced and self._tables_exist():
+                    return
+                if not raced or attempt == 2:
+                    raise map_error(exc, self._url, "creating the consensus tables") from exc
+
+    def _tables_exist(self) -> bool:
+        with contextlib.suppress(sa_exc.DBAPIError), self._engine.connect() as conn:
+            inspector = inspect(conn)
+            return all(inspector.has_table(t.name) for t in metadata.sorted_tables)
+        return False
+
+    def _run(
+        self, action: str, name: str, params: Mapping[str, Any], consume: Callable[[Any], T]
+    ) -> T:
+        if self._closed:
+            raise ConsensusError(f"{self!r} is closed")
+        statement = self._statements[name]
+        try:
+            conn = self._conns.acquire()
+        except sa_exc.SQLAlchemyError as exc:
+            raise map_error(exc, self._url, action) from exc
+        try:
+            result = self._execute(conn, statement, params, consume)
+        except BaseException as exc:
+            self._conns.discard(conn, exc)
+            if isinstance(exc, self._engine.dialect.loaded_dbapi.Error):
+                raise map_error(exc, self._url, action) from exc
+            raise
+        self._conns.release(conn)
+        return result
+
+    def _execute(
+        self,
+        conn: PoolProxiedConnection,
+        statement: Rendered,
+        params: Mapping[str, Any],
+        consume: Callable[[Any], T],
+    ) -> T:
+        cursor = conn.cursor()
+        try:
+            if statement.prepare is not None and not conn.info.get(_PREPARED):
+                self._prepare(conn, cursor)
+            try:
+                cursor.execute(statement.sql, statement.args(params))
+            except psycopg2.errors.InvalidSqlStatementName:
+                # Someone deallocated our prepared statements: nothing ran, so re-prepare.
+                if statement.prepare is None:
+                    raise
+                self._prepare(conn, cursor)
+                cursor.execute(statement.sql, statement.args(params))
+            return consume(cursor)
+        finally:
+            with contextlib.suppress(Exception):
+                cursor.close()
+
+    def _prepare(self, conn: PoolProxiedConnection, cursor: Any) -> None:
+        prepares = [s.prepare for s in self._statements.values() if s.prepare is not None]
+        cursor.execute("; ".join(["DEALLOCATE ALL", *prepares]))
+        conn.info[_PREPARED] = True
+
+    def head(self, shard: str) -> VersionedData | None:
+        check_shard(shard)
+        rows = self._run("head", "head", {"shard": shard}, _fetchall)
+        if not rows:
+            return None
+        seqno, data, summary = rows[0]
+        return VersionedData(int(seqno), bytes(data), bytes(summary))
+
+    def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
+        check_shard(shard)
+        check_cas(expected, new)
+        params = {
+            "shard": shard,
+            "seqno": new.seqno,
+            "data": new.data,
+            "summary": new.summary,
+            "expected": expected,
+        }
+        if expected is None:
+            self._run("compare_and_set", "register", params, _rowcount)
+            return self._run("compare_and_set", "create", params, _rowcount) == 1
+        return self._run("compare_and_set", "cas", params, _rowcount) == 1
+
+    def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
+        check_shard(shard)
+        check_int(from_seqno, "from_seqno", 0)
+        limit = check_limit(limit)
+        params = {"shard": shard, "from_seqno": from_seqno, "limit": limit}
+        rows = self._run("scan", "scan_all" if limit is None else "scan", params, _fetchall)
+        return [VersionedData(int(s), bytes(d), bytes(m)) for s, d, m in rows]
+
+    def truncate(self, shard: str, seqno: int) -> int:
+        check_shard(shard)
+        check_int(seqno, "seqno", 1)
+        rows = self._run("truncate", "head_seqno", {"shard": shard}, _fetchall)
+        head = rows[0][0] if rows else None
+        if head is None or seqno > head:
+            raise InvalidInput(
+                f"cannot truncate shard {shard!r} below seqno {seqno}: its head is {head}"
+            )
+        # The head only grows and is never below ``seqno`` now, so this never deletes it.
+        return self._run("truncate", "truncate", {"shard": shard, "below": seqno}, _rowcount)
+
+    def list_shards(self) -> list[str]:
+        rows = self._run("list_shards", "list_shards", {}, _fetchall)
+        return [str(shard) for (shard,) in rows]
+
+    def list_heads(self) -> Mapping[str, VersionedData]:
+        rows = self._run("list_heads", "list_heads", {}, _fetchall)
+        return {str(s): VersionedData(int(n), b"", bytes(m)) for s, n, m in rows}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._conns.close()
+        self._engine.dispose()

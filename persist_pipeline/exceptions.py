@@ -1,0 +1,153 @@
+"""Every error persist-pipeline raises on purpose derives from :class:`PersistError`.
+
+The hierarchy is flat on purpose: catch ``PersistError`` for everything, one of the
+middle classes (``InvalidInput``, ``BackendError``, ``CorruptData``) for a family, or a
+leaf for one condition. Input errors are raised before anything is written, so a caller
+that gets one knows the shard is unchanged.
+"""
+
+from __future__ import annotations
+
+
+class PersistError(Exception):
+    """Base class of every error raised by persist-pipeline."""
+
+
+# --- bad input: raised before any side effect -------------------------------------------
+
+
+class InvalidInput(PersistError, ValueError):
+    """The caller passed something malformed; nothing was changed."""
+
+
+class InvalidUpdates(InvalidInput):
+    """An update is malformed: non-bytes key/value, a bad time or diff, a bad table schema."""
+
+
+class InvalidFrontier(InvalidInput):
+    """A frontier argument is malformed or does not advance as required."""
+
+
+class InvalidShardId(InvalidInput):
+    """A shard id is not of the form ``s<uuid>``."""
+
+
+class InvalidUri(InvalidInput):
+    """A consensus or blob URI is malformed or names an unsupported scheme."""
+
+
+class InvalidConfig(InvalidInput):
+    """A setting has an out-of-range or unparsable value."""
+
+
+# --- expected races and usage conditions --------------------------------------------------
+
+
+class UpperMismatch(PersistError):
+    """compare_and_append found the shard's upper different from ``expected_upper``.
+
+    Attributes:
+        expected: the upper the caller expected.
+        current: the shard's upper when the append was attempted (``None`` when closed).
+    """
+
+    def __init__(self, expected: int | None, current: int | None) -> None:
+        super().__init__(f"upper mismatch: expected {expected}, shard upper is {current}")
+        self.expected = expected
+        self.current = current
+
+
+class ShardNotFound(PersistError, LookupError):
+    """No shard with this id exists in the consensus store."""
+
+
+class SinceViolation(PersistError):
+    """A read asked for a time below the shard's (or the reader's) since."""
+
+
+class NotYetAvailable(PersistError):
+    """A read asked for a time the shard's upper has not passed yet."""
+
+
+class LeaseExpired(PersistError):
+    """A reader or writer handle was expired (by itself or for missing heartbeats)."""
+
+
+class FencedOut(PersistError):
+    """A critical reader's fencing token did not match; another controller owns it."""
+
+    def __init__(self, expected: bytes, current: bytes) -> None:
+        super().__init__("critical reader fencing token mismatch")
+        self.expected = expected
+        self.current = current
+
+
+# --- stored data that cannot be decoded ---------------------------------------------------
+
+
+class CorruptData(PersistError):
+    """Stored bytes could not be decoded; the message names where they came from."""
+
+
+class CorruptState(CorruptData):
+    """A consensus record or state rollup is corrupt."""
+
+
+class CorruptPart(CorruptData):
+    """A blob part (Parquet or inline protobuf) is corrupt or missing."""
+
+
+# --- backends -----------------------------------------------------------------------------
+
+
+class BackendError(PersistError):
+    """A consensus or blob backend failed."""
+
+
+class ConsensusError(BackendError):
+    """The consensus (SQL) backend failed."""
+
+
+class BlobError(BackendError):
+    """The blob (object store) backend failed."""
+
+
+class Unavailable(BackendError):
+    """The backend could not be reached or timed out: transient, safe to retry.
+
+    When raised by a write, the write is *indeterminate*: it may or may not have been
+    applied. Persist's own retry loops resolve this with idempotency tokens.
+    """
+
+
+class ConsensusUnavailable(ConsensusError, Unavailable):
+    """The database could not be reached or the statement failed transiently."""
+
+
+class BlobUnavailable(BlobError, Unavailable):
+    """The object store could not be reached or the request failed transiently."""
+
+
+class AuthError(BackendError):
+    """Credentials were rejected (wrong password, unknown access key, access denied)."""
+
+
+class ConsensusAuthError(ConsensusError, AuthError):
+    """The database rejected the credentials."""
+
+
+class BlobAuthError(BlobError, AuthError):
+    """The object store rejected the credentials or denied access."""
+
+
+class BlobLocationNotFound(BlobError):
+    """The bucket or directory of a blob URI does not exist."""
+
+
+class Indeterminate(BackendError):
+    """An operation could not be confirmed as applied or not after retries ran out."""
+
+
+class CommitDeadlineExceeded(PersistError):
+    """A write's blob parts are too old to commit safely (GC may already consider them
+    orphans); nothing was committed and the caller may retry the write."""

@@ -1,0 +1,154 @@
+"""Reading updates from files: Parquet, CSV and JSON Lines.
+
+Every format carries columns ``k``, ``v``, ``t`` and optionally ``d`` (default 1). In
+CSV and JSONL, ``k`` and ``v`` are text (stored as UTF-8 bytes) and ``t``/``d`` integers;
+in Parquet, ``k``/``v`` may be binary or string. Errors name the file and line (or row)
+and nothing is returned for a file with any bad row.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from persist_pipeline.exceptions import InvalidUpdates
+from persist_pipeline.frontier import MAX_TIME
+from persist_pipeline.updates import SCHEMA
+
+FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl",
+           ".ndjson": "jsonl"}
+_DIFF_RANGE = (-(1 << 63), (1 << 63) - 1)
+
+
+def detect_format(path: Path, fmt: str | None = None) -> str:
+    if fmt:
+        return fmt
+    try:
+        return FORMATS[path.suffix.lower()]
+    except KeyError:
+        raise InvalidUpdates(f"{path}: cannot tell the format from the extension "
+                             f"{path.suffix!r}; use one of {sorted(FORMATS)}") from None
+
+
+def _int(value: Any, name: str, where: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool):
+        raise InvalidUpdates(f"{where}: column {name} must be an integer, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise InvalidUpdates(f"{where}: column {name} must be an integer, "
+                                 f"got {value[:40]!r}") from None
+    if not isinstance(value, int):
+        raise InvalidUpdates(f"{where}: column {name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidUpdates(f"{where}: column {name}={value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def _text(value: Any, name: str, where: str) -> bytes:
+    if not isinstance(value, str):
+        raise InvalidUpdates(f"{where}: column {name} must be text, got {value!r}")
+    return value.encode("utf-8")
+
+
+def _row(record: dict[str, Any], where: str) -> tuple[bytes, bytes, int, int]:
+    missing = [c for c in ("k", "v", "t") if c not in record or record[c] is None]
+    if missing:
+        raise InvalidUpdates(f"{where}: missing column(s) {', '.join(missing)}")
+    d = record.get("d", 1)
+    return (_text(record["k"], "k", where), _text(record["v"], "v", where),
+            _int(record["t"], "t", where, 0, MAX_TIME),
+            _int(1 if d in (None, "") else d, "d", where, *_DIFF_RANGE))
+
+
+def _table(rows: list[tuple[bytes, bytes, int, int]]) -> pa.Table:
+    cols: list[tuple[Any, ...]] = list(zip(*rows, strict=True)) if rows else [(), (), (), ()]
+    return pa.Table.from_arrays(
+        [pa.array(list(cols[0]), pa.binary()), pa.array(list(cols[1]), pa.binary()),
+         pa.array(list(cols[2]), pa.int64()), pa.array(list(cols[3]), pa.int64())],
+        schema=SCHEMA)
+
+
+def read_csv(path: Path) -> pa.Table:
+    rows = []
+    with path.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or not {"k", "v", "t"} <= set(reader.fieldnames):
+            raise InvalidUpdates(f"{path}: line 1: the header must name columns k, v, t "
+                                 f"(and optionally d); got {reader.fieldnames}")
+        for record in reader:
+            where = f"{path}: line {reader.line_num}"
+            if None in record:
+                raise InvalidUpdates(f"{where}: more fields than the header has")
+            if any(record.get(c) is None for c in reader.fieldnames):
+                raise InvalidUpdates(f"{where}: fewer fields than the header has")
+            rows.append(_row(record, where))
+    return _table(rows)
+
+
+def read_jsonl(path: Path) -> pa.Table:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}: line {n}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidUpdates(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise InvalidUpdates(f"{where}: each line must be a JSON object")
+            rows.append(_row(record, where))
+    return _table(rows)
+
+
+def read_parquet(path: Path) -> pa.Table:
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise InvalidUpdates(f"{path}: not a readable Parquet file: {e}") from None
+    if not {"k", "v", "t"} <= set(table.column_names):
+        raise InvalidUpdates(f"{path}: needs columns k, v, t (and optionally d); got "
+                             f"{table.column_names}")
+    if "d" not in table.column_names:
+        table = table.append_column("d", pa.array([1] * table.num_rows, pa.int64()))
+    arrays = []
+    for name, typ in (("k", pa.binary()), ("v", pa.binary()), ("t", pa.int64()),
+                      ("d", pa.int64())):
+        col = table.column(name)
+        try:
+            arrays.append(col.cast(typ, safe=True))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+            raise InvalidUpdates(f"{path}: column {name} has type {col.type}, which cannot "
+                                 f"be read as {typ}: {e}") from None
+        if col.null_count:
+            first = col.is_null().to_pylist().index(True)
+            raise InvalidUpdates(f"{path}: row {first + 1}: column {name} is null")
+    out = pa.Table.from_arrays(arrays, schema=SCHEMA)
+    negative = [i for i, t in enumerate(out.column("t").to_pylist()) if t < 0]
+    if negative:
+        raise InvalidUpdates(f"{path}: row {negative[0] + 1}: column t is negative")
+    return out
+
+
+def read_updates_file(path: Path | str, fmt: str | None = None) -> pa.Table:
+    """Read a file of updates into a k/v/t/d table; raises :class:`InvalidUpdates`."""
+    path = Path(path)
+    kind = detect_format(path, fmt)
+    if not path.is_file():
+        raise InvalidUpdates(f"{path}: no such file")
+    try:
+        if kind == "csv":
+            return read_csv(path)
+        if kind == "jsonl":
+            return read_jsonl(path)
+        return read_parquet(path)
+    except UnicodeDecodeError as e:
+        raise InvalidUpdates(f"{path}: not UTF-8 text (byte {e.start})") from None

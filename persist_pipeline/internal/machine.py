@@ -1,0 +1,254 @@
+"""The one narrow compare-and-set retry loop, and fetching state from consensus + blob.
+
+:class:`Machine` caches one shard's latest known state. :meth:`Machine.apply` runs a
+pure transition against it and commits the result with ``compare_and_set``; on a seqno
+mismatch it catches up (scanning only the records it has not seen) and runs the
+transition again. Transient backend errors are retried with backoff until a deadline;
+an indeterminate CaS is resolved by re-reading state, which is safe because every
+transition that must not apply twice carries an idempotency token.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+from persist_pipeline.config import PersistConfig
+from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.exceptions import (
+    CorruptState,
+    Indeterminate,
+    PersistError,
+    ShardNotFound,
+    Unavailable,
+)
+from persist_pipeline.internal import state_codec, transitions
+from persist_pipeline.internal.blobs import ShardBlobs
+from persist_pipeline.internal.state import Rollup, State
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+#: How many times a state fetch retries when GC truncated records under it.
+_FETCH_ATTEMPTS = 10
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def rollup_key(shard_id: str, seqno: int) -> str:
+    """Rollups are deterministic (the state at a seqno is unique), so is their key."""
+    return f"{shard_id}/rollup/{seqno:020d}.pb"
+
+
+@dataclass
+class MachineMetrics:
+    """Counters a :class:`Machine` keeps; exposed by ``PersistClient.metrics``."""
+
+    cas_attempts: int = 0
+    cas_mismatches: int = 0
+    cas_indeterminate: int = 0
+    transient_retries: int = 0
+    state_fetches: int = 0
+    records_scanned: int = 0
+    rollups_written: int = 0
+
+
+class Machine:
+    """A shard's cached state plus the CaS loop that changes it."""
+
+    def __init__(self, shard_id: str, consensus: Consensus, blobs: ShardBlobs,
+                 config: PersistConfig, metrics: MachineMetrics | None = None) -> None:
+        self.shard_id = shard_id
+        self.consensus = consensus
+        self.blobs = blobs
+        self.config = config
+        self.metrics = metrics or MachineMetrics()
+        self._lock = threading.RLock()
+        self._state: State | None = None
+
+    # --- reading ---------------------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        """The cached state (fetching it on first use)."""
+        with self._lock:
+            if self._state is None:
+                self._state = self._fetch_full(create_if_missing=False)
+            return self._state
+
+    def fetch_latest(self) -> State:
+        """Catch up with consensus and return the latest state."""
+        with self._lock:
+            if self._state is None:
+                self._state = self._fetch_full(create_if_missing=False)
+            else:
+                caught_up = self._retrying(lambda: self._catch_up(self._state))
+                self._state = caught_up or self._fetch_full(create_if_missing=False)
+            return self._state
+
+    def open(self, create: bool) -> State:
+        """Fetch the state, creating the shard first if ``create`` and it does not exist."""
+        with self._lock:
+            self._state = self._fetch_full(create_if_missing=create)
+            return self._state
+
+    def _fetch_full(self, create_if_missing: bool) -> State:
+        for _ in range(_FETCH_ATTEMPTS):
+            head = self._retrying(lambda: self.consensus.head(self.shard_id))
+            if head is None:
+                if not create_if_missing:
+                    raise ShardNotFound(f"shard {self.shard_id} does not exist")
+                self._create()
+                continue
+            state = self._retrying(lambda h=head: self._reconstruct(h))  # type: ignore[misc]
+            if state is not None:
+                return state
+        raise CorruptState(f"shard {self.shard_id}: could not read a consistent state "
+                           f"after {_FETCH_ATTEMPTS} attempts (records truncated meanwhile)")
+
+    def _create(self) -> None:
+        empty = State(shard_id=self.shard_id)
+        first = transitions.create(empty, now_ms())
+        first = _bump(first)
+        data = VersionedData(1, state_codec.encode_diff(empty, first),
+                             state_codec.encode_summary(first))
+        self._retrying(lambda: self.consensus.compare_and_set(self.shard_id, None, data))
+
+    def _reconstruct(self, head: VersionedData) -> State | None:
+        self.metrics.state_fetches += 1
+        where = f"shard {self.shard_id} seqno {head.seqno}"
+        summary = state_codec.decode_summary(head.summary, where)
+        if summary.HasField("latest_rollup_seqno"):
+            seqno = summary.latest_rollup_seqno
+            key = rollup_key(self.shard_id, seqno)
+            data = self.blobs.main.get(key)
+            if data is None:
+                raise CorruptState(f"shard {self.shard_id}: rollup for seqno {seqno} is "
+                                   f"missing from blob key {key!r}")
+            base = state_codec.decode_state(data, f"rollup {key}")
+            if base.seqno != seqno or base.shard_id != self.shard_id:
+                raise CorruptState(f"rollup {key} holds shard {base.shard_id} seqno "
+                                   f"{base.seqno}")
+        else:
+            base = State(shard_id=self.shard_id)
+        return self._catch_up(base)
+
+    def _catch_up(self, state: State | None) -> State | None:
+        assert state is not None
+        records = self.consensus.scan(self.shard_id, state.seqno + 1)
+        self.metrics.records_scanned += len(records)
+        if records and records[0].seqno != state.seqno + 1:
+            # Older than what GC kept: the caller starts over from a rollup.
+            return None
+        for rec in records:
+            where = f"shard {self.shard_id} seqno {rec.seqno}"
+            state = state_codec.apply_diff(state, state_codec.decode_diff(rec.data, where), where)
+        if state.seqno == 0:
+            raise ShardNotFound(f"shard {self.shard_id} does not exist")
+        return state
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def apply(self, transition: Callable[[State], tuple[State, R]]) -> tuple[R, State]:
+        """Run ``transition`` against the latest state and commit it, retrying races.
+
+        Returns the transition's result and the state it was applied to (or, when it
+        changed nothing, the state it saw). Errors raised by the transition propagate.
+        """
+        with self._lock:
+            deadline = time.monotonic() + self.config.retry_deadline_s
+            state = self.state
+            attempt = 0
+            while True:
+                new, result = transition(state)
+                if new is state:
+                    return result, state
+                new = _bump(new, base=state)
+                record = VersionedData(new.seqno, state_codec.encode_diff(state, new),
+                                       state_codec.encode_summary(new))
+                self.metrics.cas_attempts += 1
+                try:
+                    ok = self.consensus.compare_and_set(self.shard_id, state.seqno, record)
+                except Unavailable as e:
+                    # Indeterminate: it may have committed. Re-read and run the
+                    # transition again; idempotency tokens make that safe.
+                    self.metrics.cas_indeterminate += 1
+                    attempt = self._backoff(attempt, deadline, e)
+                    state = self._refresh_after_error(deadline)
+                    continue
+                if ok:
+                    self._state = new
+                    self._maybe_rollup(new)
+                    return result, new
+                self.metrics.cas_mismatches += 1
+                state = self._refresh_after_error(deadline)
+
+    def _refresh_after_error(self, deadline: float) -> State:
+        attempt = 0
+        while True:
+            try:
+                cached = self._state
+                caught_up = None if cached is None else self._catch_up(cached)
+                self._state = caught_up or self._fetch_full(create_if_missing=False)
+                return self._state
+            except Unavailable as e:
+                attempt = self._backoff(attempt, deadline, e)
+
+    def _retrying(self, op: Callable[[], R]) -> R:
+        deadline = time.monotonic() + self.config.retry_deadline_s
+        attempt = 0
+        while True:
+            try:
+                return op()
+            except Unavailable as e:
+                attempt = self._backoff(attempt, deadline, e)
+
+    def _backoff(self, attempt: int, deadline: float, error: Exception) -> int:
+        self.metrics.transient_retries += 1
+        if time.monotonic() >= deadline:
+            raise Indeterminate(f"shard {self.shard_id}: gave up after "
+                                f"{self.config.retry_deadline_s:.0f}s of transient errors: "
+                                f"{error}") from error
+        delay = min(1.0, 0.005 * (2 ** min(attempt, 8))) * (0.5 + random.random())  # noqa: S311
+        log.debug("shard %s: transient error, retrying in %.3fs: %s", self.shard_id, delay, error)
+        time.sleep(delay)
+        return attempt + 1
+
+    @staticmethod
+    def blobs_refs_of(state: State) -> set[tuple[str, str]]:
+        return {(str(store), key) for store, key in state.referenced_blobs()}
+
+    # --- maintenance -----------------------------------------------------------------------
+
+    def _maybe_rollup(self, state: State) -> None:
+        latest = state.latest_rollup()
+        since_rollup = state.seqno - (latest.seqno if latest else 0)
+        if since_rollup < self.config.rollup_threshold:
+            return
+        try:
+            self.write_rollup(state)
+        except PersistError as e:
+            # A later commit retries; the shard stays readable from older records.
+            log.warning("shard %s: could not write rollup at seqno %d: %s",
+                        self.shard_id, state.seqno, e)
+
+    def write_rollup(self, state: State) -> None:
+        """Store the full ``state`` in blob and record it in the state."""
+        key = rollup_key(self.shard_id, state.seqno)
+        data = state_codec.encode_state(state)
+        self.blobs.main.set(key, data)
+        self.metrics.rollups_written += 1
+        rollup = Rollup(state.seqno, key, len(data))
+        self.apply(lambda s: transitions.add_rollup(s, rollup, now_ms()))
+
+
+def _bump(new: State, base: State | None = None) -> State:
+    seqno = (base.seqno if base is not None else 0) + 1
+    return replace(new, seqno=seqno, walltime_ms=max(new.walltime_ms, now_ms()))

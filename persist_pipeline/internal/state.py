@@ -1,0 +1,227 @@
+"""The state of one shard: immutable values, changed only by pure transitions.
+
+A :class:`State` is never mutated: transitions build a new one with
+:func:`dataclasses.replace`, copying only the maps they change, so unchanged entries are
+shared by identity between versions (which is also how the diff codec finds changes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Literal
+
+from persist_pipeline.frontier import Frontier, less_equal
+
+FORMAT_VERSION = 1
+Store = Literal["main", "wal"]
+
+
+@dataclass(frozen=True, slots=True)
+class Description:
+    """What a batch covers: updates with ``lower <= t < upper``, times advanced to ``since``."""
+
+    lower: int
+    upper: Frontier
+    since: int
+
+
+@dataclass(frozen=True, slots=True)
+class HollowPart:
+    """A Parquet part in blob storage, referenced by key."""
+
+    key: str
+    store: Store
+    encoded_size: int
+    num_updates: int
+    min_time: int
+    max_time: int
+
+
+@dataclass(frozen=True, slots=True)
+class InlinePart:
+    """Updates stored inside the state as an encoded ``InlineUpdates`` protobuf."""
+
+    part_id: str
+    updates: bytes
+    num_updates: int
+
+    @property
+    def encoded_size(self) -> int:
+        return len(self.updates)
+
+
+Part = HollowPart | InlinePart
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """An immutable set of updates: a description plus parts."""
+
+    id: str
+    desc: Description
+    parts: tuple[Part, ...]
+    num_updates: int
+
+    @property
+    def inline_bytes(self) -> int:
+        return sum(p.encoded_size for p in self.parts if isinstance(p, InlinePart))
+
+    @property
+    def num_inline_parts(self) -> int:
+        return sum(1 for p in self.parts if isinstance(p, InlinePart))
+
+    @property
+    def encoded_size(self) -> int:
+        return sum(p.encoded_size for p in self.parts)
+
+    def hollow_parts(self) -> Iterator[HollowPart]:
+        return (p for p in self.parts if isinstance(p, HollowPart))
+
+
+@dataclass(frozen=True, slots=True)
+class SpineEntry:
+    """A merge group of the Spine: the batches whose lowers lie in ``[lower, upper)``."""
+
+    lower: int
+    upper: Frontier
+    level: int
+    num_batches: int
+    num_inline_parts: int
+
+    def contains(self, batch_lower: int) -> bool:
+        return self.lower <= batch_lower and (self.upper is None or batch_lower < self.upper)
+
+    @property
+    def pending(self) -> bool:
+        """Whether compaction has work here: several batches, or inline data to flush."""
+        return self.num_batches > 1 or self.num_inline_parts > 0
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedReader:
+    """A reader holding ``since`` and a seqno (its blobs stay live) while it heartbeats."""
+
+    id: str
+    since: Frontier
+    seqno: int
+    last_heartbeat_ms: int
+    lease_duration_ms: int
+    debug: str = ""
+
+    def expired(self, now_ms: int) -> bool:
+        return now_ms > self.last_heartbeat_ms + self.lease_duration_ms
+
+
+@dataclass(frozen=True, slots=True)
+class CriticalReader:
+    """A reader that never expires; changes are fenced by an opaque token."""
+
+    id: str
+    since: Frontier
+    opaque: bytes
+    debug: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Writer:
+    """A registered writer and the idempotency token of its latest committed write."""
+
+    id: str
+    last_heartbeat_ms: int
+    lease_duration_ms: int
+    most_recent_write_token: str = ""
+    most_recent_write_upper: Frontier = 0
+    debug: str = ""
+
+    def expired(self, now_ms: int) -> bool:
+        return now_ms > self.last_heartbeat_ms + self.lease_duration_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Rollup:
+    """A full copy of the state at ``seqno``, stored in the main blob store."""
+
+    seqno: int
+    key: str
+    encoded_size: int
+
+
+@dataclass(frozen=True)
+class State:
+    """One shard's state at one seqno.
+
+    Attributes:
+        shard_id: the shard's id as text.
+        seqno: the consensus record this state corresponds to (0: not yet created).
+        walltime_ms: when the transition that produced it ran.
+        upper: every update with ``t < upper`` is durable and complete.
+        since: reads at ``as_of >= since`` are exact.
+        inline_bytes: total encoded size of inline parts (bounded by the policy).
+        inline_fallbacks: inline-candidate writes that went to blob (budget full).
+        batches: by batch id.
+        spine: Spine entries by their lower.
+    """
+
+    shard_id: str
+    seqno: int = 0
+    walltime_ms: int = 0
+    created_ms: int = 0
+    upper: Frontier = 0
+    since: Frontier = 0
+    inline_bytes: int = 0
+    inline_fallbacks: int = 0
+    batches: Mapping[str, Batch] = field(default_factory=dict)
+    spine: Mapping[int, SpineEntry] = field(default_factory=dict)
+    leased_readers: Mapping[str, LeasedReader] = field(default_factory=dict)
+    critical_readers: Mapping[str, CriticalReader] = field(default_factory=dict)
+    writers: Mapping[str, Writer] = field(default_factory=dict)
+    rollups: Mapping[int, Rollup] = field(default_factory=dict)
+
+    @cached_property
+    def ordered_batches(self) -> tuple[Batch, ...]:
+        """Batches in time order."""
+        return tuple(sorted(self.batches.values(), key=lambda b: b.desc.lower))
+
+    @cached_property
+    def ordered_spine(self) -> tuple[SpineEntry, ...]:
+        """Spine entries in time order (oldest, usually largest, first)."""
+        return tuple(self.spine[k] for k in sorted(self.spine))
+
+    def spine_members(self, entry: SpineEntry) -> tuple[Batch, ...]:
+        """The batches of one Spine entry, in time order."""
+        return tuple(b for b in self.ordered_batches if entry.contains(b.desc.lower))
+
+    def pending_merges(self) -> int:
+        return sum(1 for e in self.spine.values() if e.pending)
+
+    def num_inline_parts(self) -> int:
+        return sum(e.num_inline_parts for e in self.spine.values())
+
+    def latest_rollup(self) -> Rollup | None:
+        return self.rollups[max(self.rollups)] if self.rollups else None
+
+    def reader_since_meet(self) -> Frontier | Literal["none"]:
+        """The least since held by any reader, or ``"none"`` when there are no readers."""
+        sinces = [r.since for r in self.leased_readers.values()]
+        sinces += [r.since for r in self.critical_readers.values()]
+        if not sinces:
+            return "none"
+        least: Frontier = None
+        for s in sinces:
+            if less_equal(s, least):
+                least = s
+        return least
+
+    def seqno_since(self) -> int:
+        """The least seqno any leased reader may still be reading (GC keeps it live)."""
+        holds = [r.seqno for r in self.leased_readers.values()]
+        return min([self.seqno, *holds])
+
+    def referenced_blobs(self) -> set[tuple[Store, str]]:
+        """Every (store, key) this state version references, rollups included."""
+        keys: set[tuple[Store, str]] = {("main", r.key) for r in self.rollups.values()}
+        for batch in self.batches.values():
+            keys.update((p.store, p.key) for p in batch.hollow_parts())
+        return keys

@@ -1,0 +1,355 @@
+"""State <-> protobuf: full rollups, per-seqno diffs, and the per-shard summary.
+
+A consensus record holds the :class:`StateDiff` from ``seqno - 1`` to ``seqno``; a rollup
+in blob holds the whole :class:`State`. Diffs are found by identity: a transition that did
+not touch a map leaves the very same object in the new state, and unchanged entries of a
+touched map are the same objects too, so a diff costs what changed, not the state's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from google.protobuf.message import DecodeError
+
+from persist_pipeline.exceptions import CorruptState
+from persist_pipeline.frontier import Frontier
+from persist_pipeline.internal.state import (
+    FORMAT_VERSION,
+    Batch,
+    CriticalReader,
+    Description,
+    HollowPart,
+    InlinePart,
+    LeasedReader,
+    Part,
+    Rollup,
+    SpineEntry,
+    State,
+    Writer,
+)
+from persist_pipeline.proto import persist_pb2 as pb
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+# --- leaves -------------------------------------------------------------------------------
+
+
+def frontier_to_proto(f: Frontier, out: pb.Frontier) -> None:
+    out.Clear()
+    if f is not None:
+        out.time = f
+    else:
+        out.SetInParent()
+
+
+def frontier_from_proto(p: pb.Frontier) -> Frontier:
+    return p.time if p.HasField("time") else None
+
+
+def _desc_to(d: Description, out: pb.Description) -> None:
+    frontier_to_proto(d.lower, out.lower)
+    frontier_to_proto(d.upper, out.upper)
+    frontier_to_proto(d.since, out.since)
+
+
+def _desc_from(p: pb.Description) -> Description:
+    lower = frontier_from_proto(p.lower)
+    since = frontier_from_proto(p.since)
+    if lower is None or since is None:
+        raise CorruptState("batch description with an empty lower or since")
+    return Description(lower, frontier_from_proto(p.upper), since)
+
+
+def _part_to(part: Part, out: pb.Part) -> None:
+    if isinstance(part, HollowPart):
+        h = out.hollow
+        h.key, h.store, h.encoded_size = part.key, part.store, part.encoded_size
+        h.num_updates, h.min_time, h.max_time = part.num_updates, part.min_time, part.max_time
+    else:
+        i = out.inline
+        i.part_id, i.updates, i.num_updates = part.part_id, part.updates, part.num_updates
+
+
+def _part_from(p: pb.Part) -> Part:
+    kind = p.WhichOneof("kind")
+    if kind == "hollow":
+        h = p.hollow
+        if h.store not in ("main", "wal"):
+            raise CorruptState(f"part {h.key!r} names unknown store {h.store!r}")
+        store: Any = h.store
+        return HollowPart(h.key, store, h.encoded_size, h.num_updates, h.min_time, h.max_time)
+    if kind == "inline":
+        i = p.inline
+        return InlinePart(i.part_id, i.updates, i.num_updates)
+    raise CorruptState("part with neither hollow nor inline contents")
+
+
+def _batch_to(b: Batch, out: pb.Batch) -> None:
+    out.id = b.id
+    _desc_to(b.desc, out.desc)
+    for part in b.parts:
+        _part_to(part, out.parts.add())
+    out.num_updates = b.num_updates
+
+
+def _batch_from(p: pb.Batch) -> Batch:
+    return Batch(p.id, _desc_from(p.desc), tuple(_part_from(x) for x in p.parts), p.num_updates)
+
+
+def _spine_to(e: SpineEntry, out: pb.SpineEntry) -> None:
+    out.lower, out.level = e.lower, e.level
+    frontier_to_proto(e.upper, out.upper)
+    out.num_batches, out.num_inline_parts = e.num_batches, e.num_inline_parts
+
+
+def _spine_from(p: pb.SpineEntry) -> SpineEntry:
+    return SpineEntry(p.lower, frontier_from_proto(p.upper), p.level, p.num_batches,
+                      p.num_inline_parts)
+
+
+def _reader_to(r: LeasedReader, out: pb.LeasedReader) -> None:
+    out.id, out.seqno, out.debug = r.id, r.seqno, r.debug
+    frontier_to_proto(r.since, out.since)
+    out.last_heartbeat_ms, out.lease_duration_ms = r.last_heartbeat_ms, r.lease_duration_ms
+
+
+def _reader_from(p: pb.LeasedReader) -> LeasedReader:
+    return LeasedReader(p.id, frontier_from_proto(p.since), p.seqno, p.last_heartbeat_ms,
+                        p.lease_duration_ms, p.debug)
+
+
+def _critical_to(r: CriticalReader, out: pb.CriticalReader) -> None:
+    out.id, out.opaque, out.debug = r.id, r.opaque, r.debug
+    frontier_to_proto(r.since, out.since)
+
+
+def _critical_from(p: pb.CriticalReader) -> CriticalReader:
+    return CriticalReader(p.id, frontier_from_proto(p.since), p.opaque, p.debug)
+
+
+def _writer_to(w: Writer, out: pb.Writer) -> None:
+    out.id, out.debug = w.id, w.debug
+    out.last_heartbeat_ms, out.lease_duration_ms = w.last_heartbeat_ms, w.lease_duration_ms
+    out.most_recent_write_token = w.most_recent_write_token
+    frontier_to_proto(w.most_recent_write_upper, out.most_recent_write_upper)
+
+
+def _writer_from(p: pb.Writer) -> Writer:
+    return Writer(p.id, p.last_heartbeat_ms, p.lease_duration_ms, p.most_recent_write_token,
+                  frontier_from_proto(p.most_recent_write_upper), p.debug)
+
+
+def _rollup_to(r: Rollup, out: pb.Rollup) -> None:
+    out.seqno, out.key, out.encoded_size = r.seqno, r.key, r.encoded_size
+
+
+def _rollup_from(p: pb.Rollup) -> Rollup:
+    return Rollup(p.seqno, p.key, p.encoded_size)
+
+
+def _scalars_to(s: State, out: pb.Scalars) -> None:
+    out.walltime_ms, out.created_ms = s.walltime_ms, s.created_ms
+    frontier_to_proto(s.upper, out.upper)
+    frontier_to_proto(s.since, out.since)
+    out.inline_bytes, out.inline_fallbacks = s.inline_bytes, s.inline_fallbacks
+
+
+def _scalars_from(p: pb.Scalars) -> dict[str, Any]:
+    return {
+        "walltime_ms": p.walltime_ms,
+        "created_ms": p.created_ms,
+        "upper": frontier_from_proto(p.upper),
+        "since": frontier_from_proto(p.since),
+        "inline_bytes": p.inline_bytes,
+        "inline_fallbacks": p.inline_fallbacks,
+    }
+
+
+# --- full state (rollups) -----------------------------------------------------------------
+
+
+def encode_state(state: State) -> bytes:
+    """The whole state, deterministically (maps in key order), as ``State`` protobuf."""
+    msg = pb.State(format_version=FORMAT_VERSION, shard_id=state.shard_id, seqno=state.seqno)
+    _scalars_to(state, msg.scalars)
+    for k in sorted(state.batches):
+        _batch_to(state.batches[k], msg.batches.add())
+    for lo in sorted(state.spine):
+        _spine_to(state.spine[lo], msg.spine.add())
+    for k in sorted(state.leased_readers):
+        _reader_to(state.leased_readers[k], msg.leased_readers.add())
+    for k in sorted(state.critical_readers):
+        _critical_to(state.critical_readers[k], msg.critical_readers.add())
+    for k in sorted(state.writers):
+        _writer_to(state.writers[k], msg.writers.add())
+    for seqno in sorted(state.rollups):
+        _rollup_to(state.rollups[seqno], msg.rollups.add())
+    return msg.SerializeToString(deterministic=True)
+
+
+def decode_state(data: bytes, where: str) -> State:
+    """Decode a rollup; raises :class:`CorruptState` naming ``where`` on garbage."""
+    msg = pb.State()
+    try:
+        msg.ParseFromString(data)
+        _check_version(msg.format_version, where)
+        return State(
+            shard_id=msg.shard_id,
+            seqno=msg.seqno,
+            batches={b.id: _batch_from(b) for b in msg.batches},
+            spine={e.lower: _spine_from(e) for e in msg.spine},
+            leased_readers={r.id: _reader_from(r) for r in msg.leased_readers},
+            critical_readers={r.id: _critical_from(r) for r in msg.critical_readers},
+            writers={w.id: _writer_from(w) for w in msg.writers},
+            rollups={r.seqno: _rollup_from(r) for r in msg.rollups},
+            **_scalars_from(msg.scalars),
+        )
+    except (DecodeError, ValueError, TypeError) as e:
+        raise CorruptState(f"corrupt state rollup at {where}: {e}") from None
+
+
+def _check_version(version: int, where: str) -> None:
+    if version != FORMAT_VERSION:
+        raise CorruptState(f"{where}: unsupported state format version {version} "
+                           f"(this build reads {FORMAT_VERSION})")
+
+
+# --- diffs --------------------------------------------------------------------------------
+
+
+def _map_diff(old: Mapping[K, V], new: Mapping[K, V]) -> tuple[list[V], list[K]]:
+    if old is new:
+        return [], []
+    upserts = [v for k, v in new.items() if old.get(k) is not v]
+    deletes = [k for k in old if k not in new]
+    return upserts, deletes
+
+
+def encode_diff(old: State, new: State) -> bytes:
+    """The ``StateDiff`` that turns ``old`` into ``new`` (``new.seqno == old.seqno + 1``)."""
+    msg = pb.StateDiff(format_version=FORMAT_VERSION, shard_id=new.shard_id, seqno=new.seqno)
+    _scalars_to(new, msg.scalars)
+    ups, dels = _map_diff(old.batches, new.batches)
+    for b in ups:
+        _batch_to(b, msg.batch_upserts.add())
+    msg.batch_deletes.extend(dels)
+    spine_ups, spine_dels = _map_diff(old.spine, new.spine)
+    for e in spine_ups:
+        _spine_to(e, msg.spine_upserts.add())
+    msg.spine_deletes.extend(spine_dels)
+    r_ups, r_dels = _map_diff(old.leased_readers, new.leased_readers)
+    for r in r_ups:
+        _reader_to(r, msg.reader_upserts.add())
+    msg.reader_deletes.extend(r_dels)
+    c_ups, c_dels = _map_diff(old.critical_readers, new.critical_readers)
+    for c in c_ups:
+        _critical_to(c, msg.critical_upserts.add())
+    msg.critical_deletes.extend(c_dels)
+    w_ups, w_dels = _map_diff(old.writers, new.writers)
+    for w in w_ups:
+        _writer_to(w, msg.writer_upserts.add())
+    msg.writer_deletes.extend(w_dels)
+    ro_ups, ro_dels = _map_diff(old.rollups, new.rollups)
+    for ro in ro_ups:
+        _rollup_to(ro, msg.rollup_upserts.add())
+    msg.rollup_deletes.extend(ro_dels)
+    return msg.SerializeToString()
+
+
+def decode_diff(data: bytes, where: str) -> pb.StateDiff:
+    msg = pb.StateDiff()
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as e:
+        raise CorruptState(f"corrupt state diff at {where}: {e}") from None
+    _check_version(msg.format_version, where)
+    return msg
+
+
+def _apply_map(
+    old: Mapping[K, V], upserts: list[V], deletes: list[K], key: Callable[[V], K]
+) -> Mapping[K, V]:
+    if not upserts and not deletes:
+        return old
+    out = dict(old)
+    for k in deletes:
+        out.pop(k, None)
+    for v in upserts:
+        out[key(v)] = v
+    return out
+
+
+def apply_diff(state: State, diff: pb.StateDiff, where: str) -> State:
+    """Apply a decoded diff; raises :class:`CorruptState` if it does not follow ``state``."""
+    if diff.seqno != state.seqno + 1:
+        raise CorruptState(f"{where}: diff for seqno {diff.seqno} cannot follow seqno "
+                           f"{state.seqno}")
+    if state.shard_id and diff.shard_id != state.shard_id:
+        raise CorruptState(f"{where}: diff belongs to shard {diff.shard_id!r}")
+    try:
+        return replace(
+            state,
+            shard_id=diff.shard_id,
+            seqno=diff.seqno,
+            batches=_apply_map(state.batches, [_batch_from(b) for b in diff.batch_upserts],
+                               list(diff.batch_deletes), lambda b: b.id),
+            spine=_apply_map(state.spine, [_spine_from(e) for e in diff.spine_upserts],
+                             list(diff.spine_deletes), lambda e: e.lower),
+            leased_readers=_apply_map(state.leased_readers,
+                                      [_reader_from(r) for r in diff.reader_upserts],
+                                      list(diff.reader_deletes), lambda r: r.id),
+            critical_readers=_apply_map(state.critical_readers,
+                                        [_critical_from(c) for c in diff.critical_upserts],
+                                        list(diff.critical_deletes), lambda c: c.id),
+            writers=_apply_map(state.writers, [_writer_from(w) for w in diff.writer_upserts],
+                               list(diff.writer_deletes), lambda w: w.id),
+            rollups=_apply_map(state.rollups, [_rollup_from(r) for r in diff.rollup_upserts],
+                               list(diff.rollup_deletes), lambda r: r.seqno),
+            **_scalars_from(diff.scalars),
+        )
+    except (ValueError, TypeError) as e:
+        raise CorruptState(f"corrupt state diff at {where}: {e}") from None
+
+
+def diff_blob_refs(diff: pb.StateDiff) -> set[tuple[str, str]]:
+    """Blobs that a diff adds references to (parts of upserted batches, new rollups)."""
+    refs: set[tuple[str, str]] = {("main", r.key) for r in diff.rollup_upserts}
+    for b in diff.batch_upserts:
+        for p in b.parts:
+            if p.WhichOneof("kind") == "hollow":
+                refs.add((p.hollow.store, p.hollow.key))
+    return refs
+
+
+# --- summary ------------------------------------------------------------------------------
+
+
+def encode_summary(state: State) -> bytes:
+    msg = pb.ShardSummary(
+        inline_bytes=state.inline_bytes,
+        num_batches=len(state.batches),
+        num_inline_parts=state.num_inline_parts(),
+        pending_merges=state.pending_merges(),
+        walltime_ms=state.walltime_ms,
+        inline_fallbacks=state.inline_fallbacks,
+    )
+    frontier_to_proto(state.upper, msg.upper)
+    frontier_to_proto(state.since, msg.since)
+    latest = state.latest_rollup()
+    if latest is not None:
+        msg.latest_rollup_seqno = latest.seqno
+    return msg.SerializeToString()
+
+
+def decode_summary(data: bytes, where: str) -> pb.ShardSummary:
+    msg = pb.ShardSummary()
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as e:
+        raise CorruptState(f"corrupt shard summary at {where}: {e}") from None
+    return msg

@@ -1,0 +1,123 @@
+"""The Spine (seed 003): batches in size-tiered levels, and merge requests derived from it.
+
+Each Spine entry is a merge group covering a time range. A new non-empty batch enters as
+its own entry at level ``floor(log2(len))``; while the newest entry's level is at least
+its predecessor's, the two fuse into one entry a level up (a binary counter, so there
+are O(log n) entries). An entry holding several batches, or any inline part, is a
+pending merge request: compaction replaces its batches with one hollow output batch.
+These are pure functions over the state's maps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from persist_pipeline.internal.state import Batch, Description, SpineEntry, State
+
+
+@dataclass(frozen=True, slots=True)
+class MergeReq:
+    """A unit of compaction work: consolidate ``inputs`` into one batch of ``desc``."""
+
+    spine_lower: int
+    inputs: tuple[Batch, ...]
+    desc: Description
+
+    @property
+    def input_ids(self) -> tuple[str, ...]:
+        return tuple(b.id for b in self.inputs)
+
+    @property
+    def num_updates(self) -> int:
+        return sum(b.num_updates for b in self.inputs)
+
+    @property
+    def encoded_bytes(self) -> int:
+        return sum(b.encoded_size for b in self.inputs)
+
+
+@dataclass(frozen=True, slots=True)
+class MergeRes:
+    """The outcome of a :class:`MergeReq`: the batch that replaces ``input_ids``."""
+
+    input_ids: tuple[str, ...]
+    output: Batch
+
+
+ApplyMergeOutcome = Literal["applied", "already_applied", "no_match"]
+
+
+def _level_for(num_updates: int) -> int:
+    return max(0, num_updates.bit_length() - 1)
+
+
+def push_batch(
+    spine: dict[int, SpineEntry], batch: Batch
+) -> None:
+    """Add a new (latest, non-empty) batch to ``spine`` in place, fusing levels."""
+    spine[batch.desc.lower] = SpineEntry(
+        lower=batch.desc.lower, upper=batch.desc.upper, level=_level_for(batch.num_updates),
+        num_batches=1, num_inline_parts=batch.num_inline_parts)
+    while len(spine) >= 2:
+        lowers = sorted(spine)[-2:]
+        prev, last = spine[lowers[0]], spine[lowers[1]]
+        if last.level < prev.level:
+            break
+        del spine[last.lower]
+        spine[prev.lower] = SpineEntry(
+            lower=prev.lower, upper=last.upper, level=max(prev.level, last.level) + 1,
+            num_batches=prev.num_batches + last.num_batches,
+            num_inline_parts=prev.num_inline_parts + last.num_inline_parts)
+
+
+def merge_requests(state: State) -> list[MergeReq]:
+    """Every pending merge request, oldest first."""
+    reqs = []
+    since = state.since if state.since is not None else 0
+    for entry in state.ordered_spine:
+        if not entry.pending:
+            continue
+        inputs = state.spine_members(entry)
+        if not inputs:
+            continue
+        desc = Description(inputs[0].desc.lower, inputs[-1].desc.upper,
+                           max(since, max(b.desc.since for b in inputs)))
+        reqs.append(MergeReq(entry.lower, inputs, desc))
+    return reqs
+
+
+def apply_merge_res(
+    batches: dict[str, Batch], spine: dict[int, SpineEntry], ordered: tuple[Batch, ...],
+    res: MergeRes,
+) -> ApplyMergeOutcome:
+    """Replace the result's inputs with its output, in place, if they are still there.
+
+    Applies when the inputs are a contiguous run of the current batches inside one Spine
+    entry (all of an entry's batches, or a contiguous subset of them when later batches
+    joined the entry). Otherwise it is a no-op: the inputs were already replaced.
+    """
+    if res.output.id in batches:
+        return "already_applied"
+    if not res.input_ids or any(i not in batches for i in res.input_ids):
+        return "no_match"
+    position = {b.id: n for n, b in enumerate(ordered)}
+    first = position[res.input_ids[0]]
+    run = ordered[first:first + len(res.input_ids)]
+    if tuple(b.id for b in run) != res.input_ids:
+        return "no_match"
+    entry = next((e for e in spine.values() if e.contains(run[0].desc.lower)), None)
+    if entry is None or not entry.contains(run[-1].desc.lower):
+        return "no_match"
+    out = res.output
+    if out.desc.lower != run[0].desc.lower or out.desc.upper != run[-1].desc.upper:
+        return "no_match"
+    for b in run:
+        del batches[b.id]
+    batches[out.id] = out
+    removed_inline = sum(b.num_inline_parts for b in run)
+    spine[entry.lower] = SpineEntry(
+        entry.lower, entry.upper, entry.level,
+        entry.num_batches - len(run) + 1,
+        entry.num_inline_parts - removed_inline + out.num_inline_parts)
+    return "applied"

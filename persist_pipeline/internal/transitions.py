@@ -1,0 +1,275 @@
+"""Pure state transitions: ``(state, args) -> (new_state, result)``.
+
+A transition never mutates its input and never does I/O. Returning the input state
+object unchanged means "nothing to commit". Expected races (an upper mismatch, a full
+inline budget, a fenced critical reader) are returned as result values, not raised, so
+the CaS loop in :mod:`persist_pipeline.internal.machine` can hand them back as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from persist_pipeline.exceptions import InvalidFrontier, InvalidInput, LeaseExpired
+from persist_pipeline.frontier import Frontier, less_equal, less_than
+from persist_pipeline.internal.state import (
+    Batch,
+    CriticalReader,
+    LeasedReader,
+    Rollup,
+    State,
+    Writer,
+)
+from persist_pipeline.internal.trace import ApplyMergeOutcome, MergeRes, apply_merge_res, push_batch
+
+
+@dataclass(frozen=True, slots=True)
+class Appended:
+    """The batch was committed (or had been, by an earlier attempt with the same token)."""
+
+    already_committed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class UpperMismatchResult:
+    current: Frontier
+
+
+@dataclass(frozen=True, slots=True)
+class InlineBudgetExceeded:
+    """Inlining this batch would push the shard past ``max_bytes``: write it to blob."""
+
+    current_inline_bytes: int
+
+
+AppendResult = Appended | UpperMismatchResult | InlineBudgetExceeded
+
+
+def _with_since(state: State, **changes: object) -> State:
+    """Apply ``changes`` then recompute since as the meet of readers (never regressing)."""
+    new = replace(state, **changes)  # type: ignore[arg-type]
+    held = new.reader_since_meet()
+    if held == "none":
+        return new
+    since = held if less_equal(new.since, held) else new.since
+    return new if since == new.since else replace(new, since=since)
+
+
+def create(state: State, now_ms: int) -> State:
+    """The first state of a new shard (seqno 1): empty, ``since = upper = 0``."""
+    return replace(state, walltime_ms=now_ms, created_ms=now_ms)
+
+
+def register_writer(
+    state: State, writer_id: str, now_ms: int, lease_ms: int, debug: str = ""
+) -> tuple[State, Writer]:
+    existing = state.writers.get(writer_id)
+    writer = Writer(writer_id, now_ms, lease_ms, debug=debug) if existing is None else replace(
+        existing, last_heartbeat_ms=now_ms)
+    writers = dict(state.writers)
+    writers[writer_id] = writer
+    return replace(state, writers=writers, walltime_ms=now_ms), writer
+
+
+def compare_and_append(
+    state: State,
+    batch: Batch | None,
+    *,
+    writer_id: str,
+    token: str,
+    expected_upper: int,
+    new_upper: Frontier,
+    now_ms: int,
+    lease_ms: int,
+    inline_max_bytes: int,
+    fell_back: bool,
+) -> tuple[State, AppendResult]:
+    """Append ``batch`` (None: no updates) iff the shard's upper is ``expected_upper``.
+
+    The writer's idempotency token makes a retried commit a no-op: if this writer's most
+    recent committed write carried ``token`` and reached ``new_upper``, the append is
+    reported as already committed. ``fell_back`` counts an inline candidate that went to
+    blob because the budget was full.
+    """
+    writer = state.writers.get(writer_id)
+    if (writer is not None and writer.most_recent_write_token == token
+            and writer.most_recent_write_upper == new_upper):
+        return state, Appended(already_committed=True)
+    if state.upper != expected_upper:
+        return state, UpperMismatchResult(state.upper)
+    inline = batch.inline_bytes if batch is not None else 0
+    if inline and state.inline_bytes + inline > inline_max_bytes:
+        return state, InlineBudgetExceeded(state.inline_bytes)
+    writers = dict(state.writers)
+    base = writer if writer is not None else Writer(writer_id, now_ms, lease_ms)
+    writers[writer_id] = replace(base, last_heartbeat_ms=now_ms, most_recent_write_token=token,
+                                 most_recent_write_upper=new_upper)
+    changes: dict[str, object] = {
+        "upper": new_upper, "writers": writers, "walltime_ms": now_ms,
+        "inline_fallbacks": state.inline_fallbacks + (1 if fell_back else 0),
+    }
+    if batch is not None and batch.num_updates > 0:
+        batches = dict(state.batches)
+        batches[batch.id] = batch
+        spine = dict(state.spine)
+        push_batch(spine, batch)
+        changes.update(batches=batches, spine=spine, inline_bytes=state.inline_bytes + inline)
+    return replace(state, **changes), Appended()  # type: ignore[arg-type]
+
+
+def apply_merge(state: State, res: MergeRes, now_ms: int) -> tuple[State, ApplyMergeOutcome]:
+    """Replace a merge result's inputs with its output (see :func:`trace.apply_merge_res`)."""
+    if res.output.num_inline_parts:
+        raise InvalidInput("compaction output must never be inlined")
+    batches = dict(state.batches)
+    spine = dict(state.spine)
+    removed_inline = sum(state.batches[i].inline_bytes for i in res.input_ids
+                         if i in state.batches)
+    outcome = apply_merge_res(batches, spine, state.ordered_batches, res)
+    if outcome != "applied":
+        return state, outcome
+    if state.since is not None and less_than(state.since, res.output.desc.since):
+        # Times were advanced beyond what readers hold: never commit that.
+        return state, "no_match"
+    return replace(state, batches=batches, spine=spine, walltime_ms=now_ms,
+                   inline_bytes=state.inline_bytes - removed_inline), "applied"
+
+
+def register_leased_reader(
+    state: State, reader_id: str, now_ms: int, lease_ms: int, debug: str = ""
+) -> tuple[State, LeasedReader]:
+    """Add a leased reader holding the current since and the new seqno."""
+    existing = state.leased_readers.get(reader_id)
+    if existing is not None:
+        return heartbeat_leased_reader(state, reader_id, now_ms, existing.seqno)
+    reader = LeasedReader(reader_id, state.since, state.seqno + 1, now_ms, lease_ms, debug)
+    readers = dict(state.leased_readers)
+    readers[reader_id] = reader
+    return replace(state, leased_readers=readers, walltime_ms=now_ms), reader
+
+
+def heartbeat_leased_reader(
+    state: State, reader_id: str, now_ms: int, seqno_hold: int
+) -> tuple[State, LeasedReader]:
+    """Renew a reader's lease and move its seqno hold to ``seqno_hold``.
+
+    Raises:
+        LeaseExpired: the reader is gone (expired by another process, or by itself).
+    """
+    reader = state.leased_readers.get(reader_id)
+    if reader is None:
+        raise LeaseExpired(f"leased reader {reader_id} has expired")
+    new = replace(reader, last_heartbeat_ms=now_ms, seqno=max(reader.seqno, seqno_hold))
+    readers = dict(state.leased_readers)
+    readers[reader_id] = new
+    return replace(state, leased_readers=readers, walltime_ms=now_ms), new
+
+
+def downgrade_since(
+    state: State, reader_id: str, new_since: Frontier, now_ms: int, seqno_hold: int
+) -> tuple[State, LeasedReader]:
+    """Let a leased reader release times below ``new_since``."""
+    reader = state.leased_readers.get(reader_id)
+    if reader is None:
+        raise LeaseExpired(f"leased reader {reader_id} has expired")
+    if less_than(new_since, reader.since):
+        raise InvalidFrontier(f"since may only advance: reader holds {reader.since}, "
+                              f"asked for {new_since}")
+    new = replace(reader, since=new_since, last_heartbeat_ms=now_ms,
+                  seqno=max(reader.seqno, seqno_hold))
+    readers = dict(state.leased_readers)
+    readers[reader_id] = new
+    return _with_since(state, leased_readers=readers, walltime_ms=now_ms), new
+
+
+def expire_leased_reader(state: State, reader_id: str, now_ms: int) -> tuple[State, bool]:
+    if reader_id not in state.leased_readers:
+        return state, False
+    readers = dict(state.leased_readers)
+    del readers[reader_id]
+    return _with_since(state, leased_readers=readers, walltime_ms=now_ms), True
+
+
+def expire_writer(state: State, writer_id: str, now_ms: int) -> tuple[State, bool]:
+    if writer_id not in state.writers:
+        return state, False
+    writers = dict(state.writers)
+    del writers[writer_id]
+    return replace(state, writers=writers, walltime_ms=now_ms), True
+
+
+def expire_stale_leases(state: State, now_ms: int) -> tuple[State, list[str]]:
+    """Remove leased readers and writers whose leases ran out; returns their ids."""
+    stale_r = [r.id for r in state.leased_readers.values() if r.expired(now_ms)]
+    stale_w = [w.id for w in state.writers.values() if w.expired(now_ms)]
+    if not stale_r and not stale_w:
+        return state, []
+    readers = {k: v for k, v in state.leased_readers.items() if k not in stale_r}
+    writers = {k: v for k, v in state.writers.items() if k not in stale_w}
+    return _with_since(state, leased_readers=readers, writers=writers,
+                       walltime_ms=now_ms), stale_r + stale_w
+
+
+def register_critical_reader(
+    state: State, reader_id: str, opaque: bytes, now_ms: int, debug: str = ""
+) -> tuple[State, CriticalReader]:
+    existing = state.critical_readers.get(reader_id)
+    if existing is not None:
+        return state, existing
+    reader = CriticalReader(reader_id, state.since, opaque, debug)
+    readers = dict(state.critical_readers)
+    readers[reader_id] = reader
+    return replace(state, critical_readers=readers, walltime_ms=now_ms), reader
+
+
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    current_opaque: bytes
+
+
+def compare_and_downgrade_critical_since(
+    state: State, reader_id: str, expected_opaque: bytes, new_opaque: bytes,
+    new_since: Frontier, now_ms: int,
+) -> tuple[State, CriticalReader | Fenced]:
+    """Move a critical reader's since (and token) iff its token is ``expected_opaque``."""
+    reader = state.critical_readers.get(reader_id)
+    if reader is None:
+        raise LeaseExpired(f"critical reader {reader_id} is not registered")
+    if reader.opaque != expected_opaque:
+        return state, Fenced(reader.opaque)
+    if less_than(new_since, reader.since):
+        raise InvalidFrontier(f"since may only advance: critical reader holds {reader.since}, "
+                              f"asked for {new_since}")
+    new = replace(reader, since=new_since, opaque=new_opaque)
+    readers = dict(state.critical_readers)
+    readers[reader_id] = new
+    return _with_since(state, critical_readers=readers, walltime_ms=now_ms), new
+
+
+def expire_critical_reader(state: State, reader_id: str, now_ms: int) -> tuple[State, bool]:
+    if reader_id not in state.critical_readers:
+        return state, False
+    readers = dict(state.critical_readers)
+    del readers[reader_id]
+    return _with_since(state, critical_readers=readers, walltime_ms=now_ms), True
+
+
+def add_rollup(state: State, rollup: Rollup, now_ms: int) -> tuple[State, bool]:
+    if rollup.seqno in state.rollups:
+        return state, False
+    rollups = dict(state.rollups)
+    rollups[rollup.seqno] = rollup
+    return replace(state, rollups=rollups, walltime_ms=now_ms), True
+
+
+def remove_rollups_below(state: State, seqno: int, now_ms: int) -> tuple[State, list[Rollup]]:
+    removed = [r for s, r in state.rollups.items() if s < seqno]
+    if not removed:
+        return state, []
+    rollups = {s: r for s, r in state.rollups.items() if s >= seqno}
+    return replace(state, rollups=rollups, walltime_ms=now_ms), removed
+
+
+def noop(state: State) -> tuple[State, Literal["noop"]]:
+    return state, "noop"

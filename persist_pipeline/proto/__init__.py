@@ -1,0 +1,1 @@
+"""Protobuf wire formats (``persist.proto``) and their generated Python module."""

@@ -1,0 +1,286 @@
+"""Read handles: snapshots, listens, and since holds (leased and critical readers)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_pipeline.exceptions import (
+    FencedOut,
+    InvalidFrontier,
+    LeaseExpired,
+    NotYetAvailable,
+    PersistError,
+    SinceViolation,
+)
+from persist_pipeline.frontier import Frontier, check_frontier, less_than
+from persist_pipeline.internal import transitions
+from persist_pipeline.internal.heartbeat import Heartbeater
+from persist_pipeline.internal.machine import Machine, now_ms
+from persist_pipeline.internal.state import Batch, State
+from persist_pipeline.updates import consolidate, empty_table
+
+#: Parallel blob fetches per read.
+_FETCH_THREADS = 8
+
+
+def fetch_batches(machine: Machine, batches: list[Batch], where: str) -> pa.Table:
+    """Fetch and concatenate every part of ``batches`` (hollow parts in parallel)."""
+    parts = [p for b in batches for p in b.parts]
+    if not parts:
+        return empty_table()
+    if len(parts) == 1:
+        return machine.blobs.fetch_part(parts[0], where)
+    with ThreadPoolExecutor(max_workers=min(_FETCH_THREADS, len(parts))) as pool:
+        tables = list(pool.map(lambda p: machine.blobs.fetch_part(p, where), parts))
+    return pa.concat_tables(tables)
+
+
+class ReadHandle:
+    """A leased reader of one shard: holds back ``since`` and GC while it heartbeats.
+
+    Obtain one with :meth:`PersistClient.open_reader`.
+    """
+
+    def __init__(self, machine: Machine, reader_id: str, debug: str = "") -> None:
+        self._machine = machine
+        self.reader_id = reader_id
+        self._lease_ms = int(machine.config.reader_lease_duration_s * 1000)
+        self._reading: dict[int, int] = {}
+        self._reading_lock = threading.Lock()
+        self._expired = False
+        reader, _ = machine.apply(lambda s: transitions.register_leased_reader(
+            s, reader_id, now_ms(), self._lease_ms, debug))
+        self._since: Frontier = reader.since
+        self._heartbeat = Heartbeater(f"persist-reader-{reader_id[:9]}",
+                                      machine.config.heartbeat_interval_s, self.heartbeat)
+
+    @property
+    def shard_id(self) -> str:
+        return self._machine.shard_id
+
+    @property
+    def since(self) -> Frontier:
+        """This reader's since: reads at ``as_of >= since`` are exact."""
+        return self._since
+
+    def _hold(self) -> int:
+        """The seqno this reader must keep live: the oldest state it is reading."""
+        with self._reading_lock:
+            current = self._machine.state.seqno
+            return min([current, *self._reading.keys()])
+
+    @contextlib.contextmanager
+    def _reading_state(self) -> Iterator[State]:
+        self._check()
+        state = self._machine.fetch_latest()
+        if self.reader_id not in state.leased_readers:
+            self._expired = True
+            raise LeaseExpired(f"reader {self.reader_id} was expired (missed heartbeats)")
+        with self._reading_lock:
+            self._reading[state.seqno] = self._reading.get(state.seqno, 0) + 1
+        try:
+            yield state
+        finally:
+            with self._reading_lock:
+                self._reading[state.seqno] -= 1
+                if not self._reading[state.seqno]:
+                    del self._reading[state.seqno]
+                idle = not self._reading
+            held = state.leased_readers[self.reader_id].seqno
+            if idle and state.seqno - held > self._machine.config.rollup_threshold:
+                # Release old state versions so GC can truncate below them.
+                with contextlib.suppress(PersistError):
+                    self.heartbeat()
+
+    def heartbeat(self) -> None:
+        """Renew the lease (done in the background; call it to renew now)."""
+        self._check()
+        hold = self._hold()
+        try:
+            reader, _ = self._machine.apply(lambda s: transitions.heartbeat_leased_reader(
+                s, self.reader_id, now_ms(), hold))
+        except LeaseExpired:
+            self._expired = True
+            raise
+        self._since = reader.since
+
+    def _check_as_of(self, as_of: object, state: State) -> int:
+        t = check_frontier(as_of, "as_of")
+        if t is None:
+            raise InvalidFrontier("as_of must be a time, not None")
+        reader = state.leased_readers[self.reader_id]
+        if less_than(t, reader.since) or less_than(t, state.since):
+            raise SinceViolation(f"as_of {t} is below since {reader.since}: times before it "
+                                 f"may have been compacted together")
+        return t
+
+    def snapshot(self, as_of: int) -> pa.Table:
+        """The collection at ``as_of``: a consolidated k/v/t/d table, every ``t == as_of``.
+
+        Raises:
+            SinceViolation: ``as_of`` is below this reader's since.
+            NotYetAvailable: the shard's upper is not yet beyond ``as_of``.
+        """
+        with self._reading_state() as state:
+            t = self._check_as_of(as_of, state)
+            if not less_than(t, state.upper):
+                raise NotYetAvailable(f"as_of {t} is not complete yet: the shard's upper is "
+                                      f"{state.upper}")
+            batches = [b for b in state.ordered_batches if b.desc.lower <= t]
+            table = fetch_batches(self._machine, batches, f"shard {self.shard_id}")
+            return consolidate(table, as_of=t)
+
+    def listen(self, as_of: int) -> Listen:
+        """Every update with ``t > as_of``, in time order, with progress frontiers.
+
+        ``snapshot(as_of)`` followed by this listen reproduces the whole collection.
+        """
+        with self._reading_state() as state:
+            t = self._check_as_of(as_of, state)
+        return Listen(self, t)
+
+    def downgrade_since(self, new_since: Frontier) -> None:
+        """Release times below ``new_since`` (compaction may then merge them)."""
+        self._check()
+        since = check_frontier(new_since, "new_since")
+        hold = self._hold()
+        reader, _ = self._machine.apply(lambda s: transitions.downgrade_since(
+            s, self.reader_id, since, now_ms(), hold))
+        self._since = reader.since
+
+    def expire(self) -> None:
+        """Unregister this reader, releasing its holds. Idempotent."""
+        if self._expired:
+            return
+        self._expired = True
+        self._heartbeat.stop()
+        self._machine.apply(lambda s: transitions.expire_leased_reader(s, self.reader_id,
+                                                                       now_ms()))
+
+    close = expire
+
+    def _check(self) -> None:
+        if self._expired:
+            raise LeaseExpired(f"reader {self.reader_id} was expired")
+
+    def __enter__(self) -> ReadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.expire()
+
+
+@dataclass(frozen=True, slots=True)
+class ListenEvent:
+    """One step of a listen: new updates, or progress (all times below ``upper`` done).
+
+    Attributes:
+        kind: ``"updates"`` or ``"progress"``.
+        updates: for ``"updates"``, a consolidated k/v/t/d table (times kept).
+        upper: for ``"progress"``, the new frontier (``None``: the shard is closed).
+    """
+
+    kind: Literal["updates", "progress"]
+    updates: pa.Table | None = None
+    upper: Frontier = None
+
+
+class Listen:
+    """An iterator of :class:`ListenEvent` after ``as_of``; blocks waiting for new data."""
+
+    def __init__(self, reader: ReadHandle, as_of: int) -> None:
+        self._reader = reader
+        self.frontier: Frontier = as_of + 1
+        self._done = False
+
+    def poll(self, timeout_s: float = 0.0) -> list[ListenEvent]:
+        """Events available within ``timeout_s`` seconds (possibly none)."""
+        machine = self._reader._machine
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._done:
+                return []
+            with self._reader._reading_state() as state:
+                if less_than(self.frontier, state.upper):
+                    return self._emit(state)
+            if time.monotonic() >= deadline:
+                return []
+            time.sleep(min(machine.config.listen_poll_interval_s,
+                           max(0.0, deadline - time.monotonic())))
+
+    def _emit(self, state: State) -> list[ListenEvent]:
+        lo = self.frontier
+        assert lo is not None
+        hi = state.upper
+        batches = [b for b in state.ordered_batches
+                   if less_than(lo, b.desc.upper) and less_than(b.desc.lower, hi)]
+        events = []
+        table = fetch_batches(self._reader._machine, batches, f"shard {state.shard_id}")
+        mask = pc.greater_equal(table.column("t"), lo)
+        if hi is not None:
+            mask = pc.and_(mask, pc.less(table.column("t"), hi))
+        table = consolidate(table.filter(mask))
+        if table.num_rows:
+            events.append(ListenEvent("updates", updates=table))
+        events.append(ListenEvent("progress", upper=hi))
+        self.frontier = hi
+        if hi is None:
+            self._done = True
+        return events
+
+    def __iter__(self) -> Iterator[ListenEvent]:
+        while not self._done:
+            yield from self.poll(timeout_s=3600.0)
+
+
+class CriticalReaderHandle:
+    """A reader that never expires, for controllers; its since moves only by
+    :meth:`compare_and_downgrade_since` with the right fencing token."""
+
+    def __init__(self, machine: Machine, reader_id: str, opaque: bytes, debug: str = "") -> None:
+        self._machine = machine
+        self.reader_id = reader_id
+        reader, _ = machine.apply(lambda s: transitions.register_critical_reader(
+            s, reader_id, opaque, now_ms(), debug))
+        self._since: Frontier = reader.since
+        self._opaque = reader.opaque
+
+    @property
+    def since(self) -> Frontier:
+        return self._since
+
+    @property
+    def opaque(self) -> bytes:
+        """The fencing token last seen (refreshed by every call)."""
+        return self._opaque
+
+    def compare_and_downgrade_since(self, expected_opaque: bytes, new_opaque: bytes,
+                                    new_since: Frontier) -> Frontier:
+        """Advance since to ``new_since`` and set the token, iff the token is expected.
+
+        Raises:
+            FencedOut: another controller changed the token; nothing changed.
+        """
+        since = check_frontier(new_since, "new_since")
+        result, _ = self._machine.apply(
+            lambda s: transitions.compare_and_downgrade_critical_since(
+                s, self.reader_id, expected_opaque, new_opaque, since, now_ms()))
+        if isinstance(result, transitions.Fenced):
+            self._opaque = result.current_opaque
+            raise FencedOut(expected_opaque, result.current_opaque)
+        self._since, self._opaque = result.since, result.opaque
+        return self._since
+
+    def expire(self) -> None:
+        """Unregister this critical reader for good, releasing its since hold."""
+        self._machine.apply(lambda s: transitions.expire_critical_reader(
+            s, self.reader_id, now_ms()))

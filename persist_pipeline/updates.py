@@ -1,0 +1,252 @@
+"""Updates ``(key, val, ts, diff)``: validation, consolidation and the two part encodings.
+
+Hollow parts are Parquet files with columns ``k`` (binary), ``v`` (binary), ``t`` (int64)
+and ``d`` (int64), sorted by ``(k, v, t)`` and consolidated, so Spark, DuckDB and pandas
+read them directly. Inline parts are the same columns as an ``InlineUpdates`` protobuf.
+
+:func:`consolidate` is the engine-agnostic merge function: the local compaction executor
+and the Spark executor both call it.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from google.protobuf.message import DecodeError
+
+from persist_pipeline.exceptions import CorruptPart, InvalidUpdates
+from persist_pipeline.frontier import MAX_TIME
+from persist_pipeline.proto import persist_pb2 as pb
+
+#: The schema of every snapshot and hollow part.
+SCHEMA = pa.schema(
+    [
+        pa.field("k", pa.binary(), nullable=False),
+        pa.field("v", pa.binary(), nullable=False),
+        pa.field("t", pa.int64(), nullable=False),
+        pa.field("d", pa.int64(), nullable=False),
+    ],
+    metadata={b"persist_pipeline.format": b"1"},
+)
+_MIN_DIFF = -(1 << 63)
+_MAX_DIFF = (1 << 63) - 1
+#: Below this many rows, sequences are validated and consolidated in plain Python,
+#: which is faster than building Arrow arrays for a handful of updates.
+_SMALL_WRITE_ROWS = 256
+
+
+def empty_table() -> pa.Table:
+    return SCHEMA.empty_table()
+
+
+def _bad(index: int, what: str) -> InvalidUpdates:
+    return InvalidUpdates(f"update #{index}: {what}")
+
+
+def _from_rows(rows: Iterable[Any]) -> tuple[list[bytes], list[bytes], list[int], list[int]]:
+    sums: dict[tuple[bytes, bytes, int], int] = {}
+    for i, row in enumerate(rows):
+        try:
+            k, v, t, d = row
+        except (TypeError, ValueError):
+            raise _bad(i, "expected a (key, val, ts, diff) tuple") from None
+        if type(k) is not bytes:
+            raise _bad(i, f"key must be bytes, got {type(k).__name__}")
+        if type(v) is not bytes:
+            raise _bad(i, f"val must be bytes, got {type(v).__name__}")
+        if type(t) is not int or not 0 <= t <= MAX_TIME:
+            raise _bad(i, f"ts must be an int in [0, 2**63-1], got {t!r}")
+        if type(d) is not int or not _MIN_DIFF <= d <= _MAX_DIFF:
+            raise _bad(i, f"diff must be a signed 64-bit int, got {d!r}")
+        key = (k, v, t)
+        sums[key] = sums.get(key, 0) + d
+    ks: list[bytes] = []
+    vs: list[bytes] = []
+    ts: list[int] = []
+    ds: list[int] = []
+    for (k, v, t), d in sorted(sums.items()):
+        if d != 0:
+            if not _MIN_DIFF <= d <= _MAX_DIFF:
+                raise InvalidUpdates(f"diffs of {(k[:32], v[:32], t)} sum beyond 64 bits")
+            ks.append(k)
+            vs.append(v)
+            ts.append(t)
+            ds.append(d)
+    return ks, vs, ts, ds
+
+
+def _check_table(table: pa.Table) -> pa.Table:
+    names = set(table.column_names)
+    if names != {"k", "v", "t", "d"}:
+        raise InvalidUpdates(f"a table of updates needs exactly columns k, v, t, d; got "
+                             f"{sorted(names)}")
+    try:
+        table = table.select(["k", "v", "t", "d"]).cast(SCHEMA, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+        raise InvalidUpdates(f"updates table has wrong column types (want k, v binary; "
+                             f"t, d int64): {e}") from None
+    for name in SCHEMA.names:
+        if table.column(name).null_count:
+            raise InvalidUpdates(f"column {name} contains nulls")
+    if table.num_rows and pc.min(table.column("t")).as_py() < 0:
+        raise InvalidUpdates("ts must be non-negative")
+    return table
+
+
+class Updates:
+    """A validated, consolidated set of updates, as Python lists or an Arrow table.
+
+    Small writes stay as lists (cheap to inline); large ones are Arrow tables.
+    """
+
+    __slots__ = ("_lists", "_table")
+
+    def __init__(self, lists: tuple[list[bytes], list[bytes], list[int], list[int]] | None,
+                 table: pa.Table | None) -> None:
+        self._lists = lists
+        self._table = table
+
+    @classmethod
+    def coerce(cls, updates: object) -> Updates:
+        """Validate and consolidate user input: rows of tuples, or a k/v/t/d Arrow table."""
+        if isinstance(updates, Updates):
+            return updates
+        if isinstance(updates, pa.RecordBatch):
+            updates = pa.Table.from_batches([updates])
+        if isinstance(updates, pa.Table):
+            return cls(None, consolidate(_check_table(updates)))
+        if isinstance(updates, str | bytes | dict) or not isinstance(updates, Iterable):
+            raise InvalidUpdates("updates must be an iterable of (key, val, ts, diff) tuples "
+                                 f"or a pyarrow Table with columns k, v, t, d; got "
+                                 f"{type(updates).__name__}")
+        rows = updates if isinstance(updates, Sequence) else list(updates)
+        if len(rows) <= _SMALL_WRITE_ROWS:
+            return cls(_from_rows(rows), None)
+        lists = _from_rows(rows)
+        return cls(None, pa.Table.from_arrays(
+            [pa.array(lists[0], pa.binary()), pa.array(lists[1], pa.binary()),
+             pa.array(lists[2], pa.int64()), pa.array(lists[3], pa.int64())], schema=SCHEMA))
+
+    def __len__(self) -> int:
+        return len(self._lists[0]) if self._lists is not None else self.table().num_rows
+
+    def table(self) -> pa.Table:
+        if self._table is None:
+            assert self._lists is not None
+            ks, vs, ts, ds = self._lists
+            self._table = pa.Table.from_arrays(
+                [pa.array(ks, pa.binary()), pa.array(vs, pa.binary()),
+                 pa.array(ts, pa.int64()), pa.array(ds, pa.int64())], schema=SCHEMA)
+        return self._table
+
+    def time_bounds(self) -> tuple[int, int] | None:
+        if not len(self):
+            return None
+        if self._lists is not None:
+            return min(self._lists[2]), max(self._lists[2])
+        mm = pc.min_max(self.table().column("t")).as_py()
+        return int(mm["min"]), int(mm["max"])
+
+    def filter_times(self, lower: int) -> Updates:
+        """Only the updates with ``t >= lower``."""
+        if self._lists is not None:
+            ks, vs, ts, ds = self._lists
+            keep = [i for i, t in enumerate(ts) if t >= lower]
+            return Updates(([ks[i] for i in keep], [vs[i] for i in keep], [ts[i] for i in keep],
+                            [ds[i] for i in keep]), None)
+        table = self.table()
+        return Updates(None, table.filter(pc.greater_equal(table.column("t"), lower)))
+
+    def encode_inline(self) -> bytes:
+        """The ``InlineUpdates`` protobuf encoding (its size decides inline vs blob)."""
+        msg = pb.InlineUpdates()
+        if self._lists is not None:
+            ks, vs, ts, ds = self._lists
+        else:
+            t = self.table()
+            ks, vs = t.column("k").to_pylist(), t.column("v").to_pylist()
+            ts, ds = t.column("t").to_pylist(), t.column("d").to_pylist()
+        msg.keys.extend(ks)
+        msg.vals.extend(vs)
+        msg.times.extend(ts)
+        msg.diffs.extend(ds)
+        return msg.SerializeToString()
+
+    def estimated_inline_size(self) -> int:
+        """An upper-bound guess of the inline encoding's size without encoding it."""
+        if self._lists is not None:
+            ks, vs, _, _ = self._lists
+            return sum(len(k) + len(v) for k, v in zip(ks, vs, strict=True)) + 24 * len(ks)
+        t = self.table()
+        return int(t.column("k").nbytes + t.column("v").nbytes + 20 * t.num_rows)
+
+
+def decode_inline(data: bytes, where: str) -> pa.Table:
+    """Decode an inline part into a k/v/t/d table; raises :class:`CorruptPart`."""
+    msg = pb.InlineUpdates()
+    try:
+        msg.ParseFromString(data)
+    except DecodeError as e:
+        raise CorruptPart(f"corrupt inline part {where}: {e}") from None
+    n = len(msg.keys)
+    if not (len(msg.vals) == len(msg.times) == len(msg.diffs) == n):
+        raise CorruptPart(f"corrupt inline part {where}: column lengths differ")
+    if any(t > MAX_TIME for t in msg.times):
+        raise CorruptPart(f"corrupt inline part {where}: time beyond 2**63-1")
+    return pa.Table.from_arrays(
+        [pa.array(list(msg.keys), pa.binary()), pa.array(list(msg.vals), pa.binary()),
+         pa.array(list(msg.times), pa.int64()), pa.array(list(msg.diffs), pa.int64())],
+        schema=SCHEMA)
+
+
+def encode_parquet(table: pa.Table) -> bytes:
+    """Encode a consolidated k/v/t/d table as one Parquet file (zstd)."""
+    buf = io.BytesIO()
+    pq.write_table(table.cast(SCHEMA), buf, compression="zstd", write_statistics=["t"])
+    return buf.getvalue()
+
+
+def decode_parquet(data: bytes, where: str) -> pa.Table:
+    """Decode a Parquet part; raises :class:`CorruptPart` naming ``where``."""
+    try:
+        table = pq.read_table(io.BytesIO(data))
+        return table.select(["k", "v", "t", "d"]).cast(SCHEMA)
+    except (pa.ArrowException, KeyError, ValueError, OSError) as e:
+        raise CorruptPart(f"corrupt Parquet part {where}: {e}") from None
+
+
+def consolidate(table: pa.Table, since: int | None = None, as_of: int | None = None) -> pa.Table:
+    """Sum the diffs of equal ``(k, v, t)``, drop zeros, sort by ``(k, v, t)``.
+
+    Args:
+        table: updates with columns k, v, t, d.
+        since: if given, times below it are first advanced to it (compaction).
+        as_of: if given, updates with ``t > as_of`` are dropped and the rest are
+            advanced to ``as_of`` (a snapshot at ``as_of``).
+    """
+    if as_of is not None:
+        table = table.filter(pc.less_equal(table.column("t"), as_of))
+        table = table.set_column(2, "t", pa.array([as_of] * table.num_rows, pa.int64()))
+    elif since is not None:
+        table = table.set_column(2, "t", pc.max_element_wise(table.column("t"), since))
+    if table.num_rows == 0:
+        return empty_table()
+    grouped = table.group_by(["k", "v", "t"], use_threads=False).aggregate([("d", "sum")])
+    grouped = grouped.select(["k", "v", "t", "d_sum"]).rename_columns(["k", "v", "t", "d"])
+    grouped = grouped.filter(pc.not_equal(grouped.column("d"), 0))
+    return grouped.select(["k", "v", "t", "d"]).sort_by(
+        [("k", "ascending"), ("v", "ascending"), ("t", "ascending")]).cast(SCHEMA)
+
+
+def split_by_size(table: pa.Table, target_bytes: int) -> list[pa.Table]:
+    """Split a table into slices of roughly ``target_bytes`` of Arrow data each."""
+    if table.num_rows == 0:
+        return []
+    per_row = max(1, table.nbytes // max(1, table.num_rows))
+    rows = max(1, target_bytes // per_row)
+    return [table.slice(i, rows) for i in range(0, table.num_rows, rows)]

@@ -1,0 +1,290 @@
+"""Write handles: ``compare_and_append`` and ``append`` with inline-or-blob placement."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pyarrow.compute as pc
+
+from persist_pipeline.config import InlinePolicy, Placement
+from persist_pipeline.exceptions import (
+    CommitDeadlineExceeded,
+    InvalidFrontier,
+    InvalidUpdates,
+    LeaseExpired,
+    PersistError,
+    UpperMismatch,
+)
+from persist_pipeline.frontier import Frontier, check_frontier, less_equal, less_than
+from persist_pipeline.ids import new_token
+from persist_pipeline.internal import transitions
+from persist_pipeline.internal.heartbeat import Heartbeater
+from persist_pipeline.internal.machine import Machine, now_ms
+from persist_pipeline.internal.state import Batch, Description, HollowPart, InlinePart, Part
+from persist_pipeline.updates import Updates, encode_parquet, split_by_size
+
+if TYPE_CHECKING:
+    from persist_pipeline.internal.state import State
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    """What a successful write did.
+
+    Attributes:
+        placement: ``"inline"`` (in consensus), ``"wal"`` (WAL blob store), ``"blob"``
+            (main blob store), or ``"none"`` (no updates to store, or an ``append`` that
+            found its updates already written).
+        encoded_bytes: the size of the stored encoding (inline protobuf or Parquet parts).
+        seqno: the consensus seqno that committed it (or that was current, for ``"none"``).
+        upper: the shard's upper after the write.
+        num_updates: updates stored, after consolidation.
+        num_parts: blob parts written (0 when inline).
+        fell_back: an inline candidate went to blob because the shard's budget was full.
+        already_committed: a retry found this write already committed (idempotency).
+    """
+
+    placement: Placement
+    encoded_bytes: int
+    seqno: int
+    upper: Frontier
+    num_updates: int
+    num_parts: int = 0
+    fell_back: bool = False
+    already_committed: bool = False
+
+
+class WriteHandle:
+    """Appends to one shard. Obtain one with :meth:`PersistClient.open_writer`."""
+
+    def __init__(self, machine: Machine, writer_id: str, policy: InlinePolicy,
+                 has_wal: bool, debug: str = "") -> None:
+        self._machine = machine
+        self.writer_id = writer_id
+        self.policy = policy
+        self._store: str = "wal" if has_wal else "main"
+        self._closed = False
+        lease = self._lease_ms()
+        _, state = machine.apply(
+            lambda s: transitions.register_writer(s, writer_id, now_ms(), lease, debug))
+        self._upper: Frontier = state.upper
+        self._heartbeat = Heartbeater(f"persist-writer-{writer_id[:9]}",
+                                      machine.config.heartbeat_interval_s, self._beat)
+
+    @property
+    def shard_id(self) -> str:
+        return self._machine.shard_id
+
+    @property
+    def upper(self) -> Frontier:
+        """The shard's upper as of this handle's latest operation (may be stale)."""
+        return self._upper
+
+    def fetch_recent_upper(self) -> Frontier:
+        """Ask consensus for the shard's current upper."""
+        self._upper = self._machine.fetch_latest().upper
+        return self._upper
+
+    def _lease_ms(self) -> int:
+        return int(self._machine.config.reader_lease_duration_s * 1000)
+
+    def _beat(self) -> None:
+        lease = self._lease_ms()
+        self._machine.apply(lambda s: transitions.register_writer(s, self.writer_id, now_ms(),
+                                                                   lease))
+
+    def compare_and_append(
+        self, updates: object, expected_upper: int, new_upper: Frontier, *,
+        idempotency_token: str | None = None,
+    ) -> WriteResult:
+        """Append ``updates`` iff the shard's upper is ``expected_upper``; advance it.
+
+        Args:
+            updates: ``(key, val, ts, diff)`` tuples or a pyarrow Table with columns k, v,
+                t, d. Every ``ts`` must lie in ``[expected_upper, new_upper)``.
+            expected_upper: the upper the caller believes the shard has.
+            new_upper: the new upper (``None`` closes the shard for good).
+            idempotency_token: reuse the token of an attempt that ended indeterminate to
+                retry it without any risk of applying it twice.
+
+        Raises:
+            UpperMismatch: the shard's upper was not ``expected_upper``; nothing changed.
+            InvalidUpdates / InvalidFrontier: bad input; nothing changed.
+        """
+        self._check_open()
+        expected = check_frontier(expected_upper, "expected_upper")
+        if expected is None:
+            raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
+        upper = check_frontier(new_upper, "new_upper")
+        if not less_than(expected, upper):
+            raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
+                                  f"({expected})")
+        data = Updates.coerce(updates)
+        _check_times(data, expected, upper)
+        return self._commit(data, expected, upper, idempotency_token or new_token())
+
+    def append(self, updates: object, lower: int, upper: Frontier) -> WriteResult:
+        """Persist's ``append``: like compare_and_append with ``expected_upper=lower``,
+        for writers of definite data that may race with identical writers.
+
+        If the shard's upper is already inside ``(lower, upper)``, the updates below it are
+        cut away (another writer wrote them) and the rest is appended; if it is at or past
+        ``upper``, nothing is written and the result's placement is ``"none"``.
+
+        Raises:
+            UpperMismatch: the shard's upper is below ``lower`` (a gap would open).
+        """
+        self._check_open()
+        lo = check_frontier(lower, "lower")
+        hi = check_frontier(upper, "upper")
+        if lo is None or not less_than(lo, hi):
+            raise InvalidFrontier(f"upper ({hi}) must be beyond lower ({lo})")
+        data = Updates.coerce(updates)
+        _check_times(data, lo, hi)
+        token = new_token()
+        while True:
+            try:
+                return self._commit(data, lo, hi, token)
+            except UpperMismatch as mismatch:
+                current = mismatch.current
+                if less_than(current, lo):
+                    raise
+                if less_than(current, hi):
+                    assert current is not None
+                    lo = current
+                    data = data.filter_times(current)
+                    token = new_token()
+                    continue
+                state = self._machine.state
+                return WriteResult("none", 0, state.seqno, current, 0)
+
+    def _commit(self, data: Updates, expected: int, upper: Frontier, token: str) -> WriteResult:
+        batch_id = f"b{token}"
+        desc_since = self._machine.state.since
+        desc = Description(expected, upper, desc_since if desc_since is not None else 0)
+        if len(data) == 0:
+            empty = self._apply(None, expected, upper, token, "none", 0, 0, fell_back=False)
+            assert empty is not None  # only inline batches can exceed the budget
+            return empty
+        encoded_inline: bytes | None = None
+        if self.policy.threshold_bytes and data.estimated_inline_size() < 4 * \
+                self.policy.threshold_bytes:
+            encoded_inline = data.encode_inline()
+        if encoded_inline is not None and self.policy.is_candidate(len(encoded_inline)):
+            inline = Batch(batch_id, desc, (InlinePart(token, encoded_inline, len(data)),),
+                           len(data))
+            result = self._apply(inline, expected, upper, token, "inline", len(encoded_inline),
+                                 0, fell_back=False)
+            if result is not None:
+                return result
+            # The shard's inline budget is full: this write falls through to blob.
+            return self._write_blob(data, batch_id, desc, expected, upper, token, fell_back=True)
+        return self._write_blob(data, batch_id, desc, expected, upper, token, fell_back=False)
+
+    def _write_blob(self, data: Updates, batch_id: str, desc: Description, expected: int,
+                    upper: Frontier, token: str, *, fell_back: bool) -> WriteResult:
+        machine = self._machine
+        blob = machine.blobs.store("wal" if self._store == "wal" else "main")
+        parts: list[Part] = []
+        started = time.monotonic()
+        try:
+            for i, piece in enumerate(split_by_size(data.table(),
+                                                    machine.config.blob_target_size_bytes)):
+                encoded = encode_parquet(piece)
+                key = f"{self.shard_id}/p/{batch_id}-{i:04d}.parquet"
+                blob.set(key, encoded)
+                times = piece.column("t")
+                parts.append(HollowPart(key, "wal" if self._store == "wal" else "main",
+                                        len(encoded), piece.num_rows,
+                                        _min(times),
+                                        _max(times)))
+            batch = Batch(batch_id, desc, tuple(parts), len(data))
+            placement: Placement = "wal" if self._store == "wal" else "blob"
+            size = sum(p.encoded_size for p in parts)
+            deadline = started + machine.config.gc_orphan_min_age_s / 2
+            result = self._apply(batch, expected, upper, token, placement, size, len(parts),
+                                 fell_back=fell_back, commit_deadline=deadline)
+            assert result is not None
+            return result
+        except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates):
+            # Definitely not committed (an indeterminate error is not caught here).
+            self._delete_uncommitted(parts)
+            raise
+
+    def _delete_uncommitted(self, parts: list[Part]) -> None:
+        for part in parts:
+            if isinstance(part, HollowPart):
+                try:
+                    self._machine.blobs.store(part.store).delete(part.key)
+                except PersistError as e:  # GC's orphan sweep gets it later
+                    log.warning("could not delete uncommitted part %s: %s", part.key, e)
+
+    def _apply(self, batch: Batch | None, expected: int, upper: Frontier, token: str,
+               placement: Placement, encoded: int, num_parts: int, *, fell_back: bool,
+               commit_deadline: float | None = None) -> WriteResult | None:
+        machine = self._machine
+        policy = self.policy
+        lease = self._lease_ms()
+
+        def transition(state: State) -> tuple[State, transitions.AppendResult]:
+            if commit_deadline is not None and time.monotonic() > commit_deadline:
+                raise CommitDeadlineExceeded(
+                    f"shard {self.shard_id}: parts written too long ago to commit safely")
+            return transitions.compare_and_append(
+                state, batch, writer_id=self.writer_id, token=token, expected_upper=expected,
+                new_upper=upper, now_ms=now_ms(), lease_ms=lease,
+                inline_max_bytes=policy.max_bytes, fell_back=fell_back)
+
+        result, state = machine.apply(transition)
+        if isinstance(result, transitions.UpperMismatchResult):
+            self._upper = result.current
+            raise UpperMismatch(expected, result.current)
+        if isinstance(result, transitions.InlineBudgetExceeded):
+            return None
+        self._upper = state.upper
+        n = batch.num_updates if batch is not None else 0
+        return WriteResult(placement, encoded, state.seqno, state.upper, n, num_parts,
+                           fell_back=fell_back, already_committed=result.already_committed)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LeaseExpired(f"writer {self.writer_id} was expired")
+
+    def expire(self) -> None:
+        """Unregister this writer. The handle cannot write afterwards. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._heartbeat.stop()
+        self._machine.apply(lambda s: transitions.expire_writer(s, self.writer_id, now_ms()))
+
+    close = expire
+
+    def __enter__(self) -> WriteHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.expire()
+
+
+def _check_times(data: Updates, lower: int, upper: Frontier) -> None:
+    bounds = data.time_bounds()
+    if bounds is None:
+        return
+    lo, hi = bounds
+    if lo < lower or not less_equal(hi + 1, upper):
+        raise InvalidUpdates(f"update times must lie in [{lower}, {upper}); got times "
+                             f"{lo}..{hi}")
+
+
+def _min(col: object) -> int:
+    return int(pc.min(col).as_py())
+
+
+def _max(col: object) -> int:
+    return int(pc.max(col).as_py())

@@ -1,0 +1,401 @@
+"""The public API against every backend combination and the three inline settings.
+
+Each test runs on ``location`` (mem, embedded SQLite + files, PostgreSQL + S3, and
+PostgreSQL + S3 with a WAL store) times ``inline`` (on, off, backpressure).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pyarrow as pa
+import pytest
+
+from persist_pipeline import (
+    InlinePolicy,
+    NotYetAvailable,
+    PersistConfig,
+    ShardId,
+    ShardNotFound,
+    SinceViolation,
+    UpperMismatch,
+)
+from persist_pipeline.exceptions import (
+    FencedOut,
+    InvalidFrontier,
+    InvalidShardId,
+    InvalidUpdates,
+    LeaseExpired,
+)
+from tests.helpers import expected_snapshot, rows, state_history
+
+
+def small_batch(rng: random.Random, lo: int, hi: int, n: int = 5) -> list:
+    return [(f"k{rng.randrange(20)}".encode(), f"v{rng.randrange(3)}".encode(),
+             rng.randrange(lo, hi), rng.choice([1, 1, 2, -1])) for _ in range(n)]
+
+
+def expected_placement(policy: InlinePolicy, wal: bool) -> str:
+    if policy.max_bytes > 0 and policy.threshold_bytes > 0:
+        return "inline"
+    return "wal" if wal else "blob"
+
+
+def test_append_and_snapshot_match_a_model(open_client, inline, location):
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    reader = client.open_reader(shard)
+    rng = random.Random(1)
+    written = []
+    upper = 0
+    for _ in range(30):
+        batch = small_batch(rng, upper, upper + 3)
+        res = writer.compare_and_append(batch, expected_upper=upper, new_upper=upper + 3)
+        assert res.placement == expected_placement(inline, location.wal_blob_uri is not None)
+        assert res.fell_back == (inline.threshold_bytes > 0 and inline.max_bytes == 0)
+        assert res.upper == upper + 3 == writer.upper
+        written += batch
+        upper += 3
+    for as_of in (0, 1, 17, 45, upper - 1):
+        assert rows(reader.snapshot(as_of), as_of) == expected_snapshot(written, as_of)
+    assert client.inspect(shard)["inline_bytes"] <= inline.max_bytes
+
+
+def test_large_write_goes_to_blob_in_parts(open_client, location):
+    client = open_client(PersistConfig(blob_target_size_bytes=64 * 1024))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    big = [(f"key-{i:06d}".encode(), b"x" * 50, i % 7, 1) for i in range(20_000)]
+    res = writer.compare_and_append(big, 0, 7)
+    assert res.placement == ("wal" if location.wal_blob_uri else "blob")
+    assert res.num_parts > 1
+    info = client.inspect(shard)
+    assert info["parts"]["inline"] == 0
+    snap = client.open_reader(shard).snapshot(6)
+    assert snap.num_rows == 20_000
+
+
+def test_pyarrow_table_input(open_client):
+    client = open_client()
+    shard = ShardId.new()
+    table = pa.table({"k": [b"a", b"b", b"a"], "v": [b"1", b"2", b"1"], "t": [0, 1, 1],
+                      "d": [1, 1, 1]})
+    client.open_writer(shard).compare_and_append(table, 0, 2)
+    assert rows(client.open_reader(shard).snapshot(1), 1) == [(b"a", b"1", 2), (b"b", b"2", 1)]
+
+
+def test_upper_mismatch_changes_nothing(open_client):
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"k", b"v", 0, 1)], 0, 5)
+    before = client.inspect(shard)
+    with pytest.raises(UpperMismatch) as err:
+        writer.compare_and_append([(b"k", b"v", 3, 1)], 3, 9)
+    assert (err.value.expected, err.value.current) == (3, 5)
+    assert client.inspect(shard)["seqno"] == before["seqno"]
+    assert client.inspect(shard)["upper"] == 5
+
+
+@pytest.mark.parametrize(
+    ("updates", "expected", "new", "error"),
+    [
+        ([(b"k", b"v", 12, 1)], 0, 10, InvalidUpdates),          # time beyond new_upper
+        ([(b"k", b"v", 10, 1)], 0, 10, InvalidUpdates),          # time == new_upper
+        ([(b"k", b"v", 0, 1)], 0, 0, InvalidFrontier),           # non-advancing upper
+        ([(b"k", b"v", 0, 1)], 3, 2, InvalidFrontier),           # regressing upper
+        ([("k", b"v", 0, 1)], 0, 10, InvalidUpdates),            # str key
+        ([(b"k", 7, 0, 1)], 0, 10, InvalidUpdates),              # int value
+        ([(b"k", b"v", -1, 1)], 0, 10, InvalidUpdates),          # negative time
+        ([(b"k", b"v", True, 1)], 0, 10, InvalidUpdates),        # bool time
+        ([(b"k", b"v", 0, 1.5)], 0, 10, InvalidUpdates),         # float diff
+        ([(b"k", b"v", 0)], 0, 10, InvalidUpdates),              # 3-tuple
+        ("not updates", 0, 10, InvalidUpdates),
+        (pa.table({"k": [1], "v": [b"v"], "t": [0], "d": [1]}), 0, 10, InvalidUpdates),
+        (pa.table({"k": [b"k"], "v": [b"v"], "t": [0]}), 0, 10, InvalidUpdates),
+    ],
+)
+def test_bad_input_is_a_typed_error_and_changes_nothing(open_client, updates, expected, new,
+                                                         error):
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    seqno = client.inspect(shard)["seqno"]
+    with pytest.raises(error):
+        writer.compare_and_append(updates, expected, new)
+    after = client.inspect(shard)
+    assert (after["seqno"], after["upper"], after["batches"]) == (seqno, 0, 0)
+
+
+def test_compaction_flushes_inline_and_preserves_every_read(open_client, inline, location):
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    reader = client.open_reader(shard)
+    rng = random.Random(7)
+    written = []
+    for i in range(40):
+        batch = small_batch(rng, i, i + 1)
+        writer.compare_and_append(batch, i, i + 1)
+        written += batch
+    big = [(f"big{i}".encode(), b"v", 40, 1) for i in range(3000)]
+    writer.compare_and_append(big, 40, 41)
+    written += big
+    before = {t: reader.snapshot(t) for t in range(0, 41, 5)}
+    info = client.inspect(shard)
+    assert info["pending_merge_requests"] >= 1
+    metrics = client.compact(shard)
+    assert metrics["applied"] == metrics["requests"] >= 1
+    assert metrics["inline_bytes_after"] == 0
+    after = client.inspect(shard)
+    assert after["inline_bytes"] == 0 and after["parts"]["inline"] == 0
+    assert after["parts"]["hollow_wal"] == 0, "compaction output goes to the main store"
+    assert after["pending_merge_requests"] == 0
+    for t, table in before.items():
+        assert reader.snapshot(t).equals(table)
+        assert rows(table, t) == expected_snapshot(written, t)
+
+
+def test_compaction_after_since_advances_keeps_reads_at_or_after_since(open_client):
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    reader = client.open_reader(shard)
+    written = []
+    for t in range(20):
+        batch = [(b"k%d" % (t % 4), b"v", t, 1), (b"k%d" % ((t + 1) % 4), b"v", t, -1)]
+        writer.compare_and_append(batch, t, t + 1)
+        written += batch
+    reader.downgrade_since(10)
+    snaps = {t: reader.snapshot(t) for t in range(10, 20)}
+    client.compact(shard)
+    for t, table in snaps.items():
+        assert reader.snapshot(t).equals(table)
+    with pytest.raises(SinceViolation):
+        reader.snapshot(9)
+
+
+def test_read_frontier_errors(open_client):
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    reader = client.open_reader(shard)
+    writer.compare_and_append([(b"a", b"b", 0, 1)], 0, 3)
+    with pytest.raises(NotYetAvailable):
+        reader.snapshot(3)
+    reader.downgrade_since(2)
+    with pytest.raises(SinceViolation):
+        reader.snapshot(1)
+    with pytest.raises(InvalidFrontier):
+        reader.downgrade_since(1)
+    assert rows(reader.snapshot(2), 2) == [(b"a", b"b", 1)]
+
+
+def test_listen_after_snapshot_reproduces_the_collection(open_client):
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    reader = client.open_reader(shard)
+    rng = random.Random(3)
+    written = []
+    for i in range(10):
+        batch = small_batch(rng, i, i + 1)
+        writer.compare_and_append(batch, i, i + 1)
+        written += batch
+    listen = reader.listen(as_of=4)
+    seen = [(k, v, 4, d) for k, v, d in rows(reader.snapshot(4), 4)]
+    for i in range(10, 20):
+        batch = small_batch(rng, i, i + 1)
+        writer.compare_and_append(batch, i, i + 1)
+        written += batch
+        if i == 14:
+            client.compact(shard)  # compaction in the middle must not disturb the listen
+    frontier = 5
+    while frontier < 20:
+        for event in listen.poll(timeout_s=5):
+            if event.kind == "updates":
+                for r in event.updates.to_pylist():
+                    assert frontier <= r["t"]
+                    seen.append((r["k"], r["v"], r["t"], r["d"]))
+            else:
+                assert event.upper > frontier
+                frontier = event.upper
+    assert frontier == 20
+    for as_of in range(4, 20):
+        assert expected_snapshot(seen, as_of) == expected_snapshot(written, as_of)
+
+
+def test_closing_a_shard_ends_listens_and_refuses_writes(open_client):
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    reader = client.open_reader(shard)
+    listen = reader.listen(as_of=0)
+    writer.compare_and_append([(b"a", b"b", 2, 1)], 0, None)
+    events = list(listen)
+    assert events[-1].kind == "progress" and events[-1].upper is None
+    assert [r["k"] for e in events if e.kind == "updates" for r in e.updates.to_pylist()] \
+        == [b"a"]
+    with pytest.raises(InvalidFrontier):
+        writer.compare_and_append([], None, None)
+    with pytest.raises(UpperMismatch):
+        writer.compare_and_append([], 5, 6)
+    assert rows(reader.snapshot(10**12), 10**12) == [(b"a", b"b", 1)]
+
+
+def test_append_semantics_for_definite_writers(open_client):
+    client = open_client()
+    shard = ShardId.new()
+    w1, w2 = client.open_writer(shard), client.open_writer(shard)
+    data = [(b"a", b"1", 0, 1), (b"b", b"1", 3, 1), (b"c", b"1", 6, 1)]
+    assert w1.append(data[:2], 0, 5).placement != "none"
+    # w2 writes the same definite data over [0, 10): the part below 5 is cut away.
+    res = w2.append(data, 0, 10)
+    assert res.upper == 10 and res.num_updates == 1
+    # Already written entirely: a no-op.
+    assert w1.append(data, 0, 10).placement == "none"
+    # A gap would open: a mismatch.
+    with pytest.raises(UpperMismatch):
+        w1.append([(b"z", b"1", 12, 1)], 12, 14)
+    assert rows(client.open_reader(shard).snapshot(9), 9) == [
+        (b"a", b"1", 1), (b"b", b"1", 1), (b"c", b"1", 1)]
+
+
+def test_retry_with_the_same_idempotency_token_applies_once(open_client):
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    first = writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1, idempotency_token="tok-1")
+    again = writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1, idempotency_token="tok-1")
+    assert not first.already_committed and again.already_committed
+    assert rows(client.open_reader(shard).snapshot(0), 0) == [(b"a", b"1", 1)]
+
+
+def test_unknown_and_malformed_shards(open_client):
+    client = open_client()
+    with pytest.raises(ShardNotFound):
+        client.open_reader(ShardId.new())
+    with pytest.raises(ShardNotFound):
+        client.inspect(ShardId.new())
+    with pytest.raises(InvalidShardId):
+        client.open_writer("not-a-shard")
+    with pytest.raises(InvalidShardId):
+        ShardId.parse("s" + "0" * 36)
+    shard = ShardId.new()
+    assert ShardId.parse(str(shard)) == shard
+
+
+def test_expired_reader_cannot_read_and_releases_its_hold(open_client):
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    r1, r2 = client.open_reader(shard), client.open_reader(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 10)
+    r1.downgrade_since(5)
+    assert client.inspect(shard)["since"] == 0  # r2 still holds 0
+    r2.expire()
+    assert client.inspect(shard)["since"] == 5
+    with pytest.raises(LeaseExpired):
+        r2.snapshot(5)
+
+
+def test_critical_reader_is_fenced(open_client):
+    client = open_client()
+    shard = ShardId.new()
+    client.open_writer(shard).compare_and_append([(b"a", b"1", 0, 1)], 0, 10)
+    c1 = client.open_critical_reader(shard, "c-controller", opaque=b"epoch-1")
+    c2 = client.open_critical_reader(shard, "c-controller", opaque=b"ignored")
+    assert c2.opaque == b"epoch-1"
+    assert c1.compare_and_downgrade_since(b"epoch-1", b"epoch-2", 4) == 4
+    with pytest.raises(FencedOut) as err:
+        c2.compare_and_downgrade_since(b"epoch-1", b"epoch-1", 6)
+    assert err.value.current == b"epoch-2"
+    assert client.inspect(shard)["since"] == 4
+
+
+def test_fresh_client_rebuilds_state_from_rollups(open_client, location):
+    cfg = PersistConfig(rollup_threshold=8)
+    client = open_client(cfg)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    written = []
+    for t in range(50):
+        batch = [(b"k%d" % (t % 7), b"v", t, 1)]
+        writer.compare_and_append(batch, t, t + 1)
+        written += batch
+    info = client.inspect(shard)
+    assert len(info["rollups"]) >= 5
+    fresh = open_client(cfg)
+    machine = fresh.machine(shard)
+    state = machine.fetch_latest()
+    assert state.seqno == info["seqno"]
+    # Rebuilt from the latest rollup: only the records after it are scanned.
+    assert fresh.metrics.records_scanned <= cfg.rollup_threshold + 1
+    assert rows(fresh.open_reader(shard).snapshot(49), 49) == expected_snapshot(written, 49)
+
+
+def test_gc_deletes_replaced_parts_and_truncates_consensus(open_client, location, inline):
+    cfg = PersistConfig(rollup_threshold=4, gc_orphan_min_age_s=1)
+    client = open_client(cfg)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    written = []
+    for t in range(30):
+        batch = [(b"k%d" % (t % 5), b"v%d" % t, t, 1)]
+        writer.compare_and_append(batch, t, t + 1)
+        written += batch
+    client.compact(shard)
+    writer.compare_and_append([], 30, 31)  # a rollup after compaction
+    for t in range(31, 40):
+        writer.compare_and_append([], t, t + 1)
+    time.sleep(1.1)  # past the orphan age, so the sweep may consider everything
+    metrics = client.gc(shard)
+    assert metrics["seqnos_truncated"] > 0
+    if inline.max_bytes == 0:
+        assert metrics["blobs_deleted"] > 0  # the pre-compaction parts
+    assert client.consensus.scan(str(shard), 0)[0].seqno == metrics["earliest_seqno"]
+    # Every blob left is referenced by a live state, and every reference resolves.
+    live = set()
+    for state in state_history(client, str(shard)):
+        live |= {(p.store, p.key) for b in state.batches.values() for p in b.hollow_parts()}
+    live |= {("main", r.key) for r in state.rollups.values()}  # the latest state's rollups
+    stores = {"main": client.blobs.main, "wal": client.blobs.wal}
+    present = {(name, m.key) for name, blob in stores.items() if blob is not None
+               for m in blob.list_keys(f"{shard}/")}
+    assert present == live
+    fresh = open_client(cfg)
+    assert rows(fresh.open_reader(shard).snapshot(39), 39) == expected_snapshot(written, 39)
+
+
+def test_small_append_record_does_not_grow_with_the_state(location):
+    client = location.client(InlinePolicy())
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    sizes = []
+    payload = b"x" * 900
+    for t in range(1000):
+        writer.compare_and_append([(b"key%05d" % t, payload, t, 1)], t, t + 1)
+        sizes.append(len(client.consensus.head(str(shard)).data))
+    assert client.inspect(shard)["inline_bytes"] > 900_000
+    early = sorted(sizes[10:60])[25]
+    late = sorted(sizes[-50:])[25]
+    assert late <= early * 1.1 + 64, (early, late)
+    client.close()
+
+
+def test_every_state_version_respects_the_inline_bound(location):
+    policy = InlinePolicy(threshold_bytes=4096, max_bytes=3000)
+    client = location.client(policy)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    placements = [writer.compare_and_append([(b"k", b"x" * 300, t, 1)], t, t + 1).placement
+                  for t in range(30)]
+    assert placements.count("inline") == 9  # 9 x 312 bytes fit in 3000
+    versions = list(state_history(client, str(shard)))
+    assert len(versions) >= 30
+    assert max(s.inline_bytes for s in versions) <= policy.max_bytes
+    assert all(s.inline_bytes == sum(b.inline_bytes for b in s.batches.values())
+               for s in versions)
+    client.close()
