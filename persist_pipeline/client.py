@@ -11,10 +11,12 @@ from typing import Any
 from persist_pipeline.blob import open_blob
 from persist_pipeline.blob.base import Blob
 from persist_pipeline.blob.cache import CachingBlob
+from persist_pipeline.blob.retry import RetryingBlob
 from persist_pipeline.compaction import compact_shard
 from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import Consensus
+from persist_pipeline.consensus.retry import RetryingConsensus
 from persist_pipeline.exceptions import InvalidConfig
 from persist_pipeline.frontier import Frontier
 from persist_pipeline.gc import gc_shard
@@ -54,9 +56,12 @@ class PersistClient:
 
     def __init__(self, consensus: Consensus, blob: Blob, wal_blob: Blob | None = None,
                  config: PersistConfig | None = None) -> None:
-        self.consensus = consensus
         self.config = config or PersistConfig()
         cache = self.config.blob_cache_bytes
+        deadline = self.config.retry_deadline_s
+        self.consensus: Consensus = RetryingConsensus(consensus, deadline)
+        blob = RetryingBlob(blob, deadline)
+        wal_blob = RetryingBlob(wal_blob, deadline) if wal_blob is not None else None
         self.blobs = ShardBlobs(
             main=blob, wal=wal_blob,
             cached_main=CachingBlob(blob, cache) if cache else blob,

@@ -900,4 +900,5 @@ def test_fault_slow() -> None:
 )
 def test_fault_config_validated(kwargs: dict[str, Any]) -> None:
     with pytest.raises(InvalidConfig):
-        FaultConfig(**kwargs)
+        # Operations are checked against the wrapped backend's operations.
+        FaultyBlob(MemoryBlob(), FaultConfig(**kwargs))

@@ -58,10 +58,15 @@ def test_threads_append_to_one_shard(durable_location: Location):
     client = durable_location.client(TIGHT)
     shard = str(ShardId.new())
     client.open_writer(shard).expire()
+    # One client per thread: each has its own cached state, as separate processes do.
+    clients = [durable_location.client(TIGHT) for _ in range(8)]
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda n: write_loop(client, shard, f"t{n}", 15), range(8)))
+        results = list(pool.map(lambda n: write_loop(clients[n], shard, f"t{n}", 15), range(8)))
     acked = [u for r in results for u in r]
     assert len(acked) == 120
+    assert sum(c.metrics.cas_mismatches for c in clients) > 0, "the writers never raced"
+    for c in clients:
+        c.close()
     check_history(client, shard, acked, TIGHT)
     inspect = client.inspect(shard)
     assert inspect["upper"] == 120

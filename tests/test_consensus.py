@@ -642,6 +642,36 @@ def test_pg_concurrent_insert_of_one_seqno_is_resolved_by_the_primary_key(
 
 
 @pytest.mark.postgres
+def test_pg_stale_cas_cannot_reinsert_a_truncated_seqno(pg_url: str, pg_server: PgServer) -> None:
+    """The race READ COMMITTED gets wrong. Our CaS(1 -> 2) passes its head check while
+    a competitor (serializable, like every SqlConsensus session) appends 2 and 3 and
+    truncates below 3 in one uncommitted transaction, so our insert of 2 waits on it. On
+    commit row 2 is gone: under READ COMMITTED our insert then succeeded, reporting a win
+    for a seqno someone else had won and leaving a ghost record below the head."""
+    with open_consensus(pg_url) as store:
+        assert store.compare_and_set("s", None, vd(1)) is True
+        competitor = pg_server.connect(db_name(pg_url))
+        competitor.autocommit = False
+        competitor.set_session(isolation_level="SERIALIZABLE")
+        try:
+            with competitor.cursor() as cur:
+                cur.execute(
+                    "INSERT INTO consensus (shard, seqno, data, summary) "
+                    "VALUES ('s', 2, 'theirs-2', ''), ('s', 3, 'theirs-3', '')"
+                )
+                cur.execute("DELETE FROM consensus WHERE shard = 's' AND seqno < 3")
+            with ThreadPoolExecutor(1) as pool:
+                ours = pool.submit(store.compare_and_set, "s", 1, VersionedData(2, b"ours"))
+                wait_for_lock_waiters(pg_server, db_name(pg_url), 1)
+                competitor.commit()
+                assert ours.result(timeout=10) is False
+        finally:
+            competitor.close()
+        assert store.scan("s", 0) == [VersionedData(3, b"theirs-3")]
+        assert store.head("s") == VersionedData(3, b"theirs-3")
+
+
+@pytest.mark.postgres
 def test_pg_survives_the_server_closing_its_connections(pg_url: str, pg_server: PgServer) -> None:
     with open_consensus(pg_url) as store:
         fill(store, "s", 2)

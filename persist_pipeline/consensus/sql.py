@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import random
 import select
 import threading
 import time
@@ -58,6 +59,8 @@ _SQLITE_BUSY_TIMEOUT_S = 30
 _CONNECT_TIMEOUT_S = 10
 _MAX_REUSE_IDLE_S = 5.0
 _KEEP_CONNECTIONS = 4  # below the pool's default size of 5
+_MAX_ATTEMPTS = 30  # of a statement aborted by a serialization failure or deadlock
+_SERIALIZABLE = "-c default_transaction_isolation=serializable"
 _PREPARED = "persist_pipeline.prepared"
 
 
@@ -127,6 +130,15 @@ def _create_engine(kind: str, url: URL) -> Engine:
         event.listen(engine, "connect", functools.partial(_on_sqlite_connect, timeout))
         return engine
     connect_args: dict[str, Any] = {}
+    if kind == "postgresql":
+        # READ COMMITTED is not enough: a CaS blocked on a competitor's insert of the same
+        # seqno inserts anyway if a truncation deletes that row meanwhile, reporting
+        # success for a seqno someone else won. SERIALIZABLE aborts it (and we retry).
+        # CockroachDB is serializable by default.
+        user_options = url.query.get("options", "")
+        if not isinstance(user_options, str):
+            user_options = " ".join(user_options)
+        connect_args["options"] = f"{user_options} {_SERIALIZABLE}".strip()
     if "connect_timeout" not in url.query:
         connect_args["connect_timeout"] = _CONNECT_TIMEOUT_S
     if "application_name" not in url.query:
@@ -324,17 +336,25 @@ class SqlConsensus(Consensus):
     ) -> T:
         cursor = conn.cursor()
         try:
-            if statement.prepare is not None and not conn.info.get(_PREPARED):
-                self._prepare(conn, cursor)
-            try:
-                cursor.execute(statement.sql, statement.args(params))
-            except psycopg2.errors.InvalidSqlStatementName:
-                # Someone deallocated our prepared statements: nothing ran, so re-prepare.
-                if statement.prepare is None:
-                    raise
-                self._prepare(conn, cursor)
-                cursor.execute(statement.sql, statement.args(params))
-            return consume(cursor)
+            args = statement.args(params)
+            for attempt in range(_MAX_ATTEMPTS):
+                try:
+                    if statement.prepare is not None and not conn.info.get(_PREPARED):
+                        self._prepare(conn, cursor)
+                    cursor.execute(statement.sql, args)
+                    return consume(cursor)
+                except psycopg2.errors.InvalidSqlStatementName:
+                    # Someone deallocated our prepared statements; nothing ran.
+                    if statement.prepare is None or attempt > 0:
+                        raise
+                    conn.info.pop(_PREPARED, None)
+                except (psycopg2.errors.SerializationFailure, psycopg2.errors.DeadlockDetected):
+                    # The statement's transaction was rolled back, so nothing happened and
+                    # running it again on a fresh snapshot is safe.
+                    if attempt == _MAX_ATTEMPTS - 1:
+                        raise
+                    time.sleep(random.uniform(0, min(0.02, 0.0002 * 2**attempt)))  # noqa: S311
+            raise AssertionError("unreachable")
         finally:
             with contextlib.suppress(Exception):
                 cursor.close()

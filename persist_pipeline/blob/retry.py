@@ -1,0 +1,66 @@
+"""Retry transient blob errors: every blob operation persist uses is idempotent."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+from persist_pipeline.blob.base import Blob, BlobMeta
+from persist_pipeline.exceptions import BlobUnavailable, Indeterminate
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RetryingBlob(Blob):
+    """Retries :class:`BlobUnavailable` with jittered exponential backoff.
+
+    Safe because keys are written once with fixed contents: re-running a ``set`` whose
+    reply was lost writes the same bytes again, and ``get``/``delete``/``list_keys``
+    have no side effects beyond their first success. After ``deadline_s`` of failures
+    the last error is raised as :class:`Indeterminate`.
+    """
+
+    def __init__(self, inner: Blob, deadline_s: float) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.deadline_s = deadline_s
+        self.retries = 0
+
+    def _retry(self, op: str, call: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self.deadline_s
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except BlobUnavailable as e:
+                if time.monotonic() >= deadline:
+                    raise Indeterminate(f"{self.inner.describe()}: {op} kept failing for "
+                                        f"{self.deadline_s:.0f}s: {e}") from e
+                self.retries += 1
+                delay = min(1.0, 0.005 * 2 ** min(attempt, 8)) * (0.5 + random.random())  # noqa: S311
+                log.debug("%s: %s failed, retrying in %.3fs: %s", self.inner.describe(), op,
+                          delay, e)
+                time.sleep(delay)
+                attempt += 1
+
+    def get(self, key: str) -> bytes | None:
+        return self._retry("get", lambda: self.inner.get(key))
+
+    def set(self, key: str, value: bytes) -> None:
+        self._retry("set", lambda: self.inner.set(key, value))
+
+    def delete(self, key: str) -> int | None:
+        return self._retry("delete", lambda: self.inner.delete(key))
+
+    def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
+        return iter(self._retry("list_keys", lambda: list(self.inner.list_keys(prefix))))
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def describe(self) -> str:
+        return self.inner.describe()

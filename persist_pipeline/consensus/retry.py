@@ -1,0 +1,66 @@
+"""Retry transient consensus errors on the operations that are safe to repeat."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.exceptions import ConsensusUnavailable, Indeterminate
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RetryingConsensus(Consensus):
+    """Retries :class:`ConsensusUnavailable` on reads and on ``truncate``.
+
+    ``compare_and_set`` is passed through untouched: a failed CaS is indeterminate, and
+    only the state machine (which re-reads state and checks idempotency tokens) may
+    decide what to do about it.
+    """
+
+    def __init__(self, inner: Consensus, deadline_s: float) -> None:
+        self.inner = inner
+        self.deadline_s = deadline_s
+        self.retries = 0
+
+    def _retry(self, op: str, call: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self.deadline_s
+        attempt = 0
+        while True:
+            try:
+                return call()
+            except ConsensusUnavailable as e:
+                if time.monotonic() >= deadline:
+                    raise Indeterminate(f"consensus {op} kept failing for "
+                                        f"{self.deadline_s:.0f}s: {e}") from e
+                self.retries += 1
+                delay = min(1.0, 0.005 * 2 ** min(attempt, 8)) * (0.5 + random.random())  # noqa: S311
+                log.debug("consensus %s failed, retrying in %.3fs: %s", op, delay, e)
+                time.sleep(delay)
+                attempt += 1
+
+    def head(self, shard: str) -> VersionedData | None:
+        return self._retry("head", lambda: self.inner.head(shard))
+
+    def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
+        return self.inner.compare_and_set(shard, expected, new)
+
+    def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
+        return self._retry("scan", lambda: self.inner.scan(shard, from_seqno, limit))
+
+    def truncate(self, shard: str, seqno: int) -> int:
+        return self._retry("truncate", lambda: self.inner.truncate(shard, seqno))
+
+    def list_shards(self) -> list[str]:
+        return self._retry("list_shards", self.inner.list_shards)
+
+    def list_heads(self) -> Mapping[str, VersionedData]:
+        return self._retry("list_heads", self.inner.list_heads)
+
+    def close(self) -> None:
+        self.inner.close()
