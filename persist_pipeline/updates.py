@@ -85,14 +85,14 @@ def _check_table(table: pa.Table) -> pa.Table:
     if names != {"k", "v", "t", "d"}:
         raise InvalidUpdates(f"a table of updates needs exactly columns k, v, t, d; got "
                              f"{sorted(names)}")
-    try:
-        table = table.select(["k", "v", "t", "d"]).cast(SCHEMA, safe=True)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-        raise InvalidUpdates(f"updates table has wrong column types (want k, v binary; "
-                             f"t, d int64): {e}") from None
     for name in SCHEMA.names:
         if table.column(name).null_count:
             raise InvalidUpdates(f"column {name} contains nulls")
+    try:
+        table = table.select(["k", "v", "t", "d"]).cast(SCHEMA, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, ValueError) as e:
+        raise InvalidUpdates(f"updates table has wrong column types (want k, v binary; "
+                             f"t, d int64): {e}") from None
     if table.num_rows and pc.min(table.column("t")).as_py() < 0:
         raise InvalidUpdates("ts must be non-negative")
     return table

@@ -52,9 +52,10 @@ _PG_TRANSIENT_CODES = ("08", "57P", "40001", "40P01", "53", "55P03", "57014")
 
 def redact_url(url: URL) -> str:
     """``url`` as a string with its password (also a ``password`` query key) masked."""
-    if "password" in url.query:
-        url = url.update_query_dict({"password": _MASK})
-    return url.render_as_string(hide_password=True)
+    if "password" not in url.query:
+        return url.render_as_string(hide_password=True)
+    url = url.update_query_dict({"password": "REDACTED"})
+    return url.render_as_string(hide_password=True).replace("password=REDACTED", "password=***")
 
 
 def _secrets(url: URL) -> list[str]:

@@ -16,8 +16,7 @@ from persist_pipeline.faults import FaultConfig, FaultInjector
 
 __all__ = ["OPERATIONS", "FaultConfig", "FaultyConsensus"]
 
-OPERATIONS = frozenset({"head", "compare_and_set", "scan", "truncate", "list_shards",
-                        "list_heads"})
+OPERATIONS = frozenset({"head", "compare_and_set", "scan", "truncate", "list_shards", "list_heads"})
 
 
 class FaultyConsensus(Consensus):
@@ -32,12 +31,14 @@ class FaultyConsensus(Consensus):
         return self.faults.run("head", shard, lambda: self.inner.head(shard))
 
     def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
-        return self.faults.run("compare_and_set", f"{shard}@{expected}",
-                               lambda: self.inner.compare_and_set(shard, expected, new))
+        return self.faults.run(
+            "compare_and_set",
+            f"{shard}@{expected}",
+            lambda: self.inner.compare_and_set(shard, expected, new),
+        )
 
     def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
-        return self.faults.run("scan", shard,
-                               lambda: self.inner.scan(shard, from_seqno, limit))
+        return self.faults.run("scan", shard, lambda: self.inner.scan(shard, from_seqno, limit))
 
     def truncate(self, shard: str, seqno: int) -> int:
         return self.faults.run("truncate", shard, lambda: self.inner.truncate(shard, seqno))

@@ -36,8 +36,9 @@ class RetryingConsensus(Consensus):
                 return call()
             except ConsensusUnavailable as e:
                 if time.monotonic() >= deadline:
-                    raise Indeterminate(f"consensus {op} kept failing for "
-                                        f"{self.deadline_s:.0f}s: {e}") from e
+                    raise Indeterminate(
+                        f"consensus {op} kept failing for {self.deadline_s:.0f}s: {e}"
+                    ) from e
                 self.retries += 1
                 delay = min(1.0, 0.005 * 2 ** min(attempt, 8)) * (0.5 + random.random())  # noqa: S311
                 log.debug("consensus %s failed, retrying in %.3fs: %s", op, delay, e)

@@ -1,10 +1,17 @@
 """Consensus in a SQL database: PostgreSQL, CockroachDB (via psycopg2) or SQLite.
 
 Every method is one autocommit statement (a new shard's first record adds one registry
-insert before it), executed on a raw DBAPI cursor with SQL rendered once per engine from
-SQLAlchemy Core constructs (see :mod:`._sql_statements`). On PostgreSQL the statements
-are server-side prepared once per connection, which halves the cost of parsing and
-planning the compare-and-set.
+insert before it; ``truncate`` reads the head first), executed on a raw DBAPI cursor with
+SQL rendered once per engine from SQLAlchemy Core constructs (see
+:mod:`._sql_statements`). On PostgreSQL the statements are server-side prepared once per
+connection, so a compare-and-set is not parsed and planned on every call.
+
+PostgreSQL sessions run SERIALIZABLE: under READ COMMITTED a compare-and-set blocked on a
+competitor's uncommitted insert of the same seqno inserts anyway when a truncation deletes
+that row before the competitor commits, so it reports a win for a seqno someone else won
+and leaves a record below the head. A statement aborted by a serialization failure (or a
+deadlock) has no effect and is run again, so a losing writer may take more than one
+round trip. SQLite serializes writers with its write lock; CockroachDB is serializable.
 
 Connections come from a SQLAlchemy pool with ``pool_pre_ping``. A few are then kept for
 reuse without a new ping while used in the last ``_MAX_REUSE_IDLE_S`` seconds, so a busy
@@ -90,7 +97,7 @@ def parse_uri(uri: str) -> tuple[str, URL]:
             without a file path.
     """
     if not isinstance(uri, str) or "://" not in uri:
-        raise InvalidUri(f"not a SQL consensus URI: expected scheme://..., got {type(uri)}")
+        raise InvalidUri(f"not a SQL consensus URI (scheme://...): {type(uri).__name__}")
     scheme = uri.split("://", 1)[0].lower()
     kind = SCHEMES.get(scheme)
     if kind is None:
@@ -111,10 +118,11 @@ def parse_uri(uri: str) -> tuple[str, URL]:
 
 
 def _sqlite_timeout(url: URL) -> float:
-    raw = url.query.get("timeout", _SQLITE_BUSY_TIMEOUT_S)
+    """The busy timeout in seconds: the URI's ``?timeout=`` or 30."""
+    raw = url.query.get("timeout", str(_SQLITE_BUSY_TIMEOUT_S))
     try:
-        timeout = float(raw if isinstance(raw, str | int | float) else "x")
-    except ValueError:
+        timeout = float(raw)  # type: ignore[arg-type]  # a tuple if repeated: TypeError
+    except (TypeError, ValueError):
         raise InvalidUri(f"sqlite consensus URI: timeout must be seconds, got {raw!r}") from None
     if not 0 <= timeout <= 3600:
         raise InvalidUri(f"sqlite consensus URI: timeout must be in [0, 3600], got {timeout}")
@@ -299,7 +307,7 @@ class SqlConsensus(Consensus):
                 if raced and self._tables_exist():
                     return
                 if not raced or attempt == 2:
-                    raise map_error(exc, self._url, "creating the consensus tables") from exc
+                    raise map_error(exc, self._url, "opening") from exc
 
     def _tables_exist(self) -> bool:
         with contextlib.suppress(sa_exc.DBAPIError), self._engine.connect() as conn:
