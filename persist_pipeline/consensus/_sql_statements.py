@@ -29,6 +29,7 @@ from sqlalchemy import (
     func,
     literal_column,
     select,
+    true,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
@@ -67,9 +68,44 @@ def _head_seqno_of(shard: ColumnElement[Any], *correlate: Any) -> ColumnElement[
     return query.correlate(*correlate).scalar_subquery()
 
 
-def _statements(insert: Callable[[Table], Any]) -> dict[str, ClauseElement]:
+def _lateral_listings() -> dict[str, ClauseElement]:
+    """``list_shards`` and ``list_heads`` for PostgreSQL and CockroachDB: per registered
+    shard one backward probe of the primary key (a plain join or EXISTS lets PostgreSQL's
+    planner pick a hash join over every record)."""
+    s, c = shards.alias("s"), consensus.alias("c")
+    head = (
+        select(c.c.seqno, c.c.summary)
+        .where(c.c.shard == s.c.shard)
+        .order_by(c.c.seqno.desc())
+        .limit(literal_column("1", Integer))
+        .lateral("head")
+    )
+    return {
+        "list_shards": select(s.c.shard).select_from(s.join(head, true())).order_by(s.c.shard),
+        "list_heads": select(s.c.shard, head.c.seqno, head.c.summary)
+        .select_from(s.join(head, true()))
+        .order_by(s.c.shard),
+    }
+
+
+def _correlated_listings() -> dict[str, ClauseElement]:
+    """``list_shards`` and ``list_heads`` for SQLite (no LATERAL): its planner runs the
+    correlated lookups per registered shard through the primary key."""
+    s, c = shards.alias("s"), consensus.alias("c")
+    return {
+        "list_shards": select(s.c.shard)
+        .where(exists().where(c.c.shard == s.c.shard))
+        .order_by(s.c.shard),
+        "list_heads": select(c.c.shard, c.c.seqno, c.c.summary)
+        .select_from(
+            s.join(c, and_(c.c.shard == s.c.shard, c.c.seqno == _head_seqno_of(s.c.shard, s)))
+        )
+        .order_by(c.c.shard),
+    }
+
+
+def _statements(insert: Callable[[Table], Any], *, lateral: bool) -> dict[str, ClauseElement]:
     """Every statement, with ``insert`` the dialect's ``insert`` (for ON CONFLICT)."""
-    c, s = consensus.alias("c"), shards.alias("s")
     e = consensus.alias("e")
     no_records = ~exists().where(e.c.shard == _shard)
     return {
@@ -112,21 +148,12 @@ def _statements(insert: Callable[[Table], Any]) -> dict[str, ClauseElement]:
             consensus.c.shard == _shard,
             consensus.c.seqno < bindparam("below", type_=BigInteger),
         ),
-        "list_shards": select(s.c.shard)
-        .where(exists().where(c.c.shard == s.c.shard))
-        .order_by(s.c.shard),
-        # One query for all shards: per registered shard, an index lookup of its max seqno
-        # and of that record.
-        "list_heads": select(c.c.shard, c.c.seqno, c.c.summary)
-        .select_from(
-            s.join(c, and_(c.c.shard == s.c.shard, c.c.seqno == _head_seqno_of(s.c.shard, s)))
-        )
-        .order_by(c.c.shard),
+        **(_lateral_listings() if lateral else _correlated_listings()),
     }
 
 
-PG_STATEMENTS = _statements(postgresql.insert)
-SQLITE_STATEMENTS = _statements(sqlite.insert)
+PG_STATEMENTS = _statements(postgresql.insert, lateral=True)
+SQLITE_STATEMENTS = _statements(sqlite.insert, lateral=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,141 @@
+"""Spark compaction: ``compacted/NAME`` for every shard, computed by one multi-asset.
+
+A run selects the shards to compact (the inline pressure sensor and the compaction
+schedule select the ones that need it). The step runs every pending merge request of
+every selected shard, which flushes every inline part to the main blob store, as the
+tasks of ONE Spark job (:func:`persist_pipeline.spark.compact_shards`); the driver
+commits each result to consensus. Tasks read and write parts through the library's blob
+code, so S3, MinIO and local folders work without Hadoop connectors.
+
+Each selected shard gets a materialization with the compaction metrics and a
+``snapshot_unchanged`` check: the shard's snapshot at its latest complete time, read
+before compaction (under a reader that holds ``since``) and again after, must be equal.
+When no selected shard has pending work, no Spark session is started.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import dagster as dg
+import pyarrow as pa
+
+from assets.asset_keys import COMPACTION_GROUP, compacted_key, shard_key
+from assets.pipeline_config import ShardConfig
+from persist_pipeline import PersistClient, ReadHandle
+from persist_pipeline.spark import SparkCompactionFailed, compact_shards
+from resources.persist import PersistResource
+from resources.spark import PersistPySparkResource
+
+SNAPSHOT_CHECK = "snapshot_unchanged"
+
+#: Metrics reported per shard (all numeric, so the UI plots them).
+METRIC_KEYS = ("requests", "applied", "not_applied", "spark_tasks", "parts_in", "parts_out",
+               "inline_parts_in", "bytes_in", "bytes_out", "updates_in", "updates_out",
+               "inline_bytes_before", "inline_bytes_after", "rows_per_s", "duration_s",
+               "failed_tasks")
+
+
+class _Snapshot:
+    """A reader holding ``since`` and the snapshot it read before compaction."""
+
+    def __init__(self, client: PersistClient, shard_id: str) -> None:
+        self.reader: ReadHandle | None = None
+        self.as_of: int | None = None
+        self.before: pa.Table | None = None
+        summary = client.shard_summaries().get(shard_id)
+        if summary is None or summary.upper is None or summary.upper == 0:
+            return  # no shard, a closed shard or nothing written: nothing to compare
+        self.reader = client.open_reader(shard_id, debug="compaction snapshot check")
+        since = self.reader.since if self.reader.since is not None else 0
+        self.as_of = max(since, summary.upper - 1)
+        self.before = self.reader.snapshot(self.as_of)
+
+    def verify(self) -> dg.AssetCheckResult:
+        if self.reader is None or self.before is None or self.as_of is None:
+            return dg.AssetCheckResult(passed=True, metadata={"rows": 0, "note": "empty shard"})
+        after = self.reader.snapshot(self.as_of)
+        same = after.equals(self.before)
+        return dg.AssetCheckResult(
+            passed=same, severity=dg.AssetCheckSeverity.ERROR,
+            description=None if same else "compaction changed the snapshot",
+            metadata={"as_of": self.as_of, "rows_before": self.before.num_rows,
+                      "rows_after": after.num_rows})
+
+    def release(self) -> None:
+        if self.reader is not None:
+            self.reader.expire()
+
+
+def _needs_work(client: PersistClient, shard_ids: list[str]) -> bool:
+    summaries = client.shard_summaries()
+    return any(s in summaries and (summaries[s].pending_merges or summaries[s].inline_bytes)
+               for s in shard_ids)
+
+
+def build_compaction_assets(shards: tuple[ShardConfig, ...]) -> dg.AssetsDefinition:
+    """The multi-asset computing ``compacted/NAME`` for every configured shard."""
+    by_key = {compacted_key(s.name): s for s in shards}
+    specs = [dg.AssetSpec(compacted_key(s.name), deps=[shard_key(s.name)],
+                          group_name=COMPACTION_GROUP, kinds={"spark"},
+                          description=f"Shard {s.name} compacted: pending merges run and "
+                                      "inline parts flushed to the main blob store by Spark.",
+                          metadata={"shard_id": s.shard_id})
+             for s in shards]
+    check_specs = [dg.AssetCheckSpec(SNAPSHOT_CHECK, asset=compacted_key(s.name),
+                                     description="The shard's snapshot at its latest complete "
+                                                 "time is the same before and after compaction.")
+                   for s in shards]
+
+    @dg.multi_asset(name="spark_compaction", specs=specs, check_specs=check_specs,
+                    can_subset=True)
+    def spark_compaction(context: dg.AssetExecutionContext, persist: PersistResource,
+                         pyspark: PersistPySparkResource) -> Iterator[Any]:
+        selected = [by_key[k] for k in sorted(context.selected_asset_keys, key=str)]
+        checked = {ck.asset_key for ck in context.selected_asset_check_keys}
+        client = persist.client()
+        ids = [s.shard_id for s in selected]
+        _, blob_uri, wal_uri = persist.uris()
+        snapshots = {s.shard_id: _Snapshot(client, s.shard_id) for s in selected
+                     if compacted_key(s.name) in checked}
+        failure: SparkCompactionFailed | None = None
+        try:
+            if _needs_work(client, ids):
+                spark = pyspark.spark_session
+                try:
+                    metrics = compact_shards(spark, client, ids, blob_uri=blob_uri,
+                                             wal_blob_uri=wal_uri)
+                except SparkCompactionFailed as e:
+                    failure, metrics = e, e.metrics
+                master = pyspark.master
+            else:
+                context.log.info("no selected shard has pending work: Spark not started")
+                metrics = {}
+                master = "none"
+            for shard in selected:
+                m = metrics.get(shard.shard_id, {})
+                meta: dict[str, Any] = {k: m.get(k, 0) for k in METRIC_KEYS}
+                meta["rows_per_s"] = round(float(meta["rows_per_s"]), 1)
+                meta["duration_s"] = round(float(meta["duration_s"]), 3)
+                meta["spark_master"] = master
+                context.log.info(
+                    f"shard {shard.name}: {meta['requests']} merge(s), {meta['parts_in']} "
+                    f"parts in -> {meta['parts_out']} out, inline bytes "
+                    f"{meta['inline_bytes_before']} -> {meta['inline_bytes_after']}")
+                yield dg.MaterializeResult(asset_key=compacted_key(shard.name), metadata=meta)
+                snap = snapshots.get(shard.shard_id)
+                if snap is not None:
+                    result = snap.verify()
+                    yield dg.AssetCheckResult(
+                        asset_key=compacted_key(shard.name), check_name=SNAPSHOT_CHECK,
+                        passed=result.passed, severity=result.severity,
+                        description=result.description, metadata=result.metadata)
+        finally:
+            for snap in snapshots.values():
+                snap.release()
+        if failure is not None:
+            raise dg.Failure(description=str(failure),
+                             metadata={"failed_shards": ", ".join(sorted(failure.failures))})
+
+    return spark_compaction

@@ -1,0 +1,57 @@
+"""Garbage collection: ``gc/NAME`` for every shard, computed by one multi-asset.
+
+For each selected shard, deletes the blobs no live state version references and
+truncates consensus below every reader's hold (:meth:`PersistClient.gc`), and reports
+what it removed. Runs on the driver only (GC is metadata work plus deletes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import dagster as dg
+
+from assets.asset_keys import MAINTENANCE_GROUP, compacted_key, gc_key
+from assets.pipeline_config import ShardConfig
+from persist_pipeline.exceptions import ShardNotFound
+from resources.persist import PersistResource
+
+METRIC_KEYS = ("seqnos_truncated", "blobs_deleted", "bytes_deleted", "rollups_deleted",
+               "orphans_deleted", "live_blobs", "duration_s")
+
+
+class GcConfig(dg.Config):
+    """Run config of the GC step."""
+
+    sweep_orphans: bool = True
+
+
+def build_gc_assets(shards: tuple[ShardConfig, ...]) -> dg.AssetsDefinition:
+    """The multi-asset computing ``gc/NAME`` for every configured shard."""
+    by_key = {gc_key(s.name): s for s in shards}
+    specs = [dg.AssetSpec(gc_key(s.name), deps=[compacted_key(s.name)],
+                          group_name=MAINTENANCE_GROUP, kinds={"python"},
+                          description=f"Garbage collection of shard {s.name}: unreferenced "
+                                      "blobs deleted, consensus truncated.",
+                          metadata={"shard_id": s.shard_id})
+             for s in shards]
+
+    @dg.multi_asset(name="persist_gc", specs=specs, can_subset=True)
+    def persist_gc(context: dg.AssetExecutionContext, config: GcConfig,
+                   persist: PersistResource) -> Iterator[dg.MaterializeResult]:
+        client = persist.client()
+        for key in sorted(context.selected_asset_keys, key=str):
+            shard = by_key[key]
+            try:
+                metrics = client.gc(shard.shard_id, sweep_orphans=config.sweep_orphans)
+                found = True
+            except ShardNotFound:
+                metrics, found = {}, False
+            meta: dict[str, Any] = {k: metrics.get(k, 0) for k in METRIC_KEYS}
+            meta["duration_s"] = round(float(meta["duration_s"]), 3)
+            meta["shard_found"] = found
+            context.log.info(f"gc of shard {shard.name}: {meta}")
+            yield dg.MaterializeResult(asset_key=key, metadata=meta)
+
+    return persist_gc

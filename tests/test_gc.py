@@ -1,0 +1,84 @@
+"""GC deletes only what no live state version references and respects every hold."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from persist_pipeline import InlinePolicy, PersistConfig, ShardId
+from persist_pipeline.exceptions import CommitDeadlineExceeded
+from persist_pipeline.updates import Updates, encode_parquet
+from tests.fixtures.location import Location
+from tests.helpers import expected_snapshot, rows
+
+BLOB_ONLY = InlinePolicy(0, 0)
+
+
+def test_gc_respects_a_readers_seqno_hold(location: Location):
+    cfg = PersistConfig(rollup_threshold=4, heartbeat_interval_s=0)
+    client = location.client(BLOB_ONLY, cfg)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    old_reader = client.open_reader(shard)  # holds an early seqno
+    written = []
+    for t in range(20):
+        batch = [(b"k%d" % t, b"v", t, 1)]
+        writer.compare_and_append(batch, t, t + 1)
+        written += batch
+    client.compact(shard)
+    for t in range(20, 30):
+        writer.compare_and_append([], t, t + 1)
+    held = client.gc(shard)
+    assert held["seqnos_truncated"] == 0 and held["blobs_deleted"] == 0
+    assert rows(old_reader.snapshot(19), 19) == expected_snapshot(written, 19)
+    old_reader.heartbeat()  # not reading anything: its hold moves to the head
+    freed = client.gc(shard)
+    assert freed["seqnos_truncated"] > 0 and freed["blobs_deleted"] >= 20
+    assert rows(old_reader.snapshot(19), 19) == expected_snapshot(written, 19)
+    client.close()
+
+
+def test_gc_never_deletes_an_uncommitted_part_of_a_write_in_flight(location: Location):
+    client = location.client(BLOB_ONLY, PersistConfig(gc_orphan_min_age_s=3600))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"b", 0, 1)], 0, 1)
+    # A write whose part is uploaded but whose compare-and-set has not happened yet.
+    in_flight = f"{shard}/p/b-in-flight-0000.parquet"
+    client.blobs.main.set(in_flight, encode_parquet(Updates.coerce([(b"c", b"d", 1, 1)])
+                                                    .table()))
+    client.gc(shard)
+    assert client.blobs.main.get(in_flight) is not None
+    client.close()
+
+
+def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Location):
+    cfg = PersistConfig(gc_orphan_min_age_s=1.0)
+    client = location.client(BLOB_ONLY, cfg)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"b", 0, 1)], 0, 1)
+    orphan = f"{shard}/p/b-crashed-writer-0000.parquet"
+    client.blobs.main.set(orphan, b"left behind by a writer that died before its CaS")
+    time.sleep(1.2)
+    metrics = client.gc(shard)
+    assert metrics["orphans_deleted"] == 1
+    assert client.blobs.main.get(orphan) is None
+    assert rows(client.open_reader(shard).snapshot(0), 0) == [(b"a", b"b", 1)]
+    # A writer stalled past half the orphan age between upload and CaS must not commit.
+    slow = client.open_writer(shard)
+    real_apply = slow._machine.apply
+
+    def stalled_apply(transition):
+        time.sleep(0.6)
+        return real_apply(transition)
+
+    slow._machine.apply = stalled_apply  # type: ignore[method-assign]
+    with pytest.raises(CommitDeadlineExceeded):
+        slow.compare_and_append([(b"late", b"x", 1, 1)], 1, 2)
+    slow._machine.apply = real_apply  # type: ignore[method-assign]
+    assert client.inspect(shard)["upper"] == 1
+    assert not [m for m in client.blobs.main.list_keys(f"{shard}/p/") if b"late" in
+                (client.blobs.main.get(m.key) or b"")]
+    client.close()
