@@ -22,7 +22,11 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m persist_pipeline.examples.quickstart
+	DAGSTER_HOME="$${DAGSTER_HOME:-$(CURDIR)/.dagster_home}" $(PY) -m assets.run_demo
+
+ui: $(STAMP)
+	DAGSTER_HOME="$${DAGSTER_HOME:-$(CURDIR)/.dagster_home}" $(VENV)/bin/dagster dev \
+		-w workspace.yaml -h 127.0.0.1 -p "$${DAGSTER_UI_PORT:-3000}"
 
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q

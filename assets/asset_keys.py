@@ -7,6 +7,12 @@ Each shard ``NAME`` has three assets: ``shards/NAME`` (its data, written by inge
 from __future__ import annotations
 
 import dagster as dg
+from dagster._core.definitions.unresolved_asset_job_definition import (
+    UnresolvedAssetJobDefinition,
+)
+
+#: What ``dg.define_asset_job`` returns (dagster does not export the type).
+AssetJob = UnresolvedAssetJobDefinition
 
 INGESTION_GROUP = "ingestion"
 COMPACTION_GROUP = "compaction"

@@ -10,7 +10,8 @@ needs the snapshot read just before compaction. Both checks here read every shar
 summary in one consensus query, never a state.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Dagster 1.13 reads the annotations of
+# decorated functions (context, config and resource parameters) at definition time.
 
 import time
 from collections.abc import Iterator

@@ -13,7 +13,8 @@ before compaction (under a reader that holds ``since``) and again after, must be
 When no selected shard has pending work, no Spark session is started.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Dagster 1.13 reads the annotations of
+# decorated functions (context, config and resource parameters) at definition time.
 
 from collections.abc import Iterator
 from typing import Any

@@ -5,7 +5,8 @@ truncates consensus below every reader's hold (:meth:`PersistClient.gc`), and re
 what it removed. Runs on the driver only (GC is metadata work plus deletes).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Dagster 1.13 reads the annotations of
+# decorated functions (context, config and resource parameters) at definition time.
 
 from collections.abc import Iterator
 from typing import Any

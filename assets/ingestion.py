@@ -12,7 +12,8 @@ inline bytes. Sources:
 - ``synthetic``: the built-in change stream (:mod:`assets.change_stream`).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Dagster 1.13 reads the annotations of
+# decorated functions (context, config and resource parameters) at definition time.
 
 import time
 from collections.abc import Callable, Iterator
@@ -109,7 +110,7 @@ def write_metadata(client: PersistClient, shard: ShardConfig, result: WriteResul
 
 def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: ShardConfig,
            plan: Callable[[int], Planned]) -> dg.MaterializeResult:
-    writer = client.open_writer(shard.shard_id, debug=f"dagster run {context.run_id}")
+    writer = client.open_writer(shard.shard_id, debug=f"dagster run {context.run.run_id}")
     try:
         try:
             result, planned, latency_ms = append(writer, plan)
@@ -167,7 +168,7 @@ def change_stream(source: SyntheticSource) -> ChangeStream:
 def _describe_source(shard: ShardConfig) -> str:
     src = shard.source
     if isinstance(src, FileSource):
-        where = redact_uri(src.uri) if src.is_s3 else src.uri
+        where = redact_uri(src.uri)  # as configured: templates are not expanded here
         return f"files ({', '.join(src.formats)}) landing in {where}; times: {src.times}"
     return (f"synthetic change stream: {src.keys} keys, {src.events_per_write} changes per "
             f"write, seed {src.seed}")

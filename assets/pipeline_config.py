@@ -43,7 +43,8 @@ class FileSource:
     """Files landing in a local folder or under an S3 prefix.
 
     Attributes:
-        uri: an absolute folder path, or ``s3://bucket/prefix?...`` (a template).
+        uri: a folder, or ``s3://bucket/prefix?...``; may be a ``${VAR}`` template,
+            expanded when used (a relative folder is relative to ``base_dir``).
         formats: the file formats accepted (extensions of :data:`FORMATS`).
         times: ``ingest``: every row of a file is written at one new time (the shard's
             upper); ``source``: the file's ``t`` values are kept (all must be at or
@@ -55,11 +56,20 @@ class FileSource:
     formats: tuple[str, ...] = ("csv", "jsonl", "parquet")
     times: TimesMode = "ingest"
     sensor_interval_s: int = 30
+    base_dir: str = "."
     kind: Literal["files"] = "files"
+
+    def location(self) -> str:
+        """The expanded location: an S3 URI (may hold secrets) or an absolute folder."""
+        uri = expand_env(self.uri, what="landing uri").strip()
+        if uri.lower().startswith("s3://"):
+            return uri
+        path = Path(uri).expanduser()
+        return str(path if path.is_absolute() else (Path(self.base_dir) / path).resolve())
 
     @property
     def is_s3(self) -> bool:
-        return self.uri.lower().startswith("s3://")
+        return self.location().lower().startswith("s3://")
 
 
 @dataclass(frozen=True)
@@ -347,7 +357,7 @@ class _Parser:
                 raise self.error(sw + "uri", "is required (a folder or s3://bucket/prefix)")
             raw_uri = str(src["uri"])
             uri = (self.expand(raw_uri, sw + "uri", runtime=True)
-                   if raw_uri.lower().startswith("s3://")
+                   if raw_uri.lower().startswith("s3://") or "${" in raw_uri
                    else str(self.path(raw_uri, sw + "uri")))
             formats = src.get("formats", ["csv", "jsonl", "parquet"])
             known = sorted(set(FORMATS.values()))
@@ -358,6 +368,7 @@ class _Parser:
             if times not in ("ingest", "source"):
                 raise self.error(sw + "times", f"must be ingest or source, got {times!r}")
             source = FileSource(uri=uri, formats=tuple(formats), times=times,
+                                base_dir=str(self.file.parent),
                                 sensor_interval_s=self.integer(src, "sensor_interval_s", 30,
                                                                sw, 1))
         elif kind == "synthetic":

@@ -19,7 +19,6 @@ from assets.pipeline_config import FileSource
 from persist_pipeline.blob import open_blob, redact_uri
 from persist_pipeline.exceptions import InvalidUpdates
 from persist_pipeline.ingest import FORMATS, read_updates_file
-from resources.env import expand_env
 
 
 @dataclass(frozen=True)
@@ -51,21 +50,17 @@ def _accepted(name: str, source: FileSource) -> bool:
     return fmt is not None and fmt in source.formats
 
 
-def s3_uri(source: FileSource) -> str:
-    """The expanded S3 URI of an S3 landing location (may contain secrets)."""
-    return expand_env(source.uri, what="landing uri").strip()
-
-
 def describe(source: FileSource) -> str:
     """The landing location with credentials removed."""
-    return redact_uri(s3_uri(source)) if source.is_s3 else source.uri
+    return redact_uri(source.location())
 
 
 def list_landed(source: FileSource) -> list[LandedFile]:
     """Every accepted file now in the landing location, oldest first."""
     files: list[LandedFile] = []
-    if source.is_s3:
-        blob = open_blob(s3_uri(source))
+    location = source.location()
+    if location.lower().startswith("s3://"):
+        blob = open_blob(location)
         try:
             for meta in blob.list_keys(""):
                 if _accepted(meta.key, source):
@@ -73,7 +68,7 @@ def list_landed(source: FileSource) -> list[LandedFile]:
         finally:
             blob.close()
     else:
-        root = Path(source.uri)
+        root = Path(location)
         if root.is_dir():
             for path in root.rglob("*"):
                 rel = path.relative_to(root).as_posix()
@@ -85,11 +80,11 @@ def list_landed(source: FileSource) -> list[LandedFile]:
 
 def display_name(source: FileSource, name: str) -> str:
     """How messages name a landed file: its path, or its redacted S3 URI."""
-    if source.is_s3:
-        base = redact_uri(s3_uri(source))
-        location, sep, query = base.partition("?")
-        return f"{location.rstrip('/')}/{name}" + (f"?{query}" if sep else "")
-    return str(Path(source.uri) / name)
+    location = source.location()
+    if location.lower().startswith("s3://"):
+        base = redact_uri(location).partition("?")[0]  # the query names no file
+        return f"{base.rstrip('/')}/{name}"
+    return str(Path(location) / name)
 
 
 def read_landed(source: FileSource, name: str) -> pa.Table:
@@ -108,9 +103,10 @@ def read_landed(source: FileSource, name: str) -> pa.Table:
     if not _accepted(name, source):
         raise InvalidUpdates(f"{shown}: not an accepted file (formats: "
                              f"{', '.join(source.formats)})")
-    if not source.is_s3:
-        return read_updates_file(Path(source.uri) / rel)
-    blob = open_blob(s3_uri(source))
+    location = source.location()
+    if not location.lower().startswith("s3://"):
+        return read_updates_file(Path(location) / rel)
+    blob = open_blob(location)
     try:
         data = blob.get(name)
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,8 @@ class PersistClient:
         self.metrics = MachineMetrics()
         self._machines: dict[str, Machine] = {}
         self._lock = threading.Lock()
+        # Handles whose heartbeats stop when the client closes.
+        self._handles: weakref.WeakSet[WriteHandle | ReadHandle] = weakref.WeakSet()
 
     @classmethod
     def open(
@@ -141,8 +144,10 @@ class PersistClient:
         """A writer; creates the shard (``since = upper = 0``) if it does not exist."""
         m = self.machine(shard)
         m.open(create=True)
-        return WriteHandle(m, new_writer_id(), self.inline_policy, self.blobs.wal is not None,
-                           debug)
+        handle = WriteHandle(m, new_writer_id(), self.inline_policy,
+                             self.blobs.wal is not None, debug)
+        self._handles.add(handle)
+        return handle
 
     def open_reader(self, shard: ShardLike, *, create: bool = False,
                     debug: str = "") -> ReadHandle:
@@ -153,7 +158,9 @@ class PersistClient:
         """
         m = self.machine(shard)
         m.open(create=create)
-        return ReadHandle(m, new_reader_id(), debug)
+        handle = ReadHandle(m, new_reader_id(), debug)
+        self._handles.add(handle)
+        return handle
 
     def open_critical_reader(self, shard: ShardLike, reader_id: str | None = None,
                              opaque: bytes = b"", *, debug: str = "") -> CriticalReaderHandle:
@@ -217,7 +224,10 @@ class PersistClient:
         return out
 
     def close(self) -> None:
-        """Release connections. Open handles stop working."""
+        """Release connections. Open handles stop heartbeating and stop working; their
+        leases run out unless another process expires them first."""
+        for handle in list(self._handles):
+            handle.stop_heartbeats()
         self.consensus.close()
         self.blobs.main.close()
         if self.blobs.wal is not None:

@@ -168,6 +168,10 @@ class ReadHandle:
 
     close = expire
 
+    def stop_heartbeats(self) -> None:
+        """Stop the background heartbeat without expiring (the client is closing)."""
+        self._heartbeat.stop()
+
     def _check(self) -> None:
         if self._expired:
             raise LeaseExpired(f"reader {self.reader_id} was expired")

@@ -236,7 +236,9 @@ def compact_shards(
         ``{shard_id: metrics}``, each like :func:`~persist_pipeline.compaction.compact_shard`'s
         dict (``duration_s`` and ``rows_per_s`` are of the whole run) plus
         ``spark_tasks``, ``task_s`` (seconds spent in this shard's tasks),
-        ``spark_jobs`` (0 or 1) and ``found`` (False for a shard that does not exist).
+        ``spark_jobs`` (0 or 1, the same for every shard: one job serves them all),
+        ``spark_job_group`` (the Spark job group of that job, "" if none),
+        ``failed_tasks`` and ``found`` (False for a shard that does not exist).
 
     Raises:
         InvalidConfig: a blob URI is ``mem://`` (unreachable from executors).
@@ -269,6 +271,7 @@ def compact_shards(
                                target))
 
     results: list[_TaskResult] = []
+    group = ""
     if tasks:
         sc = spark.sparkContext
         slices = num_slices or min(len(tasks), max(1, 2 * sc.defaultParallelism))
@@ -298,6 +301,7 @@ def compact_shards(
             m.inline_bytes_after = client.machine(shard_id).fetch_latest().inline_bytes
         m.duration_s = duration
         out[shard_id] = {**m.as_dict(), **extra[shard_id], "spark_jobs": 1 if tasks else 0,
+                         "spark_job_group": group,
                          "failed_tasks": len(failures.get(shard_id, []))}
     if failures:
         raise SparkCompactionFailed(failures, out)

@@ -265,6 +265,10 @@ class WriteHandle:
 
     close = expire
 
+    def stop_heartbeats(self) -> None:
+        """Stop the background heartbeat without expiring (the client is closing)."""
+        self._heartbeat.stop()
+
     def __enter__(self) -> WriteHandle:
         return self
 

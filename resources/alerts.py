@@ -38,7 +38,7 @@ class Alert:
         title: one line.
         details: more lines of text.
         severity: ``warning`` or ``error``.
-        asset_key: the asset it concerns (an observation is recorded on it), if any.
+        asset_keys: the assets it concerns (an observation is recorded on each).
         metadata: numbers and short strings, recorded with the observation.
     """
 
@@ -46,7 +46,7 @@ class Alert:
     title: str
     details: str = ""
     severity: Severity = "warning"
-    asset_key: dg.AssetKey | None = None
+    asset_keys: tuple[dg.AssetKey, ...] = ()
     metadata: Mapping[str, MetadataScalar] = field(default_factory=dict)
 
     def text(self) -> str:
@@ -91,11 +91,12 @@ class AlertsResource(dg.ConfigurableResource):
         logger = context.log if context is not None else logging.getLogger(__name__)
         (logger.error if alert.severity == "error" else logger.warning)(
             f"[alert {alert.kind}] {text}")
-        if context is not None and alert.asset_key is not None:
+        if context is not None and alert.asset_keys:
             metadata: dict[str, Any] = {"alert": alert.kind, "severity": alert.severity,
                                         "message": text, **alert.safe_metadata()}
-            context.instance.report_runless_asset_event(
-                dg.AssetObservation(asset_key=alert.asset_key, metadata=metadata))
+            for key in alert.asset_keys:
+                context.instance.report_runless_asset_event(
+                    dg.AssetObservation(asset_key=key, metadata=metadata))
         return self._post(text, logger)
 
     def _post(self, text: str, logger: Any) -> bool:

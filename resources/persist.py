@@ -62,7 +62,7 @@ class PersistResource(dg.ConfigurableResource):
         if client is None:
             consensus, blob, wal = self.uris()
             for uri in (consensus, blob, wal):
-                _make_local_dirs(uri)
+                make_local_dirs(uri)
             client = PersistClient.open(consensus, blob, wal, inline_policy=inline_policy)
             self._clients[inline_policy] = client
         return client
@@ -73,17 +73,14 @@ class PersistResource(dg.ConfigurableResource):
         for client in clients:
             client.close()
 
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        self._clients = {}  # this run's own clients, never a copy's
+
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         self.close()
 
-    def __del__(self) -> None:  # a sensor's resource may never see a teardown
-        try:
-            self.close()
-        except Exception:  # noqa: S110 - best effort at interpreter exit
-            pass
 
-
-def _make_local_dirs(uri: str | None) -> None:
+def make_local_dirs(uri: str | None) -> None:
     if not uri:
         return
     parts: Any = urlsplit(uri)

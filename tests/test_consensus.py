@@ -387,9 +387,11 @@ def test_truncate_racing_writers_never_removes_the_head(store: Consensus) -> Non
     with ThreadPoolExecutor(6) as pool:
         side = [pool.submit(truncator), pool.submit(reader)]
         writers = [pool.submit(race, store, shard, f"w{i}", target) for i in range(4)]
-        for writer in writers:
-            writer.result(timeout=100)
-        done.set()
+        try:
+            for writer in writers:
+                writer.result(timeout=100)
+        finally:
+            done.set()
         for future in side:
             future.result(timeout=30)
 

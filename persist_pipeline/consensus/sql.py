@@ -26,6 +26,7 @@ import contextlib
 import functools
 import random
 import select
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -161,10 +162,26 @@ def _on_sqlite_connect(timeout: float, dbapi_connection: Any, _record: Any) -> N
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        _enable_wal(cursor, timeout)
         cursor.execute("PRAGMA synchronous = FULL")
     finally:
         cursor.close()
+
+
+def _enable_wal(cursor: Any, timeout: float) -> None:
+    """Switches the file to WAL, retrying within ``timeout``: two connections switching a
+    new file at once get "database is locked" at once, without the busy handler."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc).lower() or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def _quiet(conn: PoolProxiedConnection) -> bool:

@@ -1,0 +1,110 @@
+"""The code location: ``defs``, built from the pipeline config file.
+
+``workspace.yaml`` loads this module. Everything is made by the factories of the other
+modules from :class:`~assets.pipeline_config.PipelineConfig`; :func:`build_definitions`
+is public so other configs can be loaded the same way.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets.asset_keys import (
+    CHECKS_JOB,
+    COMPACTION_GROUP,
+    COMPACTION_JOB,
+    GC_JOB,
+    INGESTION_GROUP,
+    INGESTION_JOB,
+    MAINTENANCE_GROUP,
+    shard_key,
+)
+from assets.checks import build_shard_checks
+from assets.compaction import build_compaction_assets
+from assets.gc import build_gc_assets
+from assets.ingestion import build_ingestion_asset
+from assets.pipeline_config import FileSource, PipelineConfig, load_pipeline_config
+from assets.schedules import build_checks_schedule, build_compaction_schedule, build_gc_schedule
+from assets.sensors import (
+    build_compaction_failure_sensor,
+    build_inline_pressure_sensor,
+    build_landing_sensor,
+    build_shard_alert_sensors,
+)
+from resources.alerts import AlertsResource
+from resources.inline_policy import InlinePolicyResource
+from resources.persist import PersistResource
+from resources.spark import build_pyspark_resource
+
+
+def build_resources(config: PipelineConfig) -> dict[str, dg.ConfigurableResource]:
+    """The resources of the code location for ``config``."""
+    return {
+        "persist": PersistResource(consensus_uri=config.location.consensus_uri,
+                                   blob_uri=config.location.blob_uri,
+                                   wal_blob_uri=config.location.wal_blob_uri),
+        "inline_policy": InlinePolicyResource(
+            persist_inline_update_threshold_bytes=config.threshold_bytes,
+            persist_inline_update_max_bytes=config.max_bytes),
+        "pyspark": build_pyspark_resource(config.spark.master, config.spark.conf),
+        "alerts": AlertsResource(webhook_url=config.alerts.webhook_url),
+    }
+
+
+def build_definitions(config: PipelineConfig) -> dg.Definitions:
+    """Assets, checks, jobs, sensors and schedules for ``config``."""
+    shards = config.shards
+    running = config.automation_running
+    ingestion = {s.name: build_ingestion_asset(s) for s in shards}
+    compaction = build_compaction_assets(shards)
+    gc = build_gc_assets(shards)
+    checks = build_shard_checks(shards)
+
+    ingestion_job = dg.define_asset_job(
+        INGESTION_JOB, selection=dg.AssetSelection.groups(INGESTION_GROUP),
+        description="One write into every shard (file shards need a 'file' in run config).")
+    compaction_job = dg.define_asset_job(
+        COMPACTION_JOB, selection=dg.AssetSelection.groups(COMPACTION_GROUP),
+        description="Spark compaction of the selected shards (one Spark job per run).")
+    gc_job = dg.define_asset_job(GC_JOB, selection=dg.AssetSelection.groups(MAINTENANCE_GROUP),
+                                 description="Garbage collection of every shard.")
+    checks_job = dg.define_asset_job(
+        CHECKS_JOB,
+        selection=dg.AssetSelection.checks_for_assets(*[shard_key(s.name) for s in shards]),
+        description="The inline-bytes and freshness checks of every shard.")
+
+    sensors = [
+        *(build_landing_sensor(s, ingestion[s.name], running=running)
+          for s in shards if isinstance(s.source, FileSource)),
+        build_inline_pressure_sensor(
+            shards, high_water_fraction=config.compaction.high_water_fraction,
+            interval_s=config.compaction.sensor_interval_s, job=compaction_job,
+            running=running),
+        *build_shard_alert_sensors(
+            shards, high_water_fraction=config.compaction.high_water_fraction,
+            over_limit_for_s=config.alerts.over_limit_for_s,
+            backlog_threshold=config.alerts.backlog_threshold,
+            interval_s=config.alerts.sensor_interval_s, running=running),
+        build_compaction_failure_sensor(shards, running=running),
+    ]
+    schedules = [
+        build_compaction_schedule(shards, cron=config.compaction.schedule, job=compaction_job,
+                                  timezone=config.timezone, running=running),
+        build_gc_schedule(cron=config.gc_schedule, job=gc_job, timezone=config.timezone,
+                          running=running),
+        build_checks_schedule(cron=config.checks_schedule, job=checks_job,
+                              timezone=config.timezone, running=running),
+    ]
+    return dg.Definitions(
+        assets=[*ingestion.values(), compaction, gc],
+        asset_checks=checks,
+        jobs=[ingestion_job, compaction_job, gc_job, checks_job],
+        sensors=sensors,
+        schedules=schedules,
+        resources=build_resources(config),
+        executor=dg.in_process_executor,
+        metadata={"pipeline_config": str(config.path)},
+    )
+
+
+defs = build_definitions(load_pipeline_config())

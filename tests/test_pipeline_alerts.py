@@ -1,0 +1,139 @@
+"""Alerts: the alert sensors and the ``alerts`` resource, with a real loopback webhook.
+
+Covers: a shard above its limit, a compaction backlog and writes falling through to
+blob storage each POST one Slack-compatible ``{"text": ...}`` message per episode and
+record an observation in the Dagster event log; a failed compaction run alerts through
+``compaction_failure_alert_sensor``; no alert text carries a secret; an unreachable
+webhook does not break anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from assets.asset_keys import compacted_key, shard_key
+from resources.alerts import Alert, AlertsResource
+from tests.pipeline_support import (
+    SYNTHETIC,
+    Pipeline,
+    Webhook,
+    make_pipeline,
+    webhook,
+)
+
+__all__ = ["make_pipeline", "webhook"]  # fixtures, imported for pytest
+
+ALERT_SENSORS = ("inline_over_limit_alert_sensor", "compaction_backlog_alert_sensor",
+                 "inline_fallthrough_alert_sensor")
+
+
+def _tick_all(pipeline: Pipeline) -> None:
+    for name in ALERT_SENSORS:
+        tick = pipeline.ticker(name).tick()
+        assert tick.run_requests == []  # alert sensors never start runs
+
+
+def _observations(pipeline: Pipeline, key: dg.AssetKey) -> list[dict[str, Any]]:
+    records = pipeline.instance.fetch_observations(key, limit=50).records
+    return [{k: getattr(v, "value", v) for k, v in
+             r.asset_observation.metadata.items()} for r in records]  # type: ignore[union-attr]
+
+
+def _evaluate_failure_sensor(pipeline: Pipeline, result: dg.ExecuteInProcessResult) -> Any:
+    """Evaluate compaction_failure_alert_sensor on a failed run, as the daemon would."""
+    run = result.dagster_run
+    [record] = pipeline.instance.get_records_for_run(
+        run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE).records
+    sensor = pipeline.defs.resolve_sensor_def("compaction_failure_alert_sensor")
+    failure = dg.build_run_status_sensor_context(
+        sensor_name=sensor.name, dagster_event=record.event_log_entry.dagster_event,
+        dagster_instance=pipeline.instance, dagster_run=run,
+        resources=pipeline.defs.resources).for_run_failure()
+    with failure as context:  # resources live for the evaluation, as in the daemon
+        return sensor(context)
+
+
+def test_shard_alerts_post_to_the_webhook_once_per_episode(
+        make_pipeline: Any, webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PERSIST_ALERT_WEBHOOK_URL", webhook.url)
+    pipeline: Pipeline = make_pipeline(
+        {"clicks": {"source": SYNTHETIC}},
+        inline_policy={"persist_inline_update_max_bytes": 2048},
+        alerts={"over_limit_for_s": 0, "backlog_threshold": 0})
+    _tick_all(pipeline)  # no shard yet: nothing to say
+    assert webhook.bodies == []
+
+    # One ~1.2 KB inline write: above the mark (0.5 * 2048) and one pending merge.
+    assert pipeline.ingest("clicks").success
+    _tick_all(pipeline)
+    texts = [b["text"] for b in webhook.bodies]
+    assert len(texts) == 2, texts
+    assert "shard clicks" in texts[0] and "inline bytes, above its limit of 1024" in texts[0]
+    assert "compaction backlog of 1 pending merges (threshold 0)" in texts[1]
+
+    # The next writes cannot fit the 2048-byte budget: they fall through to blob.
+    assert pipeline.ingest("clicks").success
+    assert pipeline.ingest("clicks").success
+    _tick_all(pipeline)
+    assert len(webhook.bodies) == 3
+    fell = webhook.bodies[2]["text"]
+    assert "shard clicks: 2 write(s) fell through to blob storage" in fell
+    assert "inline budget exhausted" in fell
+
+    # Same episodes: no repeats.
+    _tick_all(pipeline)
+    assert len(webhook.bodies) == 3
+    for body in webhook.bodies:
+        assert set(body) == {"text"} and body["text"].startswith(":warning: *persist-pipeline*")
+        assert "s3cr3tT0ken" not in body["text"] and "/services/" not in body["text"]
+    assert all(path == "/services/T0001/B0002/s3cr3tT0ken" for path in webhook.paths)
+
+    # Every alert is also in the Dagster event log, on the shard's asset.
+    kinds = [o["alert"] for o in _observations(pipeline, shard_key("clicks"))]
+    assert sorted(kinds) == ["compaction_backlog", "inline_fallthrough", "inline_over_limit"]
+    assert [o["alert"] for o in _observations(pipeline, compacted_key("clicks"))] == [
+        "compaction_backlog"]
+
+
+def test_failed_compaction_run_alerts(make_pipeline: Any, webhook: Webhook,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PERSIST_ALERT_WEBHOOK_URL", webhook.url)
+    pipeline: Pipeline = make_pipeline({"clicks": {"source": SYNTHETIC}})
+    # A consensus database that refuses connections, with a password in its URI.
+    monkeypatch.setenv("PERSIST_CONSENSUS_URI",
+                       "postgresql://app:hunter22@127.0.0.1:1/persist")
+    job = pipeline.defs.resolve_job_def("compaction_job")
+    result = job.execute_in_process(instance=pipeline.instance, raise_on_error=False,
+                                    tags={"persist/shards": "clicks"})
+    assert not result.success
+
+    run = result.dagster_run
+    assert _evaluate_failure_sensor(pipeline, result) is None
+    [body] = webhook.bodies
+    text = body["text"]
+    assert text.startswith(":rotating_light: *persist-pipeline* compaction run")
+    assert run.run_id in text and "(shards clicks)" in text
+    assert "127.0.0.1:1" in text  # the cause, with the database named ...
+    assert "hunter22" not in text  # ... but never its password
+    kinds = [o["alert"] for o in _observations(pipeline, compacted_key("clicks"))]
+    assert kinds == ["compaction_run_failed"]
+
+    # Failed runs that do not compact are not its business.
+    failed_ingestion = pipeline.ingest("clicks")
+    assert not failed_ingestion.success
+    skip = _evaluate_failure_sensor(pipeline, failed_ingestion)
+    assert isinstance(skip, dg.SkipReason) and "does not compact" in skip.skip_message
+    assert len(webhook.bodies) == 1
+
+
+def test_alerts_resource_without_a_working_webhook(caplog: pytest.LogCaptureFixture) -> None:
+    alert = Alert(kind="test", title="hello from s3://b/p?secret_access_key=K3Y")
+    assert "K3Y" not in alert.text()
+    assert AlertsResource().send(alert) is False  # no webhook: log only
+    closed = AlertsResource(webhook_url="http://127.0.0.1:9/hooks/T/s3cr3t", timeout_s=2)
+    assert closed.send(alert) is False  # unreachable: logged, not raised
+    assert "s3cr3t" not in caplog.text and "http://127.0.0.1:9/***" in caplog.text
+    assert AlertsResource(webhook_url="file:///etc/passwd").send(alert) is False

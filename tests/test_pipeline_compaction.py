@@ -1,0 +1,197 @@
+"""The inline pressure sensor and Spark compaction (PySpark ``local[2]``, one session).
+
+Covers: the sensor, evaluated on a real instance, requests exactly one compaction run
+per crossing of the high-water mark (and reads shard summaries, never a state); the run
+it requests compacts on Spark, inline bytes go to zero and every snapshot is unchanged;
+the Spark executor compacts several shards (inline, main and WAL parts) in ONE Spark
+job, reports a failed task without losing the other shards' results, and refuses
+in-memory blob stores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from assets.change_stream import ChangeStream
+from assets.runner import Tick
+from persist_pipeline import InlinePolicy, PersistClient, ShardId
+from persist_pipeline.exceptions import InvalidConfig
+from persist_pipeline.spark import SparkCompactionFailed, compact_shards
+from tests.pipeline_support import (
+    SYNTHETIC,
+    Pipeline,
+    check_results,
+    make_pipeline,
+    materializations,
+    spark_session,
+)
+
+__all__ = ["make_pipeline", "spark_session"]  # fixtures, imported for pytest
+
+pytestmark = pytest.mark.spark
+
+STREAM = ChangeStream(**{k: v for k, v in SYNTHETIC.items() if k != "kind"})
+
+
+def _snapshots(client: PersistClient, shard_id: str, upper: int) -> dict[int, Any]:
+    """The snapshot at every time from the shard's since to ``upper - 1``."""
+    reader = client.open_reader(shard_id)
+    try:
+        since = reader.since or 0
+        return {t: reader.snapshot(t) for t in range(since, upper)}
+    finally:
+        reader.expire()
+
+
+def test_inline_pressure_sensor_requests_one_compaction_per_crossing(
+        make_pipeline: Any, spark_session: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    pipeline: Pipeline = make_pipeline({
+        "clicks": {"source": SYNTHETIC},
+        "stock": {"source": {**SYNTHETIC, "events_per_write": 5, "seed": 9}},
+    })
+    client = pipeline.client()
+    clicks, stock = pipeline.shard_id("clicks"), pipeline.shard_id("stock")
+    sensor = pipeline.ticker("inline_pressure_sensor")
+    assert sensor.tick().run_requests == []  # no shard yet
+
+    # Each clicks write is ~1.2 KB inline; the mark is 0.5 * 8192 = 4096 bytes.
+    requests = []
+    for _ in range(6):
+        assert pipeline.ingest("clicks", "stock").success
+        tick = sensor.tick()
+        requests.extend(tick.run_requests)
+        if tick.run_requests:
+            break
+    [request] = requests
+    assert client.shard_summaries()[clicks].inline_bytes >= 4096
+    assert [k.path for k in request.asset_selection] == [["compacted", "clicks"]]
+    assert request.run_key.startswith("inline-pressure:clicks@")
+
+    # Same crossing, run not done yet: no second request, however often it ticks.
+    assert pipeline.ingest("clicks", "stock").success
+    assert sensor.tick().run_requests == []
+    assert sensor.tick().run_requests == []
+
+    # The sensor reads one summary per shard: it never needs a shard's state.
+    def no_states(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the sensor read a shard's state")
+
+    with monkeypatch.context() as m:
+        m.setattr(PersistClient, "machine", no_states)
+        assert sensor.tick().run_requests == []
+
+    upper = client.shard_summaries()[clicks].upper
+    before = _snapshots(client, clicks, upper)
+    [result] = pipeline.launch_all("inline_pressure_sensor", Tick(run_requests=[request]))
+    assert result.success
+    meta = materializations(result)
+    assert list(meta) == ["compacted/clicks"]  # only the crossing shard
+    m = meta["compacted/clicks"]
+    assert m["requests"] >= 1 and m["inline_parts_in"] >= 1 and m["parts_out"] >= 1
+    assert m["inline_bytes_before"] >= 4096 and m["inline_bytes_after"] == 0
+    assert m["spark_tasks"] == m["requests"] and m["failed_tasks"] == 0
+    assert m["rows_per_s"] > 0 and m["spark_master"] == "local[2]"
+    check = check_results(result)["compacted/clicks:snapshot_unchanged"]
+    assert check.passed and check.metadata["rows_before"].value > 0
+
+    summary = client.shard_summaries()[clicks]
+    assert summary.inline_bytes == 0 and summary.num_inline_parts == 0
+    assert client.inspect(clicks)["parts"]["inline"] == 0
+    after = _snapshots(client, clicks, upper)
+    assert after.keys() == before.keys()
+    for t in before:
+        assert after[t].equals(before[t]), f"snapshot at {t} changed"
+    last = after[upper - 1]
+    assert dict(zip(last.column("k").to_pylist(), last.column("v").to_pylist(),
+                    strict=True)) == STREAM.collection(upper)
+    assert client.shard_summaries()[stock].inline_bytes > 0  # not selected, not touched
+
+    # Compacted: the crossing is over. Writing up to the mark again is a new crossing.
+    assert sensor.tick().run_requests == []
+    again = []
+    for _ in range(6):
+        assert pipeline.ingest("clicks").success
+        again.extend(sensor.tick().run_requests)
+        if again:
+            break
+    [second] = again
+    assert second.run_key != request.run_key
+    assert [k.path for k in second.asset_selection] == [["compacted", "clicks"]]
+
+
+def _client(root: Path, wal: bool) -> tuple[PersistClient, str, str | None]:
+    blob = f"file://{root}/blob"
+    wal_uri = f"file://{root}/wal" if wal else None
+    (root / "blob").mkdir(parents=True)
+    if wal_uri:
+        (root / "wal").mkdir()
+    client = PersistClient.open(f"sqlite:///{root}/consensus.db", blob, wal_uri,
+                                inline_policy=InlinePolicy(4096, 1 << 20))
+    return client, blob, wal_uri
+
+
+def _fill(client: PersistClient, shard: ShardId, writes: int, big_at: int) -> None:
+    writer = client.open_writer(shard)
+    for t in range(writes):
+        rows = 3000 if t == big_at else 15
+        updates = [(f"k{(t * 7 + j) % 60}".encode(), f"v{t}-{j}".encode(), t, 1)
+                   for j in range(rows)]
+        writer.compare_and_append(updates, t, t + 1)
+    writer.expire()
+
+
+def test_spark_executor_compacts_many_shards_in_one_job(tmp_path: Path,
+                                                        spark_session: Any) -> None:
+    client, blob, wal = _client(tmp_path, wal=True)
+    shards = [ShardId.new() for _ in range(3)]
+    for i, shard in enumerate(shards):
+        _fill(client, shard, writes=9, big_at=3 + i)  # inline parts and WAL parts
+    assert all(client.inspect(s)["parts"]["hollow_wal"] == 1 for s in shards)
+    before = {s: _snapshots(client, str(s), 9) for s in shards}
+    missing = ShardId.new()
+
+    metrics = compact_shards(spark_session, client, [*shards, missing], blob_uri=blob,
+                             wal_blob_uri=wal)
+    groups = {m["spark_job_group"] for m in metrics.values()}
+    [group] = groups
+    assert len(spark_session.sparkContext.statusTracker().getJobIdsForGroup(group)) == 1
+    assert metrics[str(missing)]["found"] is False
+    for shard in shards:
+        m = metrics[str(shard)]
+        assert m["requests"] == m["applied"] == m["spark_tasks"] >= 1
+        assert m["inline_bytes_before"] > 0 and m["inline_bytes_after"] == 0
+        info = client.inspect(shard)
+        assert info["parts"]["inline"] == 0 and info["parts"]["hollow_wal"] == 0
+        assert info["pending_merge_requests"] == 0
+        after = _snapshots(client, str(shard), 9)
+        for t, table in before[shard].items():
+            assert after[t].equals(table), f"shard {shard}: snapshot at {t} changed"
+
+    # Nothing pending: no Spark job at all.
+    idle = compact_shards(spark_session, client, shards, blob_uri=blob, wal_blob_uri=wal)
+    assert {m["spark_jobs"] for m in idle.values()} == {0}
+    client.close()
+
+
+def test_spark_executor_failures_and_bad_uris(tmp_path: Path, spark_session: Any) -> None:
+    client, blob, _ = _client(tmp_path, wal=False)
+    good, broken = ShardId.new(), ShardId.new()
+    _fill(client, good, writes=4, big_at=1)
+    _fill(client, broken, writes=4, big_at=1)
+    [part] = [p for p in (tmp_path / "blob").rglob("*.parquet") if str(broken) in str(p)]
+    part.unlink()  # the broken shard's blob part is gone
+
+    with pytest.raises(SparkCompactionFailed) as info:
+        compact_shards(spark_session, client, [good, broken], blob_uri=blob)
+    assert list(info.value.failures) == [str(broken)]
+    assert "CorruptPart" in str(info.value) and str(broken) in str(info.value)
+    assert info.value.metrics[str(good)]["inline_bytes_after"] == 0  # committed anyway
+    assert client.inspect(good)["parts"]["inline"] == 0
+    assert client.inspect(broken)["parts"]["inline"] > 0  # unchanged
+
+    with pytest.raises(InvalidConfig, match="in-memory"):
+        compact_shards(spark_session, client, [good], blob_uri="mem://x")
+    client.close()

@@ -1,0 +1,160 @@
+"""The code location loads through ``workspace.yaml``, from the repo's ``pipeline.yaml``.
+
+Covers: the shipped config and workspace load (in process, and with Dagster's own
+loader via the ``dagster`` CLI); what they define; resources keep secrets out of the
+UI; config errors name the file and key; the synthetic change stream is consistent.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from assets.change_stream import ChangeStream
+from assets.pipeline_config import CONFIG_ENV, REPO_ROOT, load_pipeline_config
+from assets.workspace import DEFAULT_WORKSPACE, load_workspace_definitions, workspace_target
+from persist_pipeline.exceptions import InvalidConfig
+from persist_pipeline.updates import consolidate
+from resources.alerts import AlertsResource
+from resources.env import expand_env, redact_text
+from resources.inline_policy import InlinePolicyResource
+from resources.persist import PersistResource
+from resources.spark import PersistPySparkResource
+from tests.pipeline_support import PIPELINE_ENV
+
+
+@pytest.fixture
+def shipped_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The repo's own pipeline.yaml, with its data directory in tmp_path."""
+    for name in (*PIPELINE_ENV, CONFIG_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PERSIST_PIPELINE_DATA_DIR", str(tmp_path / "data"))
+    return tmp_path / "data"
+
+
+def test_workspace_loads_the_shipped_pipeline(shipped_env: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    module, attribute, workdir = workspace_target(DEFAULT_WORKSPACE)
+    assert (module, attribute, workdir) == ("assets.definitions", "defs", REPO_ROOT)
+    defs = load_workspace_definitions()
+    dg.Definitions.validate_loadable(defs)
+    config = load_pipeline_config()
+    names = [s.name for s in config.shards]
+    assert names == ["orders", "clicks", "inventory"]
+
+    keys = defs.resolve_asset_graph().get_all_asset_keys()
+    for name in names:
+        for kind in ("shards", "compacted", "gc"):
+            assert dg.AssetKey([kind, name]) in keys
+    checks = {str(k.name) for c in defs.asset_checks or [] for k in c.check_keys}
+    assert checks == {"inline_bytes_within_max", "upper_advanced_recently"}
+    assert {s.name for s in defs.sensors or []} == {
+        "orders_landing_sensor", "inline_pressure_sensor", "inline_over_limit_alert_sensor",
+        "compaction_backlog_alert_sensor", "inline_fallthrough_alert_sensor",
+        "compaction_failure_alert_sensor"}
+    assert {s.name for s in defs.schedules or []} == {
+        "compaction_schedule", "gc_schedule", "shard_checks_schedule"}
+    assert defs.resolve_schedule_def("compaction_schedule").cron_schedule == "0 * * * *"
+    assert defs.resolve_schedule_def("gc_schedule").cron_schedule == "30 3 * * *"
+    for job in ("ingestion_job", "compaction_job", "gc_job", "shard_checks_job"):
+        defs.resolve_job_def(job)
+
+    resources = defs.resources
+    assert isinstance(resources["persist"], PersistResource)
+    assert isinstance(resources["inline_policy"], InlinePolicyResource)
+    assert isinstance(resources["pyspark"], PersistPySparkResource)
+    assert isinstance(resources["alerts"], AlertsResource)
+    pyspark = resources["pyspark"]
+    assert pyspark.spark_config["spark.master"] == "local[*]"
+    assert pyspark.spark_config["spark.driver.bindAddress"] == "127.0.0.1"
+    assert pyspark.spark_config["spark.pyspark.python"] == sys.executable
+    policy = resources["inline_policy"].policy()
+    assert (policy.threshold_bytes, policy.max_bytes) == (4096, 16384)
+
+    # The location is a template in the definitions (what the UI shows), expanded at run
+    # time; described without the password.
+    persist = resources["persist"]
+    assert persist.consensus_uri.startswith("${PERSIST_CONSENSUS_URI:-sqlite:///")
+    assert persist.uris()[0] == f"sqlite:///{shipped_env}/consensus.db"
+    monkeypatch.setenv("PERSIST_CONSENSUS_URI", "postgresql://app:hunter22@db:5432/persist")
+    assert persist.uris()[0] == "postgresql://app:hunter22@db:5432/persist"
+    assert "hunter22" not in persist.describe()
+    assert "hunter22" not in persist.consensus_uri
+
+
+def test_dagster_loads_the_workspace(shipped_env: Path) -> None:
+    """Dagster's own loader (a code server process) accepts workspace.yaml."""
+    env = {**os.environ, "DAGSTER_HOME": str(shipped_env.parent / "dagster_home")}
+    Path(env["DAGSTER_HOME"]).mkdir()
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "dagster"), "definitions", "validate",
+         "-w", str(DEFAULT_WORKSPACE)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "persist_pipeline" in done.stdout + done.stderr
+
+
+def _config_error(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(InvalidConfig) as info:
+        load_pipeline_config(path, env={})
+    message = str(info.value)
+    assert str(path) in message
+    return message
+
+
+def test_config_errors_name_the_file_and_key(tmp_path: Path) -> None:
+    assert "not valid YAML" in _config_error(tmp_path, "shards: [")
+    assert "shards" in _config_error(tmp_path, "version: 1\n")
+    assert "shards.Orders" in _config_error(
+        tmp_path, "shards:\n  Orders:\n    source: {kind: synthetic}\n")
+    assert "shards.a.source.kind" in _config_error(
+        tmp_path, "shards:\n  a:\n    source: {kind: kafka}\n")
+    assert "inline_policy.persist_inline_update_max_bytes" in _config_error(
+        tmp_path, "inline_policy: {persist_inline_update_max_bytes: -1}\n"
+                  "shards:\n  a:\n    source: {kind: synthetic}\n")
+    assert "compaction.high_water_fraction" in _config_error(
+        tmp_path, "compaction: {high_water_fraction: 2}\n"
+                  "shards:\n  a:\n    source: {kind: synthetic}\n")
+    assert "spark.master: environment variable NOPE_UNSET is not set" in _config_error(
+        tmp_path, "spark: {master: '${NOPE_UNSET}'}\nshards:\n  a:\n    source: {kind: synthetic}\n")
+    assert "unknown key(s) sink" in _config_error(
+        tmp_path, "shards:\n  a:\n    sink: 1\n    source: {kind: synthetic}\n")
+
+
+def test_env_templates_and_redaction() -> None:
+    env = {"A": "x", "EMPTY": ""}
+    assert expand_env("${A}/${B:-d}/${EMPTY:-e}", env) == "x/d/e"
+    with pytest.raises(InvalidConfig, match="B is not set"):
+        expand_env("${B}", env)
+    text = redact_text("db postgresql://u:pw123@h/db and s3://b/p?endpoint_url=http://h:9"
+                       "&secret_access_key=KEY987 hook https://hooks.slack.com/services/T/B/XYZ")
+    for secret in ("pw123", "KEY987", "XYZ", "/services/"):
+        assert secret not in text
+    assert "hooks.slack.com" in text and "endpoint_url=http://h:9" in text
+
+
+def test_change_stream_snapshots_match_its_model() -> None:
+    stream = ChangeStream(keys=7, events_per_write=5, seed=11, value_bytes=16)
+    import pyarrow as pa
+
+    tables = []
+    kinds = {"insert": 0, "update": 0, "delete": 0}
+    for step in range(30):
+        changes = stream.changes(step)
+        kinds["insert"] += changes.inserts
+        kinds["update"] += changes.updates
+        kinds["delete"] += changes.deletes
+        tables.append(changes.table)
+        snapshot = consolidate(pa.concat_tables(tables), as_of=step)
+        got = dict(zip(snapshot.column("k").to_pylist(), snapshot.column("v").to_pylist(),
+                       strict=True))
+        assert set(snapshot.column("d").to_pylist()) <= {1}
+        assert got == stream.collection(step + 1)
+    assert all(kinds.values()), kinds  # inserts, updates and deletes all happen

@@ -1,0 +1,226 @@
+"""Ingestion assets and the landing sensor, on real backends.
+
+Covers: synthetic ingestion on the embedded default (SQLite + local folder) with its
+metadata and inline/blob placement; file ingestion against real PostgreSQL + S3 (moto
+server), with files landing under an S3 prefix, exactly once per file; a bad file
+(malformed row, wrong column types) fails its run naming the file and line and writes
+nothing, and the next good file still ingests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg2
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from assets.change_stream import ChangeStream
+from persist_pipeline import PersistClient
+from tests.pipeline_support import (
+    SYNTHETIC,
+    Pipeline,
+    check_results,
+    failure_messages,
+    make_pipeline,
+    materializations,
+)
+
+__all__ = ["make_pipeline"]  # the fixture, imported for pytest
+
+
+def _collection(client: PersistClient, shard_id: str, as_of: int) -> dict[bytes, bytes]:
+    reader = client.open_reader(shard_id)
+    try:
+        snap = reader.snapshot(as_of)
+    finally:
+        reader.expire()
+    assert set(snap.column("d").to_pylist()) <= {1}
+    return dict(zip(snap.column("k").to_pylist(), snap.column("v").to_pylist(), strict=True))
+
+
+def test_synthetic_ingestion_on_the_embedded_default(make_pipeline: Any) -> None:
+    pipeline: Pipeline = make_pipeline({"clicks": {"source": SYNTHETIC}})
+    assert pipeline.defs.resources["persist"].uris()[0].startswith("sqlite:///")
+    uppers, inline = [], []
+    for _ in range(3):
+        result = pipeline.ingest("clicks")
+        assert result.success
+        meta = materializations(result)["shards/clicks"]
+        assert meta["placement"] == "inline" and meta["blob_puts"] == 0
+        assert meta["rows"] == meta["inserts"] * 1 + meta["updates"] * 2 + meta["deletes"]
+        assert 0 < meta["encoded_bytes"] < 4096
+        assert meta["write_latency_ms"] > 0
+        assert meta["inline_max_bytes"] == 8192
+        uppers.append(meta["shard_upper"])
+        inline.append(meta["shard_inline_bytes"])
+        checks = check_results(result)
+        assert checks["shards/clicks:inline_bytes_within_max"].passed
+        assert checks["shards/clicks:upper_advanced_recently"].passed
+    assert uppers == [1, 2, 3]
+    assert inline[0] < inline[1] < inline[2]
+
+    # A write too big to inline goes to the main blob store as a Parquet part.
+    big = materializations(pipeline.ingest("clicks", events=2000))["shards/clicks"]
+    assert big["placement"] == "blob" and big["blob_puts"] == 1
+    assert big["encoded_bytes"] > 0 and big["shard_inline_bytes"] == inline[-1]
+    parts = list((pipeline.data_dir / "blobs").rglob("*.parquet"))
+    assert len(parts) == 1
+
+    # The first three writes are exactly the change stream's first three steps.
+    stream = ChangeStream(**{k: v for k, v in SYNTHETIC.items() if k != "kind"})
+    assert _collection(pipeline.client(), pipeline.shard_id("clicks"), 2) == \
+        stream.collection(3)
+
+
+def _put(s3_client: Any, bucket: str, key: str, body: bytes) -> None:
+    s3_client.put_object(Bucket=bucket, Key=key, Body=body)
+
+
+def test_file_ingestion_on_postgres_and_s3(make_pipeline: Any, pg_url: str, s3_uri: str,
+                                           s3_client: Any,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket = s3_uri.removeprefix("s3://").split("/", 1)[0]
+    endpoint = s3_uri.split("?", 1)[1]
+    monkeypatch.setenv("PERSIST_CONSENSUS_URI", pg_url)
+    monkeypatch.setenv("PERSIST_BLOB_URI", s3_uri)
+    monkeypatch.setenv("TEST_LANDING_URI", f"s3://{bucket}/landing/orders?{endpoint}")
+    pipeline: Pipeline = make_pipeline({"orders": {"source": {
+        "kind": "files", "uri": "${TEST_LANDING_URI}", "times": "ingest"}}})
+    sensor = "orders_landing_sensor"
+
+    assert pipeline.ticker(sensor).tick().run_requests == []
+    small = "k,v,t,d\n" + "".join(f"order-{i},qty={i},0,1\n" for i in range(20))
+    _put(s3_client, bucket, "landing/orders/2026/day1.csv", small.encode())
+    big = "".join(json.dumps({"k": f"o{i}", "v": "x" * 40, "t": 5}) + "\n"
+                  for i in range(400))
+    _put(s3_client, bucket, "landing/orders/2026/day2.jsonl", big.encode())
+    _put(s3_client, bucket, "landing/orders/notes.txt", b"not data")  # not a format
+
+    tick = pipeline.ticker(sensor).tick()
+    assert sorted(r.tags["persist/file"] for r in tick.run_requests) == [
+        "2026/day1.csv", "2026/day2.jsonl"]
+    results = pipeline.launch_all(sensor, tick)
+    assert [r.success for r in results] == [True, True]
+    metas = [materializations(r)["shards/orders"] for r in results]
+    by_file = {m["file"].split("/landing/orders/")[1]: m for m in metas}
+    assert by_file["2026/day1.csv"]["placement"] == "inline"
+    assert by_file["2026/day2.jsonl"]["placement"] == "blob"
+    assert by_file["2026/day2.jsonl"]["blob_puts"] == 1
+    assert "secret" not in json.dumps(metas).lower()
+
+    # Exactly once: the next tick requests nothing; a sensor that lost its cursor
+    # requests the files again, but their run keys were used, so nothing runs.
+    assert pipeline.ticker(sensor).tick().run_requests == []
+    from assets.runner import SensorTicker, launch_sensor_requests
+
+    amnesiac = SensorTicker(pipeline.defs, pipeline.instance, sensor)
+    again = amnesiac.tick()
+    assert len(again.run_requests) == 2
+    assert launch_sensor_requests(amnesiac, again) == []
+
+    # The data is in PostgreSQL (consensus) and S3 (the blob part) and reads back.
+    shard_id = pipeline.shard_id("orders")
+    conn = psycopg2.connect(pg_url)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT count(*) FROM consensus WHERE shard = %s", (shard_id,))
+            (records,) = cur.fetchone()
+    finally:
+        conn.close()
+    assert records >= 4  # create, writer registrations, two appends, expiries
+    keys = [o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket)["Contents"]]
+    assert any(k.startswith(f"some/prefix/{shard_id}/p/") and k.endswith(".parquet")
+               for k in keys)
+    client = pipeline.client()
+    snapshot = _collection(client, shard_id, 1)
+    assert len(snapshot) == 420
+    assert snapshot[b"order-3"] == b"qty=3" and snapshot[b"o7"] == b"x" * 40
+    assert client.shard_summaries()[shard_id].upper == 2
+
+
+def _set_mtime(path: Path, order: int) -> None:
+    stamp = 1_700_000_000 + order
+    os.utime(path, (stamp, stamp))
+
+
+def test_bad_files_fail_their_run_and_write_nothing(make_pipeline: Any) -> None:
+    pipeline: Pipeline = make_pipeline({"orders": {"source": {
+        "kind": "files", "uri": "{data_dir}/landing/orders", "times": "source"}}})
+    landing = pipeline.data_dir / "landing" / "orders"
+    landing.mkdir(parents=True)
+    sensor = "orders_landing_sensor"
+    shard_id = pipeline.shard_id("orders")
+
+    first = landing / "a-first.csv"
+    first.write_text("k,v,t\nk1,v1,0\nk2,v2,1\n")
+    _set_mtime(first, 1)
+    [result] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
+    assert result.success
+    before = pipeline.client().shard_summaries()[shard_id]
+    assert before.upper == 2
+
+    malformed = landing / "b-malformed.csv"
+    malformed.write_text("k,v,t\nk3,v3,2\nk4,v4,two\nk5,v5,3\n")
+    wrong_types = landing / "c-types.parquet"
+    pq.write_table(pa.table({"k": ["k6"], "v": ["v6"], "t": ["later"]}), wrong_types)
+    stale = landing / "d-stale.jsonl"  # times below the shard's upper
+    stale.write_text(json.dumps({"k": "k7", "v": "v7", "t": 0}) + "\n")
+    good = landing / "e-good.jsonl"
+    good.write_text(json.dumps({"k": "k8", "v": "v8", "t": 2}) + "\n"
+                    + json.dumps({"k": "k1", "v": "v1", "t": 3, "d": -1}) + "\n")
+    for order, path in enumerate((malformed, wrong_types, stale, good), start=2):
+        _set_mtime(path, order)
+
+    tick = pipeline.ticker(sensor).tick()
+    assert [r.tags["persist/file"] for r in tick.run_requests] == [
+        "b-malformed.csv", "c-types.parquet", "d-stale.jsonl", "e-good.jsonl"]
+    results = pipeline.launch_all(sensor, tick)
+    assert [r.success for r in results] == [False, False, False, True]
+
+    [malformed_msg] = failure_messages(results[0])
+    assert f"{malformed}: line 3" in malformed_msg and "column t" in malformed_msg
+    [types_msg] = failure_messages(results[1])
+    assert str(wrong_types) in types_msg and "column t" in types_msg
+    [stale_msg] = failure_messages(results[2])
+    assert str(stale) in stale_msg and "below the shard's upper" in stale_msg
+    for failed in results[:3]:
+        assert materializations(failed) == {}
+
+    # The failed runs changed nothing: the good file committed right after the first.
+    after = pipeline.client().shard_summaries()[shard_id]
+    assert after.upper == 4
+    meta = materializations(results[3])["shards/orders"]
+    assert meta["seqno"] > before.seqno and meta["shard_upper"] == 4
+    assert _collection(pipeline.client(), shard_id, 3) == {b"k2": b"v2", b"k8": b"v8"}
+
+    # A failed file is not retried by the sensor (its run key was used) ...
+    assert pipeline.ticker(sensor).tick().run_requests == []
+    # ... but a corrected file (new identity) is ingested.
+    malformed.write_text("k,v,t\nk3,v3,4\n")
+    _set_mtime(malformed, 10)
+    [fixed] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
+    assert fixed.success
+    assert _collection(pipeline.client(), shard_id, 4)[b"k3"] == b"v3"
+
+
+def test_s3_landing_errors_name_the_object(make_pipeline: Any, s3_uri: str, s3_client: Any,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket = s3_uri.removeprefix("s3://").split("/", 1)[0]
+    query = s3_uri.split("?", 1)[1]
+    monkeypatch.setenv("TEST_LANDING_URI", f"s3://{bucket}/in?{query}")
+    pipeline: Pipeline = make_pipeline({"events": {"source": {
+        "kind": "files", "uri": "${TEST_LANDING_URI}"}}})
+    name = f"bad-{uuid.uuid4().hex[:6]}.csv"
+    _put(s3_client, bucket, f"in/{name}", b"k,v,t\nk1,v1,0\nk2,v2\n")
+    [result] = pipeline.launch_all("events_landing_sensor",
+                                   pipeline.ticker("events_landing_sensor").tick())
+    assert not result.success
+    [message] = failure_messages(result)
+    assert f"s3://{bucket}/in/{name}" in message and "line 3" in message
+    assert "persist-landing-" not in message  # not the temporary download
