@@ -26,7 +26,7 @@ def faulty_client(location: Location, policy: InlinePolicy, seed: int) -> Persis
                                 FaultConfig(fail_before=0.05, fail_after=0.05, seed=seed))
     blob = FaultyBlob(open_blob(location.blob_uri),
                       FaultConfig(fail_before=0.05, fail_after=0.05, seed=seed + 1))
-    cfg = PersistConfig(inline_policy=policy, rollup_threshold=5, gc_orphan_min_age_s=1,
+    cfg = PersistConfig(inline_policy=policy, rollup_threshold=5, gc_orphan_min_age_s=120,
                         blob_cache_bytes=0)
     return PersistClient(consensus, blob, None, cfg)
 
