@@ -6,11 +6,16 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: run test lint typecheck proto proto-check ui clean help
+.PHONY: run test lint typecheck proto ui nemesis quickstart clean help
 
 help:
-	@echo "make run    - run the end-to-end example on the embedded default (SQLite + local files)"
-	@echo "make test   - create the environment and run the whole test suite (lint and types too)"
+	@echo "make run        - the whole Dagster pipeline, headless, on the embedded default"
+	@echo "                  (SQLite + local files + Spark local[*]); prints a summary table"
+	@echo "make test       - create the environment and run the whole test suite (lint, types too)"
+	@echo "make ui         - the Dagster UI on the same instance (http://127.0.0.1:3000)"
+	@echo "make quickstart - the core library alone: writes, placement, compaction, snapshot"
+	@echo "make nemesis    - 10 minutes of killed processes and faults on PostgreSQL + S3"
+	@echo "make bench / bench-quick - benchmarks against the peers (report in results/bench)"
 	@echo "make lint / typecheck / proto"
 
 $(STAMP): pyproject.toml
@@ -28,6 +33,12 @@ ui: $(STAMP)
 	DAGSTER_HOME="$${DAGSTER_HOME:-$(CURDIR)/.dagster_home}" $(VENV)/bin/dagster dev \
 		-w workspace.yaml -h 127.0.0.1 -p "$${DAGSTER_UI_PORT:-3000}"
 
+quickstart: $(STAMP)
+	$(PY) -m persist_pipeline.examples.quickstart
+
+nemesis: $(STAMP)
+	$(PY) scripts/nemesis_local.py --seconds "$${NEMESIS_SECONDS:-600}"
+
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q
 
@@ -42,3 +53,18 @@ proto: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Benchmarks (issue 4): the peers are the optional `bench` extra, installed by its own stamp.
+BENCH_STAMP := $(VENV)/.bench-installed-stamp
+
+.PHONY: bench bench-quick
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) -m bench
+
+bench-quick: $(BENCH_STAMP)
+	$(PY) -m bench --quick

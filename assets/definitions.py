@@ -14,7 +14,6 @@ from assets.asset_keys import (
     COMPACTION_GROUP,
     COMPACTION_JOB,
     GC_JOB,
-    INGESTION_GROUP,
     INGESTION_JOB,
     MAINTENANCE_GROUP,
     shard_key,
@@ -60,9 +59,13 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
     gc = build_gc_assets(shards)
     checks = build_shard_checks(shards)
 
-    ingestion_job = dg.define_asset_job(
-        INGESTION_JOB, selection=dg.AssetSelection.groups(INGESTION_GROUP),
-        description="One write into every shard (file shards need a 'file' in run config).")
+    synthetic = [shard_key(s.name) for s in shards if not isinstance(s.source, FileSource)]
+    jobs = []
+    if synthetic:  # file shards are written by their landing sensors, one file per run
+        jobs.append(dg.define_asset_job(
+            INGESTION_JOB, selection=dg.AssetSelection.assets(*synthetic),
+            description="One write of the synthetic change stream into every synthetic "
+                        "shard."))
     compaction_job = dg.define_asset_job(
         COMPACTION_JOB, selection=dg.AssetSelection.groups(COMPACTION_GROUP),
         description="Spark compaction of the selected shards (one Spark job per run).")
@@ -98,7 +101,7 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
     return dg.Definitions(
         assets=[*ingestion.values(), compaction, gc],
         asset_checks=checks,
-        jobs=[ingestion_job, compaction_job, gc_job, checks_job],
+        jobs=[*jobs, compaction_job, gc_job, checks_job],
         sensors=sensors,
         schedules=schedules,
         resources=build_resources(config),

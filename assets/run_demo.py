@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.keep and config.data_dir.exists() and REPO_ROOT in config.data_dir.parents:
         shutil.rmtree(config.data_dir)
 
+    import logging
+
     import dagster as dg
 
     from assets.asset_keys import INGESTION_JOB, TAG_SHARDS
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     from assets.workspace import load_workspace_definitions
 
     started = time.monotonic()
+    logging.getLogger("dagster").setLevel(logging.WARNING)  # this script prints its own
     defs = load_workspace_definitions()
     instance = dg.DagsterInstance.get()
     persist = defs.resources["persist"]

@@ -10,7 +10,8 @@
   ``inline_policy`` resource) or whose writes started falling through to blob storage,
   and requests ONE compaction run for them, with a run key per crossing. While that run
   has not finished, the shard is not requested again; a shard that is still (or again)
-  over the mark after its run finished is a new crossing.
+  over the mark after its run succeeded is a new crossing (after a failed run, the
+  sensor waits ``retry_after_s`` before asking again).
 - Alert sensors (to the ``alerts`` resource): ``inline_over_limit_alert_sensor`` (a shard
   above its high-water mark for longer than ``over_limit_for_s``),
   ``compaction_backlog_alert_sensor`` (pending merges over ``backlog_threshold``),
@@ -117,18 +118,20 @@ def describe_source_template(source: FileSource) -> str:
 
 
 def _run_state(instance: dg.DagsterInstance, run_key: str) -> str:
-    """``none`` (no run yet), ``active`` or ``finished`` for the run with ``run_key``."""
+    """``none`` (no run yet), ``active``, ``succeeded`` or ``failed`` for ``run_key``."""
     runs = instance.get_runs(filters=dg.RunsFilter(tags={RUN_KEY_TAG: run_key}), limit=1)
     if not runs:
         return "none"
-    return "finished" if runs[0].is_finished else "active"
+    if not runs[0].is_finished:
+        return "active"
+    return "succeeded" if runs[0].is_success else "failed"
 
 
 def build_inline_pressure_sensor(shards: Sequence[ShardConfig], *,
                                  high_water_fraction: float, interval_s: int,
                                  job: AssetJob | dg.JobDefinition,
                                  running: bool = True,
-                                 unlaunched_timeout_s: int = 600) -> dg.SensorDefinition:
+                                 retry_after_s: int = 600) -> dg.SensorDefinition:
     """The sensor that requests one compaction run per crossing of the high-water mark.
 
     Args:
@@ -138,8 +141,9 @@ def build_inline_pressure_sensor(shards: Sequence[ShardConfig], *,
         interval_s: minimum seconds between ticks.
         job: the compaction job (runs select a subset of its assets).
         running: the sensor's default status.
-        unlaunched_timeout_s: a crossing whose run was requested but never launched is
-            requested again after this long.
+        retry_after_s: a crossing whose run failed, or was requested but never
+            launched, is requested again after this long (a failing compaction does not
+            become a run per tick; ``compaction_failure_alert_sensor`` reports it).
     """
     by_id = {s.shard_id: s for s in shards}
 
@@ -172,9 +176,11 @@ def build_inline_pressure_sensor(shards: Sequence[ShardConfig], *,
             episode = episodes.get(shard_id)
             if episode is not None:
                 state = _run_state(context.instance, episode["run_key"])
-                if state == "active" or (
-                        state == "none" and now - episode["at_ms"] < unlaunched_timeout_s * 1000):
-                    continue  # this crossing's run is still to come
+                waiting = state == "active" or (
+                    state in ("none", "failed")
+                    and now - episode["at_ms"] < retry_after_s * 1000)
+                if waiting:
+                    continue  # this crossing's run is still to come, or backing off
             crossing.append((shard, summary))
         if crossing:
             run_key = "inline-pressure:" + ",".join(

@@ -78,6 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("shard")
     s = sub.add_parser("gc", help="delete unreferenced blobs and truncate consensus")
     s.add_argument("shard")
+    s = sub.add_parser("nemesis", help="kill processes and inject faults while checking that "
+                       "nothing acknowledged is lost (a fresh shard on the given location)")
+    s.add_argument("--seconds", type=float, default=60.0)
+    s.add_argument("--writers", type=int, default=3)
+    s.add_argument("--readers", type=int, default=2)
+    s.add_argument("--seed", type=int, help="reproduce an earlier run (default: random)")
+    s.add_argument("--fault-rate", type=float, default=0.02,
+                   help="probability of each injected fault per backend call")
+    s.add_argument("--pg-restart", default="auto",
+                   help="'auto' (restart a local PostgreSQL cluster once), 'never', or a "
+                        "command that restarts the consensus database")
+    s.add_argument("--workdir", help="where ack logs go (default: a temporary folder)")
     return p
 
 
@@ -101,6 +113,8 @@ def _write_table(table: pa.Table, out: Path | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "nemesis":
+        return _nemesis(args)
     if args.command == "new-shard":
         from persist_pipeline.ids import ShardId
 
@@ -129,6 +143,27 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "gc":
             _print_json(client.gc(args.shard))
     return 0
+
+
+def _nemesis(args: argparse.Namespace) -> int:
+    import os
+
+    from persist_pipeline.nemesis.runner import NemesisOptions, run
+
+    consensus = args.consensus or os.environ.get("PERSIST_CONSENSUS_URI")
+    blob = args.blob or os.environ.get("PERSIST_BLOB_URI")
+    if not consensus or not blob:
+        raise InvalidInput("nemesis needs --consensus and --blob (or PERSIST_CONSENSUS_URI "
+                           "and PERSIST_BLOB_URI)")
+    if args.writers < 1 or args.seconds <= 0 or not 0 <= args.fault_rate < 0.5:
+        raise InvalidInput("nemesis needs --writers >= 1, --seconds > 0 and "
+                           "0 <= --fault-rate < 0.5")
+    report = run(NemesisOptions(
+        consensus_uri=consensus, blob_uri=blob,
+        wal_blob_uri=args.wal_blob or os.environ.get("PERSIST_WAL_BLOB_URI") or None,
+        seconds=args.seconds, writers=args.writers, readers=args.readers, seed=args.seed,
+        fault_rate=args.fault_rate, pg_restart=args.pg_restart, workdir=args.workdir))
+    return 1 if report.check.violations else 0
 
 
 def _summary(s: object) -> dict[str, Any]:

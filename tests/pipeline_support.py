@@ -211,7 +211,7 @@ def webhook() -> Iterator[Webhook]:
     paths: list[str] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - the http.server API
+        def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length", "0"))
             raw = self.rfile.read(length)
             paths.append(self.path)

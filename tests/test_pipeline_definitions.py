@@ -123,7 +123,8 @@ def test_config_errors_name_the_file_and_key(tmp_path: Path) -> None:
         tmp_path, "compaction: {high_water_fraction: 2}\n"
                   "shards:\n  a:\n    source: {kind: synthetic}\n")
     assert "spark.master: environment variable NOPE_UNSET is not set" in _config_error(
-        tmp_path, "spark: {master: '${NOPE_UNSET}'}\nshards:\n  a:\n    source: {kind: synthetic}\n")
+        tmp_path,
+        "spark: {master: '${NOPE_UNSET}'}\nshards:\n  a:\n    source: {kind: synthetic}\n")
     assert "unknown key(s) sink" in _config_error(
         tmp_path, "shards:\n  a:\n    sink: 1\n    source: {kind: synthetic}\n")
 

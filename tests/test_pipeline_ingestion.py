@@ -82,6 +82,8 @@ def _put(s3_client: Any, bucket: str, key: str, body: bytes) -> None:
     s3_client.put_object(Bucket=bucket, Key=key, Body=body)
 
 
+@pytest.mark.postgres
+@pytest.mark.s3
 def test_file_ingestion_on_postgres_and_s3(make_pipeline: Any, pg_url: str, s3_uri: str,
                                            s3_client: Any,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,6 +211,7 @@ def test_bad_files_fail_their_run_and_write_nothing(make_pipeline: Any) -> None:
     assert _collection(pipeline.client(), shard_id, 4)[b"k3"] == b"v3"
 
 
+@pytest.mark.s3
 def test_s3_landing_errors_name_the_object(make_pipeline: Any, s3_uri: str, s3_client: Any,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     bucket = s3_uri.removeprefix("s3://").split("/", 1)[0]

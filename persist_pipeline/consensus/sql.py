@@ -340,7 +340,8 @@ class SqlConsensus(Consensus):
         statement = self._statements[name]
         try:
             conn = self._conns.acquire()
-        except sa_exc.SQLAlchemyError as exc:
+        except (sa_exc.SQLAlchemyError, self._engine.dialect.loaded_dbapi.Error) as exc:
+            # The pool raises the driver's own error when it cannot connect.
             raise map_error(exc, self._url, action) from exc
         try:
             result = self._execute(conn, statement, params, consume)

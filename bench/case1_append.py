@@ -1,0 +1,305 @@
+"""Case 1: small append latency (10 rows, about 1 KiB), p50/p90/p99, ours and the peers.
+
+Rows, all in one process and one run:
+
+- the physical limit: a bare psycopg2 compare-and-set INSERT of the same bytes as our
+  consensus record (the same single statement shape as ours: insert if the head seqno is
+  the expected one), plain SQL in autocommit at the server's default isolation, measured
+  in two halves (before and after our rows) and pooled; variants show what SERIALIZABLE
+  plus server-side prepared statements (what the library sends) and a non-durable commit
+  (``synchronous_commit=off``) cost; an 8 KiB write + ``fdatasync`` shows the disk;
+- ours: inline on PostgreSQL (main blob on the S3 server) and on SQLite (a local
+  folder), the blob path with inlining off (S3 server), and the WAL store (a local
+  folder standing in for a low-latency store; main blob on the S3 server);
+- deltalake append (table kept open) to a local folder and to the S3 server;
+- PyIceberg append, SQL catalog on the same PostgreSQL, local warehouse;
+- DuckLake with data inlining, catalog on the same PostgreSQL and on SQLite.
+
+Our shards are rotated every ``scale.shard_rotate`` appends (untimed), so the inline
+path is measured with a shard between empty and about 25% full; case 2 covers fuller.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import peers
+from bench.common import CaseResult, Scale, Table, Target, Timing, measure, ms, ratio
+from bench.services import Services
+from persist_pipeline import InlinePolicy, PersistClient, ShardId
+
+TITLE = "Small append latency (10 rows, about 1 KiB)"
+
+_CAS = ("INSERT INTO bare_cas (shard, seqno, data, summary) SELECT %s, %s, %s, %s "
+        "WHERE (SELECT max(h.seqno) FROM bare_cas h WHERE h.shard = %s) = %s "
+        "ON CONFLICT DO NOTHING")
+_CAS_PREPARE = ("PREPARE bare_cas_stmt (text, bigint, bytea, bytea, bigint) AS "
+                "INSERT INTO bare_cas (shard, seqno, data, summary) SELECT $1, $2, $3, $4 "
+                "WHERE (SELECT max(h.seqno) FROM bare_cas h WHERE h.shard = $1) = $5 "
+                "ON CONFLICT DO NOTHING")
+
+
+class OurAppender:
+    """Appends small batches to a shard, moving to a fresh shard every ``rotate``."""
+
+    def __init__(self, client: PersistClient, rotate: int) -> None:
+        self.client = client
+        self.rotate = rotate
+        self.writer: Any = None
+        self.upper = 0
+        self.count = 0
+        self.last: Any = None
+
+    def before(self, _i: int) -> None:
+        """Untimed: open a writer on a fresh shard when the current one is used up."""
+        if self.writer is None or self.count % self.rotate == 0:
+            if self.writer is not None:
+                self.writer.expire()
+            self.writer = self.client.open_writer(ShardId.new())
+            self.upper = 0
+
+    def __call__(self, i: int) -> None:
+        batch = peers.small_batch(self.upper, seed=i)
+        self.last = self.writer.compare_and_append(batch, self.upper, self.upper + 1)
+        self.upper += 1
+        self.count += 1
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.expire()
+
+
+def record_size(url: str, blob_uri: str) -> tuple[int, int, int]:
+    """(inline encoded bytes, consensus data bytes, summary bytes) of one small append."""
+    client = PersistClient.open(url, blob_uri)
+    try:
+        shard = ShardId.new()
+        writer = client.open_writer(shard)
+        res = writer.compare_and_append(peers.small_batch(0), 0, 1)
+        [rec] = client.consensus.scan(str(shard), res.seqno, 1)
+        writer.expire()
+        return res.encoded_bytes, len(rec.data), len(rec.summary)
+    finally:
+        client.close()
+
+
+def bare_cas(svc: Services, url: str, data: bytes, summary: bytes, *, warmup: int,
+             iters: int, variant: str = "plain") -> list[float]:
+    """Bare psycopg2 compare-and-set INSERTs of ``data``/``summary`` (see the module doc).
+
+    Variants: ``plain`` (the server's defaults), ``serializable`` (SERIALIZABLE session
+    and a server-side prepared statement, like the library), ``async``
+    (``synchronous_commit=off``: not durable, a reference only).
+    """
+    conn = svc.pg.connect(url)
+    try:
+        cur = conn.cursor()
+        cur.execute("CREATE TABLE IF NOT EXISTS bare_cas (shard text, seqno bigint, "
+                    "data bytea, summary bytea, PRIMARY KEY (shard, seqno))")
+        shard = f"bare-{variant}-{time.monotonic_ns()}"
+        cur.execute("INSERT INTO bare_cas VALUES (%s, 0, %s, %s)", (shard, data, summary))
+        if variant == "serializable":
+            cur.execute("SET default_transaction_isolation = serializable")
+            cur.execute(_CAS_PREPARE)
+        elif variant == "async":
+            cur.execute("SET synchronous_commit = off")
+        seqno = [0]
+
+        def step(_i: int) -> None:
+            n = seqno[0]
+            if variant == "serializable":
+                cur.execute("EXECUTE bare_cas_stmt (%s, %s, %s, %s, %s)",
+                            (shard, n + 1, data, summary, n))
+            else:
+                cur.execute(_CAS, (shard, n + 1, data, summary, shard, n))
+            if cur.rowcount != 1:
+                raise AssertionError("bare CaS lost: nobody else writes this shard")
+            seqno[0] = n + 1
+
+        return measure(step, warmup=warmup, iters=iters)
+    finally:
+        conn.close()
+
+
+def fsync_probe(folder: str, *, warmup: int, iters: int) -> list[float]:
+    """An 8 KiB write plus ``fdatasync`` in ``folder`` (what a durable commit pays)."""
+    fd, path = tempfile.mkstemp(dir=folder)
+    block = os.urandom(8192)
+    try:
+        def step(i: int) -> None:
+            os.pwrite(fd, block, (i % 64) * 8192)
+            os.fdatasync(fd)
+
+        return measure(step, warmup=warmup, iters=iters)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def ours(url: str, blob_uri: str, *, policy: InlinePolicy | None, rotate: int, warmup: int,
+         iters: int, wal_uri: str | None = None) -> tuple[list[float], str]:
+    """Our compare_and_append latencies; returns samples and the last placement."""
+    client = PersistClient.open(url, blob_uri, wal_uri, inline_policy=policy or InlinePolicy())
+    appender = OurAppender(client, rotate)
+    try:
+        samples = measure(appender, warmup=warmup, iters=iters, before=appender.before)
+        return samples, appender.last.placement
+    finally:
+        appender.close()
+        client.close()
+
+
+def delta(uri: str, storage_options: dict[str, str] | None, *, warmup: int,
+          iters: int) -> list[float]:
+    """deltalake appends of the small batch to a table kept open."""
+    table = peers.delta_open(uri, peers.as_table(peers.small_batch(0)), storage_options)
+    data = [peers.as_table(peers.small_batch(i, i)) for i in range(warmup + iters)]
+    return measure(lambda i: peers.delta_append(table, data[i]), warmup=warmup, iters=iters)
+
+
+def iceberg(url: str, warehouse: str, *, warmup: int, iters: int) -> list[float]:
+    """PyIceberg appends of the small batch (SQL catalog on PostgreSQL)."""
+    from persist_pipeline.updates import SCHEMA
+
+    table = peers.iceberg_table(url, warehouse, SCHEMA)
+    data = [peers.as_table(peers.small_batch(i, i)) for i in range(warmup + iters)]
+    return measure(lambda i: table.append(data[i]), warmup=warmup, iters=iters)
+
+
+def ducklake(catalog: str, data_path: str, *, warmup: int, iters: int) -> tuple[list[float], int]:
+    """DuckLake inlined inserts of the small batch; returns samples and data files made."""
+    con = peers.ducklake_connect(catalog, data_path, inline_rows=1000)
+    try:
+        con.execute("CREATE TABLE lake.t (k VARCHAR, v VARCHAR, t BIGINT, d BIGINT)")
+        statements = [peers.ducklake_insert_sql(peers.small_batch(i, i))
+                      for i in range(warmup + iters)]
+        samples = measure(lambda i: con.execute(statements[i]), warmup=warmup, iters=iters)
+        files = sum(1 for p in Path(data_path).rglob("*") if p.is_file())
+        return samples, files
+    finally:
+        con.close()
+
+
+def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> CaseResult:
+    """Run case 1 (see the module docstring)."""
+    result = CaseResult("case1", TITLE)
+    rows: dict[str, tuple[str, list[float]]] = {}
+    notes: list[str] = []
+    w, n = scale.append_warmup, scale.append_iters
+    half = max(1, n // 2)
+    with svc.pg.database("c1") as url:
+        bucket = svc.s3.bucket("c1")
+        s3_uri = svc.s3.uri(bucket, "ours")
+        inline_bytes, data_bytes, summary_bytes = record_size(url, s3_uri)
+        data, summary = os.urandom(data_bytes), os.urandom(summary_bytes)
+        notes.append(f"Our 10-row append encodes to {inline_bytes} bytes inline; its consensus "
+                     f"record is {data_bytes} bytes of state diff + {summary_bytes} bytes of "
+                     "summary. The bare CaS inserts random bytes of exactly those sizes.")
+
+        log("  fsync probe")
+        rows["fsync"] = ("8 KiB write + fdatasync on this disk (reference)",
+                         fsync_probe(svc.workdir, warmup=w, iters=half))
+        log("  bare CaS (1st half)")
+        first = bare_cas(svc, url, data, summary, warmup=w, iters=half)
+        log("  ours inline PostgreSQL")
+        rows["ours_pg"] = ("ours, inline, PostgreSQL consensus (blob: S3 server)",
+                           ours(url, s3_uri, policy=None, rotate=scale.shard_rotate,
+                                warmup=w, iters=n)[0])
+        log("  bare CaS (2nd half)")
+        second = bare_cas(svc, url, data, summary, warmup=w, iters=half)
+        rows["bare"] = ("bare psycopg2 CaS INSERT, durable commit (the physical limit)",
+                        first + second)
+        rows["bare_ser"] = ("bare CaS, SERIALIZABLE + prepared (the SQL the library sends)",
+                            bare_cas(svc, url, data, summary, warmup=w, iters=half,
+                                     variant="serializable"))
+        rows["bare_async"] = ("bare CaS, synchronous_commit=off (NOT durable; reference)",
+                              bare_cas(svc, url, data, summary, warmup=w, iters=half,
+                                       variant="async"))
+        log("  ours inline SQLite")
+        sqlite_dir = svc.folder("c1-sqlite")
+        rows["ours_sqlite"] = ("ours, inline, SQLite consensus (blob: local folder)",
+                               ours(f"sqlite:///{sqlite_dir}/consensus.db",
+                                    f"file://{sqlite_dir}/blobs", policy=None,
+                                    rotate=scale.shard_rotate, warmup=w, iters=n)[0])
+        s3n = scale.s3_iters
+        log("  ours blob path (S3)")
+        samples, placement = ours(url, svc.s3.uri(bucket, "blobpath"),
+                                  policy=InlinePolicy(0, 0), rotate=scale.shard_rotate,
+                                  warmup=max(2, w // 10), iters=s3n)
+        assert placement == "blob", placement
+        rows["ours_blob"] = ("ours, inline off: blob part on the S3 server", samples)
+        log("  ours WAL store")
+        samples, placement = ours(url, svc.s3.uri(bucket, "walmain"), policy=InlinePolicy(0, 0),
+                                  rotate=scale.shard_rotate, warmup=max(2, w // 10),
+                                  iters=s3n, wal_uri=f"file://{svc.folder('c1-wal')}")
+        assert placement == "wal", placement
+        rows["ours_wal"] = ("ours, inline off: WAL store (local folder; main: S3 server)",
+                            samples)
+        log("  deltalake local")
+        rows["delta_local"] = ("deltalake append, local folder (table kept open)",
+                               delta(svc.folder("c1-delta"), None, warmup=max(2, w // 10),
+                                     iters=scale.delta_local_iters))
+        log("  deltalake S3")
+        rows["delta_s3"] = ("deltalake append, S3 server (table kept open)",
+                            delta(f"s3://{bucket}/delta", svc.s3.delta_options(),
+                                  warmup=max(2, w // 20), iters=s3n))
+        log("  PyIceberg")
+        rows["iceberg"] = ("PyIceberg append, SQL catalog on PostgreSQL, local warehouse",
+                           iceberg(url, f"file://{svc.folder('c1-iceberg')}",
+                                   warmup=max(2, w // 20), iters=scale.iceberg_iters))
+        log("  DuckLake")
+        with svc.pg.database("c1dl") as dl_url:
+            samples, files = ducklake(peers.ducklake_pg_catalog(dl_url),
+                                      svc.folder("c1-ducklake-pg"), warmup=max(2, w // 10),
+                                      iters=scale.ducklake_iters)
+        rows["ducklake_pg"] = ("DuckLake, data inlining, PostgreSQL catalog", samples)
+        dl_dir = svc.folder("c1-ducklake-sqlite")
+        samples, files2 = ducklake(f"sqlite:{dl_dir}/catalog.sqlite", f"{dl_dir}/data",
+                                   warmup=max(2, w // 10), iters=scale.ducklake_iters)
+        rows["ducklake_sqlite"] = ("DuckLake, data inlining, SQLite catalog", samples)
+        notes.append(f"DuckLake loaded offline from the duckdb-ext-* wheels; its inlined "
+                     f"inserts created {files + files2} data files. Keys and values are "
+                     "VARCHAR literals (BLOB keys did not inline on a PostgreSQL catalog).")
+
+    timings = {key: Timing.of(s) for key, (_, s) in rows.items()}
+    base = timings["bare"].p50
+    us = timings["ours_pg"].p50
+    table = Table(f"Case 1: {TITLE}",
+                  ["system", "n", "p50 ms", "p90 ms", "p99 ms", "p50 / bare CaS",
+                   "p50 / ours (PG)"])
+    order = ["fsync", "bare", "bare_ser", "bare_async", "ours_pg", "ours_sqlite", "ours_blob",
+             "ours_wal", "delta_local", "delta_s3", "iceberg", "ducklake_pg",
+             "ducklake_sqlite"]
+    for key in order:
+        t = timings[key]
+        table.add(rows[key][0], t.n, ms(t.p50), ms(t.p90), ms(t.p99), ratio(t.p50, base),
+                  ratio(t.p50, us))
+    table.notes = [
+        *notes,
+        "PostgreSQL commits durably (synchronous_commit as configured, see the machine "
+        "section); the S3 server is moto on loopback (about 2 ms per request whatever the "
+        "size): a functional S3, not a model of S3 latency (case 8 simulates that).",
+        f"Our shards are rotated every {scale.shard_rotate} appends (0-25% of the inline "
+        "budget; the state rollup every 128 seqnos is a blob PUT and shows in p99).",
+    ]
+    result.tables.append(table)
+    result.data = {key: {"label": rows[key][0], "samples": rows[key][1]} for key in order}
+    over = us / base
+    result.targets.append(Target(
+        "1", "inline append p50 <= 2x the bare CaS INSERT", "<= 2.00x", f"{over:.2f}x",
+        over <= 2.0,
+        "met" if over <= 2.0 else f"missed by {over / 2.0:.2f}x "
+        f"({ms(us)} ms vs {ms(base * 2)} ms allowed)"))
+    speedup = timings["delta_local"].p50 / us
+    result.targets.append(Target(
+        "1", "inline append p50 >= 50x lower than deltalake's local append", ">= 50x",
+        f"{speedup:.1f}x", speedup >= 50,
+        "met" if speedup >= 50 else f"missed by {50 / speedup:.1f}x (deltalake local p50 "
+        f"{ms(timings['delta_local'].p50)} ms; 50x would need ours at "
+        f"{ms(timings['delta_local'].p50 / 50)} ms)"))
+    return result

@@ -1,0 +1,161 @@
+"""Profiles of our hot path: where an inline append spends its time.
+
+Two windows of inline appends on PostgreSQL (blob on the S3 server) are profiled, each
+with cProfile (exact per-function totals, for the tables) and again with pyinstrument
+(a sampled call tree, written next to the report for reading):
+
+- a shard going from empty to about 30% of its inline budget;
+- a shard going from 50% to 95% of its inline budget (where case 2 measures).
+
+A function's share is its cumulative time (itself and what it calls) over the whole
+window; "self" is time spent in the function's own code.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import os
+import pstats
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench import peers
+from bench.common import CaseResult, Scale, Table
+from bench.services import Services
+from persist_pipeline import InlinePolicy, PersistClient, ShardId
+
+TITLE = "Profile of the inline append (cProfile; pyinstrument trees in profiles/)"
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _where(key: tuple[str, int, str]) -> str:
+    """``file:function`` relative to the repository (or the library's site-packages)."""
+    path, line, func = key
+    if path == "~":
+        return func  # a builtin, e.g. <method 'execute' of 'psycopg2...cursor' objects>
+    if path.startswith(_ROOT):
+        path = os.path.relpath(path, _ROOT)
+    elif "site-packages" in path:
+        path = path.split("site-packages" + os.sep, 1)[1]
+    return f"{path}:{func} (line {line})"
+
+
+class _Window:
+    """Appends to a shard from ``start`` to ``stop`` fraction of the inline budget."""
+
+    def __init__(self, client: PersistClient, bound: int, start: float, stop: float) -> None:
+        self.client = client
+        self.bound = bound
+        self.start = start
+        self.stop = stop
+
+    def prepare(self) -> None:
+        """Untimed: a fresh shard filled to ``start``."""
+        self.writer = self.client.open_writer(ShardId.new())
+        self.upper = 0
+        self.held = 0
+        while self.held < self.start * self.bound:
+            self._one()
+
+    def _one(self) -> None:
+        u = self.upper
+        res = self.writer.compare_and_append(peers.small_batch(u, seed=u), u, u + 1)
+        assert res.placement == "inline", res.placement
+        self.held += res.encoded_bytes
+        self.upper += 1
+
+    def appends(self, n: int) -> int:
+        """Up to ``n`` appends, stopping at ``stop``; returns how many."""
+        done = 0
+        while done < n:
+            if self.held + 2048 > self.stop * self.bound:
+                break
+            self._one()
+            done += 1
+        return done
+
+
+def _profile_window(make: Callable[[], _Window], n: int, out_txt: str) -> dict[str, Any]:
+    window = make()
+    window.prepare()
+    profile = cProfile.Profile()
+    started = time.perf_counter()
+    profile.enable()
+    done = window.appends(n)
+    profile.disable()
+    wall = time.perf_counter() - started
+    window.writer.expire()
+
+    from pyinstrument import Profiler
+
+    window = make()
+    window.prepare()
+    profiler = Profiler(interval=0.0002)
+    profiler.start()
+    window.appends(n)
+    profiler.stop()
+    window.writer.expire()
+    with open(out_txt, "w") as f:
+        f.write(profiler.output_text(unicode=False, color=False, show_all=False))
+
+    stats = pstats.Stats(profile)
+    rows = []
+    raw: Any = stats.stats  # type: ignore[attr-defined]
+    for key, (_cc, _nc, tt, ct, _callers) in raw.items():
+        rows.append((_where(key), tt, ct))
+    return {"appends": done, "wall": wall, "rows": rows}
+
+
+def run(svc: Services, scale: Scale, out_dir: str,
+        log: Callable[[str], None] = print) -> CaseResult:
+    """Profile the inline append (see the module docstring); pyinstrument trees go to
+    ``out_dir/profiles/``."""
+    result = CaseResult("profile", TITLE)
+    os.makedirs(os.path.join(out_dir, "profiles"), exist_ok=True)
+    bound = scale.fill_max_bytes
+    n = scale.profile_appends
+    with svc.pg.database("prof") as url:
+        blob = svc.s3.uri(svc.s3.bucket("prof"))
+        client = PersistClient.open(url, blob, inline_policy=InlinePolicy(4096, bound))
+        try:
+            warm = _Window(client, bound, 0.0, 1.0)  # warm-up: connections, code, data
+            warm.prepare()
+            warm.appends(20)
+            warm.writer.expire()
+            windows = {
+                "empty": ("a shard filling from empty to 30% of its inline budget",
+                          lambda: _Window(client, bound, 0.0, 0.3)),
+                "filling": ("a shard filling from 50% to 95% of its inline budget",
+                            lambda: _Window(client, bound, 0.5, 0.95)),
+            }
+            for key, (label, make) in windows.items():
+                log(f"  profiling {label}")
+                txt = os.path.join(out_dir, "profiles", f"inline_append_{key}.txt")
+                prof = _profile_window(make, n, txt)
+                per = prof["wall"] / max(1, prof["appends"]) * 1000
+                table = Table(f"Profile: inline append on {label} ({prof['appends']} appends, "
+                              f"{per:.3f} ms each under cProfile)",
+                              ["function (file:function)", "cumulative share", "self share",
+                               "ms per append (cumulative)"])
+                wall = prof["wall"]
+                interesting = [r for r in prof["rows"]
+                               if "bench/" not in r[0] and "profiling" not in r[0]]
+                interesting.sort(key=lambda r: r[2], reverse=True)
+                for where, tt, ct in interesting[:18]:
+                    if ct / wall < 0.04:
+                        break
+                    table.add(where, f"{ct / wall:.0%}", f"{tt / wall:.0%}",
+                              f"{ct / max(1, prof['appends']) * 1000:.3f}")
+                top_self = sorted(interesting, key=lambda r: r[1], reverse=True)[:6]
+                table.notes.append("Largest self times: " + "; ".join(
+                    f"{w} {tt / wall:.0%}" for w, tt, _ in top_self))
+                table.notes.append(f"pyinstrument call tree: profiles/inline_append_{key}.txt")
+                result.tables.append(table)
+                result.data[key] = {"appends": prof["appends"], "wall": wall,
+                                    "top": [(w, tt / wall, ct / wall)
+                                            for w, tt, ct in interesting[:40]]}
+        finally:
+            client.close()
+    return result

@@ -1,0 +1,192 @@
+"""``python -m bench``: run the cases, print one table per case, write the report.
+
+Usage::
+
+    python -m bench             # the full run; report in results/bench/
+    python -m bench --quick     # a reduced run (a couple of minutes); results/tmp/bench-quick/
+    python -m bench --smoke     # tiny sizes, every code path (the test suite's smoke test)
+    python -m bench --cases 1,2 # only some cases (profile = the profiler section)
+
+Exit status: 0 when every case ran (missed targets are reported, not failures), 1 when
+a case raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bench import (
+    case1_append,
+    case2_fill,
+    case3_throughput,
+    case4_snapshot,
+    case5_compaction,
+    case6_sensor,
+    case7_cost,
+    case8_simulated,
+    peers,
+    plots,
+    profiling,
+    report,
+)
+from bench.common import FULL, QUICK, SMOKE, CaseResult, Scale
+from bench.services import Services
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: Case name -> module; run in this order (Spark last, so its JVM does not sit beside
+#: the latency cases).
+CASES: dict[str, Any] = {
+    "1": case1_append,
+    "2": case2_fill,
+    "3": case3_throughput,
+    "4": case4_snapshot,
+    "6": case6_sensor,
+    "7": case7_cost,
+    "8": case8_simulated,
+    "profile": profiling,
+    "5": case5_compaction,
+}
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a reduced run")
+    mode.add_argument("--smoke", action="store_true", help="tiny sizes (for the tests)")
+    parser.add_argument("--cases", default="",
+                        help="comma-separated cases to run (1-8, profile); default all")
+    parser.add_argument("--out", default="", help="where to write the report and plots")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    return parser.parse_args(argv)
+
+
+def closing_note(results: Sequence[CaseResult]) -> list[str]:
+    """The bottleneck paragraph, from the profiler's numbers of this run."""
+    prof = next((r for r in results if r.key == "profile"), None)
+    missed = [t for r in results for t in r.targets if not t.met]
+    lines = []
+    if missed:
+        lines.append("Targets missed in this run: " + "; ".join(
+            f"case {t.case}: {t.name} ({t.detail})" for t in missed) + ".")
+        lines.append("")
+    if prof is None:
+        lines.append("(The profiler section did not run.)")
+        return lines
+    for key, label in (("empty", "an inline append to a shard under 30% full"),
+                       ("filling", "an inline append to a shard 50-95% full")):
+        data = prof.data.get(key)
+        if not data:
+            continue
+        top = data["top"]
+        execute = next((c for w, _, c in top if "execute" in w and "cursor" in w), 0.0)
+        library = [(w, c) for w, _, c in top if w.startswith("persist_pipeline/")
+                   and "consensus/" not in w and "write.py" not in w
+                   and "machine.py:apply" not in w]
+        selfs = sorted(top, key=lambda r: r[1], reverse=True)[:4]
+        lines.append(
+            f"- In {label} (cProfile, {data['appends']} appends): the PostgreSQL round trip "
+            f"(`psycopg2 cursor.execute` of the CaS INSERT, durable commit included) takes "
+            f"{execute:.0%} of the time. Library functions outside the round trip, by "
+            "cumulative share: " + ", ".join(f"`{w}` {c:.0%}" for w, c in library[:5])
+            + ". Largest self times: " + ", ".join(f"`{w}` {s:.0%}" for w, s, _ in selfs)
+            + ".")
+    lines.append("")
+    lines.append("The pyinstrument call trees of both windows are in `profiles/`.")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmarks; returns the exit status."""
+    args = _parse(argv)
+    scale: Scale = SMOKE if args.smoke else QUICK if args.quick else FULL
+    wanted = [c.strip() for c in args.cases.split(",") if c.strip()] or list(CASES)
+    unknown = [c for c in wanted if c not in CASES]
+    if unknown:
+        print(f"unknown case(s): {', '.join(unknown)}; choose from {', '.join(CASES)}",
+              file=sys.stderr)
+        return 2
+    default_out = {"full": "results/bench", "quick": "results/tmp/bench-quick",
+                   "smoke": "results/tmp/bench-smoke"}[scale.name]
+    out_dir = os.path.abspath(args.out or os.path.join(_ROOT, default_out))
+    os.makedirs(out_dir, exist_ok=True)
+    command = "make bench" if scale is FULL and not args.cases else \
+        "make bench-quick" if scale is QUICK and not args.cases else \
+        "python -m bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    started_at = datetime.datetime.now(datetime.UTC)
+    started = time.monotonic()
+    results: list[CaseResult] = []
+    failures: dict[str, str] = {}
+    log: Callable[[str], None] = lambda text: print(text, flush=True)  # noqa: E731
+    peers.small_batch(0)  # build the test data before anything is timed
+    spark_before = _spark_active()
+    with Services() as svc:
+        pg_settings = svc.pg.settings()
+        log(f"persist-pipeline benchmarks ({scale.name}); PostgreSQL "
+            f"{pg_settings['server_version']}, synchronous_commit="
+            f"{pg_settings['synchronous_commit']}; "
+            f"S3 server {svc.s3.main.url}; scratch {svc.workdir}")
+        for name in [c for c in CASES if c in wanted]:
+            module = CASES[name]
+            log(f"\n== {module.TITLE}")
+            case_started = time.monotonic()
+            try:
+                if name == "profile":
+                    result = module.run(svc, scale, out_dir, log=log)
+                else:
+                    result = module.run(svc, scale, log=log)
+            except Exception as exc:
+                traceback.print_exc()
+                failures[f"case {name}"] = f"{type(exc).__name__}: {exc}"
+                continue
+            result.seconds = time.monotonic() - case_started
+            if not args.no_plots:
+                plots.draw(result, out_dir)
+            for table in result.tables:
+                log("\n" + table.to_text())
+            for target in result.targets:
+                verdict = "met" if target.met else f"MISSED ({target.detail})"
+                log(f"  target [{target.name}]: {target.measured} -> {verdict}")
+            log(f"  ({result.seconds:.0f} s)")
+            results.append(result)
+        if not spark_before:
+            _stop_spark()
+    seconds = time.monotonic() - started
+    path = report.write(out_dir, results, scale=scale, command=command, started=started_at,
+                        seconds=seconds, pg=pg_settings, pg_where=svc.pg.where,
+                        versions=peers.versions(), failures=failures,
+                        closing=closing_note(results))
+    log(f"\nreport: {os.path.relpath(path, os.getcwd())} ({seconds / 60:.1f} min)")
+    if failures:
+        log("FAILED: " + "; ".join(f"{k}: {v}" for k, v in failures.items()))
+        return 1
+    return 0
+
+
+def _spark_active() -> bool:
+    """Whether this process already has a Spark session (e.g. the test suite's)."""
+    if "pyspark" not in sys.modules:
+        return False
+    from pyspark.sql import SparkSession
+
+    return SparkSession.getActiveSession() is not None
+
+
+def _stop_spark() -> None:
+    """Stop the Spark session case 5 started, if any."""
+    if "pyspark" not in sys.modules:
+        return
+    from pyspark.sql import SparkSession
+
+    session = SparkSession.getActiveSession()
+    if session is not None:
+        session.stop()

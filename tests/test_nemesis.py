@@ -1,0 +1,245 @@
+"""The nemesis: a short run on real backends, regression cases from the peers' bug
+history, and a negative control for every invariant the checker verifies."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId, UpperMismatch
+from persist_pipeline.compaction import apply_merge_result, merge_requests, run_merge
+from persist_pipeline.consensus import open_consensus
+from persist_pipeline.consensus.base import VersionedData
+from persist_pipeline.consensus.retry import RetryingConsensus
+from persist_pipeline.exceptions import ConsensusUnavailable
+from persist_pipeline.internal import state_codec, transitions
+from persist_pipeline.nemesis import checker, runner, workload
+from tests.fixtures.location import Location
+from tests.helpers import expected_snapshot, rows
+
+# --- the nemesis itself ---------------------------------------------------------------------
+
+
+def test_short_nemesis_on_postgres_and_s3(pg_restartable, s3_uri, tmp_path):
+    cluster = pg_restartable
+    report = runner.run(runner.NemesisOptions(
+        consensus_uri=cluster.server.url("postgres"), blob_uri=s3_uri, seconds=35, writers=3,
+        readers=2, seed=11, fault_rate=0.02, pg_restart=" ".join(cluster.restart_command()),
+        workdir=str(tmp_path / "nemesis")), out=print)
+    assert report.check.violations == []
+    assert (report.check.lost, report.check.duplicated, report.check.leaked_blobs) == (0, 0, 0)
+    assert report.kills > 0 and report.faults > 0 and report.pg_restarts == 1
+    assert report.check.acked > 0 and report.midrun_checks == 1
+
+
+def test_short_nemesis_on_the_embedded_default_with_a_wal_store(tmp_path):
+    report = runner.run(runner.NemesisOptions(
+        consensus_uri=f"sqlite:///{tmp_path / 'c.db'}", blob_uri=f"file://{tmp_path / 'b'}",
+        wal_blob_uri=f"file://{tmp_path / 'wal'}", seconds=15, writers=2, readers=1, seed=3,
+        workdir=str(tmp_path / "nemesis")), out=print)
+    assert report.check.violations == []
+    assert report.kills > 0 and report.check.acked > 0
+
+
+# --- regressions from the peers' bug history ---------------------------------------------
+
+
+def _two_batches(client: PersistClient) -> ShardId:
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2)
+    return shard
+
+
+def test_stale_merge_result_cannot_resurrect_parts_gc_deletes(location: Location):
+    """Materialize's regression_gc_stale_merge_res."""
+    client = location.client(InlinePolicy(0, 0), PersistConfig(rollup_threshold=2))
+    shard = _two_batches(client)
+    machine = client.machine(shard)
+    (req,) = merge_requests(machine.fetch_latest())
+    blobs = client.blobs
+    stale = run_merge(req, str(shard), blobs.main, blobs.wal, 1 << 20)
+    client.compact(shard)  # another compaction replaces the same range first
+    assert apply_merge_result(machine, stale) == "no_match"
+    assert all(blobs.main.get(p.key) is None for p in stale.output.hollow_parts())
+    for t in range(2, 8):
+        client.open_writer(shard).compare_and_append([], t, t + 1)
+    client.gc(shard)
+    assert rows(client.open_reader(shard).snapshot(1), 1) == [(b"a", b"1", 1), (b"b", b"1", 1)]
+    result = checker.check_shard(client, str(shard), acked=[b"a", b"b"],
+                                 attempted=[b"a", b"b"], inline_max_bytes=0)
+    assert result.violations == []
+
+
+class LoseOneCasReply(RetryingConsensus):
+    """Applies the next compare_and_set, then reports it as failed (the lost reply)."""
+
+    armed = False
+
+    def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
+        ok = super().compare_and_set(shard, expected, new)
+        if self.armed and ok:
+            self.armed = False
+            raise ConsensusUnavailable("injected: reply lost after commit")
+        return ok
+
+
+def test_compaction_whose_cas_reply_was_lost_keeps_its_outputs(location: Location):
+    client = location.client(InlinePolicy(0, 0))
+    shard = _two_batches(client)
+    lossy = LoseOneCasReply(open_consensus(location.consensus_uri), 30)
+    other = PersistClient(lossy, client.blobs.main.inner, client.blobs.wal and
+                          client.blobs.wal.inner, PersistConfig(inline_policy=InlinePolicy(0, 0)))
+    lossy.armed = True
+    metrics = other.compact(shard)
+    assert lossy.armed is False, "the reply was never lost"
+    assert metrics["applied"] == 1 and metrics["not_applied"] == 0
+    state = client.machine(shard).fetch_latest()
+    (batch,) = state.batches.values()
+    assert all(client.blobs.main.get(p.key) is not None for p in batch.hollow_parts())
+    assert rows(client.open_reader(shard).snapshot(1), 1) == [(b"a", b"1", 1), (b"b", b"1", 1)]
+
+
+# --- negative controls: a deliberately broken build is caught ----------------------------
+
+
+def _check(client: PersistClient, shard: ShardId, keys: list[bytes], max_bytes: int,
+           **kw: bool) -> checker.CheckResult:
+    return checker.check_shard(client, str(shard), acked=keys, attempted=keys,
+                               inline_max_bytes=max_bytes, **kw)
+
+
+def test_control_gc_that_ignores_what_is_live_is_caught(location, monkeypatch):
+    client = location.client(InlinePolicy(0, 0), PersistConfig(rollup_threshold=2))
+    shard = _two_batches(client)
+    for t in range(2, 6):
+        client.open_writer(shard).compare_and_append([], t, t + 1)
+    from persist_pipeline import gc
+
+    real = gc._refs_from
+
+    def nothing_is_live(machine, start, end):  # the broken build: ignores live versions
+        return (set(), start) if end is None else real(machine, start, end)
+
+    monkeypatch.setattr(gc, "_refs_from", nothing_is_live)
+    result = _check(client, shard, [b"a", b"b"], 0)
+    assert any("references missing blob" in v for v in result.violations)
+
+
+def test_control_broken_idempotency_is_caught_as_duplicates(location, monkeypatch):
+    real = transitions.compare_and_append
+
+    def forgetful(state, batch, **kw):  # the broken build: the token is never matched
+        return real(state, batch, **{**kw, "token": kw["token"] + str(time.monotonic())})
+
+    monkeypatch.setattr(transitions, "compare_and_append", forgetful)
+    lossy = LoseOneCasReply(open_consensus(location.consensus_uri), 30)
+    client = PersistClient(lossy, location.client().blobs.main.inner)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    lossy.armed = True
+    try:
+        writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    except UpperMismatch as e:  # the nemesis writer's (correct) reaction to a mismatch
+        writer.compare_and_append([(b"a", b"1", e.current, 1)], e.current, e.current + 1)
+    result = _check(client, shard, [b"a"], 1 << 20)
+    assert result.duplicated == 1
+
+
+def test_control_inline_bound_violation_is_caught(location, monkeypatch):
+    real = transitions.compare_and_append
+    monkeypatch.setattr(transitions, "compare_and_append",
+                        lambda state, batch, **kw: real(state, batch,
+                                                        **{**kw, "inline_max_bytes": 1 << 30}))
+    client = location.client(InlinePolicy(4096, 100))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    keys = []
+    for t in range(5):
+        keys.append(b"k%d" % t)
+        writer.compare_and_append([(keys[-1], b"x" * 60, t, 1)], t, t + 1)
+    result = _check(client, shard, keys, 100, final_gc=False)
+    assert any("exceed the max" in v for v in result.violations)
+
+
+def test_control_lossy_compaction_is_caught(location, monkeypatch):
+    from persist_pipeline import compaction
+
+    real = compaction.consolidate
+    monkeypatch.setattr(compaction, "consolidate",
+                        lambda table, **kw: real(table, **kw).slice(1))  # drops a row
+    client = location.client()
+    shard = _two_batches(client)
+    client.compact(shard)
+    result = _check(client, shard, [b"a", b"b"], 1 << 20)
+    assert result.lost == 1
+
+
+def test_control_regressing_upper_and_undecodable_state_are_caught(location):
+    client = location.client()
+    shard = _two_batches(client)
+    state = client.machine(shard).fetch_latest()
+    from dataclasses import replace
+
+    regressed = replace(state, seqno=state.seqno + 1, upper=1)
+    record = VersionedData(regressed.seqno, state_codec.encode_diff(state, regressed),
+                           state_codec.encode_summary(regressed))
+    assert client.consensus.compare_and_set(str(shard), state.seqno, record)
+    result = checker.check_history(client, str(shard), 1 << 20)
+    assert any("upper went back" in v for v in result.violations)
+    garbage = VersionedData(regressed.seqno + 1, b"\xff garbage", record.summary)
+    assert client.consensus.compare_and_set(str(shard), regressed.seqno, garbage)
+    result = checker.check_history(client, str(shard), 1 << 20)
+    assert any("does not decode" in v for v in result.violations)
+
+
+def test_control_gc_without_orphan_sweep_leaks_and_is_caught(location, monkeypatch):
+    client = location.client(InlinePolicy(0, 0), PersistConfig(gc_orphan_min_age_s=1))
+    shard = _two_batches(client)
+    client.blobs.main.set(f"{shard}/p/b-crashed-0000.parquet", b"orphan of a dead writer")
+    time.sleep(1.1)
+    monkeypatch.setattr("persist_pipeline.gc._sweep_orphans", lambda machine, earliest: 0)
+    result = _check(client, shard, [b"a", b"b"], 0)
+    assert result.leaked_blobs == 1
+    monkeypatch.undo()
+    assert _check(client, shard, [b"a", b"b"], 0).leaked_blobs == 0  # the real GC sweeps
+
+
+def test_control_listen_that_drops_updates_is_caught(tmp_path, monkeypatch):
+    from persist_pipeline.read import Listen
+
+    real_emit = Listen._emit
+
+    def lossy_emit(self, state):
+        events = real_emit(self, state)
+        return [e for e in events if e.kind == "progress"]  # drops every update
+
+    monkeypatch.setattr(Listen, "_emit", lossy_emit)
+    setup = workload.NemesisSetup(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
+                                  None, str(ShardId.new()), str(tmp_path), 0, 0.0,
+                                  InlinePolicy(), PersistConfig())
+    client = setup.client("writer", faults=False)
+    writer = client.open_writer(setup.shard)
+    thread = threading.Thread(target=workload.listener, args=(setup, "listener"))
+    thread.start()
+    time.sleep(0.5)
+    for t in range(5):
+        writer.compare_and_append([(b"k%d" % t, b"v", t, 1)], t, t + 1)
+    time.sleep(1.0)
+    (tmp_path / "stop").touch()
+    thread.join(timeout=30)
+    import json
+
+    report = json.loads((tmp_path / "listener.json").read_text())
+    assert report["mismatch_count"] > 0
+
+
+def test_checker_passes_a_healthy_shard(location):
+    client = location.client()
+    shard = _two_batches(client)
+    client.compact(shard)
+    result = _check(client, shard, [b"a", b"b"], 1 << 20)
+    assert result.violations == [] and result.present == 2
+    assert expected_snapshot([(b"a", b"1", 0, 1), (b"b", b"1", 1, 1)], 1) == \
+        rows(client.open_reader(shard).snapshot(1), 1)
