@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.fixtures.postgres import ThrowawayCluster  # noqa: E402 - after the path tweak
+from tests.fixtures.postgres import ThrowawayCluster
 
 
 def main() -> int:
@@ -26,9 +26,8 @@ def main() -> int:
     parser.add_argument("--fault-rate", type=float, default=0.02)
     args = parser.parse_args()
 
-    from moto.server import ThreadedMotoServer
-
     import boto3
+    from moto.server import ThreadedMotoServer
 
     for name, value in {"AWS_ACCESS_KEY_ID": "nemesis", "AWS_SECRET_ACCESS_KEY": "nemesis",
                         "AWS_DEFAULT_REGION": "us-east-1"}.items():
