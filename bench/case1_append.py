@@ -4,10 +4,12 @@ Rows, all in one process and one run:
 
 - the physical limit: a bare psycopg2 compare-and-set INSERT of the same bytes as our
   consensus record (the same single statement shape as ours: insert if the head seqno is
-  the expected one), plain SQL in autocommit at the server's default isolation, measured
-  in two halves (before and after our rows) and pooled; variants show what SERIALIZABLE
-  plus server-side prepared statements (what the library sends) and a non-durable commit
-  (``synchronous_commit=off``) cost; an 8 KiB write + ``fdatasync`` shows the disk;
+  the expected one), durable commit, in autocommit; two variants, plain SQL at the
+  server's default isolation and SERIALIZABLE with a server-side prepared statement (what
+  the library sends), each measured in two halves (before and after our row) and pooled;
+  the faster of the two is the physical limit the ratios use. A non-durable commit
+  (``synchronous_commit=off``) and an 8 KiB write + ``fdatasync`` show what the commit's
+  flush costs on this disk;
 - ours: inline on PostgreSQL (main blob on the S3 server) and on SQLite (a local
   folder), the blob path with inlining off (S3 server), and the WAL store (a local
   folder standing in for a low-latency store; main blob on the S3 server);
@@ -204,19 +206,23 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
         log("  fsync probe")
         rows["fsync"] = ("8 KiB write + fdatasync on this disk (reference)",
                          fsync_probe(svc.workdir, warmup=w, iters=half))
+        # Both durable bare variants run half before and half after our row, pooled.
         log("  bare CaS (1st half)")
         first = bare_cas(svc, url, data, summary, warmup=w, iters=half)
+        first_ser = bare_cas(svc, url, data, summary, warmup=w, iters=half,
+                             variant="serializable")
         log("  ours inline PostgreSQL")
         rows["ours_pg"] = ("ours, inline, PostgreSQL consensus (blob: S3 server)",
                            ours(url, s3_uri, policy=None, rotate=scale.shard_rotate,
                                 warmup=w, iters=n)[0])
         log("  bare CaS (2nd half)")
         second = bare_cas(svc, url, data, summary, warmup=w, iters=half)
-        rows["bare"] = ("bare psycopg2 CaS INSERT, durable commit (the physical limit)",
+        second_ser = bare_cas(svc, url, data, summary, warmup=w, iters=half,
+                              variant="serializable")
+        rows["bare"] = ("bare psycopg2 CaS INSERT, plain SQL, default isolation",
                         first + second)
         rows["bare_ser"] = ("bare CaS, SERIALIZABLE + prepared (the SQL the library sends)",
-                            bare_cas(svc, url, data, summary, warmup=w, iters=half,
-                                     variant="serializable"))
+                            first_ser + second_ser)
         rows["bare_async"] = ("bare CaS, synchronous_commit=off (NOT durable; reference)",
                               bare_cas(svc, url, data, summary, warmup=w, iters=half,
                                        variant="async"))
@@ -267,10 +273,13 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
                      "VARCHAR literals (BLOB keys did not inline on a PostgreSQL catalog).")
 
     timings = {key: Timing.of(s) for key, (_, s) in rows.items()}
-    base = timings["bare"].p50
+    # The physical limit: the faster of the two durable bare CaS variants.
+    limit = min(("bare", "bare_ser"), key=lambda k: timings[k].p50)
+    rows[limit] = (rows[limit][0] + " = the physical limit", rows[limit][1])
+    base = timings[limit].p50
     us = timings["ours_pg"].p50
     table = Table(f"Case 1: {TITLE}",
-                  ["system", "n", "p50 ms", "p90 ms", "p99 ms", "p50 / bare CaS",
+                  ["system", "n", "p50 ms", "p90 ms", "p99 ms", "p50 / physical limit",
                    "p50 / ours (PG)"])
     order = ["fsync", "bare", "bare_ser", "bare_async", "ours_pg", "ours_sqlite", "ours_blob",
              "ours_wal", "delta_local", "delta_s3", "iceberg", "ducklake_pg",
@@ -291,7 +300,8 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
     result.data = {key: {"label": rows[key][0], "samples": rows[key][1]} for key in order}
     over = us / base
     result.targets.append(Target(
-        "1", "inline append p50 <= 2x the bare CaS INSERT", "<= 2.00x", f"{over:.2f}x",
+        "1", "inline append p50 <= 2x the bare CaS INSERT (the faster durable variant)",
+        "<= 2.00x", f"{over:.2f}x",
         over <= 2.0,
         "met" if over <= 2.0 else f"missed by {over / 2.0:.2f}x "
         f"({ms(us)} ms vs {ms(base * 2)} ms allowed)"))

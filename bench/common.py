@@ -213,11 +213,11 @@ FULL = Scale(
     compaction_sizes=(1_000_000, 5_000_000), compaction_rows_per_part=5_000,
     compaction_reps=2, spark=True,
     sensor_shards=(100, 1_000, 10_000), sensor_iters=20,
-    cost_appends=1000, sim_iters=40, profile_appends=600,
+    cost_appends=500, sim_iters=40, profile_appends=600,
 )
 
 QUICK = Scale(
-    name="quick", append_warmup=100, append_iters=1000, shard_rotate=256,
+    name="quick", append_warmup=150, append_iters=1000, shard_rotate=256,
     delta_local_iters=150, s3_iters=50, iceberg_iters=40, ducklake_iters=100,
     fill_max_bytes=1 << 20, fill_reps=4, fill_window=25, fill_curve_reps=1,
     tp_appends=400, tp_reps=1, tp_writers=(1, 2, 4, 8),

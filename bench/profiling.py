@@ -122,7 +122,7 @@ def run(svc: Services, scale: Scale, out_dir: str,
         try:
             warm = _Window(client, bound, 0.0, 1.0)  # warm-up: connections, code, data
             warm.prepare()
-            warm.appends(20)
+            warm.appends(140)  # past a state rollup: the S3 client exists
             warm.writer.expire()
             windows = {
                 "empty": ("a shard filling from empty to 30% of its inline budget",

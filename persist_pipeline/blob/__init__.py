@@ -68,6 +68,9 @@ def open_blob(uri: str, *, cache_bytes: int = 0) -> Blob:
     """
     if not isinstance(uri, str):
         raise InvalidUri(f"blob URI must be a str, got {type(uri).__name__}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in uri):
+        raise InvalidUri("blob URI contains control characters (NUL, newline, ...); "
+                         f"supported: {_EXAMPLES}")
     if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
         raise InvalidConfig(f"cache_bytes must be a non-negative int, got {cache_bytes!r}")
     text = uri.strip()

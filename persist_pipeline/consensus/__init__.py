@@ -52,6 +52,9 @@ def open_consensus(uri: str) -> Consensus:
         raise InvalidUri(
             f"consensus URI must be a str, got {type(uri).__name__}; supported: {_EXAMPLES}"
         )
+    if any(ord(c) < 32 or ord(c) == 127 for c in uri):
+        raise InvalidUri("consensus URI contains control characters (NUL, newline, ...); "
+                         f"supported: {_EXAMPLES}")
     scheme, sep, rest = uri.strip().partition("://")
     if not sep or not scheme:
         raise InvalidUri(f"malformed consensus URI {_quote(uri)}; supported: {_EXAMPLES}")
