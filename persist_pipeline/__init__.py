@@ -15,6 +15,10 @@ Module map:
 - ``compaction`` / ``gc``: maintenance, each returning a metrics dict.
 - ``consensus/`` and ``blob/``: backends behind small ABCs, opened by URI scheme.
 - ``internal/``: the state model, pure transitions, the Spine, codecs, the CaS loop.
+- ``ingest``: reading updates from Parquet, CSV and JSON Lines files.
+- ``faults``: seeded fault injection (wrappers in ``blob.faults``, ``consensus.faults``).
+- ``nemesis/``: killed processes, faults and a checker of every guarantee.
+- ``spark``: the Spark compaction executor (imports pyspark lazily).
 - ``proto/``: the protobuf wire formats; ``cli``: the ``persist-pipeline`` command.
 - ``exceptions``: every error, rooted at :class:`PersistError`.
 """
