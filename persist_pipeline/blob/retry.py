@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import logging
-import random
-import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from persist_pipeline.blob.base import Blob, BlobMeta
-from persist_pipeline.exceptions import BlobUnavailable, Indeterminate
+from persist_pipeline.exceptions import BlobUnavailable
+from persist_pipeline.retry import retry_transient
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -31,21 +28,11 @@ class RetryingBlob(Blob):
         self.retries = 0
 
     def _retry(self, op: str, call: Callable[[], T]) -> T:
-        deadline = time.monotonic() + self.deadline_s
-        attempt = 0
-        while True:
-            try:
-                return call()
-            except BlobUnavailable as e:
-                if time.monotonic() >= deadline:
-                    raise Indeterminate(f"{self.inner.describe()}: {op} kept failing for "
-                                        f"{self.deadline_s:.0f}s: {e}") from e
-                self.retries += 1
-                delay = min(1.0, 0.005 * 2 ** min(attempt, 8)) * (0.5 + random.random())  # noqa: S311
-                log.debug("%s: %s failed, retrying in %.3fs: %s", self.inner.describe(), op,
-                          delay, e)
-                time.sleep(delay)
-                attempt += 1
+        return retry_transient(call, deadline_s=self.deadline_s, catch=BlobUnavailable,
+                               what=f"{self.inner.describe()}: {op}", on_retry=self._count)
+
+    def _count(self) -> None:
+        self.retries += 1
 
     def get(self, key: str) -> bytes | None:
         return self._retry("get", lambda: self.inner.get(key))

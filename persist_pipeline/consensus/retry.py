@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import logging
-import random
-import time
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from persist_pipeline.consensus.base import Consensus, VersionedData
-from persist_pipeline.exceptions import ConsensusUnavailable, Indeterminate
+from persist_pipeline.exceptions import ConsensusUnavailable
+from persist_pipeline.retry import retry_transient
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -29,21 +26,11 @@ class RetryingConsensus(Consensus):
         self.retries = 0
 
     def _retry(self, op: str, call: Callable[[], T]) -> T:
-        deadline = time.monotonic() + self.deadline_s
-        attempt = 0
-        while True:
-            try:
-                return call()
-            except ConsensusUnavailable as e:
-                if time.monotonic() >= deadline:
-                    raise Indeterminate(
-                        f"consensus {op} kept failing for {self.deadline_s:.0f}s: {e}"
-                    ) from e
-                self.retries += 1
-                delay = min(1.0, 0.005 * 2 ** min(attempt, 8)) * (0.5 + random.random())  # noqa: S311
-                log.debug("consensus %s failed, retrying in %.3fs: %s", op, delay, e)
-                time.sleep(delay)
-                attempt += 1
+        return retry_transient(call, deadline_s=self.deadline_s, catch=ConsensusUnavailable,
+                               what=f"consensus {op}", on_retry=self._count)
+
+    def _count(self) -> None:
+        self.retries += 1
 
     def head(self, shard: str) -> VersionedData | None:
         return self._retry("head", lambda: self.inner.head(shard))

@@ -11,7 +11,6 @@ transition that must not apply twice carries an idempotency token.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +21,6 @@ from persist_pipeline.config import PersistConfig
 from persist_pipeline.consensus.base import Consensus, VersionedData
 from persist_pipeline.exceptions import (
     CorruptState,
-    Indeterminate,
     PersistError,
     ShardNotFound,
     Unavailable,
@@ -30,6 +28,7 @@ from persist_pipeline.exceptions import (
 from persist_pipeline.internal import state_codec, transitions
 from persist_pipeline.internal.blobs import ShardBlobs
 from persist_pipeline.internal.state import Rollup, State
+from persist_pipeline.retry import Backoff, retry_transient
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -163,9 +162,8 @@ class Machine:
         changed nothing, the state it saw). Errors raised by the transition propagate.
         """
         with self._lock:
-            deadline = time.monotonic() + self.config.retry_deadline_s
+            backoff = self._backoff()
             state = self.state
-            attempt = 0
             while True:
                 new, result = transition(state)
                 if new is state:
@@ -180,18 +178,18 @@ class Machine:
                     # Indeterminate: it may have committed. Re-read and run the
                     # transition again; idempotency tokens make that safe.
                     self.metrics.cas_indeterminate += 1
-                    attempt = self._backoff(attempt, deadline, e)
-                    state = self._refresh_after_error(deadline)
+                    self.metrics.transient_retries += 1
+                    backoff.wait(e)
+                    state = self._refresh_after_error(backoff)
                     continue
                 if ok:
                     self._state = new
                     self._maybe_rollup(new)
                     return result, new
                 self.metrics.cas_mismatches += 1
-                state = self._refresh_after_error(deadline)
+                state = self._refresh_after_error(backoff)
 
-    def _refresh_after_error(self, deadline: float) -> State:
-        attempt = 0
+    def _refresh_after_error(self, backoff: Backoff) -> State:
         while True:
             try:
                 cached = self._state
@@ -199,27 +197,18 @@ class Machine:
                 self._state = caught_up or self._fetch_full(create_if_missing=False)
                 return self._state
             except Unavailable as e:
-                attempt = self._backoff(attempt, deadline, e)
+                self.metrics.transient_retries += 1
+                backoff.wait(e)
 
     def _retrying(self, op: Callable[[], R]) -> R:
-        deadline = time.monotonic() + self.config.retry_deadline_s
-        attempt = 0
-        while True:
-            try:
-                return op()
-            except Unavailable as e:
-                attempt = self._backoff(attempt, deadline, e)
+        return retry_transient(op, deadline_s=self.config.retry_deadline_s,
+                               what=f"shard {self.shard_id}", on_retry=self._count_retry)
 
-    def _backoff(self, attempt: int, deadline: float, error: Exception) -> int:
+    def _count_retry(self) -> None:
         self.metrics.transient_retries += 1
-        if time.monotonic() >= deadline:
-            raise Indeterminate(f"shard {self.shard_id}: gave up after "
-                                f"{self.config.retry_deadline_s:.0f}s of transient errors: "
-                                f"{error}") from error
-        delay = min(1.0, 0.005 * (2 ** min(attempt, 8))) * (0.5 + random.random())  # noqa: S311
-        log.debug("shard %s: transient error, retrying in %.3fs: %s", self.shard_id, delay, error)
-        time.sleep(delay)
-        return attempt + 1
+
+    def _backoff(self) -> Backoff:
+        return Backoff(self.config.retry_deadline_s, f"shard {self.shard_id}")
 
     @staticmethod
     def blobs_refs_of(state: State) -> set[tuple[str, str]]:
