@@ -39,7 +39,7 @@ quickstart: $(STAMP)
 nemesis: $(STAMP)
 	$(PY) scripts/nemesis_local.py --seconds "$${NEMESIS_SECONDS:-600}"
 
-test: $(STAMP) lint typecheck
+test: $(STAMP) browser lint typecheck
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
@@ -68,3 +68,10 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(BENCH_STAMP)
 	$(PY) -m bench --quick
+
+# Headless Chromium for tests/test_ui_browser.py (issue 6): Debian's `chromium` package,
+# installed with apt-get only if /usr/bin/chromium (or $PERSIST_CHROMIUM) is missing.
+.PHONY: browser
+
+browser:
+	bash scripts/install_chromium.sh

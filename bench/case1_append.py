@@ -6,8 +6,9 @@ Rows, all in one process and one run:
   consensus record (the same single statement shape as ours: insert if the head seqno is
   the expected one), durable commit, in autocommit; two variants, plain SQL at the
   server's default isolation and SERIALIZABLE with a server-side prepared statement (what
-  the library sends), each measured in two halves (before and after our row) and pooled;
-  the faster of the two is the physical limit the ratios use. A non-durable commit
+  the library sends), timed in 10 alternating blocks with our inline append (so a change
+  of the machine's load hits all three alike); the faster of the two is the physical
+  limit the ratios use. A non-durable commit
   (``synchronous_commit=off``) and an 8 KiB write + ``fdatasync`` show what the commit's
   flush costs on this disk;
 - ours: inline on PostgreSQL (main blob on the S3 server) and on SQLite (a local
@@ -90,42 +91,72 @@ def record_size(url: str, blob_uri: str) -> tuple[int, int, int]:
         client.close()
 
 
-def bare_cas(svc: Services, url: str, data: bytes, summary: bytes, *, warmup: int,
-             iters: int, variant: str = "plain") -> list[float]:
+class BareCas:
     """Bare psycopg2 compare-and-set INSERTs of ``data``/``summary`` (see the module doc).
 
     Variants: ``plain`` (the server's defaults), ``serializable`` (SERIALIZABLE session
     and a server-side prepared statement, like the library), ``async``
-    (``synchronous_commit=off``: not durable, a reference only).
+    (``synchronous_commit=off``: not durable, a reference only). Call it to make one CaS.
     """
-    conn = svc.pg.connect(url)
-    try:
-        cur = conn.cursor()
-        cur.execute("CREATE TABLE IF NOT EXISTS bare_cas (shard text, seqno bigint, "
-                    "data bytea, summary bytea, PRIMARY KEY (shard, seqno))")
-        shard = f"bare-{variant}-{time.monotonic_ns()}"
-        cur.execute("INSERT INTO bare_cas VALUES (%s, 0, %s, %s)", (shard, data, summary))
+
+    def __init__(self, svc: Services, url: str, data: bytes, summary: bytes,
+                 variant: str = "plain") -> None:
+        self.conn = svc.pg.connect(url)
+        self.cur = self.conn.cursor()
+        self.data, self.summary, self.variant = data, summary, variant
+        self.cur.execute("CREATE TABLE IF NOT EXISTS bare_cas (shard text, seqno bigint, "
+                         "data bytea, summary bytea, PRIMARY KEY (shard, seqno))")
+        self.shard = f"bare-{variant}-{time.monotonic_ns()}"
+        self.cur.execute("INSERT INTO bare_cas VALUES (%s, 0, %s, %s)",
+                         (self.shard, data, summary))
         if variant == "serializable":
-            cur.execute("SET default_transaction_isolation = serializable")
-            cur.execute(_CAS_PREPARE)
+            self.cur.execute("SET default_transaction_isolation = serializable")
+            self.cur.execute(_CAS_PREPARE)
         elif variant == "async":
-            cur.execute("SET synchronous_commit = off")
-        seqno = [0]
+            self.cur.execute("SET synchronous_commit = off")
+        self.seqno = 0
 
-        def step(_i: int) -> None:
-            n = seqno[0]
-            if variant == "serializable":
-                cur.execute("EXECUTE bare_cas_stmt (%s, %s, %s, %s, %s)",
-                            (shard, n + 1, data, summary, n))
-            else:
-                cur.execute(_CAS, (shard, n + 1, data, summary, shard, n))
-            if cur.rowcount != 1:
-                raise AssertionError("bare CaS lost: nobody else writes this shard")
-            seqno[0] = n + 1
+    def __call__(self, _i: int) -> None:
+        n = self.seqno
+        if self.variant == "serializable":
+            self.cur.execute("EXECUTE bare_cas_stmt (%s, %s, %s, %s, %s)",
+                             (self.shard, n + 1, self.data, self.summary, n))
+        else:
+            self.cur.execute(_CAS, (self.shard, n + 1, self.data, self.summary, self.shard, n))
+        if self.cur.rowcount != 1:
+            raise AssertionError("bare CaS lost: nobody else writes this shard")
+        self.seqno = n + 1
 
-        return measure(step, warmup=warmup, iters=iters)
-    finally:
-        conn.close()
+    def close(self) -> None:
+        self.conn.close()
+
+
+def interleaved(steppers: dict[str, tuple[Callable[[int], object],
+                                          Callable[[int], object] | None]],
+                *, warmup: int, iters: int, blocks: int) -> dict[str, list[float]]:
+    """Time several steppers in alternating blocks, so that a change of the machine's
+    load during the run hits all of them alike; returns each one's samples."""
+    samples: dict[str, list[float]] = {k: [] for k in steppers}
+    counters = dict.fromkeys(steppers, 0)
+    for key, (fn, before) in steppers.items():
+        measure(fn, warmup=warmup, iters=0, before=before)
+        counters[key] = warmup
+    per_block = max(1, iters // blocks)
+    for _ in range(blocks):
+        for key, (fn, before) in steppers.items():
+            offset = counters[key]
+
+            def shifted(i: int, fn: Callable[[int], object] = fn, offset: int = offset) -> object:
+                return fn(offset + i)
+
+            def shifted_before(i: int, before: Callable[[int], object] | None = before,
+                               offset: int = offset) -> object:
+                return before(offset + i) if before is not None else None
+
+            samples[key] += measure(shifted, warmup=0, iters=per_block,
+                                    before=shifted_before)
+            counters[key] += per_block
+    return samples
 
 
 def fsync_probe(folder: str, *, warmup: int, iters: int) -> list[float]:
@@ -206,26 +237,33 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
         log("  fsync probe")
         rows["fsync"] = ("8 KiB write + fdatasync on this disk (reference)",
                          fsync_probe(svc.workdir, warmup=w, iters=half))
-        # Both durable bare variants run half before and half after our row, pooled.
-        log("  bare CaS (1st half)")
-        first = bare_cas(svc, url, data, summary, warmup=w, iters=half)
-        first_ser = bare_cas(svc, url, data, summary, warmup=w, iters=half,
-                             variant="serializable")
-        log("  ours inline PostgreSQL")
-        rows["ours_pg"] = ("ours, inline, PostgreSQL consensus (blob: S3 server)",
-                           ours(url, s3_uri, policy=None, rotate=scale.shard_rotate,
-                                warmup=w, iters=n)[0])
-        log("  bare CaS (2nd half)")
-        second = bare_cas(svc, url, data, summary, warmup=w, iters=half)
-        second_ser = bare_cas(svc, url, data, summary, warmup=w, iters=half,
-                              variant="serializable")
+        # The durable bare variants and our inline append run in alternating blocks.
+        log("  bare CaS and ours inline PostgreSQL, interleaved")
+        plain = BareCas(svc, url, data, summary)
+        serializable = BareCas(svc, url, data, summary, "serializable")
+        client = PersistClient.open(url, s3_uri, inline_policy=InlinePolicy())
+        appender = OurAppender(client, scale.shard_rotate)
+        try:
+            timed = interleaved({"bare": (plain, None), "bare_ser": (serializable, None),
+                                 "ours_pg": (appender, appender.before)},
+                                warmup=w, iters=n, blocks=10)
+        finally:
+            appender.close()
+            client.close()
+            plain.close()
+            serializable.close()
         rows["bare"] = ("bare psycopg2 CaS INSERT, plain SQL, default isolation",
-                        first + second)
+                        timed["bare"])
         rows["bare_ser"] = ("bare CaS, SERIALIZABLE + prepared (the SQL the library sends)",
-                            first_ser + second_ser)
-        rows["bare_async"] = ("bare CaS, synchronous_commit=off (NOT durable; reference)",
-                              bare_cas(svc, url, data, summary, warmup=w, iters=half,
-                                       variant="async"))
+                            timed["bare_ser"])
+        rows["ours_pg"] = ("ours, inline, PostgreSQL consensus (blob: S3 server)",
+                           timed["ours_pg"])
+        async_cas = BareCas(svc, url, data, summary, "async")
+        try:
+            rows["bare_async"] = ("bare CaS, synchronous_commit=off (NOT durable; reference)",
+                                  measure(async_cas, warmup=w, iters=half))
+        finally:
+            async_cas.close()
         log("  ours inline SQLite")
         sqlite_dir = svc.folder("c1-sqlite")
         rows["ours_sqlite"] = ("ours, inline, SQLite consensus (blob: local folder)",

@@ -213,7 +213,7 @@ FULL = Scale(
     compaction_sizes=(1_000_000, 5_000_000), compaction_rows_per_part=5_000,
     compaction_reps=2, spark=True,
     sensor_shards=(100, 1_000, 10_000), sensor_iters=20,
-    cost_appends=500, sim_iters=40, profile_appends=600,
+    cost_appends=300, sim_iters=40, profile_appends=600,
 )
 
 QUICK = Scale(

@@ -5,7 +5,9 @@ with cProfile (exact per-function totals, for the tables) and again with pyinstr
 (a sampled call tree, written next to the report for reading):
 
 - a shard going from empty to about 30% of its inline budget;
-- a shard going from 50% to 95% of its inline budget (where case 2 measures).
+- a shard going from 50% to 95% of its inline budget (where case 2 measures);
+
+and warm snapshots of a shard of ``scale.snap_parts`` inline parts (case 4's slow row).
 
 A function's share is its cumulative time (itself and what it calls) over the whole
 window; "self" is time spent in the function's own code.
@@ -25,7 +27,7 @@ from bench.common import CaseResult, Scale, Table
 from bench.services import Services
 from persist_pipeline import InlinePolicy, PersistClient, ShardId
 
-TITLE = "Profile of the inline append (cProfile; pyinstrument trees in profiles/)"
+TITLE = "Profiles of the inline append and of a snapshot (cProfile; pyinstrument in profiles/)"
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,6 +41,8 @@ def _where(key: tuple[str, int, str]) -> str:
         path = os.path.relpath(path, _ROOT)
     elif "site-packages" in path:
         path = path.split("site-packages" + os.sep, 1)[1]
+    elif f"{os.sep}lib{os.sep}python" in path:  # the standard library
+        path = "stdlib/" + path.split(f"{os.sep}lib{os.sep}python", 1)[1].split(os.sep, 1)[1]
     return f"{path}:{func} (line {line})"
 
 
@@ -77,26 +81,24 @@ class _Window:
         return done
 
 
-def _profile_window(make: Callable[[], _Window], n: int, out_txt: str) -> dict[str, Any]:
-    window = make()
-    window.prepare()
+def _profile(prepare: Callable[[], Callable[[], int]], out_txt: str) -> dict[str, Any]:
+    """Profile ``work = prepare(); work()`` with cProfile, then a second time (freshly
+    prepared) with pyinstrument into ``out_txt``. ``work`` returns the operations done."""
+    work = prepare()
     profile = cProfile.Profile()
     started = time.perf_counter()
     profile.enable()
-    done = window.appends(n)
+    done = work()
     profile.disable()
     wall = time.perf_counter() - started
-    window.writer.expire()
 
     from pyinstrument import Profiler
 
-    window = make()
-    window.prepare()
+    work = prepare()
     profiler = Profiler(interval=0.0002)
     profiler.start()
-    window.appends(n)
+    work()
     profiler.stop()
-    window.writer.expire()
     with open(out_txt, "w") as f:
         f.write(profiler.output_text(unicode=False, color=False, show_all=False))
 
@@ -105,13 +107,71 @@ def _profile_window(make: Callable[[], _Window], n: int, out_txt: str) -> dict[s
     raw: Any = stats.stats  # type: ignore[attr-defined]
     for key, (_cc, _nc, tt, ct, _callers) in raw.items():
         rows.append((_where(key), tt, ct))
-    return {"appends": done, "wall": wall, "rows": rows}
+    return {"ops": done, "wall": wall, "rows": rows}
+
+
+def _appends(make: Callable[[], _Window], n: int) -> Callable[[], Callable[[], int]]:
+    def prepare() -> Callable[[], int]:
+        window = make()
+        window.prepare()
+
+        def work() -> int:
+            try:
+                return window.appends(n)
+            finally:
+                window.writer.expire()
+
+        return work
+
+    return prepare
+
+
+def _snapshots(client: PersistClient, parts: int, reads: int) -> Callable[[], Callable[[], int]]:
+    """Warm snapshots of a shard of ``parts`` inline parts (case 4's slow row)."""
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    for i in range(parts):
+        writer.compare_and_append(peers.small_batch(i, seed=i), i, i + 1)
+    writer.expire()
+    reader = client.open_reader(shard)
+    reader.snapshot(parts - 1)
+
+    def prepare() -> Callable[[], int]:
+        def work() -> int:
+            for _ in range(reads):
+                reader.snapshot(parts - 1)
+            return reads
+
+        return work
+
+    return prepare
+
+
+def _table(title: str, unit: str, prof: dict[str, Any], txt: str) -> Table:
+    wall = prof["wall"]
+    ops = max(1, prof["ops"])
+    table = Table(f"{title} ({prof['ops']} {unit}s, {wall / ops * 1000:.3f} ms each under "
+                  "cProfile)",
+                  ["function (file:function)", "cumulative share", "self share",
+                   f"ms per {unit} (cumulative)"])
+    interesting = sorted((r for r in prof["rows"] if "bench/" not in r[0]),
+                         key=lambda r: r[2], reverse=True)
+    for where, tt, ct in interesting[:18]:
+        if ct / wall < 0.04:
+            break
+        table.add(where, f"{ct / wall:.0%}", f"{tt / wall:.0%}", f"{ct / ops * 1000:.3f}")
+    top_self = sorted(interesting, key=lambda r: r[1], reverse=True)[:6]
+    table.notes.append("Largest self times: " + "; ".join(
+        f"{w} {tt / wall:.0%}" for w, tt, _ in top_self))
+    table.notes.append(f"pyinstrument call tree: profiles/{txt}")
+    prof["top"] = [(w, tt / wall, ct / wall) for w, tt, ct in interesting[:40]]
+    return table
 
 
 def run(svc: Services, scale: Scale, out_dir: str,
         log: Callable[[str], None] = print) -> CaseResult:
-    """Profile the inline append (see the module docstring); pyinstrument trees go to
-    ``out_dir/profiles/``."""
+    """Profile the inline append and the snapshot of many inline parts (see the module
+    docstring); pyinstrument trees go to ``out_dir/profiles/``."""
     result = CaseResult("profile", TITLE)
     os.makedirs(os.path.join(out_dir, "profiles"), exist_ok=True)
     bound = scale.fill_max_bytes
@@ -132,30 +192,25 @@ def run(svc: Services, scale: Scale, out_dir: str,
             }
             for key, (label, make) in windows.items():
                 log(f"  profiling {label}")
-                txt = os.path.join(out_dir, "profiles", f"inline_append_{key}.txt")
-                prof = _profile_window(make, n, txt)
-                per = prof["wall"] / max(1, prof["appends"]) * 1000
-                table = Table(f"Profile: inline append on {label} ({prof['appends']} appends, "
-                              f"{per:.3f} ms each under cProfile)",
-                              ["function (file:function)", "cumulative share", "self share",
-                               "ms per append (cumulative)"])
-                wall = prof["wall"]
-                interesting = [r for r in prof["rows"]
-                               if "bench/" not in r[0] and "profiling" not in r[0]]
-                interesting.sort(key=lambda r: r[2], reverse=True)
-                for where, tt, ct in interesting[:18]:
-                    if ct / wall < 0.04:
-                        break
-                    table.add(where, f"{ct / wall:.0%}", f"{tt / wall:.0%}",
-                              f"{ct / max(1, prof['appends']) * 1000:.3f}")
-                top_self = sorted(interesting, key=lambda r: r[1], reverse=True)[:6]
-                table.notes.append("Largest self times: " + "; ".join(
-                    f"{w} {tt / wall:.0%}" for w, tt, _ in top_self))
-                table.notes.append(f"pyinstrument call tree: profiles/inline_append_{key}.txt")
-                result.tables.append(table)
-                result.data[key] = {"appends": prof["appends"], "wall": wall,
-                                    "top": [(w, tt / wall, ct / wall)
-                                            for w, tt, ct in interesting[:40]]}
+                txt = f"inline_append_{key}.txt"
+                prof = _profile(_appends(make, n), os.path.join(out_dir, "profiles", txt))
+                result.tables.append(_table(f"Profile: inline append on {label}", "append",
+                                            prof, txt))
+                result.data[key] = {"appends": prof["ops"], "wall": prof["wall"],
+                                    "top": prof["top"]}
+        finally:
+            client.close()
+        parts = scale.snap_parts
+        log(f"  profiling snapshots of {parts} inline parts")
+        client = PersistClient.open(url, blob, inline_policy=InlinePolicy(4096, 2 << 20))
+        try:
+            txt = "snapshot_inline_parts.txt"
+            prof = _profile(_snapshots(client, parts, max(2, scale.snap_iters // 5)),
+                            os.path.join(out_dir, "profiles", txt))
+            result.tables.append(_table(f"Profile: warm snapshot of {parts} inline parts "
+                                        "(case 4)", "snapshot", prof, txt))
+            result.data["snapshot"] = {"reads": prof["ops"], "wall": prof["wall"],
+                                       "top": prof["top"]}
         finally:
             client.close()
     return result

@@ -13,6 +13,21 @@ from typing import Any
 from bench.common import CaseResult, Scale, Target
 
 
+def library_revision() -> str:
+    """The git commit of the tree measured, and whether ``persist_pipeline/`` differed."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=20, check=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "persist_pipeline"],
+                               cwd=root, capture_output=True, text=True, timeout=20,
+                               check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    state = "with uncommitted changes in persist_pipeline/" if dirty.strip() else "clean"
+    return f"{head.strip()} ({state})"
+
+
 def machine() -> dict[str, str]:
     """What this machine is: CPU, cores, memory, kernel, Python, Java."""
     out = {"cores": str(os.cpu_count()), "kernel": platform.release(),
@@ -46,7 +61,7 @@ def _targets_table(targets: Sequence[Target]) -> str:
 def write(out_dir: str, results: Sequence[CaseResult], *, scale: Scale, command: str,
           started: datetime.datetime, seconds: float, pg: dict[str, str], pg_where: str,
           versions: dict[str, str], failures: dict[str, str],
-          closing: Sequence[str]) -> str:
+          closing: Sequence[str], load: tuple[float, float]) -> str:
     """Write ``BENCH.md`` and ``results.json`` into ``out_dir``; returns the report path."""
     m = machine()
     targets = [t for r in results for t in r.targets]
@@ -73,6 +88,10 @@ def write(out_dir: str, results: Sequence[CaseResult], *, scale: Scale, command:
     for key in ("cpu", "cores", "memory", "kernel", "python", "java"):
         if key in m:
             lines.append(f"| {key} | {m[key]} |")
+    lines.append(f"| load average (1 min) | {load[0]:.1f} at the start, {load[1]:.1f} at the end "
+                 "(other processes share this machine: absolute times are noisy, compare "
+                 "ratios) |")
+    lines.append(f"| persist-pipeline commit | {library_revision()} |")
     lines.append(f"| PostgreSQL | {pg.get('server_version', '?')} ({pg_where}) |")
     lines.append(f"| PostgreSQL commit settings | synchronous_commit={pg.get('synchronous_commit')}"
                  f", fsync={pg.get('fsync')}, wal_sync_method={pg.get('wal_sync_method')}, "
@@ -111,7 +130,8 @@ def write(out_dir: str, results: Sequence[CaseResult], *, scale: Scale, command:
         f.write("\n".join(lines))
     summary: dict[str, Any] = {
         "scale": scale.name, "command": command, "started": started.isoformat(),
-        "seconds": seconds, "machine": m, "postgres": pg, "versions": versions,
+        "seconds": seconds, "machine": m, "load_average": list(load), "postgres": pg,
+        "versions": versions,
         "targets": [t.__dict__ for t in targets], "failures": failures,
         "tables": {r.key: [{"title": t.title, "columns": t.columns, "rows": t.rows}
                            for t in r.tables] for r in results},

@@ -100,8 +100,22 @@ def closing_note(results: Sequence[CaseResult]) -> list[str]:
             "cumulative share: " + ", ".join(f"`{w}` {c:.0%}" for w, c in library[:5])
             + ". Largest self times: " + ", ".join(f"`{w}` {s:.0%}" for w, s, _ in selfs)
             + ".")
+    snap = prof.data.get("snapshot")
+    if snap:
+        top = snap["top"]
+
+        def share(fragment: str) -> float:
+            return max((c for w, _, c in top if fragment in w), default=0.0)
+
+        lines.append(
+            f"- In a warm snapshot of many inline parts (case 4, {snap['reads']} reads): "
+            f"`persist_pipeline/read.py:fetch_batches` {share('read.py:fetch_batches'):.0%} "
+            "(of which the thread pool, `concurrent/futures/_base.py:map` + "
+            f"`thread.py:submit`, {share('_base.py:map'):.0%}: every inline part is "
+            "submitted to a ThreadPoolExecutor although decoding it needs no I/O), "
+            f"`persist_pipeline/updates.py:consolidate` {share('updates.py:consolidate'):.0%}.")
     lines.append("")
-    lines.append("The pyinstrument call trees of both windows are in `profiles/`.")
+    lines.append("The pyinstrument call trees are in `profiles/`.")
     return lines
 
 
@@ -129,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log: Callable[[str], None] = lambda text: print(text, flush=True)  # noqa: E731
     peers.small_batch(0)  # build the test data before anything is timed
     spark_before = _spark_active()
+    load_start = os.getloadavg()[0]
     with Services() as svc:
         pg_settings = svc.pg.settings()
         log(f"persist-pipeline benchmarks ({scale.name}); PostgreSQL "
@@ -164,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = report.write(out_dir, results, scale=scale, command=command, started=started_at,
                         seconds=seconds, pg=pg_settings, pg_where=svc.pg.where,
                         versions=peers.versions(), failures=failures,
-                        closing=closing_note(results))
+                        closing=closing_note(results),
+                        load=(load_start, os.getloadavg()[0]))
     log(f"\nreport: {os.path.relpath(path, os.getcwd())} ({seconds / 60:.1f} min)")
     if failures:
         log("FAILED: " + "; ".join(f"{k}: {v}" for k, v in failures.items()))

@@ -67,7 +67,14 @@ def test_sigkilled_writers_and_compactor_lose_and_double_nothing(durable_locatio
         procs.append(ctx.Process(target=_compactor, args=(durable_location, shard)))
         for p in procs:
             p.start()
-        time.sleep(2.0 + rng.random() * 1.5)  # spawn start-up, then a while of writing
+        # Kill once this round's writers are acknowledging writes (start-up under load
+        # can take a while), at a random moment a little later.
+        round_acks = ack_files[-2:]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and sum(
+                len(a.read_text().splitlines()) for a in round_acks if a.exists()) < 5:
+            time.sleep(0.1)
+        time.sleep(rng.random() * 1.5)
         for p in procs:
             os.kill(p.pid, signal.SIGKILL)
             p.join()

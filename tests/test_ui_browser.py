@@ -1,0 +1,356 @@
+"""The Dagster UI, end to end, in a real headless browser (Debian's Chromium + Playwright).
+
+A module fixture runs the pipeline on a throwaway instance of the embedded default
+(``python -m assets.run_demo`` with its own ``DAGSTER_HOME`` and data dir: ingestion runs,
+a bad landing file, sensor-requested Spark compactions, the schedules' runs), then starts
+``dagster dev`` on that instance exactly as ``make ui`` does, on a free port of 127.0.0.1.
+Headless Chromium (``/usr/bin/chromium`` or ``$PERSIST_CHROMIUM``; ``make browser``
+installs it) then checks what a user sees:
+
+* the ingestion asset ``shards/clicks``: its materializations (as many as the instance
+  recorded), their placement metadata (``inline``; ``blob`` for the large Parquet file of
+  ``shards/orders``), and the ``shard_inline_bytes`` plot drawn on its canvas;
+* the automation page lists every sensor and schedule of the code location, running;
+* the compaction run that ``inline_pressure_sensor`` requested succeeded, in the runs list
+  and on the run's page.
+
+Screenshots go to ``results/ui/`` (linked from the README). Without Chromium the tests
+fail with a message saying how to install it; they never skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from assets.pipeline_config import CONFIG_ENV, REPO_ROOT
+from tests.pipeline_support import PIPELINE_ENV
+
+CHROMIUM = Path(os.environ.get("PERSIST_CHROMIUM", "/usr/bin/chromium"))
+#: Flags for a closed network (without them Chromium hangs on background connections).
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage"]
+SHOTS = REPO_ROOT / "results" / "ui"
+ROUNDS = 12          # enough for inline_pressure_sensor to request compaction of clicks
+INGESTED = "clicks"  # the ingestion asset whose page is checked: shards/clicks
+TIMEOUT_MS = 30_000
+pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.timeout(420)]
+
+
+@dataclass
+class Facts:
+    """What the instance recorded (the ground truth the UI must show)."""
+
+    materializations: int           # of shards/clicks
+    latest_run_id: str              # the run of shards/clicks' latest materialization
+    compaction_run_id: str          # the first compaction run inline_pressure_sensor asked for
+    compaction_inline_before: int   # its inline_bytes_before for clicks
+    sensors: list[str]
+    schedules: list[str]
+
+
+@dataclass
+class DagsterUI:
+    """``dagster dev`` serving the throwaway instance."""
+
+    url: str
+    facts: Facts
+    log: Path
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _default_signals() -> None:
+    """In a child process: SIGINT and SIGTERM back to their defaults. A shell that runs
+    pytest in the background makes children ignore SIGINT, and Dagster's processes handle
+    SIGTERM as they handle SIGINT, so they would ignore both."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _require_browser() -> None:
+    """Fail (never skip) when the browser or Playwright is missing, saying what to do."""
+    if not (CHROMIUM.is_file() and os.access(CHROMIUM, os.X_OK)):
+        pytest.fail(f"headless Chromium not found at {CHROMIUM}: run `make browser` (installs "
+                    "Debian's chromium package with apt-get, as root) or set PERSIST_CHROMIUM "
+                    "to a Chromium binary", pytrace=False)
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"Playwright is not installed ({exc}): pip install -e '.[dev]'",
+                    pytrace=False)
+
+
+def _facts(home: Path, env: dict[str, str]) -> Facts:
+    """Read the ground truth from the instance and the code location's definitions."""
+    from assets.workspace import load_workspace_definitions
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in (*PIPELINE_ENV, CONFIG_ENV):
+            mp.delenv(name, raising=False)
+        mp.setenv("PERSIST_PIPELINE_DATA_DIR", env["PERSIST_PIPELINE_DATA_DIR"])
+        defs = load_workspace_definitions()
+    instance = dg.DagsterInstance.from_config(str(home))
+    try:
+        key = dg.AssetKey(["shards", INGESTED])
+        records = instance.fetch_materializations(key, limit=1000).records
+        runs = instance.get_runs(filters=dg.RunsFilter(
+            tags={"dagster/sensor_name": "inline_pressure_sensor",
+                  "persist/shards": INGESTED}))
+        assert runs, f"inline_pressure_sensor requested no compaction of {INGESTED}"
+        first = runs[-1]  # get_runs is newest first
+        assert first.status == dg.DagsterRunStatus.SUCCESS, first.status
+        compacted = instance.fetch_materializations(
+            dg.AssetKey(["compacted", INGESTED]), limit=1000).records
+        before = [r.asset_materialization.metadata["inline_bytes_before"].value
+                  for r in compacted if r.run_id == first.run_id
+                  and r.asset_materialization is not None]
+        assert before, "the compaction run materialized nothing"
+        return Facts(
+            materializations=len(records), latest_run_id=records[0].run_id,
+            compaction_run_id=first.run_id, compaction_inline_before=int(before[0]),
+            sensors=sorted(s.name for s in defs.sensors or []),
+            schedules=sorted(s.name for s in defs.schedules or []))
+    finally:
+        instance.dispose()
+
+
+def _graphql(url: str, query: str) -> Any:
+    request = urllib.request.Request(f"{url}/graphql", data=json.dumps({"query": query}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def dagster_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagsterUI]:
+    """The pipeline's runs on a throwaway instance, served by ``dagster dev``."""
+    _require_browser()
+    root = tmp_path_factory.mktemp("ui")
+    home, data = root / "dagster_home", root / "data"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in (*PIPELINE_ENV, CONFIG_ENV, "DAGSTER_HOME")}
+    env |= {"DAGSTER_HOME": str(home), "PERSIST_PIPELINE_DATA_DIR": str(data),
+            "PYTHONUNBUFFERED": "1"}
+
+    demo = subprocess.run([sys.executable, "-m", "assets.run_demo", "--rounds", str(ROUNDS)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    (root / "run_demo.log").write_text(demo.stdout + demo.stderr)
+    assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
+    assert "inline_pressure_sensor fired" in demo.stdout, demo.stdout[-3000:]
+    facts = _facts(home, env)
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = root / "dagster_dev.log"
+    # The same command as `make ui`, on the throwaway instance.
+    cmd = [str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml",
+           "-h", "127.0.0.1", "-p", str(port)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_default_signals)
+    try:
+        deadline = time.monotonic() + 120
+        query = ("{ workspaceOrError { ... on Workspace { locationEntries { name "
+                 "locationOrLoadError { __typename } } } } }")
+        while True:
+            assert proc.poll() is None, f"dagster dev exited:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"dagster dev not ready:\n{log.read_text()[-3000:]}"
+            try:
+                entries = _graphql(url, query)["data"]["workspaceOrError"]["locationEntries"]
+            except (OSError, KeyError, TypeError, ValueError):
+                entries = []
+            loaded = [e["locationOrLoadError"] for e in entries if e["locationOrLoadError"]]
+            if loaded:
+                assert loaded[0]["__typename"] == "RepositoryLocation", loaded
+                break
+            time.sleep(1)
+        yield DagsterUI(url, facts, log)
+    finally:  # dagster dev and its children are their own process group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def page(dagster_ui: DagsterUI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One headless Chromium page (fresh profile, UTC, 1600x1000) for the module."""
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM),
+            headless=True, args=CHROMIUM_ARGS, viewport={"width": 1600, "height": 1000},
+            timezone_id="UTC", locale="en-US", color_scheme="light")
+        try:
+            context.set_default_timeout(TIMEOUT_MS)
+            p = context.pages[0] if context.pages else context.new_page()
+            # Dagster's first-visit "Join the Dagster community" dialog: skip it whenever
+            # it stands in the way of an action.
+            p.add_locator_handler(p.get_by_role("button", name="Skip"),
+                                  lambda skip: skip.click())
+            yield p
+        finally:
+            context.close()
+
+
+def _open(page: Any, url: str) -> None:
+    page.goto(url, wait_until="domcontentloaded")
+
+
+def _settle(page: Any, first_visit_wait_ms: int = 0) -> None:
+    """Let requests finish and dismiss Dagster's community dialog before a screenshot."""
+    with contextlib.suppress(Exception):  # the UI polls; the checks wait for elements
+        page.wait_for_load_state("networkidle", timeout=10_000)
+    page.mouse.move(0, 0)  # no hover effects in the screenshot
+    skip = page.get_by_role("button", name="Skip")
+    try:
+        skip.wait_for(state="visible", timeout=max(first_visit_wait_ms, 1))
+        skip.click()
+        skip.wait_for(state="hidden")
+    except Exception:  # no dialog
+        pass
+
+
+def _metadata_value(page: Any, key: str) -> str:
+    """The text of the metadata table row whose key cell is exactly ``key``."""
+    row = page.locator("tr").filter(has=page.get_by_text(key, exact=True)).first
+    row.wait_for()
+    return str(row.inner_text())
+
+
+def _colored_pixels(canvas: Any) -> int:
+    """How many pixels of ``canvas`` are drawn in a saturated colour (the data series)."""
+    return int(canvas.evaluate(
+        """c => { const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+                 let n = 0;
+                 for (let i = 0; i < d.length; i += 4) {
+                   const hi = Math.max(d[i], d[i + 1], d[i + 2]);
+                   const lo = Math.min(d[i], d[i + 1], d[i + 2]);
+                   if (d[i + 3] > 128 && hi - lo > 60) n++;
+                 }
+                 return n; }"""))
+
+
+def test_ingestion_asset_page_shows_materializations_placement_and_inline_bytes_plot(
+        dagster_ui: DagsterUI, page: Any) -> None:
+    facts = dagster_ui.facts
+    # Overview: the latest materialization's metadata, placement among it.
+    _open(page, f"{dagster_ui.url}/assets/shards/{INGESTED}")
+    page.get_by_text("Latest materialization").first.wait_for()
+    assert re.search(r"\binline\b", _metadata_value(page, "placement"))
+    for key in ("shard_inline_bytes", "encoded_bytes", "inline_max_bytes", "write_latency_ms"):
+        _metadata_value(page, key)
+    _settle(page, first_visit_wait_ms=5_000)
+    page.screenshot(path=str(SHOTS / "asset-clicks-overview.png"))
+
+    # The metadata plotted over time: the inline-bytes plot is drawn.
+    page.get_by_role("button", name="Plots").click()
+    title = page.get_by_text("shard_inline_bytes", exact=True).first
+    title.wait_for()
+    canvas = title.locator("xpath=ancestor::*[.//canvas][1]").locator("canvas").first
+    canvas.scroll_into_view_if_needed()
+    deadline = time.monotonic() + 15
+    while (drawn := _colored_pixels(canvas)) < 100 and time.monotonic() < deadline:
+        page.wait_for_timeout(250)  # the chart animates in
+    assert drawn >= 100, f"the shard_inline_bytes plot is blank ({drawn} coloured pixels)"
+    box = canvas.bounding_box()
+    assert box is not None and box["width"] > 200 and box["height"] > 100, box
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "asset-clicks-plots.png"))
+
+    # Events: every materialization is listed; the latest names its run and placement.
+    _open(page, f"{dagster_ui.url}/assets/shards/{INGESTED}?view=events")
+    page.get_by_text("Materialized in run").first.wait_for()
+    page.get_by_text(facts.latest_run_id[:8]).first.wait_for()
+    # One timestamp per listed event (plus the selected event's heading).
+    stamps = page.get_by_text(re.compile(r"^[A-Z][a-z]{2} \d{1,2}, \d{1,2}:\d\d [AP]M$"))
+    deadline = time.monotonic() + 15
+    while stamps.count() < facts.materializations and time.monotonic() < deadline:
+        page.wait_for_timeout(250)
+    assert stamps.count() >= facts.materializations, (stamps.count(), facts.materializations)
+    assert re.search(r"\binline\b", _metadata_value(page, "placement"))
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "asset-clicks-events.png"))
+
+    # The large Parquet file of the files shard went to blob storage: placement blob.
+    _open(page, f"{dagster_ui.url}/assets/shards/orders")
+    page.get_by_text("Latest materialization").first.wait_for()
+    assert re.search(r"\bblob\b", _metadata_value(page, "placement"))
+    assert ".parquet" in _metadata_value(page, "file")
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "asset-orders-overview.png"))
+
+
+def test_automation_lists_the_sensor_and_schedules_running(dagster_ui: DagsterUI,
+                                                           page: Any) -> None:
+    from playwright.sync_api import expect
+
+    facts = dagster_ui.facts
+    assert "inline_pressure_sensor" in facts.sensors and "compaction_schedule" in facts.schedules
+    _open(page, f"{dagster_ui.url}/automation")
+    for name in facts.sensors + facts.schedules:
+        # The link's accessible name is the name between its icon and its description.
+        link = page.get_by_role("link", name=re.compile(rf"(^|\s){re.escape(name)}(\s|$)"))
+        link = link.first
+        link.wait_for()
+        row = page.locator("[data-index]").filter(has=link).first
+        toggle = row.get_by_role("checkbox").last  # the running/stopped switch
+        expect(toggle, f"{name} is not running").to_be_checked()
+    page.get_by_text("Scheduled Every hour").first.wait_for()  # compaction_schedule's cron
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "automation.png"))
+
+
+def test_sensor_requested_compaction_run_succeeded(dagster_ui: DagsterUI, page: Any) -> None:
+    facts = dagster_ui.facts
+    short = facts.compaction_run_id[:8]
+    # The runs list: launched by the sensor, succeeded.
+    _open(page, f"{dagster_ui.url}/runs")
+    link = page.get_by_role("link", name=short).first
+    link.wait_for()
+    row = link.locator("xpath=ancestor::*[contains(., 'inline_pressure_sensor')][1]")
+    row.get_by_text("inline_pressure_sensor").first.wait_for()
+    row.get_by_text("compaction_job").first.wait_for()
+    row.get_by_text("Success", exact=True).first.wait_for()
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "runs.png"))
+
+    # The run's page: success, its event log, the compaction's own log line.
+    _open(page, f"{dagster_ui.url}/runs/{facts.compaction_run_id}")
+    page.get_by_text("Success", exact=True).first.wait_for()
+    page.get_by_text("RUN_SUCCESS").first.wait_for()
+    page.get_by_text(f"inline bytes {facts.compaction_inline_before} -> 0").first.wait_for()
+    assert page.get_by_text("RUN_FAILURE").count() == 0
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "compaction-run.png"))
