@@ -54,14 +54,14 @@ def test_gc_never_deletes_an_uncommitted_part_of_a_write_in_flight(location: Loc
 
 
 def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Location):
-    cfg = PersistConfig(gc_orphan_min_age_s=1.0)
+    cfg = PersistConfig(gc_orphan_min_age_s=3.0)
     client = location.client(BLOB_ONLY, cfg)
     shard = ShardId.new()
     writer = client.open_writer(shard)
     writer.compare_and_append([(b"a", b"b", 0, 1)], 0, 1)
     orphan = f"{shard}/p/b-crashed-writer-0000.parquet"
     client.blobs.main.set(orphan, b"left behind by a writer that died before its CaS")
-    time.sleep(1.2)
+    time.sleep(3.1)
     metrics = client.gc(shard)
     assert metrics["orphans_deleted"] == 1
     assert client.blobs.main.get(orphan) is None
@@ -71,7 +71,7 @@ def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Locat
     real_apply = slow._machine.apply
 
     def stalled_apply(transition):
-        time.sleep(0.6)
+        time.sleep(1.6)  # past half the orphan age
         return real_apply(transition)
 
     slow._machine.apply = stalled_apply  # type: ignore[method-assign]

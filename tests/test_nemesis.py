@@ -195,10 +195,10 @@ def test_control_regressing_upper_and_undecodable_state_are_caught(location):
 
 
 def test_control_gc_without_orphan_sweep_leaks_and_is_caught(location, monkeypatch):
-    client = location.client(InlinePolicy(0, 0), PersistConfig(gc_orphan_min_age_s=1))
+    client = location.client(InlinePolicy(0, 0), PersistConfig(gc_orphan_min_age_s=3))
     shard = _two_batches(client)
     client.blobs.main.set(f"{shard}/p/b-crashed-0000.parquet", b"orphan of a dead writer")
-    time.sleep(1.1)
+    time.sleep(3.1)
     monkeypatch.setattr("persist_pipeline.gc._sweep_orphans", lambda machine, earliest: 0)
     result = _check(client, shard, [b"a", b"b"], 0)
     assert result.leaked_blobs == 1
