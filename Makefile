@@ -16,6 +16,7 @@ help:
 	@echo "make quickstart - the core library alone: writes, placement, compaction, snapshot"
 	@echo "make nemesis    - 10 minutes of killed processes and faults on PostgreSQL + S3"
 	@echo "make bench / bench-quick - benchmarks against the peers (report in results/bench)"
+	@echo "make browser    - install Debian's Chromium if missing (for the UI browser test)"
 	@echo "make lint / typecheck / proto"
 
 $(STAMP): pyproject.toml
