@@ -230,11 +230,19 @@ def _map_diff(old: Mapping[K, V], new: Mapping[K, V]) -> tuple[list[V], list[K]]
     return upserts, deletes
 
 
+def _immutable_map_diff(old: Mapping[K, V], new: Mapping[K, V]) -> tuple[list[V], list[K]]:
+    """The diff of a map whose entries never change once written (batches, rollups):
+    only added and removed keys matter, found by set operations in C."""
+    if old is new:
+        return [], []
+    return [new[k] for k in new.keys() - old.keys()], list(old.keys() - new.keys())
+
+
 def encode_diff(old: State, new: State) -> bytes:
     """The ``StateDiff`` that turns ``old`` into ``new`` (``new.seqno == old.seqno + 1``)."""
     msg = pb.StateDiff(format_version=FORMAT_VERSION, shard_id=new.shard_id, seqno=new.seqno)
     _scalars_to(new, msg.scalars)
-    ups, dels = _map_diff(old.batches, new.batches)
+    ups, dels = _immutable_map_diff(old.batches, new.batches)
     for b in ups:
         _batch_to(b, msg.batch_upserts.add())
     msg.batch_deletes.extend(dels)
@@ -254,7 +262,7 @@ def encode_diff(old: State, new: State) -> bytes:
     for w in w_ups:
         _writer_to(w, msg.writer_upserts.add())
     msg.writer_deletes.extend(w_dels)
-    ro_ups, ro_dels = _map_diff(old.rollups, new.rollups)
+    ro_ups, ro_dels = _immutable_map_diff(old.rollups, new.rollups)
     for ro in ro_ups:
         _rollup_to(ro, msg.rollup_upserts.add())
     msg.rollup_deletes.extend(ro_dels)
