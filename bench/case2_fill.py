@@ -126,7 +126,9 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
                   ms(t.p99), ratio(t.p50, empty))
     table.notes.append(f"Each window is {scale.fill_window} appends of about 1 KiB on a fresh "
                        f"shard filled to the level; {scale.fill_reps} repetitions pooled. "
-                       "Consensus: PostgreSQL; blob: the S3 server (moto on loopback).")
+                       "Consensus: PostgreSQL; blob: the S3 server (moto on loopback). "
+                       "p99 includes the state rollup every 128 seqnos (a blob PUT and a "
+                       "second CaS).")
     result.tables.append(table)
     result.data = {"pooled": pooled, "curves": curves, "bound": bound}
     r95 = timings["95%"].p50 / empty

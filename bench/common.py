@@ -211,7 +211,7 @@ FULL = Scale(
     tp_appends=900, tp_reps=3, tp_writers=(1, 2, 4, 8),
     snap_parts=1000, snap_iters=50,
     compaction_sizes=(1_000_000, 5_000_000), compaction_rows_per_part=5_000,
-    compaction_reps=2, spark=True,
+    compaction_reps=3, spark=True,
     sensor_shards=(100, 1_000, 10_000), sensor_iters=20,
     cost_appends=300, sim_iters=40, profile_appends=600,
 )
@@ -225,7 +225,7 @@ QUICK = Scale(
     compaction_sizes=(250_000,), compaction_rows_per_part=2_500,
     compaction_reps=1, spark=True,
     sensor_shards=(100, 1_000), sensor_iters=10,
-    cost_appends=200, sim_iters=15, profile_appends=300,
+    cost_appends=100, sim_iters=15, profile_appends=300,
 )
 
 SMOKE = Scale(

@@ -49,7 +49,7 @@ def _latency_bars(rows: dict[str, Any], title: str, path: str) -> None:
 
 
 def case1(result: CaseResult, path: str) -> None:
-    _latency_bars(result.data, "Case 1: small append latency, p50 bars and p99 ticks "
+    _latency_bars(result.data, "Case 1: small append latency, p50 bars and p99 ticks\n"
                   "(blue: ours, orange: peers, grey: references)", path)
 
 
@@ -74,7 +74,8 @@ def case2(result: CaseResult, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("inline bytes held before the append (% of persist_inline_update_max_bytes)")
     ax.set_ylabel("append latency, ms (log)")
-    ax.set_title("Case 2: inline append latency as the shard fills", fontsize=10)
+    ax.set_title("Case 2: inline append latency as the shard fills (the periodic spikes "
+                 "are the state rollups, one per 128 appends)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
@@ -163,7 +164,11 @@ def case7(result: CaseResult, path: str) -> None:
             color=[_color(n) for n in names])
     ax.barh([i + 0.2 for i in y], after, 0.4, label="PUT+POST of compaction / maintenance",
             color=_REF)
-    ax.set_yticks(list(y), [n[:60] for n in names], fontsize=8)
+    for i, (a, b) in enumerate(zip(appends, after, strict=True)):
+        ax.text(a, i - 0.2, f" {a:.0f}", va="center", fontsize=8)
+        ax.text(b, i + 0.2, f" {b:.0f}", va="center", fontsize=8)
+    ax.set_yticks(list(y), [n.split(" (")[0] + ("\n(files, local)" if "files" in n else "")
+                            for n in names], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("requests per 1,000 small appends")
     ax.set_title("Case 7: object-store writes per 1,000 small appends", fontsize=10)
@@ -175,7 +180,7 @@ def case7(result: CaseResult, path: str) -> None:
 
 
 def case8(result: CaseResult, path: str) -> None:
-    _latency_bars(result.data, "Case 8: small append latency with SIMULATED S3 latency "
+    _latency_bars(result.data, "Case 8: small append latency with SIMULATED S3 latency\n"
                   "(a simulation, not AWS)", path)
 
 

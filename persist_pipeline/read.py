@@ -25,23 +25,43 @@ from persist_pipeline.frontier import Frontier, check_frontier, less_than
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.heartbeat import Heartbeater
 from persist_pipeline.internal.machine import Machine, now_ms
-from persist_pipeline.internal.state import Batch, State
+from persist_pipeline.internal.state import Batch, HollowPart, State
 from persist_pipeline.updates import consolidate, empty_table
 
 #: Parallel blob fetches per read.
 _FETCH_THREADS = 8
 
 
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _fetch_pool() -> ThreadPoolExecutor:
+    """One shared pool for blob fetches (threads are reused across reads)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=_FETCH_THREADS,
+                                       thread_name_prefix="persist-fetch")
+        return _POOL
+
+
 def fetch_batches(machine: Machine, batches: list[Batch], where: str) -> pa.Table:
-    """Fetch and concatenate every part of ``batches`` (hollow parts in parallel)."""
+    """Fetch and concatenate every part of ``batches``.
+
+    Inline parts are decoded right here (no I/O); hollow parts are fetched in parallel.
+    """
     parts = [p for b in batches for p in b.parts]
     if not parts:
         return empty_table()
-    if len(parts) == 1:
-        return machine.blobs.fetch_part(parts[0], where)
-    with ThreadPoolExecutor(max_workers=min(_FETCH_THREADS, len(parts))) as pool:
-        tables = list(pool.map(lambda p: machine.blobs.fetch_part(p, where), parts))
-    return pa.concat_tables(tables)
+    hollow = [p for p in parts if isinstance(p, HollowPart)]
+    tables = [machine.blobs.fetch_part(p, where) for p in parts
+              if not isinstance(p, HollowPart)]
+    if len(hollow) == 1:
+        tables.append(machine.blobs.fetch_part(hollow[0], where))
+    elif hollow:
+        tables += _fetch_pool().map(lambda p: machine.blobs.fetch_part(p, where), hollow)
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
 
 class ReadHandle:
