@@ -9,7 +9,7 @@ touched map are the same objects too, so a diff costs what changed, not the stat
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
@@ -238,34 +238,46 @@ def _immutable_map_diff(old: Mapping[K, V], new: Mapping[K, V]) -> tuple[list[V]
     return [new[k] for k in new.keys() - old.keys()], list(old.keys() - new.keys())
 
 
+@dataclass(frozen=True)
+class _MapField:
+    """How one map of the state travels in a diff."""
+
+    attr: str  # the State attribute
+    upserts: str  # the StateDiff repeated message field
+    deletes: str  # the StateDiff repeated key field
+    to_proto: Callable[[Any, Any], None]
+    from_proto: Callable[[Any], Any]
+    key: Callable[[Any], Any]
+    immutable: bool  # entries never change once written: diff by key sets
+
+
+_MAP_FIELDS = (
+    _MapField("batches", "batch_upserts", "batch_deletes", _batch_to, _batch_from,
+              lambda b: b.id, True),
+    _MapField("spine", "spine_upserts", "spine_deletes", _spine_to, _spine_from,
+              lambda e: e.lower, False),
+    _MapField("leased_readers", "reader_upserts", "reader_deletes", _reader_to, _reader_from,
+              lambda r: r.id, False),
+    _MapField("critical_readers", "critical_upserts", "critical_deletes", _critical_to,
+              _critical_from, lambda c: c.id, False),
+    _MapField("writers", "writer_upserts", "writer_deletes", _writer_to, _writer_from,
+              lambda w: w.id, False),
+    _MapField("rollups", "rollup_upserts", "rollup_deletes", _rollup_to, _rollup_from,
+              lambda r: r.seqno, True),
+)
+
+
 def encode_diff(old: State, new: State) -> bytes:
     """The ``StateDiff`` that turns ``old`` into ``new`` (``new.seqno == old.seqno + 1``)."""
     msg = pb.StateDiff(format_version=FORMAT_VERSION, shard_id=new.shard_id, seqno=new.seqno)
     _scalars_to(new, msg.scalars)
-    ups, dels = _immutable_map_diff(old.batches, new.batches)
-    for b in ups:
-        _batch_to(b, msg.batch_upserts.add())
-    msg.batch_deletes.extend(dels)
-    spine_ups, spine_dels = _map_diff(old.spine, new.spine)
-    for e in spine_ups:
-        _spine_to(e, msg.spine_upserts.add())
-    msg.spine_deletes.extend(spine_dels)
-    r_ups, r_dels = _map_diff(old.leased_readers, new.leased_readers)
-    for r in r_ups:
-        _reader_to(r, msg.reader_upserts.add())
-    msg.reader_deletes.extend(r_dels)
-    c_ups, c_dels = _map_diff(old.critical_readers, new.critical_readers)
-    for c in c_ups:
-        _critical_to(c, msg.critical_upserts.add())
-    msg.critical_deletes.extend(c_dels)
-    w_ups, w_dels = _map_diff(old.writers, new.writers)
-    for w in w_ups:
-        _writer_to(w, msg.writer_upserts.add())
-    msg.writer_deletes.extend(w_dels)
-    ro_ups, ro_dels = _immutable_map_diff(old.rollups, new.rollups)
-    for ro in ro_ups:
-        _rollup_to(ro, msg.rollup_upserts.add())
-    msg.rollup_deletes.extend(ro_dels)
+    for f in _MAP_FIELDS:
+        differ = _immutable_map_diff if f.immutable else _map_diff
+        ups, dels = differ(getattr(old, f.attr), getattr(new, f.attr))
+        out = getattr(msg, f.upserts)
+        for value in ups:
+            f.to_proto(value, out.add())
+        getattr(msg, f.deletes).extend(dels)
     return msg.SerializeToString()
 
 
@@ -300,26 +312,12 @@ def apply_diff(state: State, diff: pb.StateDiff, where: str) -> State:
     if state.shard_id and diff.shard_id != state.shard_id:
         raise CorruptState(f"{where}: diff belongs to shard {diff.shard_id!r}")
     try:
-        return replace(
-            state,
-            shard_id=diff.shard_id,
-            seqno=diff.seqno,
-            batches=_apply_map(state.batches, [_batch_from(b) for b in diff.batch_upserts],
-                               list(diff.batch_deletes), lambda b: b.id),
-            spine=_apply_map(state.spine, [_spine_from(e) for e in diff.spine_upserts],
-                             list(diff.spine_deletes), lambda e: e.lower),
-            leased_readers=_apply_map(state.leased_readers,
-                                      [_reader_from(r) for r in diff.reader_upserts],
-                                      list(diff.reader_deletes), lambda r: r.id),
-            critical_readers=_apply_map(state.critical_readers,
-                                        [_critical_from(c) for c in diff.critical_upserts],
-                                        list(diff.critical_deletes), lambda c: c.id),
-            writers=_apply_map(state.writers, [_writer_from(w) for w in diff.writer_upserts],
-                               list(diff.writer_deletes), lambda w: w.id),
-            rollups=_apply_map(state.rollups, [_rollup_from(r) for r in diff.rollup_upserts],
-                               list(diff.rollup_deletes), lambda r: r.seqno),
-            **_scalars_from(diff.scalars),
-        )
+        maps: dict[str, Any] = {f.attr: _apply_map(getattr(state, f.attr),
+                                   [f.from_proto(v) for v in getattr(diff, f.upserts)],
+                                   list(getattr(diff, f.deletes)), f.key)
+                for f in _MAP_FIELDS}
+        return replace(state, shard_id=diff.shard_id, seqno=diff.seqno, **maps,
+                       **_scalars_from(diff.scalars))
     except (ValueError, TypeError) as e:
         raise CorruptState(f"corrupt state diff at {where}: {e}") from None
 
