@@ -107,12 +107,15 @@ def closing_note(results: Sequence[CaseResult]) -> list[str]:
         def share(fragment: str) -> float:
             return max((c for w, _, c in top if fragment in w), default=0.0)
 
+        pool = share("_base.py:map")
+        pool_note = (f"of which the thread pool, `concurrent/futures/_base.py:map` + "
+                     f"`thread.py:submit`, {pool:.0%}" if pool >= 0.05 else
+                     "inline parts decoded in the calling thread; the fetch pool is "
+                     "used only for hollow parts")
         lines.append(
             f"- In a warm snapshot of many inline parts (case 4, {snap['reads']} reads): "
             f"`persist_pipeline/read.py:fetch_batches` {share('read.py:fetch_batches'):.0%} "
-            "(of which the thread pool, `concurrent/futures/_base.py:map` + "
-            f"`thread.py:submit`, {share('_base.py:map'):.0%}: every inline part is "
-            "submitted to a ThreadPoolExecutor although decoding it needs no I/O), "
+            f"({pool_note}), "
             f"`persist_pipeline/updates.py:consolidate` {share('updates.py:consolidate'):.0%}.")
     lines.append("")
     lines.append("The pyinstrument call trees are in `profiles/`.")
