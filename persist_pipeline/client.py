@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -223,11 +224,21 @@ class PersistClient:
                 s.num_inline_parts, s.pending_merges, s.inline_fallbacks, s.walltime_ms)
         return out
 
+    def flush_maintenance(self, timeout_s: float | None = None) -> None:
+        """Wait for background maintenance (state rollups) started so far."""
+        with self._lock:
+            machines = list(self._machines.values())
+        for m in machines:
+            m.wait_for_maintenance(timeout_s)
+
     def close(self) -> None:
-        """Release connections. Open handles stop heartbeating and stop working; their
-        leases run out unless another process expires them first."""
+        """Release connections after background maintenance finishes. Open handles stop
+        heartbeating and stop working; their leases run out unless another process
+        expires them first."""
         for handle in list(self._handles):
             handle.stop_heartbeats()
+        with contextlib.suppress(TimeoutError):
+            self.flush_maintenance(timeout_s=self.config.retry_deadline_s)
         self.consensus.close()
         self.blobs.main.close()
         if self.blobs.wal is not None:

@@ -33,6 +33,8 @@ BLOB_CACHE_BYTES = 64 << 20
 RETRY_DEADLINE_S = 60.0
 #: How often a listen polls consensus for new data.
 LISTEN_POLL_INTERVAL_S = 0.1
+#: Write rollups on a background thread instead of in the committing writer's call.
+BACKGROUND_MAINTENANCE = True
 
 Placement = Literal["inline", "wal", "blob", "none"]
 
@@ -100,10 +102,11 @@ class PersistConfig:
     blob_cache_bytes: int = BLOB_CACHE_BYTES
     retry_deadline_s: float = RETRY_DEADLINE_S
     listen_poll_interval_s: float = LISTEN_POLL_INTERVAL_S
+    background_maintenance: bool = BACKGROUND_MAINTENANCE
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name == "inline_policy":
+            if f.name in ("inline_policy", "background_maintenance"):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:

@@ -95,6 +95,8 @@ def gc_shard(machine: Machine, *, sweep_orphans: bool = True) -> dict[str, Any]:
             metrics["rollups_deleted"] += 1
     if sweep_orphans:
         metrics["orphans_deleted"] = _sweep_orphans(machine, cut)
+    # GC's own commits may have started a background rollup: record it before reporting.
+    machine.wait_for_maintenance(timeout_s=machine.config.retry_deadline_s)
     final = machine.fetch_latest()
     metrics["live_blobs"] = len(final.referenced_blobs())
     metrics["seqno"] = final.seqno

@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -71,6 +72,9 @@ class Machine:
         self.metrics = metrics or MachineMetrics()
         self._lock = threading.RLock()
         self._state: State | None = None
+        self._maintenance_lock = threading.Lock()
+        self._maintenance: Future[None] | None = None
+        self._ready_rollup: tuple[Rollup, float] | None = None
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -168,7 +172,7 @@ class Machine:
                 new, result = transition(state)
                 if new is state:
                     return result, state
-                new = _bump(new, base=state)
+                new = self._fold_ready_rollup(_bump(new, base=state))
                 record = VersionedData(new.seqno, state_codec.encode_diff(state, new),
                                        state_codec.encode_summary(new))
                 self.metrics.cas_attempts += 1
@@ -184,6 +188,9 @@ class Machine:
                     continue
                 if ok:
                     self._state = new
+                    ready = self._ready_rollup
+                    if ready is not None and ready[0].seqno in new.rollups:
+                        self._clear_ready(ready)
                     self._maybe_rollup(new)
                     return result, new
                 self.metrics.cas_mismatches += 1
@@ -217,25 +224,97 @@ class Machine:
     # --- maintenance -----------------------------------------------------------------------
 
     def _maybe_rollup(self, state: State) -> None:
+        """Routine maintenance after a commit: a rollup every ``rollup_threshold`` seqnos.
+
+        With ``background_maintenance`` the slow part (encoding the whole state and the
+        blob PUT) runs on a maintenance thread, and the finished rollup is recorded by
+        this machine's next commit (see :meth:`_fold_ready_rollup`): no extra CaS, and no
+        lock a busy writer could starve.
+        """
         latest = state.latest_rollup()
         since_rollup = state.seqno - (latest.seqno if latest else 0)
         if since_rollup < self.config.rollup_threshold:
             return
+        if not self.config.background_maintenance:
+            try:
+                self.write_rollup(state)
+            except PersistError as e:
+                # A later commit retries; the shard stays readable from older records.
+                log.warning("shard %s: could not write rollup at seqno %d: %s",
+                            self.shard_id, state.seqno, e)
+            return
+        with self._maintenance_lock:
+            busy = self._maintenance is not None and not self._maintenance.done()
+            if busy or self._ready_rollup is not None:
+                return
+            self._maintenance = _maintenance_pool().submit(self._store_rollup_quietly, state)
+
+    def _store_rollup_quietly(self, state: State) -> None:
         try:
-            self.write_rollup(state)
+            rollup = self._store_rollup(state)
         except PersistError as e:
-            # A later commit retries; the shard stays readable from older records.
             log.warning("shard %s: could not write rollup at seqno %d: %s",
                         self.shard_id, state.seqno, e)
+            return
+        with self._maintenance_lock:
+            self._ready_rollup = (rollup, time.monotonic())
 
-    def write_rollup(self, state: State) -> None:
-        """Store the full ``state`` in blob and record it in the state."""
+    def _fold_ready_rollup(self, new: State) -> State:
+        """Record a rollup stored in the background in the commit about to be made."""
+        with self._maintenance_lock:
+            ready = self._ready_rollup
+        if ready is None:
+            return new
+        rollup, stored_at = ready
+        # GC may sweep an unreferenced blob once it is gc_orphan_min_age_s old; like a
+        # write's parts, a rollup is only referenced while comfortably younger.
+        too_old = time.monotonic() - stored_at > self.config.gc_orphan_min_age_s / 2
+        if too_old or rollup.seqno in new.rollups or rollup.seqno > new.seqno:
+            self._clear_ready(ready)
+            return new
+        return replace(new, rollups={**new.rollups, rollup.seqno: rollup})
+
+    def _clear_ready(self, ready: tuple[Rollup, float]) -> None:
+        with self._maintenance_lock:
+            if self._ready_rollup is ready:
+                self._ready_rollup = None
+
+    def wait_for_maintenance(self, timeout_s: float | None = None) -> None:
+        """Finish background maintenance started so far, recording its rollup now."""
+        with self._maintenance_lock:
+            pending = self._maintenance
+        if pending is not None:
+            pending.result(timeout=timeout_s)
+        with self._maintenance_lock:
+            ready = self._ready_rollup
+        if ready is not None:
+            self.apply(lambda s: transitions.add_rollup(s, ready[0], now_ms()))
+            self._clear_ready(ready)
+
+    def _store_rollup(self, state: State) -> Rollup:
         key = rollup_key(self.shard_id, state.seqno)
         data = state_codec.encode_state(state)
         self.blobs.main.set(key, data)
         self.metrics.rollups_written += 1
-        rollup = Rollup(state.seqno, key, len(data))
+        return Rollup(state.seqno, key, len(data))
+
+    def write_rollup(self, state: State) -> None:
+        """Store the full ``state`` in blob and record it in the state, now."""
+        rollup = self._store_rollup(state)
         self.apply(lambda s: transitions.add_rollup(s, rollup, now_ms()))
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _maintenance_pool() -> ThreadPoolExecutor:
+    """The threads that write rollups off the writers' path (shared by all machines)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="persist-maintenance")
+        return _POOL
 
 
 def _bump(new: State, base: State | None = None) -> State:
