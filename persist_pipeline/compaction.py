@@ -15,17 +15,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from persist_pipeline.blob.base import Blob
 from persist_pipeline.exceptions import PersistError
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
-from persist_pipeline.internal.blobs import ShardBlobs
+from persist_pipeline.internal.blobs import ShardBlobs, write_parts
 from persist_pipeline.internal.machine import Machine, now_ms
-from persist_pipeline.internal.state import Batch, HollowPart
+from persist_pipeline.internal.state import Batch
 from persist_pipeline.internal.trace import ApplyMergeOutcome, MergeReq, MergeRes, merge_requests
-from persist_pipeline.updates import consolidate, empty_table, encode_parquet, split_by_size
+from persist_pipeline.updates import consolidate, empty_table
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +39,6 @@ __all__ = [
 ]
 
 
-def write_output(table: pa.Table, shard_id: str, batch_id: str, main: Blob,
-                 target_size_bytes: int) -> tuple[HollowPart, ...]:
-    """Write a consolidated table as Parquet parts of about ``target_size_bytes``."""
-    parts = []
-    for i, piece in enumerate(split_by_size(table, target_size_bytes)):
-        data = encode_parquet(piece)
-        key = f"{shard_id}/p/{batch_id}-{i:04d}.parquet"
-        main.set(key, data)
-        times = piece.column("t")
-        parts.append(HollowPart(key, "main", len(data), piece.num_rows,
-                                int(pc.min(times).as_py()), int(pc.max(times).as_py())))
-    return tuple(parts)
-
-
 def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
               target_size_bytes: int) -> MergeRes:
     """Consolidate a request's inputs (times advanced to its since) into output parts."""
@@ -63,7 +48,7 @@ def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
     merged = consolidate(pa.concat_tables(tables), since=req.desc.since) if tables \
         else empty_table()
     batch_id = f"b{new_token()}"
-    parts = write_output(merged, shard_id, batch_id, main, target_size_bytes)
+    parts = write_parts(merged, shard_id, batch_id, main, "main", target_size_bytes)
     return MergeRes(req.input_ids, Batch(batch_id, req.desc, parts, merged.num_rows))
 
 

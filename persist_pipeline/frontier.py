@@ -32,16 +32,6 @@ def less_than(a: Frontier, b: Frontier) -> bool:
     return less_equal(a, b) and a != b
 
 
-def meet(a: Frontier, b: Frontier) -> Frontier:
-    """The lesser of two frontiers."""
-    return a if less_equal(a, b) else b
-
-
-def time_beyond(t: int, f: Frontier) -> bool:
-    """Whether time ``t`` is not yet complete at frontier ``f`` (``t >= f``)."""
-    return f is not None and t >= f
-
-
 def check_frontier(value: object, name: str) -> Frontier:
     """Validate a user-supplied frontier; raises :class:`InvalidFrontier`."""
     if value is None:

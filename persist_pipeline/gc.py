@@ -26,7 +26,7 @@ from persist_pipeline.internal.state import State, Store
 
 log = logging.getLogger(__name__)
 
-BlobRef = tuple[str, str]
+BlobRef = tuple[Store, str]
 
 
 def _state_at(machine: Machine, seqno: int) -> State:
@@ -48,7 +48,7 @@ def _state_at(machine: Machine, seqno: int) -> State:
 
 def _refs_from(machine: Machine, start: int, end: int | None) -> tuple[set[BlobRef], int]:
     """Blobs referenced by any version in ``[start, end)`` (``end`` None: to the head)."""
-    refs: set[BlobRef] = set(machine.blobs_refs_of(_state_at(machine, start)))
+    refs: set[BlobRef] = _state_at(machine, start).referenced_blobs()
     records = machine.consensus.scan(machine.shard_id, start + 1,
                                      limit=None if end is None else max(0, end - start - 1))
     last = start

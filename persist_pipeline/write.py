@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import pyarrow.compute as pc
-
 from persist_pipeline.config import InlinePolicy, Placement
 from persist_pipeline.exceptions import (
     CommitDeadlineExceeded,
@@ -21,10 +19,11 @@ from persist_pipeline.exceptions import (
 from persist_pipeline.frontier import Frontier, check_frontier, less_equal, less_than
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
+from persist_pipeline.internal.blobs import write_parts
 from persist_pipeline.internal.heartbeat import Heartbeater
 from persist_pipeline.internal.machine import Machine, now_ms
-from persist_pipeline.internal.state import Batch, Description, HollowPart, InlinePart, Part
-from persist_pipeline.updates import Updates, encode_parquet, split_by_size
+from persist_pipeline.internal.state import Batch, Description, HollowPart, InlinePart, Store
+from persist_pipeline.updates import Updates
 
 if TYPE_CHECKING:
     from persist_pipeline.internal.state import State
@@ -67,7 +66,7 @@ class WriteHandle:
         self._machine = machine
         self.writer_id = writer_id
         self.policy = policy
-        self._store: str = "wal" if has_wal else "main"
+        self._store: Store = "wal" if has_wal else "main"
         self._closed = False
         lease = self._lease_ms()
         _, state = machine.apply(
@@ -189,21 +188,12 @@ class WriteHandle:
     def _write_blob(self, data: Updates, batch_id: str, desc: Description, expected: int,
                     upper: Frontier, token: str, *, fell_back: bool) -> WriteResult:
         machine = self._machine
-        blob = machine.blobs.store("wal" if self._store == "wal" else "main")
-        parts: list[Part] = []
         started = time.monotonic()
+        parts = write_parts(data.table(), self.shard_id, batch_id,
+                            machine.blobs.store(self._store), self._store,
+                            machine.config.blob_target_size_bytes)
         try:
-            for i, piece in enumerate(split_by_size(data.table(),
-                                                    machine.config.blob_target_size_bytes)):
-                encoded = encode_parquet(piece)
-                key = f"{self.shard_id}/p/{batch_id}-{i:04d}.parquet"
-                blob.set(key, encoded)
-                times = piece.column("t")
-                parts.append(HollowPart(key, "wal" if self._store == "wal" else "main",
-                                        len(encoded), piece.num_rows,
-                                        _min(times),
-                                        _max(times)))
-            batch = Batch(batch_id, desc, tuple(parts), len(data))
+            batch = Batch(batch_id, desc, parts, len(data))
             placement: Placement = "wal" if self._store == "wal" else "blob"
             size = sum(p.encoded_size for p in parts)
             deadline = started + machine.config.gc_orphan_min_age_s / 2
@@ -216,13 +206,12 @@ class WriteHandle:
             self._delete_uncommitted(parts)
             raise
 
-    def _delete_uncommitted(self, parts: list[Part]) -> None:
+    def _delete_uncommitted(self, parts: tuple[HollowPart, ...]) -> None:
         for part in parts:
-            if isinstance(part, HollowPart):
-                try:
-                    self._machine.blobs.store(part.store).delete(part.key)
-                except PersistError as e:  # GC's orphan sweep gets it later
-                    log.warning("could not delete uncommitted part %s: %s", part.key, e)
+            try:
+                self._machine.blobs.store(part.store).delete(part.key)
+            except PersistError as e:  # GC's orphan sweep gets it later
+                log.warning("could not delete uncommitted part %s: %s", part.key, e)
 
     def _apply(self, batch: Batch | None, expected: int, upper: Frontier, token: str,
                placement: Placement, encoded: int, num_parts: int, *, fell_back: bool,
@@ -284,11 +273,3 @@ def _check_times(data: Updates, lower: int, upper: Frontier) -> None:
     if lo < lower or not less_equal(hi + 1, upper):
         raise InvalidUpdates(f"update times must lie in [{lower}, {upper}); got times "
                              f"{lo}..{hi}")
-
-
-def _min(col: object) -> int:
-    return int(pc.min(col).as_py())
-
-
-def _max(col: object) -> int:
-    return int(pc.max(col).as_py())

@@ -5,11 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from persist_pipeline.blob.base import Blob
 from persist_pipeline.exceptions import CorruptPart
 from persist_pipeline.internal.state import HollowPart, InlinePart, Part, Store
-from persist_pipeline.updates import decode_inline, decode_parquet
+from persist_pipeline.updates import decode_inline, decode_parquet, encode_parquet, split_by_size
+
+
+def write_parts(table: pa.Table, shard_id: str, batch_id: str, blob: Blob, store: Store,
+                target_size_bytes: int) -> tuple[HollowPart, ...]:
+    """Write a consolidated table as Parquet parts of about ``target_size_bytes`` each."""
+    parts = []
+    for i, piece in enumerate(split_by_size(table, target_size_bytes)):
+        data = encode_parquet(piece)
+        key = f"{shard_id}/p/{batch_id}-{i:04d}.parquet"
+        blob.set(key, data)
+        times = pc.min_max(piece.column("t")).as_py()
+        parts.append(HollowPart(key, store, len(data), piece.num_rows, int(times["min"]),
+                                int(times["max"])))
+    return tuple(parts)
 
 
 @dataclass

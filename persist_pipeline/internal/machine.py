@@ -217,10 +217,6 @@ class Machine:
     def _backoff(self) -> Backoff:
         return Backoff(self.config.retry_deadline_s, f"shard {self.shard_id}")
 
-    @staticmethod
-    def blobs_refs_of(state: State) -> set[tuple[str, str]]:
-        return {(str(store), key) for store, key in state.referenced_blobs()}
-
     # --- maintenance -----------------------------------------------------------------------
 
     def _maybe_rollup(self, state: State) -> None:

@@ -28,6 +28,7 @@ from persist_pipeline.internal.state import (
     Rollup,
     SpineEntry,
     State,
+    Store,
     Writer,
 )
 from persist_pipeline.proto import persist_pb2 as pb
@@ -322,13 +323,13 @@ def apply_diff(state: State, diff: pb.StateDiff, where: str) -> State:
         raise CorruptState(f"corrupt state diff at {where}: {e}") from None
 
 
-def diff_blob_refs(diff: pb.StateDiff) -> set[tuple[str, str]]:
+def diff_blob_refs(diff: pb.StateDiff) -> set[tuple[Store, str]]:
     """Blobs that a diff adds references to (parts of upserted batches, new rollups)."""
-    refs: set[tuple[str, str]] = {("main", r.key) for r in diff.rollup_upserts}
+    refs: set[tuple[Store, str]] = {("main", r.key) for r in diff.rollup_upserts}
     for b in diff.batch_upserts:
         for p in b.parts:
             if p.WhichOneof("kind") == "hollow":
-                refs.add((p.hollow.store, p.hollow.key))
+                refs.add(("wal" if p.hollow.store == "wal" else "main", p.hollow.key))
     return refs
 
 

@@ -9,7 +9,6 @@ the CaS loop in :mod:`persist_pipeline.internal.machine` can hand them back as t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from persist_pipeline.exceptions import InvalidFrontier, InvalidInput, LeaseExpired
 from persist_pipeline.frontier import Frontier, less_equal, less_than
@@ -269,7 +268,3 @@ def remove_rollups_below(state: State, seqno: int, now_ms: int) -> tuple[State, 
         return state, []
     rollups = {s: r for s, r in state.rollups.items() if s >= seqno}
     return replace(state, rollups=rollups, walltime_ms=now_ms), removed
-
-
-def noop(state: State) -> tuple[State, Literal["noop"]]:
-    return state, "noop"
