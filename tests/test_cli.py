@@ -75,3 +75,17 @@ def test_help_lists_the_commands(env):
     out = cli(env, "--help")
     for command in ("inspect", "append", "snapshot", "compact", "gc"):
         assert command in out.stdout
+
+
+@pytest.mark.parametrize("args", [["--writers", "0"], ["--seconds", "-1"],
+                                  ["--fault-rate", "0.9"], ["--writers", "x"]])
+def test_nemesis_rejects_bad_options_before_starting_anything(env, tmp_path, args):
+    out = cli(env, "nemesis", "--workdir", str(tmp_path / "w"), *args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert not (tmp_path / "w").exists()  # nothing was started or written
+
+
+def test_nemesis_needs_a_location(tmp_path):
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("PERSIST_")}
+    out = cli(bare, "nemesis", "--seconds", "1")
+    assert out.returncode == 2 and "--consensus" in out.stderr
