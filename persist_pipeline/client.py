@@ -25,6 +25,7 @@ from persist_pipeline.gc import gc_shard
 from persist_pipeline.ids import ShardId, new_critical_reader_id, new_reader_id, new_writer_id
 from persist_pipeline.internal import state_codec
 from persist_pipeline.internal.blobs import ShardBlobs
+from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
 from persist_pipeline.internal.machine import Machine, MachineMetrics
 from persist_pipeline.internal.state import HollowPart, InlinePart
 from persist_pipeline.internal.trace import merge_requests
@@ -57,13 +58,14 @@ class PersistClient:
     """
 
     def __init__(self, consensus: Consensus, blob: Blob, wal_blob: Blob | None = None,
-                 config: PersistConfig | None = None) -> None:
+                 config: PersistConfig | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config or PersistConfig()
+        self.clock = clock
         cache = self.config.blob_cache_bytes
         deadline = self.config.retry_deadline_s
-        self.consensus: Consensus = RetryingConsensus(consensus, deadline)
-        blob = RetryingBlob(blob, deadline)
-        wal_blob = RetryingBlob(wal_blob, deadline) if wal_blob is not None else None
+        self.consensus: Consensus = RetryingConsensus(consensus, deadline, clock)
+        blob = RetryingBlob(blob, deadline, clock)
+        wal_blob = RetryingBlob(wal_blob, deadline, clock) if wal_blob is not None else None
         self.blobs = ShardBlobs(
             main=blob, wal=wal_blob,
             cached_main=CachingBlob(blob, cache) if cache else blob,
@@ -132,7 +134,8 @@ class PersistClient:
         with self._lock:
             m = self._machines.get(shard_id)
             if m is None:
-                m = Machine(shard_id, self.consensus, self.blobs, self.config, self.metrics)
+                m = Machine(shard_id, self.consensus, self.blobs, self.config, self.metrics,
+                            self.clock)
                 self._machines[shard_id] = m
             return m
 

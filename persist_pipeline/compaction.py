@@ -17,11 +17,11 @@ from typing import Any
 import pyarrow as pa
 
 from persist_pipeline.blob.base import Blob
-from persist_pipeline.exceptions import PersistError
+from persist_pipeline.exceptions import InvalidInput, PersistError
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import ShardBlobs, write_parts
-from persist_pipeline.internal.machine import Machine, now_ms
+from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.state import Batch
 from persist_pipeline.internal.trace import ApplyMergeOutcome, MergeReq, MergeRes, merge_requests
 from persist_pipeline.updates import consolidate, empty_table
@@ -52,20 +52,46 @@ def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
     return MergeRes(req.input_ids, Batch(batch_id, req.desc, parts, merged.num_rows))
 
 
-def apply_merge_result(machine: Machine, res: MergeRes) -> ApplyMergeOutcome:
+def apply_merge_result(machine: Machine, res: MergeRes, started_ms: int) -> ApplyMergeOutcome:
     """Commit a merge result from the driver; deletes its outputs if it cannot apply.
 
-    Outputs are deleted only when the result definitely did not commit: a lost CaS
-    reply is resolved by the CaS loop, which then sees the output already applied.
+    Args:
+        machine: the shard's machine.
+        res: the result to commit.
+        started_ms: when the merge began (before any output was uploaded), on the
+            machine's clock: the result commits only within the commit deadline of that
+            moment, so GC's orphan sweep can never have deleted its outputs.
+
+    Returns:
+        ``"applied"``, ``"already_applied"`` (an earlier attempt whose reply was lost),
+        ``"no_match"`` (its inputs were replaced meanwhile) or ``"deadline_exceeded"``.
+
+    Raises:
+        InvalidInput: the result cannot come from a correct merge (its outputs are
+            deleted; nothing changed).
+        Indeterminate: whether it committed cannot be told; its outputs are left to GC.
+
+    Outputs are deleted only when the result certainly did not commit: the CaS loop
+    settles every lost reply before it gives a negative answer.
     """
-    outcome, _ = machine.apply(lambda s: transitions.apply_merge(s, res, now_ms()))
-    if outcome == "no_match":
-        for part in res.output.hollow_parts():
-            try:
-                machine.blobs.main.delete(part.key)
-            except PersistError as e:  # the orphan sweep of GC removes it later
-                log.warning("could not delete unused compaction output %s: %s", part.key, e)
+    deadline = machine.commit_deadline_ms(started_ms)
+    try:
+        outcome, _ = machine.apply(lambda s: transitions.apply_merge(
+            s, res, machine.now_ms(), deadline))
+    except InvalidInput:
+        _delete_outputs(machine, res)
+        raise
+    if outcome in ("no_match", "deadline_exceeded"):
+        _delete_outputs(machine, res)
     return outcome
+
+
+def _delete_outputs(machine: Machine, res: MergeRes) -> None:
+    for part in res.output.hollow_parts():
+        try:
+            machine.blobs.main.delete(part.key)
+        except PersistError as e:  # the orphan sweep of GC removes it later
+            log.warning("could not delete unused compaction output %s: %s", part.key, e)
 
 
 @dataclass
@@ -96,7 +122,7 @@ class CompactionMetrics:
         self.bytes_out += res.output.encoded_size
         self.updates_out += res.output.num_updates
         self.outcomes.append(outcome)
-        if outcome == "no_match":
+        if outcome in ("no_match", "deadline_exceeded"):
             self.not_applied += 1
         else:
             self.applied += 1
@@ -119,6 +145,7 @@ def compact_shard(
             one). The Spark executor plugs in here.
     """
     started = time.monotonic()
+    started_ms = machine.now_ms()
     state = machine.fetch_latest()
     metrics = CompactionMetrics(inline_bytes_before=state.inline_bytes)
     reqs = merge_requests(state)
@@ -133,7 +160,7 @@ def compact_shard(
 
     by_inputs = {r.input_ids: r for r in reqs}
     for res in (executor or local)(reqs):
-        outcome = apply_merge_result(machine, res)
+        outcome = apply_merge_result(machine, res, started_ms)
         metrics.record(by_inputs[res.input_ids], res, outcome)
     metrics.inline_bytes_after = machine.fetch_latest().inline_bytes
     metrics.duration_s = time.monotonic() - started

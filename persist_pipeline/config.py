@@ -35,6 +35,8 @@ RETRY_DEADLINE_S = 60.0
 LISTEN_POLL_INTERVAL_S = 0.1
 #: Write rollups on a background thread instead of in the committing writer's call.
 BACKGROUND_MAINTENANCE = True
+#: Parts one read fetches in parallel (1: one after another, on the caller's thread).
+READ_FETCH_THREADS = 8
 
 Placement = Literal["inline", "wal", "blob", "none"]
 
@@ -103,6 +105,7 @@ class PersistConfig:
     retry_deadline_s: float = RETRY_DEADLINE_S
     listen_poll_interval_s: float = LISTEN_POLL_INTERVAL_S
     background_maintenance: bool = BACKGROUND_MAINTENANCE
+    read_fetch_threads: int = READ_FETCH_THREADS
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -115,8 +118,10 @@ class PersistConfig:
         if self.gc_orphan_min_age_s < 1:
             raise InvalidConfig("PersistConfig.gc_orphan_min_age_s must be at least 1 second: "
                                 "writers need half of it to commit the parts they upload")
-        if self.rollup_threshold < 1:
-            raise InvalidConfig("PersistConfig.rollup_threshold must be at least 1")
+        if isinstance(self.rollup_threshold, float) or self.rollup_threshold < 1:
+            raise InvalidConfig("PersistConfig.rollup_threshold must be an int of at least 1")
+        if isinstance(self.read_fetch_threads, float) or self.read_fetch_threads < 1:
+            raise InvalidConfig("PersistConfig.read_fetch_threads must be an int of at least 1")
         if self.blob_target_size_bytes < 1:
             raise InvalidConfig("PersistConfig.blob_target_size_bytes must be at least 1")
 

@@ -1,16 +1,23 @@
 """Garbage collection: delete blobs no live state references, truncate consensus.
 
 A state version is *live* from the oldest seqno any leased reader may still be reading
-(its seqno hold) to the head. GC picks the newest rollup at or below that point, R, and:
+(its seqno hold) to the head. GC picks the newest rollup at or below that point, the
+cut C, and:
 
-1. deletes the parts referenced by versions in ``[earliest, R)`` but by none in
-   ``[R, head]`` (so it never looks at blobs an in-flight write has not committed yet);
-2. truncates consensus below R (R's rollup lets the state be rebuilt from there);
-3. drops rollups below R from the state, then deletes their blobs;
-4. optionally sweeps orphans: blobs under the shard's prefix that no live version
-   references and that are older than ``gc_orphan_min_age_s`` (writes that failed
-   between uploading a part and committing it). Writers refuse to commit parts older
-   than half that age, so the sweep cannot race a slow commit.
+1. replays the records from the earliest one kept up to C and deletes the parts and
+   rollups those diffs *removed* from the state. Batches are immutable and every blob key
+   is written once (:mod:`persist_pipeline.internal.paths`), so nothing removed at or
+   before C is referenced by C or any later version;
+2. truncates consensus below C (C's rollup lets the state be rebuilt from there);
+3. drops rollups below C from the state, then deletes their blobs;
+4. optionally sweeps orphans: blobs under the shard's prefix that no kept version
+   references and that are older than ``gc_orphan_min_age_s`` (uploads whose commit
+   failed). Writes, merge results and rollups commit only within half that age of their
+   upload (:meth:`Machine.commit_deadline_ms`), so the sweep never races a slow commit.
+
+Any number of GCs may run at once, or die anywhere. A GC that finds another one got
+ahead of it (the rollup it starts from is gone, or records it needs were truncated)
+stops and reports ``skipped``: everything it did up to then was safe on its own.
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ import logging
 import time
 from typing import Any
 
-from persist_pipeline.exceptions import CorruptState
-from persist_pipeline.internal import state_codec, transitions
-from persist_pipeline.internal.machine import Machine, now_ms, rollup_key
+from persist_pipeline.exceptions import BackendError, PersistError
+from persist_pipeline.internal import paths, state_codec, transitions
+from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.state import State, Store
 
 log = logging.getLogger(__name__)
@@ -29,48 +36,88 @@ log = logging.getLogger(__name__)
 BlobRef = tuple[Store, str]
 
 
-def _state_at(machine: Machine, seqno: int) -> State:
-    """The state at ``seqno``, rebuilt from its rollup (or from scratch for seqno 1)."""
+class _Overtaken(PersistError):
+    """Another GC truncated or removed what this one was about to read."""
+
+
+def _earliest_seqno(machine: Machine, head: State) -> int:
+    first = machine.consensus.scan(machine.shard_id, 0, limit=1)
+    return first[0].seqno if first else head.seqno
+
+
+def _state_at(machine: Machine, head: State, seqno: int) -> State:
+    """The state at ``seqno`` (the earliest record kept), from its rollup or record 1."""
     if seqno <= 1:
-        state = State(shard_id=machine.shard_id)
         records = machine.consensus.scan(machine.shard_id, 1, limit=1)
         if not records or records[0].seqno != 1:
-            raise CorruptState(f"shard {machine.shard_id}: seqno 1 is gone but has no rollup")
+            raise _Overtaken("seqno 1 was truncated meanwhile")
         where = f"shard {machine.shard_id} seqno 1"
-        return state_codec.apply_diff(state, state_codec.decode_diff(records[0].data, where),
-                                      where)
-    key = rollup_key(machine.shard_id, seqno)
-    data = machine.blobs.main.get(key)
+        return state_codec.apply_diff(State(shard_id=machine.shard_id),
+                                      state_codec.decode_diff(records[0].data, where), where)
+    rollup = head.rollups.get(seqno)
+    data = machine.blobs.main.get(rollup.key) if rollup is not None else None
     if data is None:
-        raise CorruptState(f"shard {machine.shard_id}: rollup {key!r} is missing")
-    return state_codec.decode_state(data, f"rollup {key}")
+        raise _Overtaken(f"the rollup at seqno {seqno} was removed meanwhile")
+    return state_codec.decode_state(data, f"rollup {rollup.key if rollup else ''}")
 
 
-def _refs_from(machine: Machine, start: int, end: int | None) -> tuple[set[BlobRef], int]:
-    """Blobs referenced by any version in ``[start, end)`` (``end`` None: to the head)."""
-    refs: set[BlobRef] = _state_at(machine, start).referenced_blobs()
-    records = machine.consensus.scan(machine.shard_id, start + 1,
-                                     limit=None if end is None else max(0, end - start - 1))
-    last = start
+def _records(machine: Machine, start: int, end: int | None) -> list[Any]:
+    """Records ``start+1 .. end`` (to the head if ``end`` is None), exactly and in order."""
+    limit = None if end is None else end - start
+    records = machine.consensus.scan(machine.shard_id, start + 1, limit=limit)
+    expected = start + 1
     for rec in records:
-        if end is not None and rec.seqno >= end:
-            break
+        if rec.seqno != expected:
+            raise _Overtaken(f"records after seqno {start} were truncated meanwhile")
+        expected += 1
+    if end is not None and expected != end + 1:
+        raise _Overtaken(f"records {start + 1}..{end} are no longer all there")
+    return records
+
+
+def _removed_up_to(machine: Machine, head: State, earliest: int, cut: int) -> set[BlobRef]:
+    """Blobs that the diffs in ``(earliest, cut]`` removed from the state."""
+    state = _state_at(machine, head, earliest)
+    removed: set[BlobRef] = set()
+    for rec in _records(machine, earliest, cut):
+        where = f"shard {machine.shard_id} seqno {rec.seqno}"
+        diff = state_codec.decode_diff(rec.data, where)
+        for batch_id in diff.batch_deletes:
+            batch = state.batches.get(batch_id)
+            if batch is not None:
+                removed.update((p.store, p.key) for p in batch.hollow_parts())
+        for rollup_seqno in diff.rollup_deletes:
+            rollup = state.rollups.get(rollup_seqno)
+            if rollup is not None:
+                removed.add(("main", rollup.key))
+        state = state_codec.apply_diff(state, diff, where)
+    return removed
+
+
+def _referenced_by_kept(machine: Machine, head: State) -> set[BlobRef]:
+    """Every blob any version still in consensus references (a superset of the live)."""
+    earliest = _earliest_seqno(machine, head)
+    refs = _state_at(machine, head, earliest).referenced_blobs()
+    for rec in _records(machine, earliest, None):
         where = f"shard {machine.shard_id} seqno {rec.seqno}"
         refs |= state_codec.diff_blob_refs(state_codec.decode_diff(rec.data, where))
-        last = rec.seqno
-    return refs, last
+    return refs
 
 
 def gc_shard(machine: Machine, *, sweep_orphans: bool = True) -> dict[str, Any]:
-    """Collect one shard's garbage; returns metrics."""
+    """Collect one shard's garbage; returns metrics.
+
+    The metrics include ``skipped``: empty, or why this GC stopped early because a
+    concurrent GC got ahead of it (a later GC picks up whatever is left).
+    """
     started = time.monotonic()
-    machine.apply(lambda s: transitions.expire_stale_leases(s, now_ms()))
+    machine.apply(lambda s: transitions.expire_stale_leases(s, machine.now_ms()))
     state = machine.fetch_latest()
     shard = machine.shard_id
     metrics: dict[str, Any] = {"seqnos_truncated": 0, "blobs_deleted": 0, "bytes_deleted": 0,
-                               "rollups_deleted": 0, "orphans_deleted": 0, "live_blobs": 0}
-    first = machine.consensus.scan(shard, 0, limit=1)
-    earliest = first[0].seqno if first else state.seqno
+                               "rollups_deleted": 0, "orphans_deleted": 0, "live_blobs": 0,
+                               "skipped": ""}
+    earliest = _earliest_seqno(machine, state)
     hold = state.seqno_since()
     latest = state.latest_rollup()
     if hold == state.seqno and (latest is None or latest.seqno < hold) and hold > earliest:
@@ -81,20 +128,14 @@ def gc_shard(machine: Machine, *, sweep_orphans: bool = True) -> dict[str, Any]:
         hold = min(state.seqno_since(), state.seqno - 1)
     candidates = [s for s in state.rollups if earliest < s <= hold]
     cut = max(candidates) if candidates else earliest
-    live, _ = _refs_from(machine, cut, None)
-    if cut > earliest:
-        old, _ = _refs_from(machine, earliest, cut)
-        rollup_refs = {("main", r.key) for r in state.rollups.values() if r.seqno < cut}
-        for store, key in sorted(old - live - rollup_refs):
-            metrics["bytes_deleted"] += _delete(machine, store, key)
-            metrics["blobs_deleted"] += 1
-        metrics["seqnos_truncated"] = machine.consensus.truncate(shard, cut)
-        removed, _ = machine.apply(lambda s: transitions.remove_rollups_below(s, cut, now_ms()))
-        for rollup in removed:
-            metrics["bytes_deleted"] += _delete(machine, "main", rollup.key)
-            metrics["rollups_deleted"] += 1
-    if sweep_orphans:
-        metrics["orphans_deleted"] = _sweep_orphans(machine, cut)
+    try:
+        if cut > earliest:
+            _collect(machine, state, earliest, cut, metrics)
+        if sweep_orphans:
+            metrics["orphans_deleted"] = _sweep_orphans(machine)
+    except _Overtaken as e:
+        metrics["skipped"] = f"another GC got ahead: {e}"
+        log.info("shard %s: GC stopped early, %s", shard, metrics["skipped"])
     # GC's own commits may have started a background rollup: record it before reporting.
     machine.wait_for_maintenance(timeout_s=machine.config.retry_deadline_s)
     final = machine.fetch_latest()
@@ -105,20 +146,36 @@ def gc_shard(machine: Machine, *, sweep_orphans: bool = True) -> dict[str, Any]:
     return metrics
 
 
-def _sweep_orphans(machine: Machine, earliest: int) -> int:
-    min_age = machine.config.gc_orphan_min_age_s
+def _collect(machine: Machine, state: State, earliest: int, cut: int,
+             metrics: dict[str, Any]) -> None:
+    removed = _removed_up_to(machine, state, earliest, cut)
+    # Defence in depth: never delete what the state GC started from still references.
+    removed -= state.referenced_blobs()
+    for store, key in sorted(removed):
+        metrics["bytes_deleted"] += _delete(machine, store, key)
+        metrics["blobs_deleted"] += 1
+    metrics["seqnos_truncated"] = machine.consensus.truncate(machine.shard_id, cut)
+    dropped, _ = machine.apply(lambda s: transitions.remove_rollups_below(
+        s, cut, machine.now_ms()))
+    for rollup in dropped:
+        metrics["bytes_deleted"] += _delete(machine, "main", rollup.key)
+        metrics["rollups_deleted"] += 1
+
+
+def _sweep_orphans(machine: Machine) -> int:
+    min_age_ms = int(machine.config.gc_orphan_min_age_s * 1000)
     listed: list[tuple[Store, str, float]] = []
     stores: list[Store] = ["main", "wal"] if machine.blobs.wal is not None else ["main"]
     for store in stores:
-        for meta in machine.blobs.store(store).list_keys(f"{machine.shard_id}/"):
+        for meta in machine.blobs.store(store).list_keys(paths.shard_prefix(machine.shard_id)):
             listed.append((store, meta.key, meta.last_modified))
-    # Computed after listing, so a part committed meanwhile is seen as live.
-    live, _ = _refs_from(machine, earliest, None)
-    live |= {("main", r.key) for r in machine.fetch_latest().rollups.values()}
-    cutoff = time.time() - min_age
+    # Computed after listing, so a part committed meanwhile is seen as referenced.
+    head = machine.fetch_latest()
+    live = _referenced_by_kept(machine, head) | head.referenced_blobs()
+    cutoff_s = (machine.now_ms() - min_age_ms) / 1000
     deleted = 0
     for store, key, modified in listed:
-        if (store, key) in live or modified > cutoff:
+        if (store, key) in live or modified > cutoff_s:
             continue
         _delete(machine, store, key)
         deleted += 1
@@ -126,5 +183,9 @@ def _sweep_orphans(machine: Machine, earliest: int) -> int:
 
 
 def _delete(machine: Machine, store: str, key: str) -> int:
-    size = machine.blobs.store("wal" if store == "wal" else "main").delete(key)
+    try:
+        size = machine.blobs.store("wal" if store == "wal" else "main").delete(key)
+    except BackendError as e:  # left for the next GC
+        log.warning("shard %s: could not delete %s: %s", machine.shard_id, key, e)
+        return 0
     return size or 0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import random
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from persist_pipeline.exceptions import InvalidShardId
@@ -20,7 +23,7 @@ class ShardId:
     @classmethod
     def new(cls) -> ShardId:
         """Return a fresh random shard id."""
-        return cls(uuid.uuid4())
+        return cls(random_uuid())
 
     @classmethod
     def parse(cls, text: str | ShardId) -> ShardId:
@@ -47,21 +50,42 @@ class ShardId:
         return f"ShardId({str(self)!r})"
 
 
+_SEEDED: random.Random | None = None
+
+
+def random_uuid() -> uuid.UUID:
+    """A random UUID: ``uuid4``, or drawn from a seeded generator inside :func:`seeded_ids`."""
+    if _SEEDED is None:
+        return uuid.uuid4()
+    return uuid.UUID(int=_SEEDED.getrandbits(128), version=4)
+
+
+@contextmanager
+def seeded_ids(rng: random.Random) -> Iterator[None]:
+    """Draw every id from ``rng`` (the deterministic simulation replays runs by seed)."""
+    global _SEEDED
+    previous, _SEEDED = _SEEDED, rng
+    try:
+        yield
+    finally:
+        _SEEDED = previous
+
+
 def new_writer_id() -> str:
     """A fresh writer id (``w<uuid>``)."""
-    return f"w{uuid.uuid4()}"
+    return f"w{random_uuid()}"
 
 
 def new_reader_id() -> str:
     """A fresh leased reader id (``r<uuid>``)."""
-    return f"r{uuid.uuid4()}"
+    return f"r{random_uuid()}"
 
 
 def new_critical_reader_id() -> str:
     """A fresh critical reader id (``c<uuid>``); callers usually persist and reuse it."""
-    return f"c{uuid.uuid4()}"
+    return f"c{random_uuid()}"
 
 
 def new_token() -> str:
     """A fresh idempotency token or part id."""
-    return uuid.uuid4().hex
+    return random_uuid().hex

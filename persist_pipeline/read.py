@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist_pipeline.exceptions import (
+    CorruptPart,
     FencedOut,
     InvalidFrontier,
     LeaseExpired,
@@ -21,11 +22,12 @@ from persist_pipeline.exceptions import (
     PersistError,
     SinceViolation,
 )
-from persist_pipeline.frontier import Frontier, check_frontier, less_than
+from persist_pipeline.frontier import MAX_TIME, Frontier, check_frontier, less_than
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.heartbeat import Heartbeater
-from persist_pipeline.internal.machine import Machine, now_ms
+from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.state import Batch, HollowPart, State
+from persist_pipeline.internal.sync import new_lock
 from persist_pipeline.updates import consolidate, empty_table
 
 #: Parallel blob fetches per read.
@@ -57,8 +59,8 @@ def fetch_batches(machine: Machine, batches: list[Batch], where: str) -> pa.Tabl
     hollow = [p for p in parts if isinstance(p, HollowPart)]
     tables = [machine.blobs.fetch_part(p, where) for p in parts
               if not isinstance(p, HollowPart)]
-    if len(hollow) == 1:
-        tables.append(machine.blobs.fetch_part(hollow[0], where))
+    if len(hollow) == 1 or machine.config.read_fetch_threads <= 1:
+        tables += [machine.blobs.fetch_part(p, where) for p in hollow]
     elif hollow:
         tables += _fetch_pool().map(lambda p: machine.blobs.fetch_part(p, where), hollow)
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
@@ -75,11 +77,13 @@ class ReadHandle:
         self.reader_id = reader_id
         self._lease_ms = int(machine.config.reader_lease_duration_s * 1000)
         self._reading: dict[int, int] = {}
-        self._reading_lock = threading.Lock()
+        self._reading_lock = new_lock()
         self._expired = False
+        self._listens: weakref.WeakSet[Listen] = weakref.WeakSet()
         reader, _ = machine.apply(lambda s: transitions.register_leased_reader(
-            s, reader_id, now_ms(), self._lease_ms, debug))
+            s, reader_id, machine.now_ms(), self._lease_ms, debug))
         self._since: Frontier = reader.since
+        self._wanted_since: Frontier = reader.since
         self._heartbeat = Heartbeater(f"persist-reader-{reader_id[:9]}",
                                       machine.config.heartbeat_interval_s, self.heartbeat)
 
@@ -101,11 +105,13 @@ class ReadHandle:
     @contextlib.contextmanager
     def _reading_state(self) -> Iterator[State]:
         self._check()
-        state = self._machine.fetch_latest()
-        if self.reader_id not in state.leased_readers:
-            self._expired = True
-            raise LeaseExpired(f"reader {self.reader_id} was expired (missed heartbeats)")
+        # Fetch and register the seqno being read in one step: a heartbeat in between
+        # would otherwise publish a newer hold and let GC delete what this read needs.
         with self._reading_lock:
+            state = self._machine.fetch_latest()
+            if self.reader_id not in state.leased_readers:
+                self._expired = True
+                raise LeaseExpired(f"reader {self.reader_id} was expired (missed heartbeats)")
             self._reading[state.seqno] = self._reading.get(state.seqno, 0) + 1
         try:
             yield state
@@ -121,13 +127,28 @@ class ReadHandle:
                 with contextlib.suppress(PersistError):
                     self.heartbeat()
 
+    def fetch(self, batches: list[Batch], state: State) -> pa.Table:
+        """Every part of ``batches``; a part GC deleted because this reader's lease ran out
+        raises :class:`LeaseExpired`, not :class:`CorruptPart`."""
+        try:
+            return fetch_batches(self._machine, batches, f"shard {self.shard_id}")
+        except CorruptPart as e:
+            latest = self._machine.fetch_latest()
+            if self.reader_id not in latest.leased_readers:
+                self._expired = True
+                raise LeaseExpired(f"reader {self.reader_id} was expired while reading (it "
+                                   f"missed heartbeats) and GC collected what it was "
+                                   f"reading") from e
+            raise
+
     def heartbeat(self) -> None:
         """Renew the lease (done in the background; call it to renew now)."""
         self._check()
         hold = self._hold()
+        machine = self._machine
         try:
-            reader, _ = self._machine.apply(lambda s: transitions.heartbeat_leased_reader(
-                s, self.reader_id, now_ms(), hold))
+            reader, _ = machine.apply(lambda s: transitions.heartbeat_leased_reader(
+                s, self.reader_id, machine.now_ms(), hold))
         except LeaseExpired:
             self._expired = True
             raise
@@ -156,8 +177,7 @@ class ReadHandle:
                 raise NotYetAvailable(f"as_of {t} is not complete yet: the shard's upper is "
                                       f"{state.upper}")
             batches = [b for b in state.ordered_batches if b.desc.lower <= t]
-            table = fetch_batches(self._machine, batches, f"shard {self.shard_id}")
-            return consolidate(table, as_of=t)
+            return consolidate(self.fetch(batches, state), as_of=t)
 
     def listen(self, as_of: int) -> Listen:
         """Every update with ``t > as_of``, in time order, with progress frontiers.
@@ -166,16 +186,49 @@ class ReadHandle:
         """
         with self._reading_state() as state:
             t = self._check_as_of(as_of, state)
-        return Listen(self, t)
+        listen = Listen(self, t)
+        self._listens.add(listen)
+        return listen
 
     def downgrade_since(self, new_since: Frontier) -> None:
-        """Release times below ``new_since`` (compaction may then merge them)."""
+        """Release times below ``new_since`` (compaction may then merge them).
+
+        While a :class:`Listen` of this reader is open, since stays at most its
+        frontier - 1 (compaction must not fold the updates it already emitted into times
+        it has yet to emit); the rest is released as the listen moves on.
+        """
         self._check()
         since = check_frontier(new_since, "new_since")
+        if less_than(since, self._wanted_since):
+            raise InvalidFrontier(f"since may only advance: reader holds "
+                                  f"{self._wanted_since}, asked for {since}")
+        self._wanted_since = since
+        self._downgrade_to(since)
+
+    def _listen_cap(self) -> Frontier:
+        cap: Frontier = None
+        for listen in list(self._listens):
+            f = listen.frontier
+            if f is not None and (cap is None or f - 1 < cap):
+                cap = f - 1
+        return cap
+
+    def _downgrade_to(self, wanted: Frontier) -> None:
+        cap = self._listen_cap()
+        target = cap if cap is not None and less_than(cap, wanted) else wanted
+        if less_than(target, self._since):
+            target = self._since
         hold = self._hold()
-        reader, _ = self._machine.apply(lambda s: transitions.downgrade_since(
-            s, self.reader_id, since, now_ms(), hold))
+        machine = self._machine
+        reader, _ = machine.apply(lambda s: transitions.downgrade_since(
+            s, self.reader_id, target, machine.now_ms(), hold))
         self._since = reader.since
+
+    def _listen_moved(self) -> None:
+        """A listen advanced: release what the user asked for and the listen no longer
+        needs held."""
+        if less_than(self._since, self._wanted_since):
+            self._downgrade_to(self._wanted_since)
 
     def expire(self) -> None:
         """Unregister this reader, releasing its holds. Idempotent."""
@@ -183,8 +236,9 @@ class ReadHandle:
             return
         self._expired = True
         self._heartbeat.stop()
-        self._machine.apply(lambda s: transitions.expire_leased_reader(s, self.reader_id,
-                                                                       now_ms()))
+        machine = self._machine
+        machine.apply(lambda s: transitions.expire_leased_reader(s, self.reader_id,
+                                                                 machine.now_ms()))
 
     close = expire
 
@@ -223,23 +277,30 @@ class Listen:
 
     def __init__(self, reader: ReadHandle, as_of: int) -> None:
         self._reader = reader
-        self.frontier: Frontier = as_of + 1
-        self._done = False
+        # Nothing comes after the largest time: such a listen is over at once.
+        self.frontier: Frontier = as_of + 1 if as_of < MAX_TIME else None
+        self._done = self.frontier is None
+
+    def close(self) -> None:
+        """Stop listening; the reader's since is no longer held back for this listen."""
+        self._done = True
+        self._reader._listens.discard(self)
 
     def poll(self, timeout_s: float = 0.0) -> list[ListenEvent]:
         """Events available within ``timeout_s`` seconds (possibly none)."""
         machine = self._reader._machine
-        deadline = time.monotonic() + timeout_s
+        clock = machine.clock
+        deadline = clock.monotonic() + timeout_s
         while True:
             if self._done:
                 return []
             with self._reader._reading_state() as state:
                 if less_than(self.frontier, state.upper):
                     return self._emit(state)
-            if time.monotonic() >= deadline:
+            if clock.monotonic() >= deadline:
                 return []
-            time.sleep(min(machine.config.listen_poll_interval_s,
-                           max(0.0, deadline - time.monotonic())))
+            clock.sleep(min(machine.config.listen_poll_interval_s,
+                            max(0.0, deadline - clock.monotonic())))
 
     def _emit(self, state: State) -> list[ListenEvent]:
         lo = self.frontier
@@ -247,8 +308,13 @@ class Listen:
         hi = state.upper
         batches = [b for b in state.ordered_batches
                    if less_than(lo, b.desc.upper) and less_than(b.desc.lower, hi)]
+        for b in batches:
+            if b.desc.lower < lo <= b.desc.since:
+                # Its updates below the frontier were advanced into times still to emit.
+                raise SinceViolation(f"shard {state.shard_id}: batch {b.id} was compacted to "
+                                     f"since {b.desc.since}, past this listen's frontier {lo}")
         events = []
-        table = fetch_batches(self._reader._machine, batches, f"shard {state.shard_id}")
+        table = self._reader.fetch(batches, state)
         mask = pc.greater_equal(table.column("t"), lo)
         if hi is not None:
             mask = pc.and_(mask, pc.less(table.column("t"), hi))
@@ -258,7 +324,8 @@ class Listen:
         events.append(ListenEvent("progress", upper=hi))
         self.frontier = hi
         if hi is None:
-            self._done = True
+            self.close()
+        self._reader._listen_moved()
         return events
 
     def __iter__(self) -> Iterator[ListenEvent]:
@@ -274,7 +341,7 @@ class CriticalReaderHandle:
         self._machine = machine
         self.reader_id = reader_id
         reader, _ = machine.apply(lambda s: transitions.register_critical_reader(
-            s, reader_id, opaque, now_ms(), debug))
+            s, reader_id, opaque, machine.now_ms(), debug))
         self._since: Frontier = reader.since
         self._opaque = reader.opaque
 
@@ -295,9 +362,10 @@ class CriticalReaderHandle:
             FencedOut: another controller changed the token; nothing changed.
         """
         since = check_frontier(new_since, "new_since")
-        result, _ = self._machine.apply(
+        machine = self._machine
+        result, _ = machine.apply(
             lambda s: transitions.compare_and_downgrade_critical_since(
-                s, self.reader_id, expected_opaque, new_opaque, since, now_ms()))
+                s, self.reader_id, expected_opaque, new_opaque, since, machine.now_ms()))
         if isinstance(result, transitions.Fenced):
             self._opaque = result.current_opaque
             raise FencedOut(expected_opaque, result.current_opaque)
@@ -306,5 +374,6 @@ class CriticalReaderHandle:
 
     def expire(self) -> None:
         """Unregister this critical reader for good, releasing its since hold."""
-        self._machine.apply(lambda s: transitions.expire_critical_reader(
-            s, self.reader_id, now_ms()))
+        machine = self._machine
+        machine.apply(lambda s: transitions.expire_critical_reader(
+            s, self.reader_id, machine.now_ms()))

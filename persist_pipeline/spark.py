@@ -245,6 +245,7 @@ def compact_shards(
         SparkCompactionFailed: some tasks failed; the others' results were committed.
     """
     started = time.monotonic()
+    started_ms = client.clock.now_ms()  # before any output exists: their commit deadline
     _check_uri(blob_uri, "blob URI")
     if wal_blob_uri:
         _check_uri(wal_blob_uri, "WAL blob URI")
@@ -291,7 +292,11 @@ def compact_shards(
         if result.res is None:
             failures.setdefault(task.shard_id, []).append(result.error or "unknown error")
             continue
-        outcome = apply_merge_result(client.machine(task.shard_id), result.res)
+        try:
+            outcome = apply_merge_result(client.machine(task.shard_id), result.res, started_ms)
+        except PersistError as e:  # this result only; the other shards' still commit
+            failures.setdefault(task.shard_id, []).append(f"{type(e).__name__}: {e}")
+            continue
         metrics[task.shard_id].record(task.req, result.res, outcome)
 
     duration = time.monotonic() - started

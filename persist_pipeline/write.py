@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,7 @@ from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import write_parts
 from persist_pipeline.internal.heartbeat import Heartbeater
-from persist_pipeline.internal.machine import Machine, now_ms
+from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.state import Batch, Description, HollowPart, InlinePart, Store
 from persist_pipeline.updates import Updates
 
@@ -70,7 +69,7 @@ class WriteHandle:
         self._closed = False
         lease = self._lease_ms()
         _, state = machine.apply(
-            lambda s: transitions.register_writer(s, writer_id, now_ms(), lease, debug))
+            lambda s: transitions.register_writer(s, writer_id, machine.now_ms(), lease, debug))
         self._upper: Frontier = state.upper
         self._heartbeat = Heartbeater(f"persist-writer-{writer_id[:9]}",
                                       machine.config.heartbeat_interval_s, self._beat)
@@ -94,8 +93,9 @@ class WriteHandle:
 
     def _beat(self) -> None:
         lease = self._lease_ms()
-        self._machine.apply(lambda s: transitions.register_writer(s, self.writer_id, now_ms(),
-                                                                   lease))
+        machine = self._machine
+        machine.apply(lambda s: transitions.register_writer(s, self.writer_id, machine.now_ms(),
+                                                             lease))
 
     def compare_and_append(
         self, updates: object, expected_upper: int, new_upper: Frontier, *,
@@ -188,7 +188,7 @@ class WriteHandle:
     def _write_blob(self, data: Updates, batch_id: str, desc: Description, expected: int,
                     upper: Frontier, token: str, *, fell_back: bool) -> WriteResult:
         machine = self._machine
-        started = time.monotonic()
+        started_ms = machine.now_ms()
         parts = write_parts(data.table(), self.shard_id, batch_id,
                             machine.blobs.store(self._store), self._store,
                             machine.config.blob_target_size_bytes)
@@ -196,13 +196,14 @@ class WriteHandle:
             batch = Batch(batch_id, desc, parts, len(data))
             placement: Placement = "wal" if self._store == "wal" else "blob"
             size = sum(p.encoded_size for p in parts)
-            deadline = started + machine.config.gc_orphan_min_age_s / 2
             result = self._apply(batch, expected, upper, token, placement, size, len(parts),
-                                 fell_back=fell_back, commit_deadline=deadline)
+                                 fell_back=fell_back,
+                                 commit_deadline_ms=machine.commit_deadline_ms(started_ms))
             assert result is not None
             return result
         except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates):
-            # Definitely not committed (an indeterminate error is not caught here).
+            # Certainly not committed: the CaS loop settles every lost reply before it
+            # answers "no". Indeterminate (and any other error) leaves the parts to GC.
             self._delete_uncommitted(parts)
             raise
 
@@ -215,21 +216,23 @@ class WriteHandle:
 
     def _apply(self, batch: Batch | None, expected: int, upper: Frontier, token: str,
                placement: Placement, encoded: int, num_parts: int, *, fell_back: bool,
-               commit_deadline: float | None = None) -> WriteResult | None:
+               commit_deadline_ms: int | None = None) -> WriteResult | None:
         machine = self._machine
         policy = self.policy
         lease = self._lease_ms()
 
         def transition(state: State) -> tuple[State, transitions.AppendResult]:
-            if commit_deadline is not None and time.monotonic() > commit_deadline:
-                raise CommitDeadlineExceeded(
-                    f"shard {self.shard_id}: parts written too long ago to commit safely")
             return transitions.compare_and_append(
                 state, batch, writer_id=self.writer_id, token=token, expected_upper=expected,
-                new_upper=upper, now_ms=now_ms(), lease_ms=lease,
-                inline_max_bytes=policy.max_bytes, fell_back=fell_back)
+                new_upper=upper, now_ms=machine.now_ms(), lease_ms=lease,
+                inline_max_bytes=policy.max_bytes, fell_back=fell_back,
+                commit_deadline_ms=commit_deadline_ms)
 
         result, state = machine.apply(transition)
+        if isinstance(result, transitions.DeadlineExceeded):
+            raise CommitDeadlineExceeded(
+                f"shard {self.shard_id}: parts uploaded too long ago to commit safely (GC "
+                f"may sweep them); nothing was written")
         if isinstance(result, transitions.UpperMismatchResult):
             self._upper = result.current
             raise UpperMismatch(expected, result.current)
@@ -250,7 +253,8 @@ class WriteHandle:
             return
         self._closed = True
         self._heartbeat.stop()
-        self._machine.apply(lambda s: transitions.expire_writer(s, self.writer_id, now_ms()))
+        machine = self._machine
+        machine.apply(lambda s: transitions.expire_writer(s, self.writer_id, machine.now_ms()))
 
     close = expire
 

@@ -9,7 +9,6 @@ import pyarrow as pa
 
 from persist_pipeline import PersistClient
 from persist_pipeline.internal import state_codec
-from persist_pipeline.internal.machine import rollup_key
 from persist_pipeline.internal.state import State
 
 Update = tuple[bytes, bytes, int, int]
@@ -45,7 +44,8 @@ def state_history(client: PersistClient, shard: str) -> Iterator[State]:
         state = State(shard_id=shard)
     else:
         # GC keeps a rollup at the earliest live record.
-        data = client.blobs.main.get(rollup_key(shard, first))
+        rollup = client.machine(shard).fetch_latest().rollups[first]
+        data = client.blobs.main.get(rollup.key)
         assert data is not None, f"no rollup at earliest record {first}"
         state = state_codec.decode_state(data, "test")
         yield state

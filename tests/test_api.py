@@ -343,10 +343,10 @@ def test_background_rollup_is_recorded_by_the_next_commit(open_client):
     writer = client.open_writer(shard)
     machine = client.machine(shard)
     t = 0
-    while machine._maintenance is None:  # appends until a rollup is due
+    while machine.maintenance._pending is None:  # appends until a rollup is due
         writer.compare_and_append([(b"k%d" % t, b"v", t, 1)], t, t + 1)
         t += 1
-    machine._maintenance.result(timeout=60)  # stored in blob, not yet in the state
+    machine.maintenance._pending.result(timeout=60)  # stored in blob, not yet in the state
     assert machine.fetch_latest().rollups == {}
     assert client.metrics.rollups_written == 1
     writer.compare_and_append([(b"k%d" % t, b"v", t, 1)], t, t + 1)  # records it

@@ -7,6 +7,7 @@ from typing import TypeVar
 
 from persist_pipeline.blob.base import Blob, BlobMeta
 from persist_pipeline.exceptions import BlobUnavailable
+from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
 from persist_pipeline.retry import retry_transient
 
 T = TypeVar("T")
@@ -21,15 +22,17 @@ class RetryingBlob(Blob):
     the last error is raised as :class:`Indeterminate`.
     """
 
-    def __init__(self, inner: Blob, deadline_s: float) -> None:
+    def __init__(self, inner: Blob, deadline_s: float, clock: Clock = SYSTEM_CLOCK) -> None:
         self.inner = inner
+        self.clock = clock
         self.kind = inner.kind
         self.deadline_s = deadline_s
         self.retries = 0
 
     def _retry(self, op: str, call: Callable[[], T]) -> T:
         return retry_transient(call, deadline_s=self.deadline_s, catch=BlobUnavailable,
-                               what=f"{self.inner.describe()}: {op}", on_retry=self._count)
+                               what=f"{self.inner.describe()}: {op}", on_retry=self._count,
+                               clock=self.clock)
 
     def _count(self) -> None:
         self.retries += 1

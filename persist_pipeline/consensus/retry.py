@@ -7,6 +7,7 @@ from typing import TypeVar
 
 from persist_pipeline.consensus.base import Consensus, VersionedData
 from persist_pipeline.exceptions import ConsensusUnavailable
+from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
 from persist_pipeline.retry import retry_transient
 
 T = TypeVar("T")
@@ -20,14 +21,15 @@ class RetryingConsensus(Consensus):
     decide what to do about it.
     """
 
-    def __init__(self, inner: Consensus, deadline_s: float) -> None:
+    def __init__(self, inner: Consensus, deadline_s: float, clock: Clock = SYSTEM_CLOCK) -> None:
         self.inner = inner
+        self.clock = clock
         self.deadline_s = deadline_s
         self.retries = 0
 
     def _retry(self, op: str, call: Callable[[], T]) -> T:
         return retry_transient(call, deadline_s=self.deadline_s, catch=ConsensusUnavailable,
-                               what=f"consensus {op}", on_retry=self._count)
+                               what=f"consensus {op}", on_retry=self._count, clock=self.clock)
 
     def _count(self) -> None:
         self.retries += 1

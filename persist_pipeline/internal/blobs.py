@@ -9,17 +9,22 @@ import pyarrow.compute as pc
 
 from persist_pipeline.blob.base import Blob
 from persist_pipeline.exceptions import CorruptPart
+from persist_pipeline.internal import paths
 from persist_pipeline.internal.state import HollowPart, InlinePart, Part, Store
 from persist_pipeline.updates import decode_inline, decode_parquet, encode_parquet, split_by_size
 
 
 def write_parts(table: pa.Table, shard_id: str, batch_id: str, blob: Blob, store: Store,
                 target_size_bytes: int) -> tuple[HollowPart, ...]:
-    """Write a consolidated table as Parquet parts of about ``target_size_bytes`` each."""
+    """Write a consolidated table as Parquet parts of about ``target_size_bytes`` each.
+
+    Every call writes fresh keys, even for a batch id written before (a retried write).
+    """
     parts = []
+    nonce = paths.new_nonce()
     for i, piece in enumerate(split_by_size(table, target_size_bytes)):
         data = encode_parquet(piece)
-        key = f"{shard_id}/p/{batch_id}-{i:04d}.parquet"
+        key = paths.part_key(shard_id, batch_id, nonce, i)
         blob.set(key, data)
         times = pc.min_max(piece.column("t")).as_py()
         parts.append(HollowPart(key, store, len(data), piece.num_rows, int(times["min"]),

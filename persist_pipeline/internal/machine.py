@@ -1,50 +1,54 @@
-"""The one narrow compare-and-set retry loop, and fetching state from consensus + blob.
+"""A shard's cached state and the one narrow compare-and-set loop that changes it.
 
 :class:`Machine` caches one shard's latest known state. :meth:`Machine.apply` runs a
 pure transition against it and commits the result with ``compare_and_set``; on a seqno
 mismatch it catches up (scanning only the records it has not seen) and runs the
-transition again. Transient backend errors are retried with backoff until a deadline;
-an indeterminate CaS is resolved by re-reading state, which is safe because every
-transition that must not apply twice carries an idempotency token.
+transition again.
+
+Two rules make its answers trustworthy:
+
+- **A negative answer is never computed from a cache alone.** A transition that changes
+  nothing (an upper mismatch, a fenced reader, "already done") or raises is re-run
+  against state fetched from consensus during this call before its answer is returned.
+- **An indeterminate compare-and-set is resolved, never guessed.** When a CaS at seqno
+  ``S`` fails with an unknown outcome, the record at ``S + 1`` decides it: if it holds
+  exactly the bytes we sent, our commit won; if it holds anything else, ours lost. A
+  call returns a negative answer only when every such attempt is known to have lost;
+  otherwise (the record was truncated, or never appeared) it raises
+  :class:`~persist_pipeline.exceptions.Indeterminate` and callers keep their blobs for
+  GC. This holds even when the writer's lease (and idempotency token) expired meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import Generic, Literal, TypeVar
 
 from persist_pipeline.config import PersistConfig
 from persist_pipeline.consensus.base import Consensus, VersionedData
 from persist_pipeline.exceptions import (
     CorruptState,
+    Indeterminate,
     PersistError,
     ShardNotFound,
     Unavailable,
 )
 from persist_pipeline.internal import state_codec, transitions
 from persist_pipeline.internal.blobs import ShardBlobs
-from persist_pipeline.internal.state import Rollup, State
-from persist_pipeline.retry import Backoff, retry_transient
+from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
+from persist_pipeline.internal.maintenance import RollupMaintenance
+from persist_pipeline.internal.state import State
+from persist_pipeline.internal.sync import new_lock
+from persist_pipeline.retry import Backoff
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
 
-#: How many times a state fetch retries when GC truncated records under it.
+#: How many times a state fetch starts over when GC truncated records or replaced the
+#: rollup under it.
 _FETCH_ATTEMPTS = 10
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def rollup_key(shard_id: str, seqno: int) -> str:
-    """Rollups are deterministic (the state at a seqno is unique), so is their key."""
-    return f"{shard_id}/rollup/{seqno:020d}.pb"
 
 
 @dataclass
@@ -54,33 +58,61 @@ class MachineMetrics:
     cas_attempts: int = 0
     cas_mismatches: int = 0
     cas_indeterminate: int = 0
+    cas_resolved_committed: int = 0
+    negative_answers_confirmed: int = 0
     transient_retries: int = 0
     state_fetches: int = 0
     records_scanned: int = 0
     rollups_written: int = 0
 
 
+Resolution = Literal["committed", "lost", "pending", "unknown"]
+
+
+@dataclass
+class _Attempt(Generic[R]):
+    """A compare-and-set whose reply was lost: it may or may not have committed."""
+
+    expected_seqno: int
+    data: bytes
+    new: State
+    result: R
+    resolution: Resolution = "pending"
+
+
 class Machine:
     """A shard's cached state plus the CaS loop that changes it."""
 
     def __init__(self, shard_id: str, consensus: Consensus, blobs: ShardBlobs,
-                 config: PersistConfig, metrics: MachineMetrics | None = None) -> None:
+                 config: PersistConfig, metrics: MachineMetrics | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.shard_id = shard_id
         self.consensus = consensus
         self.blobs = blobs
         self.config = config
+        self.clock = clock
         self.metrics = metrics or MachineMetrics()
-        self._lock = threading.RLock()
+        self._lock = new_lock(reentrant=True)
         self._state: State | None = None
-        self._maintenance_lock = threading.Lock()
-        self._maintenance: Future[None] | None = None
-        self._ready_rollup: tuple[Rollup, float] | None = None
+        self.maintenance = RollupMaintenance(self)
+
+    def now_ms(self) -> int:
+        return self.clock.now_ms()
+
+    def commit_deadline_ms(self, started_ms: int) -> int:
+        """The last moment blobs uploaded from ``started_ms`` on may still be committed.
+
+        GC's orphan sweep deletes unreferenced blobs older than ``gc_orphan_min_age_s``;
+        anything that references fresh blobs (a write, a merge result, a rollup) commits
+        within half that age of starting to upload them, or not at all.
+        """
+        return started_ms + int(self.config.gc_orphan_min_age_s * 500)
 
     # --- reading ---------------------------------------------------------------------------
 
     @property
     def state(self) -> State:
-        """The cached state (fetching it on first use)."""
+        """The cached state (fetching it on first use). May be stale."""
         with self._lock:
             if self._state is None:
                 self._state = self._fetch_full(create_if_missing=False)
@@ -89,12 +121,7 @@ class Machine:
     def fetch_latest(self) -> State:
         """Catch up with consensus and return the latest state."""
         with self._lock:
-            if self._state is None:
-                self._state = self._fetch_full(create_if_missing=False)
-            else:
-                caught_up = self._retrying(lambda: self._catch_up(self._state))
-                self._state = caught_up or self._fetch_full(create_if_missing=False)
-            return self._state
+            return self._refresh()
 
     def open(self, create: bool) -> State:
         """Fetch the state, creating the shard first if ``create`` and it does not exist."""
@@ -102,15 +129,29 @@ class Machine:
             self._state = self._fetch_full(create_if_missing=create)
             return self._state
 
+    def _refresh(self) -> State:
+        cached = self._state
+        caught_up = None if cached is None else self._catch_up(cached)
+        self._state = caught_up or self._fetch_full(create_if_missing=False)
+        return self._state
+
     def _fetch_full(self, create_if_missing: bool) -> State:
+        missing_rollup_at: int | None = None
         for _ in range(_FETCH_ATTEMPTS):
-            head = self._retrying(lambda: self.consensus.head(self.shard_id))
+            head = self.consensus.head(self.shard_id)
             if head is None:
                 if not create_if_missing:
                     raise ShardNotFound(f"shard {self.shard_id} does not exist")
                 self._create()
                 continue
-            state = self._retrying(lambda h=head: self._reconstruct(h))  # type: ignore[misc]
+            try:
+                state = self._reconstruct(head)
+            except _RollupMissing as e:
+                if missing_rollup_at == head.seqno:
+                    # The head did not move, so GC did not replace the rollup: it is gone.
+                    raise CorruptState(str(e)) from None
+                missing_rollup_at = head.seqno
+                continue
             if state is not None:
                 return state
         raise CorruptState(f"shard {self.shard_id}: could not read a consistent state "
@@ -118,11 +159,20 @@ class Machine:
 
     def _create(self) -> None:
         empty = State(shard_id=self.shard_id)
-        first = transitions.create(empty, now_ms())
-        first = _bump(first)
+        first = transitions.create(empty, self.now_ms())
+        first = replace(first, seqno=1)
         data = VersionedData(1, state_codec.encode_diff(empty, first),
                              state_codec.encode_summary(first))
-        self._retrying(lambda: self.consensus.compare_and_set(self.shard_id, None, data))
+        backoff = self._backoff()
+        while True:
+            try:
+                self.consensus.compare_and_set(self.shard_id, None, data)
+                return
+            except Unavailable as e:
+                # Whoever created it, the caller re-reads the head next.
+                backoff.wait(e)
+                if self.consensus.head(self.shard_id) is not None:
+                    return
 
     def _reconstruct(self, head: VersionedData) -> State | None:
         self.metrics.state_fetches += 1
@@ -130,11 +180,11 @@ class Machine:
         summary = state_codec.decode_summary(head.summary, where)
         if summary.HasField("latest_rollup_seqno"):
             seqno = summary.latest_rollup_seqno
-            key = rollup_key(self.shard_id, seqno)
-            data = self.blobs.main.get(key)
+            key = summary.latest_rollup_key
+            data = self.blobs.main.get(key) if key else None
             if data is None:
-                raise CorruptState(f"shard {self.shard_id}: rollup for seqno {seqno} is "
-                                   f"missing from blob key {key!r}")
+                raise _RollupMissing(f"shard {self.shard_id}: rollup for seqno {seqno} is "
+                                     f"missing from blob key {key!r}")
             base = state_codec.decode_state(data, f"rollup {key}")
             if base.seqno != seqno or base.shard_id != self.shard_id:
                 raise CorruptState(f"rollup {key} holds shard {base.shard_id} seqno "
@@ -143,12 +193,11 @@ class Machine:
             base = State(shard_id=self.shard_id)
         return self._catch_up(base)
 
-    def _catch_up(self, state: State | None) -> State | None:
-        assert state is not None
+    def _catch_up(self, state: State) -> State | None:
+        """``state`` brought up to the head, or None when GC truncated records it needs."""
         records = self.consensus.scan(self.shard_id, state.seqno + 1)
         self.metrics.records_scanned += len(records)
         if records and records[0].seqno != state.seqno + 1:
-            # Older than what GC kept: the caller starts over from a rollup.
             return None
         for rec in records:
             where = f"shard {self.shard_id} seqno {rec.seqno}"
@@ -159,160 +208,113 @@ class Machine:
 
     # --- writing ---------------------------------------------------------------------------
 
-    def apply(self, transition: Callable[[State], tuple[State, R]]) -> tuple[R, State]:
+    def apply(self, transition: Callable[[State], tuple[State, R]], *,
+              routine: bool = True) -> tuple[R, State]:
         """Run ``transition`` against the latest state and commit it, retrying races.
 
-        Returns the transition's result and the state it was applied to (or, when it
-        changed nothing, the state it saw). Errors raised by the transition propagate.
+        Returns the transition's result and the state it committed (or, when it changed
+        nothing, the state it saw, which was fetched from consensus during this call).
+        Errors raised by the transition propagate, also only once confirmed against
+        consensus. ``routine`` runs routine maintenance (rollups) after a commit.
+
+        Raises:
+            Indeterminate: a CaS reply was lost and whether it committed cannot be told,
+                or consensus stayed unavailable past the retry deadline.
         """
         with self._lock:
             backoff = self._backoff()
+            attempts: list[_Attempt[R]] = []
             state = self.state
+            confirmed = False
             while True:
-                new, result = transition(state)
+                try:
+                    new, result = transition(state)
+                except PersistError:
+                    if not confirmed:
+                        self.metrics.negative_answers_confirmed += 1
+                        state, confirmed = self._refresh(), True
+                        continue
+                    _require_settled(attempts, self.shard_id)
+                    raise
                 if new is state:
+                    if not confirmed:
+                        self.metrics.negative_answers_confirmed += 1
+                        state, confirmed = self._refresh(), True
+                        continue
+                    _require_settled(attempts, self.shard_id)
                     return result, state
-                new = self._fold_ready_rollup(_bump(new, base=state))
+                new = self.maintenance.fold_ready(self._bump(new, state))
                 record = VersionedData(new.seqno, state_codec.encode_diff(state, new),
                                        state_codec.encode_summary(new))
                 self.metrics.cas_attempts += 1
                 try:
-                    ok = self.consensus.compare_and_set(self.shard_id, state.seqno, record)
+                    if self.consensus.compare_and_set(self.shard_id, state.seqno, record):
+                        self._committed(new, routine)
+                        return result, new
+                    self.metrics.cas_mismatches += 1
                 except Unavailable as e:
-                    # Indeterminate: it may have committed. Re-read and run the
-                    # transition again; idempotency tokens make that safe.
                     self.metrics.cas_indeterminate += 1
                     self.metrics.transient_retries += 1
+                    attempts.append(_Attempt(state.seqno, record.data, new, result))
                     backoff.wait(e)
-                    state = self._refresh_after_error(backoff)
-                    continue
-                if ok:
-                    self._state = new
-                    ready = self._ready_rollup
-                    if ready is not None and ready[0].seqno in new.rollups:
-                        self._clear_ready(ready)
-                    self._maybe_rollup(new)
-                    return result, new
-                self.metrics.cas_mismatches += 1
-                state = self._refresh_after_error(backoff)
+                state, confirmed = self._refresh(), True
+                won = self._resolve(attempts)
+                if won is not None:
+                    self.metrics.cas_resolved_committed += 1
+                    self._committed(won.new, routine, latest=state)
+                    return won.result, won.new
 
-    def _refresh_after_error(self, backoff: Backoff) -> State:
-        while True:
-            try:
-                cached = self._state
-                caught_up = None if cached is None else self._catch_up(cached)
-                self._state = caught_up or self._fetch_full(create_if_missing=False)
-                return self._state
-            except Unavailable as e:
-                self.metrics.transient_retries += 1
-                backoff.wait(e)
+    def _resolve(self, attempts: list[_Attempt[R]]) -> _Attempt[R] | None:
+        """Settle lost-reply attempts by the record each would have written."""
+        for attempt in attempts:
+            if attempt.resolution in ("lost", "unknown"):
+                continue
+            following = self.consensus.scan(self.shard_id, attempt.expected_seqno + 1, limit=1)
+            if not following:
+                attempt.resolution = "pending"  # nothing at S+1 yet: it may still land
+            elif following[0].seqno != attempt.expected_seqno + 1:
+                attempt.resolution = "unknown"  # GC truncated the record that would tell
+            elif following[0].data == attempt.data:
+                attempt.resolution = "committed"
+                return attempt
+            else:
+                attempt.resolution = "lost"
+        return None
 
-    def _retrying(self, op: Callable[[], R]) -> R:
-        return retry_transient(op, deadline_s=self.config.retry_deadline_s,
-                               what=f"shard {self.shard_id}", on_retry=self._count_retry)
+    def _committed(self, new: State, routine: bool, latest: State | None = None) -> None:
+        if latest is None or latest.seqno < new.seqno:
+            latest = new
+        self._state = latest
+        self.maintenance.recorded(new)
+        if routine:
+            self.maintenance.after_commit(new)
 
-    def _count_retry(self) -> None:
-        self.metrics.transient_retries += 1
+    def _bump(self, new: State, base: State) -> State:
+        return replace(new, seqno=base.seqno + 1,
+                       walltime_ms=max(new.walltime_ms, self.now_ms()))
 
     def _backoff(self) -> Backoff:
-        return Backoff(self.config.retry_deadline_s, f"shard {self.shard_id}")
+        return Backoff(self.config.retry_deadline_s, f"shard {self.shard_id}", self.clock)
 
-    # --- maintenance -----------------------------------------------------------------------
-
-    def _maybe_rollup(self, state: State) -> None:
-        """Routine maintenance after a commit: a rollup every ``rollup_threshold`` seqnos.
-
-        With ``background_maintenance`` the slow part (encoding the whole state and the
-        blob PUT) runs on a maintenance thread, and the finished rollup is recorded by
-        this machine's next commit (see :meth:`_fold_ready_rollup`): no extra CaS, and no
-        lock a busy writer could starve.
-        """
-        latest = state.latest_rollup()
-        since_rollup = state.seqno - (latest.seqno if latest else 0)
-        if since_rollup < self.config.rollup_threshold:
-            return
-        if not self.config.background_maintenance:
-            try:
-                self.write_rollup(state)
-            except PersistError as e:
-                # A later commit retries; the shard stays readable from older records.
-                log.warning("shard %s: could not write rollup at seqno %d: %s",
-                            self.shard_id, state.seqno, e)
-            return
-        with self._maintenance_lock:
-            busy = self._maintenance is not None and not self._maintenance.done()
-            if busy or self._ready_rollup is not None:
-                return
-            self._maintenance = _maintenance_pool().submit(self._store_rollup_quietly, state)
-
-    def _store_rollup_quietly(self, state: State) -> None:
-        try:
-            rollup = self._store_rollup(state)
-        except PersistError as e:
-            log.warning("shard %s: could not write rollup at seqno %d: %s",
-                        self.shard_id, state.seqno, e)
-            return
-        with self._maintenance_lock:
-            self._ready_rollup = (rollup, time.monotonic())
-
-    def _fold_ready_rollup(self, new: State) -> State:
-        """Record a rollup stored in the background in the commit about to be made."""
-        with self._maintenance_lock:
-            ready = self._ready_rollup
-        if ready is None:
-            return new
-        rollup, stored_at = ready
-        # GC may sweep an unreferenced blob once it is gc_orphan_min_age_s old; like a
-        # write's parts, a rollup is only referenced while comfortably younger.
-        too_old = time.monotonic() - stored_at > self.config.gc_orphan_min_age_s / 2
-        if too_old or rollup.seqno in new.rollups or rollup.seqno > new.seqno:
-            self._clear_ready(ready)
-            return new
-        return replace(new, rollups={**new.rollups, rollup.seqno: rollup})
-
-    def _clear_ready(self, ready: tuple[Rollup, float]) -> None:
-        with self._maintenance_lock:
-            if self._ready_rollup is ready:
-                self._ready_rollup = None
+    # --- maintenance (see RollupMaintenance) -----------------------------------------------
 
     def wait_for_maintenance(self, timeout_s: float | None = None) -> None:
         """Finish background maintenance started so far, recording its rollup now."""
-        with self._maintenance_lock:
-            pending = self._maintenance
-        if pending is not None:
-            pending.result(timeout=timeout_s)
-        with self._maintenance_lock:
-            ready = self._ready_rollup
-        if ready is not None:
-            self.apply(lambda s: transitions.add_rollup(s, ready[0], now_ms()))
-            self._clear_ready(ready)
+        self.maintenance.wait(timeout_s)
 
-    def _store_rollup(self, state: State) -> Rollup:
-        key = rollup_key(self.shard_id, state.seqno)
-        data = state_codec.encode_state(state)
-        self.blobs.main.set(key, data)
-        self.metrics.rollups_written += 1
-        return Rollup(state.seqno, key, len(data))
-
-    def write_rollup(self, state: State) -> None:
+    def write_rollup(self, state: State) -> bool:
         """Store the full ``state`` in blob and record it in the state, now."""
-        rollup = self._store_rollup(state)
-        self.apply(lambda s: transitions.add_rollup(s, rollup, now_ms()))
+        return self.maintenance.write_now(state)
 
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+class _RollupMissing(PersistError):
+    """The rollup the head names is gone (GC may have replaced it): re-read the head."""
 
 
-def _maintenance_pool() -> ThreadPoolExecutor:
-    """The threads that write rollups off the writers' path (shared by all machines)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="persist-maintenance")
-        return _POOL
-
-
-def _bump(new: State, base: State | None = None) -> State:
-    seqno = (base.seqno if base is not None else 0) + 1
-    return replace(new, seqno=seqno, walltime_ms=max(new.walltime_ms, now_ms()))
+def _require_settled(attempts: list[_Attempt[R]], shard_id: str) -> None:
+    """Refuse to give a negative answer while a lost-reply attempt may have committed."""
+    open_attempts = [a for a in attempts if a.resolution in ("pending", "unknown")]
+    if open_attempts:
+        seqnos = ", ".join(str(a.expected_seqno + 1) for a in open_attempts)
+        raise Indeterminate(f"shard {shard_id}: a commit whose reply was lost may or may not "
+                            f"have landed at seqno {seqnos}; read the shard to find out")

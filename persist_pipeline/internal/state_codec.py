@@ -350,6 +350,7 @@ def encode_summary(state: State) -> bytes:
     latest = state.latest_rollup()
     if latest is not None:
         msg.latest_rollup_seqno = latest.seqno
+        msg.latest_rollup_key = latest.key
     return msg.SerializeToString()
 
 

@@ -45,7 +45,7 @@ class MergeRes:
     output: Batch
 
 
-ApplyMergeOutcome = Literal["applied", "already_applied", "no_match"]
+ApplyMergeOutcome = Literal["applied", "already_applied", "no_match", "deadline_exceeded"]
 
 
 def _level_for(num_updates: int) -> int:

@@ -36,13 +36,20 @@ class UpperMismatchResult:
 
 
 @dataclass(frozen=True, slots=True)
+class DeadlineExceeded:
+    """The blobs this commit references were uploaded too long ago: GC may have swept them."""
+
+    deadline_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class InlineBudgetExceeded:
     """Inlining this batch would push the shard past ``max_bytes``: write it to blob."""
 
     current_inline_bytes: int
 
 
-AppendResult = Appended | UpperMismatchResult | InlineBudgetExceeded
+AppendResult = Appended | UpperMismatchResult | InlineBudgetExceeded | DeadlineExceeded
 
 
 def _with_since(state: State, **changes: object) -> State:
@@ -83,18 +90,22 @@ def compare_and_append(
     lease_ms: int,
     inline_max_bytes: int,
     fell_back: bool,
+    commit_deadline_ms: int | None = None,
 ) -> tuple[State, AppendResult]:
     """Append ``batch`` (None: no updates) iff the shard's upper is ``expected_upper``.
 
     The writer's idempotency token makes a retried commit a no-op: if this writer's most
     recent committed write carried ``token`` and reached ``new_upper``, the append is
     reported as already committed. ``fell_back`` counts an inline candidate that went to
-    blob because the budget was full.
+    blob because the budget was full. Idempotency is checked before ``commit_deadline_ms``:
+    a write that committed is reported as such however late the retry.
     """
     writer = state.writers.get(writer_id)
     if (writer is not None and writer.most_recent_write_token == token
             and writer.most_recent_write_upper == new_upper):
         return state, Appended(already_committed=True)
+    if commit_deadline_ms is not None and now_ms > commit_deadline_ms:
+        return state, DeadlineExceeded(commit_deadline_ms)
     if state.upper != expected_upper:
         return state, UpperMismatchResult(state.upper)
     inline = batch.inline_bytes if batch is not None else 0
@@ -117,14 +128,30 @@ def compare_and_append(
     return replace(state, **changes), Appended()  # type: ignore[arg-type]
 
 
-def apply_merge(state: State, res: MergeRes, now_ms: int) -> tuple[State, ApplyMergeOutcome]:
-    """Replace a merge result's inputs with its output (see :func:`trace.apply_merge_res`)."""
+def apply_merge(state: State, res: MergeRes, now_ms: int,
+                commit_deadline_ms: int | None = None) -> tuple[State, ApplyMergeOutcome]:
+    """Replace a merge result's inputs with its output (see :func:`trace.apply_merge_res`).
+
+    Returns ``"deadline_exceeded"`` (nothing changed) when the result's outputs were
+    uploaded too long ago to be committed safely; an already applied result is still
+    recognised as such.
+
+    Raises:
+        InvalidInput: the result cannot come from a correct merge of its inputs (inline
+            output, more updates than its inputs, a since behind its inputs' since).
+    """
     if res.output.num_inline_parts:
         raise InvalidInput("compaction output must never be inlined")
+    if res.output.id in state.batches:
+        return state, "already_applied"
+    inputs = [state.batches[i] for i in res.input_ids if i in state.batches]
+    if len(inputs) == len(res.input_ids):
+        _check_merge_result(res, inputs)
+    if commit_deadline_ms is not None and now_ms > commit_deadline_ms:
+        return state, "deadline_exceeded"
     batches = dict(state.batches)
     spine = dict(state.spine)
-    removed_inline = sum(state.batches[i].inline_bytes for i in res.input_ids
-                         if i in state.batches)
+    removed_inline = sum(b.inline_bytes for b in inputs)
     outcome = apply_merge_res(batches, spine, state.ordered_batches, res)
     if outcome != "applied":
         return state, outcome
@@ -133,6 +160,18 @@ def apply_merge(state: State, res: MergeRes, now_ms: int) -> tuple[State, ApplyM
         return state, "no_match"
     return replace(state, batches=batches, spine=spine, walltime_ms=now_ms,
                    inline_bytes=state.inline_bytes - removed_inline), "applied"
+
+
+def _check_merge_result(res: MergeRes, inputs: list[Batch]) -> None:
+    """Refuse results no correct merge of these inputs produces (as Materialize does)."""
+    updates_in = sum(b.num_updates for b in inputs)
+    if res.output.num_updates > updates_in:
+        raise InvalidInput(f"merge result {res.output.id} has {res.output.num_updates} updates, "
+                           f"more than its inputs' {updates_in}")
+    input_since = max(b.desc.since for b in inputs)
+    if res.output.desc.since < input_since:
+        raise InvalidInput(f"merge result {res.output.id} has since {res.output.desc.since}, "
+                           f"behind its inputs' since {input_since}")
 
 
 def register_leased_reader(
@@ -254,8 +293,16 @@ def expire_critical_reader(state: State, reader_id: str, now_ms: int) -> tuple[S
     return _with_since(state, critical_readers=readers, walltime_ms=now_ms), True
 
 
-def add_rollup(state: State, rollup: Rollup, now_ms: int) -> tuple[State, bool]:
-    if rollup.seqno in state.rollups:
+def add_rollup(state: State, rollup: Rollup, now_ms: int,
+               commit_deadline_ms: int | None = None) -> tuple[State, bool]:
+    """Record a stored rollup; False (nothing changed) if it is not newer than the latest
+    rollup, or was stored too long ago to be referenced safely."""
+    latest = state.latest_rollup()
+    if latest is not None and latest.seqno >= rollup.seqno:
+        return state, False
+    if rollup.seqno > state.seqno:
+        return state, False
+    if commit_deadline_ms is not None and now_ms > commit_deadline_ms:
         return state, False
     rollups = dict(state.rollups)
     rollups[rollup.seqno] = rollup

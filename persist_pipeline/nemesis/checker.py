@@ -21,7 +21,6 @@ from persist_pipeline.client import PersistClient
 from persist_pipeline.exceptions import CorruptData, PersistError
 from persist_pipeline.frontier import less_equal
 from persist_pipeline.internal import state_codec
-from persist_pipeline.internal.machine import rollup_key
 from persist_pipeline.internal.state import State
 
 
@@ -54,7 +53,8 @@ def _history(client: PersistClient, shard: str, result: CheckResult) -> list[Sta
         if first == 1:
             state = State(shard_id=shard)
         else:
-            data = client.blobs.main.get(rollup_key(shard, first))
+            rollup = client.machine(shard).fetch_latest().rollups.get(first)
+            data = client.blobs.main.get(rollup.key) if rollup is not None else None
             if data is None:
                 result.violations.append(f"no rollup at the earliest record, seqno {first}")
                 return []

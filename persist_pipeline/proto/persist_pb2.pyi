@@ -225,7 +225,7 @@ class StateDiff(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., shard_id: _Optional[str] = ..., seqno: _Optional[int] = ..., scalars: _Optional[_Union[Scalars, _Mapping]] = ..., batch_upserts: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ..., batch_deletes: _Optional[_Iterable[str]] = ..., spine_upserts: _Optional[_Iterable[_Union[SpineEntry, _Mapping]]] = ..., spine_deletes: _Optional[_Iterable[int]] = ..., reader_upserts: _Optional[_Iterable[_Union[LeasedReader, _Mapping]]] = ..., reader_deletes: _Optional[_Iterable[str]] = ..., critical_upserts: _Optional[_Iterable[_Union[CriticalReader, _Mapping]]] = ..., critical_deletes: _Optional[_Iterable[str]] = ..., writer_upserts: _Optional[_Iterable[_Union[Writer, _Mapping]]] = ..., writer_deletes: _Optional[_Iterable[str]] = ..., rollup_upserts: _Optional[_Iterable[_Union[Rollup, _Mapping]]] = ..., rollup_deletes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShardSummary(_message.Message):
-    __slots__ = ("upper", "since", "inline_bytes", "num_batches", "num_inline_parts", "pending_merges", "walltime_ms", "latest_rollup_seqno", "inline_fallbacks")
+    __slots__ = ("upper", "since", "inline_bytes", "num_batches", "num_inline_parts", "pending_merges", "walltime_ms", "latest_rollup_seqno", "inline_fallbacks", "latest_rollup_key")
     UPPER_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
     INLINE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class ShardSummary(_message.Message):
     WALLTIME_MS_FIELD_NUMBER: _ClassVar[int]
     LATEST_ROLLUP_SEQNO_FIELD_NUMBER: _ClassVar[int]
     INLINE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_ROLLUP_KEY_FIELD_NUMBER: _ClassVar[int]
     upper: Frontier
     since: Frontier
     inline_bytes: int
@@ -244,4 +245,5 @@ class ShardSummary(_message.Message):
     walltime_ms: int
     latest_rollup_seqno: int
     inline_fallbacks: int
-    def __init__(self, upper: _Optional[_Union[Frontier, _Mapping]] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., inline_bytes: _Optional[int] = ..., num_batches: _Optional[int] = ..., num_inline_parts: _Optional[int] = ..., pending_merges: _Optional[int] = ..., walltime_ms: _Optional[int] = ..., latest_rollup_seqno: _Optional[int] = ..., inline_fallbacks: _Optional[int] = ...) -> None: ...
+    latest_rollup_key: str
+    def __init__(self, upper: _Optional[_Union[Frontier, _Mapping]] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., inline_bytes: _Optional[int] = ..., num_batches: _Optional[int] = ..., num_inline_parts: _Optional[int] = ..., pending_merges: _Optional[int] = ..., walltime_ms: _Optional[int] = ..., latest_rollup_seqno: _Optional[int] = ..., inline_fallbacks: _Optional[int] = ..., latest_rollup_key: _Optional[str] = ...) -> None: ...
