@@ -90,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'auto' (restart a local PostgreSQL cluster once), 'never', or a "
                         "command that restarts the consensus database")
     s.add_argument("--workdir", help="where ack logs go (default: a temporary folder)")
+    s = sub.add_parser("simulate", help="deterministic simulation: the library's real code "
+                       "under a seeded scheduler, clock and in-memory stores, with lost "
+                       "replies, pauses and crashes, checked after every step")
+    s.add_argument("--seeds", type=int, default=100, help="how many seeds to run")
+    s.add_argument("--seed", type=int, default=0,
+                   help="the first seed (with --seeds 1: reproduce that seed)")
+    s.add_argument("--steps", type=int, default=2000, help="scheduler steps per seed")
+    s.add_argument("--control", help="run with a negative control (a fix reverted), "
+                                     "to see the simulation catch it")
+    s.add_argument("--keep-going", action="store_true",
+                   help="run every seed even after a violation")
     return p
 
 
@@ -115,6 +126,8 @@ def _write_table(table: pa.Table, out: Path | None) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.command == "nemesis":
         return _nemesis(args)
+    if args.command == "simulate":
+        return _simulate(args)
     if args.command == "new-shard":
         from persist_pipeline.ids import ShardId
 
@@ -143,6 +156,41 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "gc":
             _print_json(client.gc(args.shard))
     return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import contextlib
+    import logging
+
+    from persist_pipeline.sim import runner
+    from persist_pipeline.sim.controls import CONTROLS
+
+    if args.seeds < 1 or args.steps < 1 or args.seed < 0:
+        raise InvalidInput("simulate needs --seeds >= 1, --steps >= 1 and --seed >= 0")
+    if args.control is not None and args.control not in CONTROLS:
+        raise InvalidInput(f"unknown --control {args.control!r}; one of: "
+                           f"{', '.join(sorted(CONTROLS))}")
+    # Simulated faults make the library log warnings by the thousand: keep stderr quiet.
+    logging.getLogger("persist_pipeline").setLevel(logging.CRITICAL)
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    every = max(1, args.seeds // 20)
+
+    def progress(report: runner.SimReport) -> None:
+        if args.seeds > 1 and (report.seeds % every == 0 or report.failures):
+            print(f"  {report.seeds}/{args.seeds} seeds, {report.ops_per_s:.0f} ops/s, "
+                  f"{len(report.failures)} failing", file=sys.stderr, flush=True)
+
+    control = CONTROLS[args.control]() if args.control else contextlib.nullcontext()
+    with control:
+        report = runner.run_seeds(seeds, args.steps, stop_at_first=not args.keep_going,
+                                  progress=progress)
+    print(report.line())
+    for failure in report.failures:
+        for line in runner.describe(failure):
+            print(line)
+        print(f"reproduce with: persist-pipeline simulate --seeds 1 --seed {failure.seed} "
+              f"--steps {args.steps}" + (f" --control {args.control}" if args.control else ""))
+    return 1 if report.failures else 0
 
 
 def _nemesis(args: argparse.Namespace) -> int:

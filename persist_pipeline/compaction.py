@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 
 from persist_pipeline.blob.base import Blob
-from persist_pipeline.exceptions import InvalidInput, PersistError
+from persist_pipeline.exceptions import CorruptPart, InvalidInput, PersistError
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import ShardBlobs, write_parts
@@ -110,6 +110,7 @@ class CompactionMetrics:
     inline_parts_in: int = 0
     inline_bytes_before: int = 0
     inline_bytes_after: int = 0
+    obsolete: int = 0
     duration_s: float = 0.0
     outcomes: list[str] = field(default_factory=list)
 
@@ -131,6 +132,17 @@ class CompactionMetrics:
         out = {k: v for k, v in self.__dict__.items() if k != "outcomes"}
         out["rows_per_s"] = (self.updates_in / self.duration_s) if self.duration_s else 0.0
         return out
+
+
+def inputs_replaced(machine: Machine, req: MergeReq) -> bool:
+    """Whether another compactor replaced some of ``req``'s inputs since it was planned.
+
+    A merge holds no lease on its inputs: once they are replaced, GC may delete their
+    parts, and the merge is simply obsolete. Only a part missing while its batch is still
+    in the latest state is corruption. (Asked of consensus, never of a cached state.)
+    """
+    batches = machine.fetch_latest().batches
+    return any(i not in batches for i in req.input_ids)
 
 
 def compact_shard(
@@ -155,8 +167,13 @@ def compact_shard(
 
     def local(requests: list[MergeReq]) -> Iterable[MergeRes]:
         for req in requests:
-            yield run_merge(req, machine.shard_id, blobs.main, blobs.wal,
-                            cfg.blob_target_size_bytes)
+            try:
+                yield run_merge(req, machine.shard_id, blobs.main, blobs.wal,
+                                cfg.blob_target_size_bytes)
+            except CorruptPart:
+                if not inputs_replaced(machine, req):
+                    raise
+                metrics.obsolete += 1
 
     by_inputs = {r.input_ids: r for r in reqs}
     for res in (executor or local)(reqs):

@@ -308,11 +308,7 @@ class Listen:
         hi = state.upper
         batches = [b for b in state.ordered_batches
                    if less_than(lo, b.desc.upper) and less_than(b.desc.lower, hi)]
-        for b in batches:
-            if b.desc.lower < lo <= b.desc.since:
-                # Its updates below the frontier were advanced into times still to emit.
-                raise SinceViolation(f"shard {state.shard_id}: batch {b.id} was compacted to "
-                                     f"since {b.desc.since}, past this listen's frontier {lo}")
+        self._check_batches(batches, lo, state)
         events = []
         table = self._reader.fetch(batches, state)
         mask = pc.greater_equal(table.column("t"), lo)
@@ -327,6 +323,14 @@ class Listen:
             self.close()
         self._reader._listen_moved()
         return events
+
+    @staticmethod
+    def _check_batches(batches: list[Batch], lo: int, state: State) -> None:
+        for b in batches:
+            if b.desc.lower < lo <= b.desc.since:
+                # Its updates below the frontier were advanced into times still to emit.
+                raise SinceViolation(f"shard {state.shard_id}: batch {b.id} was compacted to "
+                                     f"since {b.desc.since}, past this listen's frontier {lo}")
 
     def __iter__(self) -> Iterator[ListenEvent]:
         while not self._done:

@@ -23,7 +23,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +34,7 @@ from persist_pipeline.compaction import (
     MergeReq,
     MergeRes,
     apply_merge_result,
+    inputs_replaced,
     merge_requests,
 )
 from persist_pipeline.compaction import run_merge as _run_merge
@@ -51,6 +52,7 @@ __all__ = [
     "LOOPBACK",
     "SparkCompactionFailed",
     "compact_shards",
+    "drive_compaction",
     "is_local_master",
     "local_spark_session",
     "prepare_spark_environment",
@@ -244,11 +246,45 @@ def compact_shards(
         InvalidConfig: a blob URI is ``mem://`` (unreachable from executors).
         SparkCompactionFailed: some tasks failed; the others' results were committed.
     """
-    started = time.monotonic()
-    started_ms = client.clock.now_ms()  # before any output exists: their commit deadline
     _check_uri(blob_uri, "blob URI")
     if wal_blob_uri:
         _check_uri(wal_blob_uri, "WAL blob URI")
+
+    def on_spark(tasks: list[_Task]) -> tuple[list[_TaskResult], str]:
+        sc = spark.sparkContext
+        slices = num_slices or min(len(tasks), max(1, 2 * sc.defaultParallelism))
+        group = f"persist-compaction-{uuid.uuid4().hex[:12]}"
+        sc.setJobGroup(group, f"persist compaction: {len(tasks)} merge(s) over "
+                              f"{len({t.shard_id for t in tasks})} shard(s)")
+        try:
+            results = sc.parallelize(tasks, numSlices=slices).map(_run_task).collect()
+        finally:
+            sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
+        log.info("compaction job %s: %d task(s) in %d slice(s)", group, len(tasks), slices)
+        return results, group
+
+    return drive_compaction(on_spark, client, shards, blob_uri=blob_uri,
+                            wal_blob_uri=wal_blob_uri)
+
+
+TaskRunner = Callable[[list[_Task]], tuple[list[_TaskResult], str]]
+
+
+def drive_compaction(
+    run_tasks: TaskRunner,
+    client: PersistClient,
+    shards: Iterable[ShardId | str],
+    *,
+    blob_uri: str,
+    wal_blob_uri: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The driver's side of :func:`compact_shards`, for any way of running the tasks.
+
+    Plans one task per pending merge request, hands them all to ``run_tasks`` (which
+    returns their results and a job label), and commits each result from here.
+    """
+    started = time.monotonic()
+    started_ms = client.clock.now_ms()  # before any output exists: their commit deadline
     target = client.config.blob_target_size_bytes
     metrics: dict[str, CompactionMetrics] = {}
     extra: dict[str, dict[str, Any]] = {}
@@ -274,22 +310,17 @@ def compact_shards(
     results: list[_TaskResult] = []
     group = ""
     if tasks:
-        sc = spark.sparkContext
-        slices = num_slices or min(len(tasks), max(1, 2 * sc.defaultParallelism))
-        group = f"persist-compaction-{uuid.uuid4().hex[:12]}"
-        sc.setJobGroup(group, f"persist compaction: {len(tasks)} merge(s) over "
-                              f"{sum(1 for e in extra.values() if e['spark_tasks'])} shard(s)")
-        try:
-            results = sc.parallelize(tasks, numSlices=slices).map(_run_task).collect()
-        finally:
-            sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
-        log.info("compaction job %s: %d task(s) in %d slice(s)", group, len(tasks), slices)
+        results, group = run_tasks(tasks)
 
     failures: dict[str, list[str]] = {}
     for result in sorted(results, key=lambda r: r.index):
         task = tasks[result.index]
         extra[task.shard_id]["task_s"] += result.duration_s
         if result.res is None:
+            if (result.error or "").startswith("CorruptPart") and \
+                    inputs_replaced(client.machine(task.shard_id), task.req):
+                metrics[task.shard_id].obsolete += 1
+                continue
             failures.setdefault(task.shard_id, []).append(result.error or "unknown error")
             continue
         try:

@@ -83,6 +83,10 @@ class _Attempt(Generic[R]):
 class Machine:
     """A shard's cached state plus the CaS loop that changes it."""
 
+    #: Re-run a transition against fresh state before returning a negative answer. Only
+    #: the simulation's negative controls turn this off, to show what it prevents.
+    confirm_negative_answers = True
+
     def __init__(self, shard_id: str, consensus: Consensus, blobs: ShardBlobs,
                  config: PersistConfig, metrics: MachineMetrics | None = None,
                  clock: Clock = SYSTEM_CLOCK) -> None:
@@ -225,7 +229,7 @@ class Machine:
             backoff = self._backoff()
             attempts: list[_Attempt[R]] = []
             state = self.state
-            confirmed = False
+            confirmed = not self.confirm_negative_answers
             while True:
                 try:
                     new, result = transition(state)

@@ -1,0 +1,390 @@
+"""The simulated clients: each a process of one or more threads running the library's
+real handles, compaction (in process and the Spark executor's task function) and GC.
+
+Every call's outcome is checked: acknowledged writes and failures go into the model, and
+every negative answer (an upper mismatch, fenced out, an expired lease, a missed
+deadline) is checked against what consensus actually held during the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from persist_pipeline import spark as spark_driver
+from persist_pipeline.exceptions import (
+    CommitDeadlineExceeded,
+    FencedOut,
+    Indeterminate,
+    InvalidFrontier,
+    LeaseExpired,
+    PersistError,
+    SinceViolation,
+    UpperMismatch,
+)
+from persist_pipeline.frontier import Frontier, less_than
+from persist_pipeline.sim.scheduler import Process
+
+if TYPE_CHECKING:
+    from persist_pipeline.client import PersistClient
+    from persist_pipeline.read import ReadHandle
+    from persist_pipeline.sim.runner import SimRun
+
+#: How often the simulated heartbeat threads renew leases (the library's own heartbeat
+#: threads are off: they would run on OS threads, outside the scheduler).
+HEARTBEAT_INTERVAL_S = 1.5
+
+
+@dataclass
+class Holder:
+    """What the threads of one simulated process share."""
+
+    value: Any = None
+    since: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _upper_at_least(current: Frontier, floor: Frontier) -> bool:
+    return not less_than(current, floor)
+
+
+def _unexpected(run: SimRun, what: str, e: BaseException) -> None:
+    run.violation(f"{what}: unexpected {type(e).__name__}: {e}")
+
+
+# --- writers --------------------------------------------------------------------------------
+
+
+def writer(run: SimRun, proc: Process) -> None:
+    client = run.client()
+    handle = run.retry_open(lambda: client.open_writer(run.shard))
+    if handle is None:
+        return
+    run.spawn(f"{proc.name}/heartbeat", proc, lambda: heartbeat(run, handle._beat))
+    n = 0
+    while not run.stopping:
+        run.think()
+        rng = run.rng
+        roll = rng.random()
+        if roll < 0.2:
+            expected = run.monitor.upper  # learned from another client: a side channel
+        elif roll < 0.3:
+            try:
+                expected = handle.fetch_recent_upper()
+            except Indeterminate:
+                continue
+        else:
+            expected = handle.upper
+        if expected is None:
+            return
+        new_upper = expected + rng.randint(1, 3)
+        n += 1
+        wid = f"{proc.name}.{n}"
+        size = rng.choice([0, 1, 1, 3, 12])
+        width = rng.choice([4, 40, 700])
+        rows = [(f"w/{wid}/{i}".encode(), bytes([97 + i % 26]) * width, expected,
+                 rng.choice([1, 2, -1])) for i in range(size)]
+        write = None
+        if rows:
+            rows.append((b"ctr", b"x", expected, 1))
+            write = run.model.new_write(wid, expected, rows)
+        floor = run.monitor.upper
+        started_ms = run.clock.now_ms()
+        try:
+            handle.compare_and_append(rows, expected, new_upper)
+            status = "acked"
+        except UpperMismatch as e:
+            status = "failed"
+            if not _upper_at_least(e.current, floor) or e.current == expected:
+                run.violation(f"false UpperMismatch: told the upper is {e.current} (expected "
+                              f"{expected}) when consensus already had {floor}")
+        except CommitDeadlineExceeded:
+            status = "failed"
+            deadline = started_ms + run.config.gc_orphan_min_age_s * 500
+            if run.clock.now_ms() <= deadline:
+                run.violation("CommitDeadlineExceeded before the deadline passed")
+        except Indeterminate:
+            status = "unknown"
+        except PersistError as e:
+            status = "unknown"
+            _unexpected(run, "compare_and_append", e)
+        run.ops += 1
+        if write is not None:
+            run.model.settle(write, status)
+
+
+def appender(run: SimRun, proc: Process) -> None:
+    """Writes definite data with ``append``: racing appenders write each time once."""
+    client = run.client()
+    handle = run.retry_open(lambda: client.open_writer(run.shard))
+    if handle is None:
+        return
+    run.spawn(f"{proc.name}/heartbeat", proc, lambda: heartbeat(run, handle._beat))
+    while not run.stopping:
+        run.think()
+        lo = run.monitor.upper if run.rng.random() < 0.5 else handle.upper
+        if lo is None:
+            return
+        hi = lo + run.rng.randint(1, 3)
+        rows = [(f"def/{t}".encode(), b"d", t, 1) for t in range(lo, hi)]
+        run.model.def_attempted.update(range(lo, hi))
+        floor = run.monitor.upper
+        try:
+            res = handle.append(rows, lo, hi)
+            if res.placement != "none":
+                run.model.def_acked.add(hi - 1)
+        except UpperMismatch as e:
+            if not _upper_at_least(e.current, floor):
+                run.violation(f"false UpperMismatch from append: told {e.current}, consensus "
+                              f"already had {floor} (a gap that is not there)")
+        except (Indeterminate, CommitDeadlineExceeded):
+            pass
+        except PersistError as e:
+            _unexpected(run, "append", e)
+        run.ops += 1
+
+
+def heartbeat(run: SimRun, beat: Callable[[], None]) -> None:
+    while not run.stopping:
+        run.clock.sleep(HEARTBEAT_INTERVAL_S)
+        try:
+            beat()
+        except LeaseExpired:
+            return
+        except Indeterminate:
+            pass
+        except PersistError as e:
+            _unexpected(run, "heartbeat", e)
+        run.ops += 1
+
+
+# --- readers --------------------------------------------------------------------------------
+
+
+def _open_reader(run: SimRun, client: PersistClient, holder: Holder) -> ReadHandle | None:
+    reader = run.retry_open(lambda: client.open_reader(run.shard))
+    holder.value = reader
+    holder.since = 0 if reader is None else int(reader.since or 0)
+    return reader
+
+
+def _reader_heartbeat(run: SimRun, holder: Holder) -> None:
+    while not run.stopping:
+        run.clock.sleep(HEARTBEAT_INTERVAL_S)
+        reader = holder.value
+        if reader is None:
+            continue
+        try:
+            reader.heartbeat()
+        except (LeaseExpired, Indeterminate):
+            pass
+        except PersistError as e:
+            _unexpected(run, "reader heartbeat", e)
+        run.ops += 1
+
+
+def _check_expired(run: SimRun, reader_id: str, what: str) -> None:
+    if reader_id in run.monitor.head.leased_readers:
+        run.violation(f"{what}: LeaseExpired for reader {reader_id}, which consensus still has")
+
+
+def reader(run: SimRun, proc: Process) -> None:
+    """Two snapshot threads and a heartbeat thread sharing one leased reader."""
+    client = run.client()
+    holder = Holder()
+    if _open_reader(run, client, holder) is None:
+        return
+    run.spawn(f"{proc.name}/heartbeat", proc, lambda: _reader_heartbeat(run, holder))
+    run.spawn(f"{proc.name}/snapshots-2", proc, lambda: _snapshots(run, client, holder))
+    _snapshots(run, client, holder)
+
+
+def _snapshots(run: SimRun, client: PersistClient, holder: Holder) -> None:
+    while not run.stopping:
+        run.think()
+        reader = holder.value
+        if reader is None:
+            return
+        upper = run.monitor.upper
+        if upper is None or upper == 0:
+            continue
+        lo = holder.since
+        try:
+            if run.rng.random() < 0.25 and lo < upper - 1:
+                target = run.rng.randint(lo, upper - 1)
+                holder.since = max(holder.since, target)  # even if the reply is lost
+                reader.downgrade_since(target)
+            elif lo <= upper - 1:
+                as_of = run.rng.randint(lo, upper - 1)
+                table = reader.snapshot(as_of)
+                run.model.check(as_of, _rows(table), f"snapshot at {as_of}")
+        except LeaseExpired:
+            _check_expired(run, reader.reader_id, "snapshot")
+            if holder.value is reader:
+                _open_reader(run, client, holder)
+        except SinceViolation:
+            if holder.since <= lo:
+                run.violation("SinceViolation for an as_of at or above the reader's since")
+        except (Indeterminate, InvalidFrontier):
+            pass
+        except PersistError as e:
+            _unexpected(run, "snapshot", e)
+        run.ops += 1
+
+
+def _rows(table: Any) -> list[tuple[bytes, bytes, int, int]]:
+    d = table.to_pydict()
+    return list(zip(d["k"], d["v"], d["t"], d["d"], strict=True))
+
+
+def listener(run: SimRun, proc: Process) -> None:
+    """A snapshot followed by a listen, checked at every progress frontier; it also
+    releases since past its own frontier now and then."""
+    client = run.client()
+    holder = Holder()
+    reader = _open_reader(run, client, holder)
+    if reader is None:
+        return
+    run.spawn(f"{proc.name}/heartbeat", proc, lambda: _reader_heartbeat(run, holder))
+    while not run.stopping and (run.monitor.upper or 0) == 0:
+        run.think()
+    upper = run.monitor.upper
+    if upper is None or run.stopping:
+        return
+    as_of = run.rng.randint(min(holder.since, upper - 1), upper - 1)
+    try:
+        acc: dict[tuple[bytes, bytes], int] = {}
+        for k, v, _t, d in _rows(reader.snapshot(as_of)):
+            acc[(k, v)] = acc.get((k, v), 0) + d
+        run.model.check(as_of, _acc_rows(acc, as_of), f"listen's snapshot at {as_of}")
+        listen = reader.listen(as_of)
+    except (LeaseExpired, Indeterminate):
+        return
+    except PersistError as e:
+        _unexpected(run, "listen setup", e)
+        return
+    while not run.stopping:
+        run.think()
+        try:
+            if run.rng.random() < 0.15 and run.monitor.upper:
+                target = max(holder.since, run.rng.randint(0, max(0, run.monitor.upper - 1)))
+                holder.since = target
+                reader.downgrade_since(target)
+            for event in listen.poll(0.0):
+                if event.kind == "updates" and event.updates is not None:
+                    for k, v, _t, d in _rows(event.updates):
+                        acc[(k, v)] = acc.get((k, v), 0) + d
+                elif event.upper is not None:
+                    at = event.upper - 1
+                    run.model.check(at, _acc_rows(acc, at), f"listen at frontier {event.upper}")
+        except LeaseExpired:
+            _check_expired(run, reader.reader_id, "listen")
+            return
+        except (Indeterminate, InvalidFrontier):
+            pass
+        except PersistError as e:
+            _unexpected(run, "listen", e)
+            return
+        run.ops += 1
+
+
+def _acc_rows(acc: dict[tuple[bytes, bytes], int], at: int) -> list[tuple[bytes, bytes, int, int]]:
+    return [(k, v, at, d) for (k, v), d in acc.items() if d]
+
+
+def controller(run: SimRun, proc: Process) -> None:
+    """One of two controllers sharing a critical reader, fencing each other by token."""
+    client = run.client()
+    handle = run.retry_open(lambda: client.open_critical_reader(run.shard, run.critical_id))
+    if handle is None:
+        return
+    expected = handle.opaque
+    n = 0
+    while not run.stopping:
+        run.think()
+        n += 1
+        token = f"{proc.name}.{n}".encode()
+        current = run.monitor.head.critical_readers.get(run.critical_id)
+        held = 0 if current is None or current.since is None else current.since
+        upper = run.monitor.upper or 0
+        since = min(max(held, upper - 1), held + run.rng.randint(0, 2)) if upper else held
+        try:
+            handle.compare_and_downgrade_since(expected, token, since)
+            expected = token
+        except FencedOut as e:
+            if e.current == token:
+                run.violation(f"FencedOut by its own write: {proc.name} set {token!r}, the "
+                              f"reply was lost, and the retry called it fenced")
+            if e.current == expected:
+                run.violation("FencedOut with the expected token")
+            expected = e.current
+        except Indeterminate:
+            now = run.monitor.head.critical_readers.get(run.critical_id)
+            expected = now.opaque if now is not None else expected
+        except InvalidFrontier:
+            pass
+        except PersistError as e:
+            _unexpected(run, "compare_and_downgrade_since", e)
+        run.ops += 1
+
+
+# --- maintenance ----------------------------------------------------------------------------
+
+
+def compactor(run: SimRun, proc: Process) -> None:
+    client = run.client()
+    while not run.stopping:
+        run.think(scale=4.0)
+        try:
+            client.compact(run.shard)
+        except Indeterminate:
+            pass
+        except PersistError as e:
+            _unexpected(run, "compact", e)
+        run.ops += 1
+
+
+def spark_compactor(run: SimRun, proc: Process) -> None:
+    """The Spark driver's code, with the executor's task function run in this process."""
+    client = run.client()
+
+    def run_tasks(tasks: list[Any]) -> tuple[list[Any], str]:
+        return [spark_driver._run_task(t) for t in tasks], "sim"
+
+    while not run.stopping:
+        run.think(scale=4.0)
+        try:
+            spark_driver.drive_compaction(run_tasks, client, [run.shard],
+                                          blob_uri=run.spark_blob_uri,
+                                          wal_blob_uri=run.spark_wal_uri)
+        except (Indeterminate, spark_driver.SparkCompactionFailed):
+            pass
+        except PersistError as e:
+            _unexpected(run, "spark compaction", e)
+        run.ops += 1
+
+
+def collector(run: SimRun, proc: Process) -> None:
+    client = run.client()
+    while not run.stopping:
+        run.think(scale=4.0)
+        try:
+            client.gc(run.shard)
+        except Indeterminate:
+            pass
+        except PersistError as e:
+            _unexpected(run, "gc", e)
+        run.ops += 1
+
+
+ROLES: dict[str, Callable[[SimRun, Process], None]] = {
+    "writer": writer,
+    "appender": appender,
+    "reader": reader,
+    "listener": listener,
+    "controller": controller,
+    "compactor": compactor,
+    "spark_compactor": spark_compactor,
+    "gc": collector,
+}

@@ -1,0 +1,287 @@
+"""Run the deterministic simulation: one seed, or many, and report one line."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from persist_pipeline import retry
+from persist_pipeline import spark as spark_driver
+from persist_pipeline.client import PersistClient
+from persist_pipeline.config import InlinePolicy, PersistConfig
+from persist_pipeline.exceptions import Indeterminate, PersistError
+from persist_pipeline.ids import ShardId, new_critical_reader_id, seeded_ids
+from persist_pipeline.internal.sync import lock_factory
+from persist_pipeline.sim import actors
+from persist_pipeline.sim.monitor import Model, Monitor
+from persist_pipeline.sim.scheduler import Nemesis, Process, Scheduler, SimClock, SimLock
+from persist_pipeline.sim.stores import SimBlob, SimConsensus
+
+T = TypeVar("T")
+
+#: The three inline settings every guarantee must hold under: on (with a small budget,
+#: so writes fall through to blob often), off, and permanent backpressure.
+INLINE_SETTINGS = (InlinePolicy(1024, 3000), InlinePolicy(0, 0), InlinePolicy(1024, 0))
+
+#: Simulated processes per role: each seed draws its cast from these ranges.
+CAST = {"writer": (1, 3), "appender": (0, 2), "reader": (1, 2), "listener": (0, 1),
+        "controller": (0, 2), "compactor": (0, 1), "spark_compactor": (0, 1), "gc": (1, 2)}
+
+#: Scheduler steps after the workload stops, for calls in flight to finish.
+DRAIN_STEPS = 20_000
+
+
+def sim_config(policy: InlinePolicy) -> PersistConfig:
+    """Short leases and deadlines, so pauses cross them often; no background threads."""
+    return PersistConfig(
+        inline_policy=policy, blob_target_size_bytes=16384, rollup_threshold=6,
+        reader_lease_duration_s=6.0, heartbeat_interval_s=0, gc_orphan_min_age_s=8.0,
+        blob_cache_bytes=1 << 16, retry_deadline_s=20.0, listen_poll_interval_s=0.2,
+        background_maintenance=False, read_fetch_threads=1)
+
+
+@dataclass
+class SeedResult:
+    seed: int
+    steps: int
+    ops: int
+    lost_replies: int
+    failed_calls: int
+    pauses: int
+    crashes: int
+    violations: list[str]
+
+
+class SimRun:
+    """One seed's world: the stores, the monitor, the model and the simulated clients."""
+
+    def __init__(self, seed: int, steps: int, nemesis: Nemesis | None = None) -> None:
+        self.seed = seed
+        self.steps = steps
+        self.rng = random.Random(seed)
+        self.scheduler = Scheduler(self.rng, nemesis or Nemesis())
+        self.clock = SimClock(self.scheduler)
+        self.violations: list[str] = []
+        self.policy = INLINE_SETTINGS[seed % len(INLINE_SETTINGS)]
+        self.config = sim_config(self.policy)
+        self.shard = ""
+        self.critical_id = ""
+        self.monitor = Monitor("", self.policy, self.violations)
+        self.model = Model(self.violations)
+        self.consensus = SimConsensus(self.scheduler, self.monitor)
+        self.main = SimBlob("main", self.scheduler, self.monitor)
+        self.wal = SimBlob("wal", self.scheduler, self.monitor) if seed % 2 else None
+        self.monitor.stores = {"main": self.main, **({"wal": self.wal} if self.wal else {})}
+        self.spark_blob_uri = f"sim://{seed}/main"
+        self.spark_wal_uri = f"sim://{seed}/wal" if self.wal else None
+        self.stopping = False
+        self.ops = 0
+        self._processes = 0
+
+    # --- for the actors ------------------------------------------------------------------
+
+    def violation(self, text: str) -> None:
+        self.violations.append(text)
+
+    def client(self) -> PersistClient:
+        return PersistClient(self.consensus, self.main, self.wal, self.config, self.clock)
+
+    def think(self, scale: float = 1.0) -> None:
+        self.clock.sleep(self.rng.expovariate(1.0 / (0.05 * scale)))
+
+    def spawn(self, name: str, process: Process, body: Callable[[], None]) -> None:
+        self.scheduler.spawn(name, process, body)
+
+    def retry_open(self, open_: Callable[[], T]) -> T | None:
+        """Open a handle, retrying while consensus is unavailable."""
+        while not self.stopping:
+            try:
+                return open_()
+            except Indeterminate:
+                self.think()
+            except PersistError as e:
+                self.violation(f"opening a handle: unexpected {type(e).__name__}: {e}")
+                return None
+        return None
+
+    def start(self, role: str, delay_s: float = 0.0) -> None:
+        self._processes += 1
+        proc = Process(f"{role}{self._processes}")
+        body = actors.ROLES[role]
+        self.scheduler.spawn(proc.name, proc, lambda: body(self, proc), delay_s)
+        self._roles[proc.name] = role
+
+    # --- the run -------------------------------------------------------------------------
+
+    def run(self) -> SeedResult:
+        self._roles: dict[str, str] = {}
+        with ExitStack() as stack:
+            stack.enter_context(seeded_ids(random.Random(self.seed)))
+            stack.enter_context(lock_factory(lambda reentrant: SimLock(self.scheduler,
+                                                                        reentrant)))
+            stack.enter_context(_seeded_jitter(self.seed))
+            stack.enter_context(_spark_blobs(self))
+            self._setup()
+            self._workload()
+            self._final_checks()
+        s = self.scheduler.stats
+        return SeedResult(self.seed, s.steps, self.ops, s.lost_replies, s.failed_calls,
+                          s.pauses, s.crashes, list(self.violations))
+
+    def _setup(self) -> None:
+        self.shard = str(ShardId.new())
+        self.monitor.shard = self.shard
+        self.critical_id = new_critical_reader_id()
+        setup = self.client()
+        setup.open_writer(self.shard).stop_heartbeats()
+
+    def _workload(self) -> None:
+        s = self.scheduler
+        crashed_roles: list[str] = []
+
+        def restart_crashed() -> None:
+            for task in list(s.tasks):
+                if task.process.crashed and task.process.name in self._roles:
+                    crashed_roles.append(self._roles.pop(task.process.name))
+            while crashed_roles:
+                self.start(crashed_roles.pop(), delay_s=self.rng.uniform(0.1, 2.0))
+
+        for role, (least, most) in CAST.items():
+            for _ in range(self.rng.randint(least, most)):
+                self.start(role, delay_s=self.rng.uniform(0, 0.5))
+        if not any(r in self._roles.values() for r in ("compactor", "spark_compactor")):
+            self.start("compactor")
+        done = 0
+        while done < self.steps:
+            ran = s.run(min(50, self.steps - done))
+            restart_crashed()
+            if ran == 0:
+                break
+            done += ran
+        self.stopping = True
+        s.run(DRAIN_STEPS)
+        s.kill_all()
+
+    def _final_checks(self) -> None:
+        """With every client gone and faults off: the data, then a final GC, then leaks."""
+        s = self.scheduler
+        s.faults_enabled = False
+        s.now += self.config.gc_orphan_min_age_s + self.config.reader_lease_duration_s + 1
+        client = self.client()
+        try:
+            client.gc(self.shard)
+            upper = client.machine(self.shard).fetch_latest().upper
+            if upper:
+                reader = client.open_reader(self.shard)
+                table = reader.snapshot(upper - 1)
+                self.model.check(upper - 1, actors._rows(table), "final snapshot")
+                reader.expire()
+            for w in self.model.writes.values():
+                if w.status == "pending":
+                    w.status = "unknown"
+            s.now += self.config.gc_orphan_min_age_s + 1
+            for _ in range(2):
+                client.gc(self.shard)
+        except PersistError as e:
+            self.violation(f"final check: unexpected {type(e).__name__}: {e}")
+            return
+        leaked = self.monitor.leaked()
+        if leaked:
+            self.violation(f"{len(leaked)} blobs leaked after the final GC, e.g. {leaked[0]}")
+
+
+@contextmanager
+def _seeded_jitter(seed: int) -> Iterator[None]:
+    state = retry.JITTER.getstate()
+    retry.JITTER.seed(seed)
+    try:
+        yield
+    finally:
+        retry.JITTER.setstate(state)
+
+
+@contextmanager
+def _spark_blobs(run: SimRun) -> Iterator[None]:
+    """Executors open blob stores by URI: point the sim URIs at the simulated stores."""
+    spark_driver._OPEN_BLOBS[run.spark_blob_uri] = run.main
+    if run.wal is not None and run.spark_wal_uri:
+        spark_driver._OPEN_BLOBS[run.spark_wal_uri] = run.wal
+    try:
+        yield
+    finally:
+        spark_driver._OPEN_BLOBS.pop(run.spark_blob_uri, None)
+        if run.spark_wal_uri:
+            spark_driver._OPEN_BLOBS.pop(run.spark_wal_uri, None)
+
+
+@dataclass
+class SimReport:
+    """The outcome of a batch of seeds."""
+
+    seeds: int = 0
+    steps: int = 0
+    ops: int = 0
+    lost_replies: int = 0
+    failed_calls: int = 0
+    pauses: int = 0
+    crashes: int = 0
+    seconds: float = 0.0
+    failures: list[SeedResult] = field(default_factory=list)
+
+    @property
+    def violations(self) -> int:
+        return sum(len(f.violations) for f in self.failures)
+
+    @property
+    def ops_per_s(self) -> float:
+        return self.ops / self.seconds if self.seconds else 0.0
+
+    def line(self) -> str:
+        return (f"seeds={self.seeds} steps={self.steps} ops={self.ops} "
+                f"lost_replies={self.lost_replies} failed_calls={self.failed_calls} "
+                f"pauses={self.pauses} crashes={self.crashes} violations={self.violations} "
+                f"ops_per_s={self.ops_per_s:.0f}")
+
+    def add(self, r: SeedResult) -> None:
+        self.seeds += 1
+        self.steps += r.steps
+        self.ops += r.ops
+        self.lost_replies += r.lost_replies
+        self.failed_calls += r.failed_calls
+        self.pauses += r.pauses
+        self.crashes += r.crashes
+        if r.violations:
+            self.failures.append(r)
+
+
+def run_seed(seed: int, steps: int = 600, nemesis: Nemesis | None = None) -> SeedResult:
+    """Run one seed; the same seed always runs the same way."""
+    return SimRun(seed, steps, nemesis).run()
+
+
+def run_seeds(seeds: list[int], steps: int = 600, *, stop_at_first: bool = False,
+              progress: Callable[[SimReport], None] | None = None) -> SimReport:
+    report = SimReport()
+    started = time.monotonic()
+    for seed in seeds:
+        report.add(run_seed(seed, steps))
+        report.seconds = time.monotonic() - started
+        if progress is not None:
+            progress(report)
+        if stop_at_first and report.failures:
+            break
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def describe(result: SeedResult, limit: int = 5) -> list[str]:
+    out = [f"seed {result.seed}: {len(result.violations)} violation(s)"]
+    out += [f"  {v}" for v in result.violations[:limit]]
+    return out
+
+
+__all__: list[Any] = ["SeedResult", "SimReport", "SimRun", "describe", "run_seed", "run_seeds"]

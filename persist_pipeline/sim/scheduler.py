@@ -1,0 +1,248 @@
+"""A seeded cooperative scheduler, a simulated clock and locks that yield to it.
+
+Every simulated thread is a greenlet on the one OS thread. A thread runs until it
+reaches a *yield point* (before and after every store call, on a contended lock, when it
+sleeps), and the scheduler then picks the next thread with its seeded generator. Time
+moves only when the scheduler moves it: a little per step, and straight to the next
+wake-up when every thread sleeps. So a run is a function of its seed, and a pause past a
+lease or a commit deadline happens exactly where the scheduler put it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from greenlet import greenlet
+
+#: The simulated wall clock starts here (2023-11-14), in seconds since the epoch.
+EPOCH_S = 1_700_000_000.0
+
+
+class SimCrash(BaseException):
+    """Unwinds a simulated thread whose process crashed. Never caught by the library."""
+
+
+@dataclass
+class Process:
+    """A simulated OS process: its threads die together, without running any cleanup."""
+
+    name: str
+    crashable: bool = True
+    crashed: bool = False
+
+
+@dataclass(eq=False)
+class Task:
+    """A simulated thread."""
+
+    name: str
+    process: Process
+    glet: greenlet
+    wake_at: float = 0.0
+    blocked_on: SimLock | None = None
+    done: bool = False
+
+
+@dataclass
+class Nemesis:
+    """How often the scheduler injects each fault, per yield point or per store call."""
+
+    fail_before: float = 0.03
+    fail_after: float = 0.03
+    pause: float = 0.004
+    #: Pauses are likelier right before a compare-and-set and right after its reply:
+    #: the moments where a lease, a deadline or a peer's commit changes the outcome.
+    pause_at_cas: float = 0.03
+    crash: float = 0.002
+    pause_choices_s: tuple[float, ...] = (0.5, 2.5, 5.0, 9.0, 20.0)
+
+
+@dataclass
+class Stats:
+    steps: int = 0
+    lost_replies: int = 0
+    failed_calls: int = 0
+    pauses: int = 0
+    crashes: int = 0
+    ops: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    """Runs simulated threads one at a time, in an order drawn from ``rng``."""
+
+    def __init__(self, rng: random.Random, nemesis: Nemesis, step_s: float = 0.002) -> None:
+        self.rng = rng
+        self.nemesis = nemesis
+        self.step_s = step_s
+        self.now = EPOCH_S
+        self.tasks: list[Task] = []
+        self.current: Task | None = None
+        self.stats = Stats()
+        self.faults_enabled = True
+        self._main = greenlet.getcurrent()
+
+    # --- threads -------------------------------------------------------------------------
+
+    def spawn(self, name: str, process: Process, body: Callable[[], None],
+              delay_s: float = 0.0) -> Task:
+        def run() -> None:
+            try:
+                body()
+            except SimCrash:
+                pass
+            finally:
+                task.done = True
+
+        task = Task(name, process, greenlet(run, parent=self._main), self.now + delay_s)
+        self.tasks.append(task)
+        return task
+
+    def _runnable(self) -> list[Task]:
+        return [t for t in self.tasks if not t.done and not t.process.crashed
+                and t.blocked_on is None and t.wake_at <= self.now]
+
+    def run(self, max_steps: int) -> int:
+        """Run until every thread finished or ``max_steps`` steps; returns steps taken."""
+        steps = 0
+        while steps < max_steps:
+            self.tasks = [t for t in self.tasks if not t.done and not t.process.crashed]
+            if not self.tasks:
+                break
+            runnable = self._runnable()
+            if not runnable:
+                waiting = [t.wake_at for t in self.tasks if t.blocked_on is None]
+                if not waiting:
+                    raise RuntimeError("simulated deadlock: every thread waits on a lock: "
+                                       + ", ".join(t.name for t in self.tasks))
+                self.now = max(self.now, min(waiting))
+                continue
+            task = runnable[self.rng.randrange(len(runnable))]
+            self.now += self.rng.expovariate(1.0 / self.step_s)
+            self.current = task
+            task.glet.switch()
+            self.current = None
+            steps += 1
+        self.stats.steps += steps
+        return steps
+
+    def kill_all(self) -> None:
+        """Crash every process still running and unwind its threads."""
+        for task in list(self.tasks):
+            task.process.crashed = True
+        for task in list(self.tasks):
+            if not task.done and task.glet:
+                self.current = task
+                task.glet.throw(SimCrash())
+                self.current = None
+        self.tasks = []
+
+    # --- inside a thread -----------------------------------------------------------------
+
+    def _switch_out(self) -> None:
+        task = self.current
+        assert task is not None
+        if task.process.crashed:  # unwinding a crashed thread never gives up control
+            raise SimCrash()
+        self._main.switch()
+        if task.process.crashed:
+            raise SimCrash()
+
+    def in_thread(self) -> bool:
+        return self.current is not None
+
+    def yield_point(self, at_cas: bool = False) -> None:
+        """Let another thread run; maybe pause this one, or crash its process."""
+        task = self.current
+        if task is None:
+            return
+        if greenlet.getcurrent() is not task.glet:
+            raise RuntimeError("a simulated store was called from outside the simulation's "
+                               "threads (an OS thread started by the code under test?)")
+        if task.process.crashed:
+            raise SimCrash()
+        if self.faults_enabled:
+            roll = self.rng.random()
+            if task.process.crashable and roll < self.nemesis.crash:
+                self.stats.crashes += 1
+                task.process.crashed = True
+                raise SimCrash()
+            pause = self.nemesis.pause_at_cas if at_cas else self.nemesis.pause
+            if roll < self.nemesis.crash + pause:
+                self.stats.pauses += 1
+                task.wake_at = self.now + self.rng.choice(self.nemesis.pause_choices_s)
+        self._switch_out()
+
+    def sleep(self, seconds: float) -> None:
+        task = self.current
+        if task is None:
+            self.now += max(0.0, seconds)
+            return
+        task.wake_at = self.now + max(0.0, seconds)
+        self._switch_out()
+
+    def roll(self, probability: float) -> bool:
+        """A fault draw (always False outside threads or with faults off)."""
+        if self.current is None or not self.faults_enabled:
+            return False
+        return self.rng.random() < probability
+
+    def count(self, name: str) -> None:
+        self.stats.counters[name] = self.stats.counters.get(name, 0) + 1
+
+
+class SimClock:
+    """The library's :class:`~persist_pipeline.internal.clock.Clock`, read from the
+    scheduler."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._s = scheduler
+
+    def now_ms(self) -> int:
+        return int(self._s.now * 1000)
+
+    def monotonic(self) -> float:
+        return self._s.now - EPOCH_S
+
+    def sleep(self, seconds: float) -> None:
+        self._s.sleep(seconds)
+
+
+class SimLock:
+    """A mutex for simulated threads: a contended acquire yields until it is released."""
+
+    def __init__(self, scheduler: Scheduler, reentrant: bool) -> None:
+        self._s = scheduler
+        self._reentrant = reentrant
+        self._owner: Task | None = None
+        self._depth = 0
+
+    def __enter__(self) -> bool:
+        me = self._s.current
+        if me is None:  # the driver, outside every simulated thread
+            return True
+        while self._owner is not None and self._owner is not me:
+            me.blocked_on = self
+            self._s._switch_out()
+        if self._owner is me and not self._reentrant:
+            raise RuntimeError(f"{me.name} acquired a non-reentrant lock twice")
+        self._owner = me
+        self._depth += 1
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        me = self._s.current
+        if me is None:
+            return
+        self._depth -= 1
+        if self._depth:
+            return
+        self._owner = None
+        waiters = [t for t in self._s.tasks if t.blocked_on is self]
+        for t in waiters:
+            t.blocked_on = None
+        if waiters and not me.process.crashed and exc[0] is None:
+            # A waiter may run right now, as an OS thread would.
+            self._s._switch_out()
