@@ -148,6 +148,11 @@ class Indeterminate(BackendError):
     """An operation could not be confirmed as applied or not after retries ran out."""
 
 
+class ResourceExhausted(PersistError, MemoryError):
+    """The process ran out of memory (or another local resource) handling data that is
+    itself fine: not corruption. Lower the batch or part size, or give it more memory."""
+
+
 class CommitDeadlineExceeded(PersistError):
     """A write's blob parts are too old to commit safely (GC may already consider them
     orphans); nothing was committed and the caller may retry the write."""

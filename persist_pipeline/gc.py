@@ -12,8 +12,14 @@ cut C, and:
 3. drops rollups below C from the state, then deletes their blobs;
 4. optionally sweeps orphans: blobs under the shard's prefix that no kept version
    references and that are older than ``gc_orphan_min_age_s`` (uploads whose commit
-   failed). Writes, merge results and rollups commit only within half that age of their
-   upload (:meth:`Machine.commit_deadline_ms`), so the sweep never races a slow commit.
+   failed). Writes, merge results and rollups only commit references to blobs uploaded
+   less than half that age before their transition ran
+   (:meth:`Machine.commit_deadline_ms`). The sweep first notes the time T0 and commits a
+   *fence* (a state change): a commit computed on an older state then loses its CaS and
+   runs its transition again, after T0, where the deadline refuses any blob older than
+   ``T0 - gc_orphan_min_age_s``. So every reference to such a blob is in a version the
+   sweep reads, however long either side pauses. (Clocks of writers and the blob store
+   must agree within half the age.)
 
 Any number of GCs may run at once, or die anywhere. A GC that finds another one got
 ahead of it (the rollup it starts from is gone, or records it needs were truncated)
@@ -164,15 +170,17 @@ def _collect(machine: Machine, state: State, earliest: int, cut: int,
 
 def _sweep_orphans(machine: Machine) -> int:
     min_age_ms = int(machine.config.gc_orphan_min_age_s * 1000)
+    fenced_at_ms, _ = machine.apply(lambda s: transitions.fence_orphan_sweep(
+        s, machine.now_ms()))
+    cutoff_s = (fenced_at_ms - min_age_ms) / 1000
     listed: list[tuple[Store, str, float]] = []
     stores: list[Store] = ["main", "wal"] if machine.blobs.wal is not None else ["main"]
     for store in stores:
         for meta in machine.blobs.store(store).list_keys(paths.shard_prefix(machine.shard_id)):
             listed.append((store, meta.key, meta.last_modified))
-    # Computed after listing, so a part committed meanwhile is seen as referenced.
+    # Read after the fence committed, so it holds every reference to an old blob.
     head = machine.fetch_latest()
     live = _referenced_by_kept(machine, head) | head.referenced_blobs()
-    cutoff_s = (machine.now_ms() - min_age_ms) / 1000
     deleted = 0
     for store, key, modified in listed:
         if (store, key) in live or modified > cutoff_s:

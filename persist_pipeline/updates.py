@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from google.protobuf.message import DecodeError
 
-from persist_pipeline.exceptions import CorruptPart, InvalidUpdates
+from persist_pipeline.exceptions import CorruptPart, InvalidUpdates, ResourceExhausted
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.proto import persist_pb2 as pb
 
@@ -216,6 +216,9 @@ def decode_parquet(data: bytes, where: str) -> pa.Table:
     try:
         table = pq.read_table(io.BytesIO(data))
         return table.select(["k", "v", "t", "d"]).cast(SCHEMA)
+    except (pa.ArrowMemoryError, MemoryError) as e:
+        raise ResourceExhausted(f"out of memory decoding Parquet part {where} "
+                                f"({len(data)} bytes): {e}") from None
     except (pa.ArrowException, KeyError, ValueError, OSError) as e:
         raise CorruptPart(f"corrupt Parquet part {where}: {e}") from None
 

@@ -160,6 +160,7 @@ class State:
         since: reads at ``as_of >= since`` are exact.
         inline_bytes: total encoded size of inline parts (bounded by the policy).
         inline_fallbacks: inline-candidate writes that went to blob (budget full).
+        orphan_sweep_ms: when GC's orphan sweep last fenced commits (see :mod:`gc`).
         batches: by batch id.
         spine: Spine entries by their lower.
     """
@@ -172,6 +173,7 @@ class State:
     since: Frontier = 0
     inline_bytes: int = 0
     inline_fallbacks: int = 0
+    orphan_sweep_ms: int = 0
     batches: Mapping[str, Batch] = field(default_factory=dict)
     spine: Mapping[int, SpineEntry] = field(default_factory=dict)
     leased_readers: Mapping[str, LeasedReader] = field(default_factory=dict)

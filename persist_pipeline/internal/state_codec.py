@@ -158,6 +158,7 @@ def _scalars_to(s: State, out: pb.Scalars) -> None:
     frontier_to_proto(s.upper, out.upper)
     frontier_to_proto(s.since, out.since)
     out.inline_bytes, out.inline_fallbacks = s.inline_bytes, s.inline_fallbacks
+    out.orphan_sweep_ms = s.orphan_sweep_ms
 
 
 def _scalars_from(p: pb.Scalars) -> dict[str, Any]:
@@ -168,6 +169,7 @@ def _scalars_from(p: pb.Scalars) -> dict[str, Any]:
         "since": frontier_from_proto(p.since),
         "inline_bytes": p.inline_bytes,
         "inline_fallbacks": p.inline_fallbacks,
+        "orphan_sweep_ms": p.orphan_sweep_ms,
     }
 
 

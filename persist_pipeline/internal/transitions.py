@@ -309,6 +309,13 @@ def add_rollup(state: State, rollup: Rollup, now_ms: int,
     return replace(state, rollups=rollups, walltime_ms=now_ms), True
 
 
+def fence_orphan_sweep(state: State, now_ms: int) -> tuple[State, int]:
+    """Record the start of an orphan sweep. Committing it fences every transition computed
+    on an older state: those commits now fail their CaS and re-check their deadline."""
+    stamp = max(now_ms, state.orphan_sweep_ms + 1)
+    return replace(state, orphan_sweep_ms=stamp, walltime_ms=now_ms), stamp
+
+
 def remove_rollups_below(state: State, seqno: int, now_ms: int) -> tuple[State, list[Rollup]]:
     removed = [r for s, r in state.rollups.items() if s < seqno]
     if not removed:

@@ -31,10 +31,6 @@ if TYPE_CHECKING:
     from persist_pipeline.read import ReadHandle
     from persist_pipeline.sim.runner import SimRun
 
-#: How often the simulated heartbeat threads renew leases (the library's own heartbeat
-#: threads are off: they would run on OS threads, outside the scheduler).
-HEARTBEAT_INTERVAL_S = 1.5
-
 
 @dataclass
 class Holder:
@@ -147,7 +143,7 @@ def appender(run: SimRun, proc: Process) -> None:
 
 def heartbeat(run: SimRun, beat: Callable[[], None]) -> None:
     while not run.stopping:
-        run.clock.sleep(HEARTBEAT_INTERVAL_S)
+        run.clock.sleep(run.heartbeat_interval_s)
         try:
             beat()
         except LeaseExpired:
@@ -171,7 +167,7 @@ def _open_reader(run: SimRun, client: PersistClient, holder: Holder) -> ReadHand
 
 def _reader_heartbeat(run: SimRun, holder: Holder) -> None:
     while not run.stopping:
-        run.clock.sleep(HEARTBEAT_INTERVAL_S)
+        run.clock.sleep(run.heartbeat_interval_s)
         reader = holder.value
         if reader is None:
             continue
@@ -190,14 +186,29 @@ def _check_expired(run: SimRun, reader_id: str, what: str) -> None:
 
 
 def reader(run: SimRun, proc: Process) -> None:
-    """Two snapshot threads and a heartbeat thread sharing one leased reader."""
+    """Two snapshot threads and a heartbeat thread sharing one leased reader, and a
+    compaction thread sharing their client (so the cached state moves under them)."""
     client = run.client()
     holder = Holder()
     if _open_reader(run, client, holder) is None:
         return
     run.spawn(f"{proc.name}/heartbeat", proc, lambda: _reader_heartbeat(run, holder))
     run.spawn(f"{proc.name}/snapshots-2", proc, lambda: _snapshots(run, client, holder))
+    if run.rng.random() < 0.5:
+        run.spawn(f"{proc.name}/compact", proc, lambda: _compact_loop(run, client))
     _snapshots(run, client, holder)
+
+
+def _compact_loop(run: SimRun, client: PersistClient) -> None:
+    while not run.stopping:
+        run.think(scale=2.0)
+        try:
+            client.compact(run.shard)
+        except Indeterminate:
+            pass
+        except PersistError as e:
+            _unexpected(run, "compact", e)
+        run.ops += 1
 
 
 def _snapshots(run: SimRun, client: PersistClient, holder: Holder) -> None:
@@ -333,16 +344,7 @@ def controller(run: SimRun, proc: Process) -> None:
 
 
 def compactor(run: SimRun, proc: Process) -> None:
-    client = run.client()
-    while not run.stopping:
-        run.think(scale=4.0)
-        try:
-            client.compact(run.shard)
-        except Indeterminate:
-            pass
-        except PersistError as e:
-            _unexpected(run, "compact", e)
-        run.ops += 1
+    _compact_loop(run, run.client())
 
 
 def spark_compactor(run: SimRun, proc: Process) -> None:

@@ -80,6 +80,9 @@ class SimRun:
         self.spark_wal_uri = f"sim://{seed}/wal" if self.wal else None
         self.stopping = False
         self.ops = 0
+        # How often simulated heartbeat threads renew leases (the library's own heartbeat
+        # threads are off: they would run on OS threads, outside the scheduler).
+        self.heartbeat_interval_s = self.rng.choice((0.05, 0.3, 1.5))
         self._processes = 0
 
     # --- for the actors ------------------------------------------------------------------
