@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from persist_pipeline.config import InlinePolicy, Placement
 from persist_pipeline.exceptions import (
     CommitDeadlineExceeded,
+    Indeterminate,
     InvalidFrontier,
     InvalidUpdates,
     LeaseExpired,
@@ -109,11 +110,16 @@ class WriteHandle:
             expected_upper: the upper the caller believes the shard has.
             new_upper: the new upper (``None`` closes the shard for good).
             idempotency_token: reuse the token of an attempt that ended indeterminate to
-                retry it without any risk of applying it twice.
+                retry it without any risk of applying it twice. If that attempt had
+                committed, the result has ``already_committed=True`` (and placement
+                ``"none"`` when only state history could tell).
 
         Raises:
             UpperMismatch: the shard's upper was not ``expected_upper``; nothing changed.
             InvalidUpdates / InvalidFrontier: bad input; nothing changed.
+            Indeterminate: a lost reply (or a retried token) whose outcome cannot be
+                told; the parts are left for GC. Read the shard, or retry with the
+                same ``idempotency_token``.
         """
         self._check_open()
         expected = check_frontier(expected_upper, "expected_upper")
@@ -125,7 +131,24 @@ class WriteHandle:
                                   f"({expected})")
         data = Updates.coerce(updates)
         _check_times(data, expected, upper)
-        return self._commit(data, expected, upper, idempotency_token or new_token())
+        token = idempotency_token or new_token()
+        try:
+            return self._commit(data, expected, upper, token)
+        except UpperMismatch:
+            if idempotency_token is None:
+                raise
+            # A retry: the first attempt may have committed, and GC may have expired this
+            # writer (and its token) since. The batch's identity in history decides.
+            found = self._machine.batch_committed(f"b{token}", expected)
+            if found is None:
+                raise Indeterminate(
+                    f"shard {self.shard_id}: cannot tell whether the write with token "
+                    f"{token} committed: GC truncated the history that would say") from None
+            if not found:
+                raise
+            state = self._machine.state
+            return WriteResult("none", 0, state.seqno, state.upper, 0,
+                               already_committed=True)
 
     def append(self, updates: object, lower: int, upper: Frontier) -> WriteResult:
         """Persist's ``append``: like compare_and_append with ``expected_upper=lower``,

@@ -12,8 +12,10 @@ from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import VersionedData
 from persist_pipeline.consensus.retry import RetryingConsensus
 from persist_pipeline.exceptions import ConsensusUnavailable
+from persist_pipeline.internal import machine as machine_mod
 from persist_pipeline.internal import state_codec, transitions
 from persist_pipeline.nemesis import checker, runner, workload
+from persist_pipeline.sim import controls
 from tests.fixtures.location import Location
 from tests.helpers import expected_snapshot, rows
 
@@ -61,7 +63,7 @@ def test_stale_merge_result_cannot_resurrect_parts_gc_deletes(location: Location
     blobs = client.blobs
     stale = run_merge(req, str(shard), blobs.main, blobs.wal, 1 << 20)
     client.compact(shard)  # another compaction replaces the same range first
-    assert apply_merge_result(machine, stale) == "no_match"
+    assert apply_merge_result(machine, stale, machine.now_ms()) == "no_match"
     assert all(blobs.main.get(p.key) is None for p in stale.output.hollow_parts())
     for t in range(2, 8):
         client.open_writer(shard).compare_and_append([], t, t + 1)
@@ -111,18 +113,17 @@ def _check(client: PersistClient, shard: ShardId, keys: list[bytes], max_bytes: 
 
 
 def test_control_gc_that_ignores_what_is_live_is_caught(location, monkeypatch):
-    client = location.client(InlinePolicy(0, 0), PersistConfig(rollup_threshold=2))
+    client = location.client(InlinePolicy(0, 0), PersistConfig(rollup_threshold=2,
+                                                                gc_orphan_min_age_s=1))
     shard = _two_batches(client)
     for t in range(2, 6):
         client.open_writer(shard).compare_and_append([], t, t + 1)
+    time.sleep(1.1)  # every part is now old enough for the orphan sweep
     from persist_pipeline import gc
 
-    real = gc._refs_from
-
-    def nothing_is_live(machine, start, end):  # the broken build: ignores live versions
-        return (set(), start) if end is None else real(machine, start, end)
-
-    monkeypatch.setattr(gc, "_refs_from", nothing_is_live)
+    # The broken build: the orphan sweep believes no version references anything.
+    monkeypatch.setattr(gc, "_referenced_by_kept", lambda machine, head: set())
+    monkeypatch.setattr(gc.State, "referenced_blobs", lambda self: set())
     result = _check(client, shard, [b"a", b"b"], 0)
     assert any("references missing blob" in v for v in result.violations)
 
@@ -134,6 +135,10 @@ def test_control_broken_idempotency_is_caught_as_duplicates(location, monkeypatc
         return real(state, batch, **{**kw, "token": kw["token"] + str(time.monotonic())})
 
     monkeypatch.setattr(transitions, "compare_and_append", forgetful)
+    # ... and lost replies are guessed lost, the batch's identity is not checked (the
+    # fixes that would otherwise recognise the commit).
+    monkeypatch.setattr(machine_mod.Machine, "_resolve", controls._guess_lost)
+    monkeypatch.setattr(transitions, "batch_in_state", lambda state, batch: False)
     lossy = LoseOneCasReply(open_consensus(location.consensus_uri), 30)
     client = PersistClient(lossy, location.client().blobs.main.inner)
     shard = ShardId.new()
@@ -199,7 +204,7 @@ def test_control_gc_without_orphan_sweep_leaks_and_is_caught(location, monkeypat
     shard = _two_batches(client)
     client.blobs.main.set(f"{shard}/p/b-crashed-0000.parquet", b"orphan of a dead writer")
     time.sleep(3.1)
-    monkeypatch.setattr("persist_pipeline.gc._sweep_orphans", lambda machine, earliest: 0)
+    monkeypatch.setattr("persist_pipeline.gc._sweep_orphans", lambda machine: 0)
     result = _check(client, shard, [b"a", b"b"], 0)
     assert result.leaked_blobs == 1
     monkeypatch.undo()

@@ -12,6 +12,7 @@ a hand-advanced clock) and then raises ``ConsensusUnavailable``. No test sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -23,6 +24,7 @@ import pytest
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId, UpperMismatch
 from persist_pipeline.blob import open_blob
 from persist_pipeline.compaction import apply_merge_result, merge_requests, run_merge
+from persist_pipeline.config import READER_LEASE_DURATION_S, RETRY_DEADLINE_S
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import Consensus, VersionedData
 from persist_pipeline.exceptions import (
@@ -33,6 +35,7 @@ from persist_pipeline.exceptions import (
     Indeterminate,
     InvalidInput,
 )
+from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import write_parts
 from persist_pipeline.internal.state import Batch, HollowPart, State
@@ -295,7 +298,8 @@ class LostWrite:
 
 
 def _lost_write_with_expired_lease(clients: Clients, policy: InlinePolicy, *,
-                                   reader_hold: bool) -> LostWrite:
+                                   reader_hold: bool, lease_s: float = SHORT_LEASE_S,
+                                   pause_s: float = PAUSE_S) -> LostWrite:
     """A writer (10 s lease) writes BASE; its next commit lands, then the process pauses
     30 s, GC in another process expires its lease (dropping its idempotency token), and
     only then is the reply lost. ``reader_hold``: a long-leased reader registered before
@@ -304,14 +308,14 @@ def _lost_write_with_expired_lease(clients: Clients, policy: InlinePolicy, *,
     hold = clients.plain(reader_lease_duration_s=3600.0).open_reader(shard, create=True)
     if not reader_hold:
         hold.expire()
-    client, lossy = clients.lossy(policy, reader_lease_duration_s=SHORT_LEASE_S)
+    client, lossy = clients.lossy(policy, reader_lease_duration_s=lease_s)
     writer = client.open_writer(shard)
     writer.compare_and_append(BASE, 0, 1)
     gc_client = clients.plain()
     lost = LostWrite(shard, writer, lossy, gc_client)
 
     def pause_then_gc() -> None:
-        clients.clock.advance(PAUSE_S)
+        clients.clock.advance(pause_s)
         gc_client.gc(shard)
         latest = gc_client.machine(shard).fetch_latest()
         lost.expired_in_hook.append(writer.writer_id not in latest.writers)
@@ -390,6 +394,34 @@ def test_control_guessing_a_truncated_lost_reply_deletes_committed_parts(clients
     assert not any(blob_exists(lost.gc, p) for p in batch_with(state, LATE[0]).hollow_parts())
     with pytest.raises(CorruptPart):
         clients.snapshot(lost.shard, 1)
+
+
+@pytest.mark.parametrize("policy", [INLINE_ON, NO_INLINE], ids=["inline", "blob"])
+def test_token_retry_of_a_write_committed_before_its_lease_expired_is_not_denied(
+        clients: Clients, policy: InlinePolicy):
+    """Guarantee 9 with the default lease (longer than the retry deadline): retrying with
+    its idempotency token a write that committed is never reported as not written."""
+    lost = _lost_write_with_expired_lease(clients, policy, reader_hold=True,
+                                          lease_s=READER_LEASE_DURATION_S,
+                                          pause_s=READER_LEASE_DURATION_S + 100)
+    assert READER_LEASE_DURATION_S + 100 > RETRY_DEADLINE_S
+    token = new_token()
+    # Indeterminate is allowed: the caller then retries with the token, as documented.
+    with contextlib.suppress(Indeterminate):
+        lost.writer.compare_and_append(LATE, 1, 2, idempotency_token=token)
+    assert lost.lossy.lost == 1 and lost.expired_in_hook == [True]
+    try:
+        retry = lost.writer.compare_and_append(LATE, 1, 2, idempotency_token=token)
+    except UpperMismatch as e:
+        pytest.fail(f"the retry of a committed write (same idempotency token) was told it was "
+                    f"not written: {e}")
+    except Indeterminate:
+        retry = None  # honest, if unhelpful: never a false "not written"
+    if retry is not None:
+        assert retry.already_committed and retry.upper == 2
+    state = lost.gc.machine(lost.shard).fetch_latest()
+    assert all(blob_exists(lost.gc, p) for p in batch_with(state, LATE[0]).hollow_parts())
+    assert clients.snapshot(lost.shard, 1) == expected_snapshot(BASE + LATE, 1)
 
 
 # --- defect 3: the commit deadline was checked before the idempotency token ----------------

@@ -260,13 +260,46 @@ class Machine:
                     self.metrics.cas_indeterminate += 1
                     self.metrics.transient_retries += 1
                     attempts.append(_Attempt(state.seqno, record.data, new, result))
-                    backoff.wait(e)
+                    lost_reply: Unavailable | None = e
+                else:
+                    lost_reply = None
+                # Settle lost replies first: however late it is (a pause past the retry
+                # deadline), a commit that landed is reported as such.
                 state, confirmed = self._refresh(), True
                 won = self._resolve(attempts)
                 if won is not None:
                     self.metrics.cas_resolved_committed += 1
                     self._committed(won.new, routine, latest=state)
                     return won.result, won.new
+                if lost_reply is not None:
+                    backoff.wait(lost_reply)
+                    state = self._refresh()
+
+    def batch_committed(self, batch_id: str, lower: int) -> bool | None:
+        """Whether a batch starting at ``lower`` was ever committed, from state history.
+
+        True if the latest state holds it or a kept record added it; False if no kept
+        record added it and the kept history reaches back to when the shard's upper was
+        still ``lower`` (so that is where it would be); None when GC truncated that far.
+        """
+        latest = self.fetch_latest()
+        if batch_id in latest.batches:
+            return True
+        records = self.consensus.scan(self.shard_id, 0)
+        for rec in records:
+            diff = state_codec.decode_diff(rec.data, f"shard {self.shard_id} seqno {rec.seqno}")
+            if any(b.id == batch_id for b in diff.batch_upserts):
+                return True
+        if not records or records[0].seqno <= 1:
+            return False
+        first = records[0].seqno
+        rollup = latest.rollups.get(first)
+        data = self.blobs.main.get(rollup.key) if rollup is not None else None
+        if data is None:
+            return None
+        base = state_codec.decode_state(data, f"rollup {rollup.key if rollup else ''}")
+        upper = base.upper
+        return False if upper is not None and upper <= lower else None
 
     def _resolve(self, attempts: list[_Attempt[R]]) -> _Attempt[R] | None:
         """Settle lost-reply attempts by the record each would have written."""

@@ -104,6 +104,9 @@ def compare_and_append(
     if (writer is not None and writer.most_recent_write_token == token
             and writer.most_recent_write_upper == new_upper):
         return state, Appended(already_committed=True)
+    if batch_in_state(state, batch):
+        # Committed, even if the writer (and its token) expired meanwhile.
+        return state, Appended(already_committed=True)
     if commit_deadline_ms is not None and now_ms > commit_deadline_ms:
         return state, DeadlineExceeded(commit_deadline_ms)
     if state.upper != expected_upper:
@@ -126,6 +129,11 @@ def compare_and_append(
         push_batch(spine, batch)
         changes.update(batches=batches, spine=spine, inline_bytes=state.inline_bytes + inline)
     return replace(state, **changes), Appended()  # type: ignore[arg-type]
+
+
+def batch_in_state(state: State, batch: Batch | None) -> bool:
+    """Whether this very batch (by its id, derived from the write's token) is in the state."""
+    return batch is not None and batch.id in state.batches
 
 
 def apply_merge(state: State, res: MergeRes, now_ms: int,

@@ -276,9 +276,9 @@ def listener(run: SimRun, proc: Process) -> None:
         _unexpected(run, "listen setup", e)
         return
     while not run.stopping:
-        run.think()
+        run.think(scale=3.0)  # a listen that lags behind the writers
         try:
-            if run.rng.random() < 0.15 and run.monitor.upper:
+            if run.rng.random() < 0.3 and run.monitor.upper:
                 target = max(holder.since, run.rng.randint(0, max(0, run.monitor.upper - 1)))
                 holder.since = target
                 reader.downgrade_since(target)

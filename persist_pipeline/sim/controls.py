@@ -41,8 +41,10 @@ def _guess_lost(self: machine.Machine, attempts: list[Any]) -> None:
 @contextmanager
 def guess_lost_replies() -> Iterator[None]:
     """Defects 2 and 4 (and the critical reader's lost downgrade): an attempt whose reply
-    was lost is assumed to have failed; the transition's answer on fresh state decides."""
-    with _patched(machine.Machine, "_resolve", _guess_lost):
+    was lost is assumed to have failed; the transition's answer on fresh state decides
+    (and a write does not recognise its own batch in the state)."""
+    with _patched(machine.Machine, "_resolve", _guess_lost), \
+            _patched(transitions, "batch_in_state", lambda state, batch: False):
         yield
 
 

@@ -171,8 +171,13 @@ class Scheduler:
                 raise SimCrash()
             pause = self.nemesis.pause_at_cas if at_cas else self.nemesis.pause
             if roll < self.nemesis.crash + pause:
+                # The whole process stalls (a stop-the-world pause, a frozen VM): its
+                # heartbeat threads too, so its leases and deadlines run out.
                 self.stats.pauses += 1
-                task.wake_at = self.now + self.rng.choice(self.nemesis.pause_choices_s)
+                until = self.now + self.rng.choice(self.nemesis.pause_choices_s)
+                for t in self.tasks:
+                    if t.process is task.process:
+                        t.wake_at = max(t.wake_at, until)
         self._switch_out()
 
     def sleep(self, seconds: float) -> None:
@@ -240,9 +245,10 @@ class SimLock:
         if self._depth:
             return
         self._owner = None
-        waiters = [t for t in self._s.tasks if t.blocked_on is self]
-        for t in waiters:
-            t.blocked_on = None
-        if waiters and not me.process.crashed and exc[0] is None:
-            # A waiter may run right now, as an OS thread would.
-            self._s._switch_out()
+        for t in self._s.tasks:
+            if t.blocked_on is self:
+                t.blocked_on = None
+        if not me.process.crashed and exc[0] is None:
+            # Any thread may run now (a waiter, or another process), and this one may
+            # stall here, as an OS thread can right after releasing a lock.
+            self._s.yield_point()
