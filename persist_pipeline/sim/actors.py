@@ -279,7 +279,10 @@ def listener(run: SimRun, proc: Process) -> None:
         run.think(scale=3.0)  # a listen that lags behind the writers
         try:
             if run.rng.random() < 0.3 and run.monitor.upper:
-                target = max(holder.since, run.rng.randint(0, max(0, run.monitor.upper - 1)))
+                top = max(0, run.monitor.upper - 1)
+                # Often all the way up: past this listen's own frontier.
+                pick = top if run.rng.random() < 0.5 else run.rng.randint(0, top)
+                target = max(holder.since, pick)
                 holder.since = target
                 reader.downgrade_since(target)
             for event in listen.poll(0.0):

@@ -28,7 +28,7 @@ T = TypeVar("T")
 INLINE_SETTINGS = (InlinePolicy(1024, 3000), InlinePolicy(0, 0), InlinePolicy(1024, 0))
 
 #: Simulated processes per role: each seed draws its cast from these ranges.
-CAST = {"writer": (1, 3), "appender": (0, 2), "reader": (1, 2), "listener": (1, 1),
+CAST = {"writer": (1, 3), "appender": (0, 2), "reader": (0, 2), "listener": (1, 1),
         "controller": (0, 2), "compactor": (0, 1), "spark_compactor": (0, 1), "gc": (1, 2)}
 
 #: Scheduler steps after the workload stops, for calls in flight to finish.
