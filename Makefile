@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: run test lint typecheck proto ui nemesis quickstart clean help
+.PHONY: run test lint typecheck proto ui nemesis simulate quickstart clean help
 
 help:
 	@echo "make run        - the whole Dagster pipeline, headless, on the embedded default"
@@ -15,6 +15,7 @@ help:
 	@echo "make ui         - the Dagster UI on the same instance (http://127.0.0.1:3000)"
 	@echo "make quickstart - the core library alone: writes, placement, compaction, snapshot"
 	@echo "make nemesis    - 10 minutes of killed processes and faults on PostgreSQL + S3"
+	@echo "make simulate   - the deterministic simulation, 2000 seeds (SIM_SEEDS=N to change)"
 	@echo "make bench / bench-quick - benchmarks against the peers (report in results/bench)"
 	@echo "make browser    - install Debian's Chromium if missing (for the UI browser test)"
 	@echo "make lint / typecheck / proto"
@@ -39,6 +40,9 @@ quickstart: $(STAMP)
 
 nemesis: $(STAMP)
 	$(PY) scripts/nemesis_local.py --seconds "$${NEMESIS_SECONDS:-600}"
+
+simulate: $(STAMP)
+	$(PY) -m persist_pipeline simulate --seeds "$${SIM_SEEDS:-2000}"
 
 test: $(STAMP) browser lint typecheck
 	$(PY) -m pytest -q

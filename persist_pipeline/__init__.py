@@ -14,10 +14,13 @@ Module map:
   part encodings (Parquet k/v/t/d; inline protobuf).
 - ``compaction`` / ``gc``: maintenance, each returning a metrics dict.
 - ``consensus/`` and ``blob/``: backends behind small ABCs, opened by URI scheme.
-- ``internal/``: the state model, pure transitions, the Spine, codecs, the CaS loop.
+- ``internal/``: the state model, pure transitions, the Spine, codecs, the CaS loop
+  (``machine``: lost replies settled, negative answers confirmed), routine maintenance
+  (``maintenance``: rollups), every blob key (``paths``), the injected clock and locks.
 - ``ingest``: reading updates from Parquet, CSV and JSON Lines files.
 - ``faults``: seeded fault injection (wrappers in ``blob.faults``, ``consensus.faults``).
 - ``nemesis/``: killed processes, faults and a checker of every guarantee.
+- ``sim/``: the deterministic simulation (``persist-pipeline simulate``).
 - ``spark``: the Spark compaction executor (imports pyspark lazily).
 - ``proto/``: the protobuf wire formats; ``cli``: the ``persist-pipeline`` command.
 - ``exceptions``: every error, rooted at :class:`PersistError`.

@@ -9,7 +9,9 @@ cut C, and:
    is written once (:mod:`persist_pipeline.internal.paths`), so nothing removed at or
    before C is referenced by C or any later version;
 2. truncates consensus below C (C's rollup lets the state be rebuilt from there);
-3. drops rollups below C from the state, then deletes their blobs;
+3. drops rollups below C from the state, then deletes their blobs (the versions from C
+   to that commit still list them, but nothing can use them: a state is rebuilt from
+   the head's latest rollup or from a cached state, and records below C are gone);
 4. optionally sweeps orphans: blobs under the shard's prefix that no kept version
    references and that are older than ``gc_orphan_min_age_s`` (uploads whose commit
    failed). Writes, merge results and rollups only commit references to blobs uploaded

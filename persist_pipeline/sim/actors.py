@@ -383,7 +383,22 @@ def collector(run: SimRun, proc: Process) -> None:
         run.ops += 1
 
 
+def opener(run: SimRun, proc: Process) -> None:
+    """A new process looking at the shard (a CLI ``inspect``), over and over: it reads the
+    head, then the rollup it names, while GCs replace rollups."""
+    while not run.stopping:
+        run.think(scale=2.0)
+        try:
+            run.client().inspect(run.shard)
+        except Indeterminate:
+            pass
+        except PersistError as e:
+            _unexpected(run, "opening a shard", e)
+        run.ops += 1
+
+
 ROLES: dict[str, Callable[[SimRun, Process], None]] = {
+    "opener": opener,
     "writer": writer,
     "appender": appender,
     "reader": reader,

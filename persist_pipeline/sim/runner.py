@@ -29,18 +29,19 @@ INLINE_SETTINGS = (InlinePolicy(1024, 3000), InlinePolicy(0, 0), InlinePolicy(10
 
 #: Simulated processes per role: each seed draws its cast from these ranges.
 CAST = {"writer": (1, 3), "appender": (0, 2), "reader": (0, 2), "listener": (1, 1),
-        "controller": (0, 2), "compactor": (0, 1), "spark_compactor": (0, 1), "gc": (1, 2)}
+        "controller": (0, 2), "compactor": (0, 1), "spark_compactor": (0, 1), "gc": (1, 2),
+        "opener": (0, 1)}
 
 #: Scheduler steps after the workload stops, for calls in flight to finish.
 DRAIN_STEPS = 20_000
 
 
-def sim_config(policy: InlinePolicy) -> PersistConfig:
+def sim_config(policy: InlinePolicy, cache_bytes: int) -> PersistConfig:
     """Short leases and deadlines, so pauses cross them often; no background threads."""
     return PersistConfig(
         inline_policy=policy, blob_target_size_bytes=16384, rollup_threshold=6,
         reader_lease_duration_s=6.0, heartbeat_interval_s=0, gc_orphan_min_age_s=8.0,
-        blob_cache_bytes=1 << 16, retry_deadline_s=20.0, listen_poll_interval_s=0.2,
+        blob_cache_bytes=cache_bytes, retry_deadline_s=20.0, listen_poll_interval_s=0.2,
         background_maintenance=False, read_fetch_threads=1)
 
 
@@ -67,7 +68,8 @@ class SimRun:
         self.clock = SimClock(self.scheduler)
         self.violations: list[str] = []
         self.policy = INLINE_SETTINGS[seed % len(INLINE_SETTINGS)]
-        self.config = sim_config(self.policy)
+        # Without a part cache every read goes to the store (and meets every delete).
+        self.config = sim_config(self.policy, self.rng.choice((0, 1 << 16)))
         self.shard = ""
         self.critical_id = ""
         self.monitor = Monitor("", self.policy, self.violations)
