@@ -30,6 +30,11 @@ def rollup_key(shard_id: str, seqno: int) -> str:
     return f"{shard_id}/rollup/{seqno:020d}-{new_nonce()}.pb"
 
 
+def is_rollup_key(key: str) -> bool:
+    """Whether ``key`` names a rollup (rather than a part)."""
+    return "/rollup/" in key
+
+
 def new_nonce() -> str:
     """A random component that makes a key unique."""
     return random_uuid().hex[:16]

@@ -20,7 +20,7 @@ from typing import Any
 from persist_pipeline.client import PersistClient
 from persist_pipeline.exceptions import CorruptData, PersistError
 from persist_pipeline.frontier import less_equal
-from persist_pipeline.internal import state_codec
+from persist_pipeline.internal import paths, state_codec
 from persist_pipeline.internal.state import State
 
 
@@ -93,7 +93,7 @@ def check_history(client: PersistClient, shard: str, inline_max_bytes: int,
     listed: dict[str, set[str]] = {}
     for name, blob in (("main", client.blobs.main), ("wal", client.blobs.wal)):
         if blob is not None:
-            listed[name] = {m.key for m in blob.list_keys(f"{shard}/")}
+            listed[name] = {m.key for m in blob.list_keys(paths.shard_prefix(shard))}
     prev: State | None = None
     missing: set[str] = set()
     for s in states:
@@ -171,7 +171,7 @@ def check_shard(
         for name, blob in (("main", client.blobs.main), ("wal", client.blobs.wal)):
             if blob is None:
                 continue
-            for meta in blob.list_keys(f"{shard}/"):
+            for meta in blob.list_keys(paths.shard_prefix(shard)):
                 if (name, meta.key) not in live:
                     result.leaked_blobs += 1
         if result.leaked_blobs:

@@ -200,14 +200,21 @@ def reader(run: SimRun, proc: Process) -> None:
 
 
 def _compact_loop(run: SimRun, client: PersistClient) -> None:
+    _loop(run, "compact", lambda: client.compact(run.shard), scale=2.0)
+
+
+def _loop(run: SimRun, what: str, op: Callable[[], object], scale: float,
+          tolerated: tuple[type[PersistError], ...] = (Indeterminate,)) -> None:
+    """Run ``op`` until the workload stops; outcomes other than ``tolerated`` are
+    violations."""
     while not run.stopping:
-        run.think(scale=2.0)
+        run.think(scale=scale)
         try:
-            client.compact(run.shard)
-        except Indeterminate:
+            op()
+        except tolerated:
             pass
         except PersistError as e:
-            _unexpected(run, "compact", e)
+            _unexpected(run, what, e)
         run.ops += 1
 
 
@@ -357,44 +364,21 @@ def spark_compactor(run: SimRun, proc: Process) -> None:
     def run_tasks(tasks: list[Any]) -> tuple[list[Any], str]:
         return [spark_driver._run_task(t) for t in tasks], "sim"
 
-    while not run.stopping:
-        run.think(scale=4.0)
-        try:
-            spark_driver.drive_compaction(run_tasks, client, [run.shard],
-                                          blob_uri=run.spark_blob_uri,
-                                          wal_blob_uri=run.spark_wal_uri)
-        except (Indeterminate, spark_driver.SparkCompactionFailed):
-            pass
-        except PersistError as e:
-            _unexpected(run, "spark compaction", e)
-        run.ops += 1
+    _loop(run, "spark compaction", lambda: spark_driver.drive_compaction(
+        run_tasks, client, [run.shard], blob_uri=run.spark_blob_uri,
+        wal_blob_uri=run.spark_wal_uri), scale=4.0,
+        tolerated=(Indeterminate, spark_driver.SparkCompactionFailed))
 
 
 def collector(run: SimRun, proc: Process) -> None:
     client = run.client()
-    while not run.stopping:
-        run.think(scale=4.0)
-        try:
-            client.gc(run.shard)
-        except Indeterminate:
-            pass
-        except PersistError as e:
-            _unexpected(run, "gc", e)
-        run.ops += 1
+    _loop(run, "gc", lambda: client.gc(run.shard), scale=4.0)
 
 
 def opener(run: SimRun, proc: Process) -> None:
     """A new process looking at the shard (a CLI ``inspect``), over and over: it reads the
     head, then the rollup it names, while GCs replace rollups."""
-    while not run.stopping:
-        run.think(scale=2.0)
-        try:
-            run.client().inspect(run.shard)
-        except Indeterminate:
-            pass
-        except PersistError as e:
-            _unexpected(run, "opening a shard", e)
-        run.ops += 1
+    _loop(run, "opening a shard", lambda: run.client().inspect(run.shard), scale=2.0)
 
 
 ROLES: dict[str, Callable[[SimRun, Process], None]] = {

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from persist_pipeline.config import InlinePolicy
 from persist_pipeline.exceptions import CorruptData
 from persist_pipeline.frontier import Frontier, less_than
-from persist_pipeline.internal import state_codec
+from persist_pipeline.internal import paths, state_codec
 from persist_pipeline.internal.state import InlinePart, State
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class Monitor:
             self.violation(f"deleted blob {key} that the head (seqno {self.head.seqno}) "
                            f"references")
             return
-        if "/rollup/" in key:
+        if paths.is_rollup_key(key):
             return  # only needed by whoever reads the head's summary
         live_from = self.head.seqno_since()
         removed = span[1]
