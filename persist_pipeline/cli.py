@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=2000, help="scheduler steps per seed")
     s.add_argument("--control", help="run with a negative control (a fix reverted), "
                                      "to see the simulation catch it")
+    s.add_argument("--profile", help="run every seed with this workload profile (default: "
+                                     "seeds rotate over all of them)")
     s.add_argument("--keep-going", action="store_true",
                    help="run every seed even after a violation")
     return p
@@ -167,6 +169,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
     if args.seeds < 1 or args.steps < 1 or args.seed < 0:
         raise InvalidInput("simulate needs --seeds >= 1, --steps >= 1 and --seed >= 0")
+    if args.profile is not None and args.profile not in runner.PROFILES:
+        raise InvalidInput(f"unknown --profile {args.profile!r}; one of: "
+                           f"{', '.join(runner.PROFILES)}")
     if args.control is not None and args.control not in CONTROLS:
         raise InvalidInput(f"unknown --control {args.control!r}; one of: "
                            f"{', '.join(sorted(CONTROLS))}")
@@ -183,13 +188,14 @@ def _simulate(args: argparse.Namespace) -> int:
     control = CONTROLS[args.control]() if args.control else contextlib.nullcontext()
     with control:
         report = runner.run_seeds(seeds, args.steps, stop_at_first=not args.keep_going,
-                                  progress=progress)
+                                  profile=args.profile, progress=progress)
     print(report.line())
     for failure in report.failures:
         for line in runner.describe(failure):
             print(line)
         print(f"reproduce with: persist-pipeline simulate --seeds 1 --seed {failure.seed} "
-              f"--steps {args.steps}" + (f" --control {args.control}" if args.control else ""))
+              f"--steps {args.steps}" + (f" --control {args.control}" if args.control else "")
+              + (f" --profile {args.profile}" if args.profile else ""))
     return 1 if report.failures else 0
 
 

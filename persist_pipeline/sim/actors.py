@@ -230,7 +230,9 @@ def _snapshots(run: SimRun, client: PersistClient, holder: Holder) -> None:
         lo = holder.since
         try:
             if run.rng.random() < 0.25 and lo < upper - 1:
-                target = run.rng.randint(lo, upper - 1)
+                # Half the time all the way to the latest time, so since follows the upper.
+                top = upper - 1
+                target = top if run.rng.random() < 0.5 else run.rng.randint(lo, top)
                 holder.since = max(holder.since, target)  # even if the reply is lost
                 reader.downgrade_since(target)
             elif lo <= upper - 1:
@@ -291,14 +293,16 @@ def listener(run: SimRun, proc: Process) -> None:
                 pick = top if run.rng.random() < 0.5 else run.rng.randint(0, top)
                 target = max(holder.since, pick)
                 holder.since = target
-                reader.downgrade_since(target)
-            for event in listen.poll(0.0):
-                if event.kind == "updates" and event.updates is not None:
-                    for k, v, _t, d in _rows(event.updates):
-                        acc[(k, v)] = acc.get((k, v), 0) + d
-                elif event.upper is not None:
-                    at = event.upper - 1
-                    run.model.check(at, _acc_rows(acc, at), f"listen at frontier {event.upper}")
+                reader.downgrade_since(target)  # compaction may run before the next poll
+            else:
+                for event in listen.poll(0.0):
+                    if event.kind == "updates" and event.updates is not None:
+                        for k, v, _t, d in _rows(event.updates):
+                            acc[(k, v)] = acc.get((k, v), 0) + d
+                    elif event.upper is not None:
+                        at = event.upper - 1
+                        run.model.check(at, _acc_rows(acc, at),
+                                        f"listen at frontier {event.upper}")
         except LeaseExpired:
             _check_expired(run, reader.reader_id, "listen")
             return
@@ -329,7 +333,10 @@ def controller(run: SimRun, proc: Process) -> None:
         current = run.monitor.head.critical_readers.get(run.critical_id)
         held = 0 if current is None or current.since is None else current.since
         upper = run.monitor.upper or 0
-        since = min(max(held, upper - 1), held + run.rng.randint(0, 2)) if upper else held
+        if upper and run.rng.random() < 0.5:
+            since = max(held, upper - 1)
+        else:
+            since = min(max(held, upper - 1), held + run.rng.randint(0, 2)) if upper else held
         try:
             handle.compare_and_downgrade_since(expected, token, since)
             expected = token

@@ -27,10 +27,39 @@ T = TypeVar("T")
 #: so writes fall through to blob often), off, and permanent backpressure.
 INLINE_SETTINGS = (InlinePolicy(1024, 3000), InlinePolicy(0, 0), InlinePolicy(1024, 0))
 
-#: Simulated processes per role: each seed draws its cast from these ranges.
-CAST = {"writer": (1, 3), "appender": (0, 2), "reader": (0, 2), "listener": (1, 1),
-        "controller": (0, 2), "compactor": (0, 1), "spark_compactor": (0, 1), "gc": (1, 2),
-        "opener": (0, 1)}
+Cast = dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A family of workloads: how many processes of each role a seed draws (from these
+    ranges), and whether readers may use a part cache. Seeds rotate over the profiles
+    (swarm testing: a narrower cast reaches its own races far more often)."""
+
+    cast: Cast
+    part_cache: bool = True
+
+
+PROFILES: dict[str, Profile] = {
+    # Everything at once.
+    "mixed": Profile({"writer": (1, 3), "appender": (0, 2), "reader": (0, 2),
+                      "listener": (1, 1), "controller": (0, 2), "compactor": (0, 1),
+                      "spark_compactor": (0, 1), "gc": (1, 2), "opener": (0, 1)}),
+    # A listen whose reader alone holds since back, under compaction and GC.
+    "listen": Profile({"writer": (1, 2), "appender": (0, 1), "listener": (1, 1),
+                       "compactor": (1, 1), "gc": (1, 1)}),
+    # Reads racing compaction and GC without a cache to hide deleted parts.
+    "reads": Profile({"writer": (1, 2), "reader": (1, 2), "listener": (0, 1),
+                      "compactor": (1, 1), "gc": (1, 2), "opener": (0, 1)},
+                     part_cache=False),
+    # Writers, appenders and critical readers racing on the upper and the token.
+    "writes": Profile({"writer": (2, 3), "appender": (1, 2), "controller": (1, 2),
+                       "spark_compactor": (0, 1), "gc": (1, 1)}),
+}
+
+
+def profile_for(seed: int) -> str:
+    return list(PROFILES)[seed % len(PROFILES)]
 
 #: Scheduler steps after the workload stops, for calls in flight to finish.
 DRAIN_STEPS = 20_000
@@ -53,6 +82,7 @@ class SeedResult:
     lost_replies: int
     failed_calls: int
     pauses: int
+    stalls: int
     crashes: int
     violations: list[str]
 
@@ -60,8 +90,10 @@ class SeedResult:
 class SimRun:
     """One seed's world: the stores, the monitor, the model and the simulated clients."""
 
-    def __init__(self, seed: int, steps: int, nemesis: Nemesis | None = None) -> None:
+    def __init__(self, seed: int, steps: int, nemesis: Nemesis | None = None,
+                 profile: str | None = None) -> None:
         self.seed = seed
+        self.profile = PROFILES[profile or profile_for(seed)]
         self.steps = steps
         self.rng = random.Random(seed)
         self.scheduler = Scheduler(self.rng, nemesis or Nemesis())
@@ -69,7 +101,8 @@ class SimRun:
         self.violations: list[str] = []
         self.policy = INLINE_SETTINGS[seed % len(INLINE_SETTINGS)]
         # Without a part cache every read goes to the store (and meets every delete).
-        self.config = sim_config(self.policy, self.rng.choice((0, 1 << 16)))
+        caches = (0, 1 << 16) if self.profile.part_cache else (0,)
+        self.config = sim_config(self.policy, self.rng.choice(caches))
         self.shard = ""
         self.critical_id = ""
         self.monitor = Monitor("", self.policy, self.violations)
@@ -135,7 +168,7 @@ class SimRun:
             self._final_checks()
         s = self.scheduler.stats
         return SeedResult(self.seed, s.steps, self.ops, s.lost_replies, s.failed_calls,
-                          s.pauses, s.crashes, list(self.violations))
+                          s.pauses, s.stalls, s.crashes, list(self.violations))
 
     def _setup(self) -> None:
         self.shard = str(ShardId.new())
@@ -155,7 +188,7 @@ class SimRun:
             while crashed_roles:
                 self.start(crashed_roles.pop(), delay_s=self.rng.uniform(0.1, 2.0))
 
-        for role, (least, most) in CAST.items():
+        for role, (least, most) in self.profile.cast.items():
             for _ in range(self.rng.randint(least, most)):
                 self.start(role, delay_s=self.rng.uniform(0, 0.5))
         if not any(r in self._roles.values() for r in ("compactor", "spark_compactor")):
@@ -233,6 +266,7 @@ class SimReport:
     lost_replies: int = 0
     failed_calls: int = 0
     pauses: int = 0
+    stalls: int = 0
     crashes: int = 0
     seconds: float = 0.0
     failures: list[SeedResult] = field(default_factory=list)
@@ -248,7 +282,8 @@ class SimReport:
     def line(self) -> str:
         return (f"seeds={self.seeds} steps={self.steps} ops={self.ops} "
                 f"lost_replies={self.lost_replies} failed_calls={self.failed_calls} "
-                f"pauses={self.pauses} crashes={self.crashes} violations={self.violations} "
+                f"pauses={self.pauses} stalls={self.stalls} crashes={self.crashes} "
+                f"violations={self.violations} "
                 f"ops_per_s={self.ops_per_s:.0f}")
 
     def add(self, r: SeedResult) -> None:
@@ -258,22 +293,25 @@ class SimReport:
         self.lost_replies += r.lost_replies
         self.failed_calls += r.failed_calls
         self.pauses += r.pauses
+        self.stalls += r.stalls
         self.crashes += r.crashes
         if r.violations:
             self.failures.append(r)
 
 
-def run_seed(seed: int, steps: int = 600, nemesis: Nemesis | None = None) -> SeedResult:
-    """Run one seed; the same seed always runs the same way."""
-    return SimRun(seed, steps, nemesis).run()
+def run_seed(seed: int, steps: int = 2000, nemesis: Nemesis | None = None,
+             profile: str | None = None) -> SeedResult:
+    """Run one seed (with its profile, or ``profile``); a seed always runs the same way."""
+    return SimRun(seed, steps, nemesis, profile).run()
 
 
-def run_seeds(seeds: list[int], steps: int = 600, *, stop_at_first: bool = False,
+def run_seeds(seeds: list[int], steps: int = 2000, *, stop_at_first: bool = False,
+              profile: str | None = None,
               progress: Callable[[SimReport], None] | None = None) -> SimReport:
     report = SimReport()
     started = time.monotonic()
     for seed in seeds:
-        report.add(run_seed(seed, steps))
+        report.add(run_seed(seed, steps, profile=profile))
         report.seconds = time.monotonic() - started
         if progress is not None:
             progress(report)

@@ -57,6 +57,9 @@ class Nemesis:
     pause_at_cas: float = 0.03
     crash: float = 0.002
     pause_choices_s: tuple[float, ...] = (0.5, 2.5, 5.0, 9.0, 20.0)
+    #: One thread stalls while the rest of its process runs on (descheduled under load).
+    stall: float = 0.01
+    stall_choices_s: tuple[float, ...] = (0.1, 0.5, 1.5, 4.0)
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Stats:
     lost_replies: int = 0
     failed_calls: int = 0
     pauses: int = 0
+    stalls: int = 0
     crashes: int = 0
     ops: int = 0
     counters: dict[str, int] = field(default_factory=dict)
@@ -178,6 +182,9 @@ class Scheduler:
                 for t in self.tasks:
                     if t.process is task.process:
                         t.wake_at = max(t.wake_at, until)
+            elif roll < self.nemesis.crash + pause + self.nemesis.stall:
+                self.stats.stalls += 1
+                task.wake_at = self.now + self.rng.choice(self.nemesis.stall_choices_s)
         self._switch_out()
 
     def sleep(self, seconds: float) -> None:
