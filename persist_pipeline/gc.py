@@ -13,14 +13,15 @@ cut C, and:
    to that commit still list them, but nothing can use them: a state is rebuilt from
    the head's latest rollup or from a cached state, and records below C are gone);
 4. optionally sweeps orphans: blobs under the shard's prefix that no kept version
-   references and that are older than ``gc_orphan_min_age_s`` (uploads whose commit
-   failed). Writes, merge results and rollups only commit references to blobs uploaded
-   less than half that age before their transition ran
-   (:meth:`Machine.commit_deadline_ms`). The sweep first notes the time T0 and commits a
-   *fence* (a state change): a commit computed on an older state then loses its CaS and
-   runs its transition again, after T0, where the deadline refuses any blob older than
-   ``T0 - gc_orphan_min_age_s``. So every reference to such a blob is in a version the
-   sweep reads, however long either side pauses. (Clocks of writers and the blob store
+   references (for rollups: that the head does not list) and that are older than
+   ``gc_orphan_min_age_s`` (uploads whose commit failed, rollups a killed GC dropped).
+   Writes, merge results and rollups only commit references to blobs uploaded less
+   than half that age before their transition ran (:meth:`Machine.commit_deadline_ms`).
+   The sweep first notes the time T0 and commits a *fence* (a state change): a commit
+   computed on an older state then loses its CaS and runs its transition again, after
+   T0, where the deadline refuses any blob older than ``T0 - gc_orphan_min_age_s``. So
+   every reference to such a blob is in a version the sweep reads, however long either
+   side pauses. (Clocks of writers and the blob store
    must agree within half the age.)
 
 Any number of GCs may run at once, or die anywhere. A GC that finds another one got
@@ -180,9 +181,14 @@ def _sweep_orphans(machine: Machine) -> int:
     for store in stores:
         for meta in machine.blobs.store(store).list_keys(paths.shard_prefix(machine.shard_id)):
             listed.append((store, meta.key, meta.last_modified))
-    # Read after the fence committed, so it holds every reference to an old blob.
+    # Read after the fence committed, so it holds every reference to an old blob. Of the
+    # rollups only the head's count: a state is rebuilt from the head's latest rollup, GC
+    # starts from the one at the earliest record (also the head's), and one a GC dropped
+    # from the state (but died before deleting) is never read again.
     head = machine.fetch_latest()
-    live = _referenced_by_kept(machine, head) | head.referenced_blobs()
+    parts = {ref for ref in _referenced_by_kept(machine, head)
+             if not paths.is_rollup_key(ref[1])}
+    live = parts | head.referenced_blobs()
     deleted = 0
     for store, key, modified in listed:
         if (store, key) in live or modified > cutoff_s:

@@ -13,6 +13,7 @@ Given what writers logged (attempted and acknowledged keys), it checks that:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,13 +158,15 @@ def check_shard(
         if keys:
             sample = ", ".join(sorted(k.decode(errors="replace") for k in keys)[:5])
             result.violations.append(f"{len(keys)} {name} updates, e.g. {sample}")
+    gc_metrics: dict[str, Any] = {}
     if final_gc:
         client.flush_maintenance()  # a rollup stored in the background is recorded first
-        client.gc(shard)
+        gc_metrics = client.gc(shard)
     check_history(client, shard, inline_max_bytes, result)
     if final_gc:
         states = _history(client, shard, CheckResult())
         live: set[tuple[str, str]] = set()
+        leaked: list[str] = []
         for s in states:
             live |= {(p.store, p.key) for b in s.batches.values() for p in b.hollow_parts()}
         if states:
@@ -174,7 +177,9 @@ def check_shard(
             for meta in blob.list_keys(paths.shard_prefix(shard)):
                 if (name, meta.key) not in live:
                     result.leaked_blobs += 1
+                    leaked.append(f"{meta.key} ({time.time() - meta.last_modified:.0f}s old)")
         if result.leaked_blobs:
             result.violations.append(f"{result.leaked_blobs} blobs left after the final GC "
-                                     f"that no live state references")
+                                     f"that no live state references, e.g. {leaked[:3]}; "
+                                     f"final GC: {gc_metrics}")
     return result
