@@ -113,11 +113,14 @@ def _check(client: PersistClient, shard: ShardId, keys: list[bytes], max_bytes: 
 
 
 def test_control_gc_that_ignores_what_is_live_is_caught(location, monkeypatch):
+    # Written with the default commit deadline (a loaded machine may take longer than the
+    # half second a 1 s orphan age leaves); collected with a 1 s orphan age.
+    writing = location.client(InlinePolicy(0, 0), PersistConfig(rollup_threshold=2))
+    shard = _two_batches(writing)
+    for t in range(2, 6):
+        writing.open_writer(shard).compare_and_append([], t, t + 1)
     client = location.client(InlinePolicy(0, 0), PersistConfig(rollup_threshold=2,
                                                                 gc_orphan_min_age_s=1))
-    shard = _two_batches(client)
-    for t in range(2, 6):
-        client.open_writer(shard).compare_and_append([], t, t + 1)
     time.sleep(1.1)  # every part is now old enough for the orphan sweep
     from persist_pipeline import gc
 

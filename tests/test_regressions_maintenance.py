@@ -944,15 +944,19 @@ def test_rollups_a_killed_gc_dropped_are_swept_by_the_next_gc(location: Location
     sweep must still delete them (only the head's rollups are ever read)."""
     from persist_pipeline import gc as gc_module
 
+    # Writes get the default commit deadline (a loaded machine may need more than the half
+    # second a 1 s orphan age leaves); GC runs with a 1 s orphan age.
+    writing = location.client(InlinePolicy(0, 0), PersistConfig(
+        rollup_threshold=2, background_maintenance=False))
     config = PersistConfig(rollup_threshold=2, gc_orphan_min_age_s=1,
                            background_maintenance=False)
     client = location.client(InlinePolicy(0, 0), config)
     shard = ShardId.new()
-    writer = client.open_writer(shard)
+    writer = writing.open_writer(shard)
     for t in range(12):
         writer.compare_and_append([(b"k%d" % t, b"v", t, 1)], t, t + 1)
     # A reader holds this seqno, so neither GC can truncate past the first GC's drop.
-    reader = client.open_reader(shard)
+    reader = writing.open_reader(shard)
     real_delete = gc_module._delete
 
     def dies_before_deleting_rollups(machine: Any, store: str, key: str) -> int:
