@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from persist_pipeline import InlinePolicy, PersistClient, ShardId
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.consensus.base import VersionedData
 from persist_pipeline.exceptions import (
     AuthError,
@@ -91,3 +91,11 @@ def test_settings_from_the_environment(tmp_path):
         PersistClient.open(env={**env, "PERSIST_INLINE_UPDATE_MAX_BYTES": "lots"})
     with pytest.raises(InvalidConfig, match="PERSIST_CONSENSUS_URI"):
         PersistClient.open(env={})
+
+
+@pytest.mark.parametrize("kwargs", [{"read_fetch_threads": 0}, {"read_fetch_threads": 1.5},
+                                    {"rollup_threshold": 0}, {"rollup_threshold": 2.5},
+                                    {"gc_orphan_min_age_s": 0.5}])
+def test_bad_persist_config_is_refused(kwargs):
+    with pytest.raises(InvalidConfig, match=next(iter(kwargs))):
+        PersistConfig(**kwargs)
