@@ -256,6 +256,10 @@ def _spark_blobs(run: SimRun) -> Iterator[None]:
             spark_driver._OPEN_BLOBS.pop(run.spark_wal_uri, None)
 
 
+#: The counters a seed reports and a batch sums.
+_COUNTERS = ("steps", "ops", "lost_replies", "failed_calls", "pauses", "stalls", "crashes")
+
+
 @dataclass
 class SimReport:
     """The outcome of a batch of seeds."""
@@ -288,13 +292,8 @@ class SimReport:
 
     def add(self, r: SeedResult) -> None:
         self.seeds += 1
-        self.steps += r.steps
-        self.ops += r.ops
-        self.lost_replies += r.lost_replies
-        self.failed_calls += r.failed_calls
-        self.pauses += r.pauses
-        self.stalls += r.stalls
-        self.crashes += r.crashes
+        for name in _COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(r, name))
         if r.violations:
             self.failures.append(r)
 
