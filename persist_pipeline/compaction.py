@@ -10,26 +10,30 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from persist_pipeline.blob.base import Blob
+from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import CorruptPart, InvalidInput, PersistError
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
-from persist_pipeline.internal.blobs import ShardBlobs, write_parts
+from persist_pipeline.internal.blobs import PartWriter, ShardBlobs
 from persist_pipeline.internal.machine import Machine
-from persist_pipeline.internal.state import Batch
+from persist_pipeline.internal.merge import MemoryPlan, batch_rows, memory_plan, merge_runs
+from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, Part
 from persist_pipeline.internal.trace import ApplyMergeOutcome, MergeReq, MergeRes, merge_requests
-from persist_pipeline.updates import consolidate, empty_table
+from persist_pipeline.updates import advance_times, consolidate
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "CompactionMetrics",
+    "KeyRange",
     "MergeReq",
     "MergeRes",
     "apply_merge_result",
@@ -39,17 +43,138 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True, slots=True)
+class KeyRange:
+    """The keys ``k`` with ``lower <= k < upper`` (None: unbounded on that side)."""
+
+    lower: bytes | None = None
+    upper: bytes | None = None
+
+    def filter(self, table: pa.Table) -> pa.Table:
+        """The rows of ``table`` (sorted by key) whose key lies in this range."""
+        if not table.num_rows or (self.lower is None and self.upper is None):
+            return table
+        keys = table.column("k")
+        first, last = keys[0].as_py(), keys[-1].as_py()
+        if (self.lower is None or first >= self.lower) and \
+                (self.upper is None or last < self.upper):
+            return table
+        mask = None
+        if self.lower is not None:
+            mask = pc.greater_equal(keys, pa.scalar(self.lower, pa.binary()))
+        if self.upper is not None:
+            below = pc.less(keys, pa.scalar(self.upper, pa.binary()))
+            mask = below if mask is None else pc.and_(mask, below)
+        return table.filter(mask)
+
+
 def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
-              target_size_bytes: int) -> MergeRes:
-    """Consolidate a request's inputs (times advanced to its since) into output parts."""
+              target_size_bytes: int,
+              memory_bound_bytes: int = COMPACTION_MEMORY_BOUND_BYTES,
+              key_range: KeyRange | None = None, batch_id: str | None = None) -> MergeRes:
+    """Consolidate a request's inputs (times advanced to its since) into output parts.
+
+    Streams: every input batch is a sorted run, merged chunk by chunk
+    (:func:`~persist_pipeline.internal.merge.merge_runs`) into parts written as they
+    fill, holding about ``memory_bound_bytes`` of updates whatever the inputs' size.
+    More input runs than one pass can hold are merged in passes, through temporary parts
+    that no state ever references (deleted here, or by GC's orphan sweep after a crash).
+
+    Args:
+        req: the merge request.
+        shard_id: its shard.
+        main / wal: the blob stores (output always goes to ``main``, never inline).
+        target_size_bytes: the target size of an output part.
+        memory_bound_bytes: ``compaction_memory_bound_bytes``.
+        key_range: merge only the keys in this range (one task of a split merge).
+        batch_id: the output batch's id (the tasks of a split merge share one).
+    """
     blobs = ShardBlobs(main, wal, main, wal)
     where = f"shard {shard_id} compaction"
-    tables = [blobs.fetch_part(p, where) for b in req.inputs for p in b.parts]
-    merged = consolidate(pa.concat_tables(tables), since=req.desc.since) if tables \
-        else empty_table()
-    batch_id = f"b{new_token()}"
-    parts = write_parts(merged, shard_id, batch_id, main, "main", target_size_bytes)
-    return MergeRes(req.input_ids, Batch(batch_id, req.desc, parts, merged.num_rows))
+    since = req.desc.since
+    keys = key_range or KeyRange()
+    batch_id = batch_id or f"b{new_token()}"
+    runs = _input_runs(blobs, req, keys, where)
+    plan = memory_plan(memory_bound_bytes, len(runs), target_size_bytes)
+    temporary: list[HollowPart] = []
+    try:
+        while len(runs) > plan.fan_in:
+            merged: list[_Run] = []
+            for n in range(0, len(runs), plan.fan_in):
+                group = runs[n:n + plan.fan_in]
+                if len(group) == 1:
+                    merged.append(group[0])
+                    continue
+                writer = PartWriter(shard_id, f"{batch_id}-pass", main, "main", plan.part_bytes)
+                for table in merge_runs(_sources(blobs, group, plan, since, keys),
+                                        plan.chunk_bytes):
+                    writer.write(table)
+                parts = writer.finish()
+                temporary.extend(parts)
+                merged.append(_Run(parts, f"intermediate run of {where}"))
+            runs = merged
+            plan = memory_plan(memory_bound_bytes, len(runs), target_size_bytes)
+        writer = PartWriter(shard_id, batch_id, main, "main",
+                            min(target_size_bytes, plan.part_bytes))
+        for table in merge_runs(_sources(blobs, runs, plan, since, keys), plan.chunk_bytes):
+            writer.write(table)
+        parts = writer.finish()
+    finally:
+        _delete_temporary(main, temporary)
+    return MergeRes(req.input_ids, Batch(batch_id, req.desc, parts,
+                                         sum(p.num_updates for p in parts)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """A sorted run to merge: parts in key order, or one in-memory table."""
+
+    parts: tuple[Part, ...]
+    where: str
+    table: pa.Table | None = None
+
+
+def _input_runs(blobs: ShardBlobs, req: MergeReq, keys: KeyRange, where: str) -> list[_Run]:
+    """One run per input batch; every inline-only batch together forms one in-memory
+    run (inline data is bounded by the inline policy and is in memory already)."""
+    runs: list[_Run] = []
+    inline: list[pa.Table] = []
+    for batch in req.inputs:
+        if batch.parts and all(isinstance(p, InlinePart) for p in batch.parts):
+            inline.extend(keys.filter(blobs.fetch_part(p, where)) for p in batch.parts)
+            continue
+        parts = tuple(p for p in batch.parts
+                      if not isinstance(p, HollowPart) or p.may_hold_keys(keys.lower, keys.upper))
+        if parts:
+            runs.append(_Run(parts, f"batch {batch.id} of {where}"))
+    if inline:
+        runs.append(_Run((), f"inline parts of {where}",
+                         consolidate(pa.concat_tables(inline), since=req.desc.since)))
+    return runs
+
+
+def _sources(blobs: ShardBlobs, runs: list[_Run], plan: MemoryPlan, since: int,
+             keys: KeyRange) -> list[tuple[Iterator[pa.Table], str]]:
+    return [(_run_chunks(blobs, run, plan, since, keys), run.where) for run in runs]
+
+
+def _run_chunks(blobs: ShardBlobs, run: _Run, plan: MemoryPlan, since: int,
+                keys: KeyRange) -> Iterator[pa.Table]:
+    if run.table is not None:
+        yield run.table
+        return
+    for part in run.parts:
+        rows = batch_rows(plan.chunk_bytes, part.encoded_size, part.num_updates)
+        for chunk in blobs.stream_part(part, run.where, rows, key_lower=keys.lower):
+            yield advance_times(keys.filter(chunk), since=since)
+
+
+def _delete_temporary(main: Blob, parts: list[HollowPart]) -> None:
+    for part in parts:
+        try:
+            main.delete(part.key)
+        except PersistError as e:  # never referenced: GC's orphan sweep removes it later
+            log.warning("could not delete intermediate merge part %s: %s", part.key, e)
 
 
 def apply_merge_result(machine: Machine, res: MergeRes, started_ms: int) -> ApplyMergeOutcome:
@@ -169,7 +294,7 @@ def compact_shard(
         for req in requests:
             try:
                 yield run_merge(req, machine.shard_id, blobs.main, blobs.wal,
-                                cfg.blob_target_size_bytes)
+                                cfg.blob_target_size_bytes, cfg.compaction_memory_bound_bytes)
             except CorruptPart:
                 if not inputs_replaced(machine, req):
                     raise

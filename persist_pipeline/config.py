@@ -35,6 +35,11 @@ RETRY_DEADLINE_S = 60.0
 LISTEN_POLL_INTERVAL_S = 0.1
 #: Write rollups on a background thread instead of in the committing writer's call.
 BACKGROUND_MAINTENANCE = True
+#: Bytes of updates one merge or one streaming snapshot holds in memory (Materialize's
+#: ``compaction_memory_bound_bytes``); larger merges stream and, past the fan-in, run in passes.
+COMPACTION_MEMORY_BOUND_BYTES = 256 << 20
+#: Merges of more input bytes than this are split by key range into several Spark tasks.
+COMPACTION_SPLIT_BYTES = 256 << 20
 #: Parts one read fetches in parallel (1: one after another, on the caller's thread).
 READ_FETCH_THREADS = 8
 
@@ -106,6 +111,8 @@ class PersistConfig:
     listen_poll_interval_s: float = LISTEN_POLL_INTERVAL_S
     background_maintenance: bool = BACKGROUND_MAINTENANCE
     read_fetch_threads: int = READ_FETCH_THREADS
+    compaction_memory_bound_bytes: int = COMPACTION_MEMORY_BOUND_BYTES
+    compaction_split_bytes: int = COMPACTION_SPLIT_BYTES
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -122,6 +129,11 @@ class PersistConfig:
             raise InvalidConfig("PersistConfig.rollup_threshold must be an int of at least 1")
         if isinstance(self.read_fetch_threads, float) or self.read_fetch_threads < 1:
             raise InvalidConfig("PersistConfig.read_fetch_threads must be an int of at least 1")
+        for name in ("compaction_memory_bound_bytes", "compaction_split_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, float) or value < (1 << 20):
+                raise InvalidConfig(f"PersistConfig.{name} must be an int of at least 1 MiB, "
+                                    f"got {value!r}")
         if self.blob_target_size_bytes < 1:
             raise InvalidConfig("PersistConfig.blob_target_size_bytes must be at least 1")
 

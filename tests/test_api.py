@@ -66,14 +66,22 @@ def test_large_write_goes_to_blob_in_parts(open_client, location):
     client = open_client(PersistConfig(blob_target_size_bytes=64 * 1024))
     shard = ShardId.new()
     writer = client.open_writer(shard)
-    big = [(f"key-{i:06d}".encode(), b"x" * 50, i % 7, 1) for i in range(20_000)]
+    # Incompressible values: about 1 MB encoded, so several parts of 64 KiB.
+    rng = random.Random(5)
+    big = [(f"key-{i:06d}".encode(), rng.randbytes(50), i % 7, 1) for i in range(20_000)]
     res = writer.compare_and_append(big, 0, 7)
     assert res.placement == ("wal" if location.wal_blob_uri else "blob")
     assert res.num_parts > 1
     info = client.inspect(shard)
     assert info["parts"]["inline"] == 0
+    # A part is about the target size, encoded (the last one smaller).
+    parts = [p for b in client.machine(str(shard)).fetch_latest().batches.values()
+             for p in b.parts]
+    assert len(parts) == res.num_parts
+    assert all(p.encoded_size < 2 * 64 * 1024 for p in parts)
     snap = client.open_reader(shard).snapshot(6)
     assert snap.num_rows == 20_000
+    assert sorted(rows(snap, 6)) == sorted((k, v, 1) for k, v, _, _ in big)
 
 
 def test_pyarrow_table_input(open_client):

@@ -110,6 +110,17 @@ class Blob(ABC):
     def get(self, key: str) -> bytes | None:
         """The value at ``key``, or None if there is none."""
 
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        """``length`` bytes of the value at ``key`` from offset ``start`` (fewer at its
+        end), or None if there is none.
+
+        Streaming reads use it to hold one Parquet row group, not a whole part. This
+        default fetches the whole value; stores that can read a range override it.
+        """
+        validate_range(start, length)
+        value = self.get(key)
+        return None if value is None else value[start:start + length]
+
     @abstractmethod
     def set(self, key: str, value: bytes) -> None:
         """Write ``value`` at ``key`` atomically: a reader sees all of it or nothing."""
@@ -128,6 +139,17 @@ class Blob(ABC):
     def describe(self) -> str:
         """A human-readable location with credentials removed, for logs and errors."""
         return self.kind
+
+
+def validate_range(start: int, length: int) -> None:
+    """Check the byte range of :meth:`Blob.get_range`.
+
+    Raises:
+        InvalidInput: ``start`` or ``length`` is not a non-negative int.
+    """
+    for name, value in (("start", start), ("length", length)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidInput(f"blob range {name} must be a non-negative int, got {value!r}")
 
 
 def validate_value(value: bytes) -> bytes:

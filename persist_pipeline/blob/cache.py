@@ -14,7 +14,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from persist_pipeline.blob.base import Blob, BlobMeta, validate_key, validate_value
+from persist_pipeline.blob.base import (
+    Blob,
+    BlobMeta,
+    validate_key,
+    validate_range,
+    validate_value,
+)
 from persist_pipeline.exceptions import InvalidConfig
 
 
@@ -93,6 +99,17 @@ class CachingBlob(Blob):
             with self._lock:
                 self._admit(key, value, epoch)
         return value
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        """A range of the cached value when the cache holds it, else of the inner store
+        (ranges are not admitted: streaming reads must not evict whole parts)."""
+        validate_key(key)
+        validate_range(start, length)
+        with self._lock:
+            value = self._values.get(key)
+        if value is not None:
+            return value[start:start + length]
+        return self.inner.get_range(key, start, length)
 
     def set(self, key: str, value: bytes) -> None:
         """Write ``value`` through to the inner store (and cache it when enabled)."""

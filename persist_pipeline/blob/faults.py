@@ -67,6 +67,11 @@ class FaultyBlob(Blob):
         validate_key(key)
         return self._run("get", repr(key), lambda: self.inner.get(key))
 
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        """The inner ``get_range``, with the faults of ``get``."""
+        validate_key(key)
+        return self._run("get", repr(key), lambda: self.inner.get_range(key, start, length))
+
     def set(self, key: str, value: bytes) -> None:
         """The inner ``set``, with faults (``fail_after`` means it *was* written)."""
         validate_key(key)

@@ -40,6 +40,7 @@ from persist_pipeline.blob.base import (
     BlobMeta,
     validate_key,
     validate_prefix,
+    validate_range,
     validate_value,
 )
 from persist_pipeline.exceptions import (
@@ -168,6 +169,21 @@ class LocalBlob(Blob):
         try:
             with open(path, "rb") as f:
                 return f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            if self._missing_root():
+                raise self._fail("get", key, exc) from exc
+            return None
+        except OSError as exc:
+            raise self._fail("get", key, exc) from exc
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        """``length`` bytes at ``start`` of the value at ``key`` (one seek and read)."""
+        validate_range(start, length)
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                return f.read(length)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             if self._missing_root():
                 raise self._fail("get", key, exc) from exc

@@ -18,6 +18,7 @@ from persist_pipeline.blob.base import (
     BlobMeta,
     validate_key,
     validate_prefix,
+    validate_range,
     validate_value,
 )
 from persist_pipeline.exceptions import InvalidUri
@@ -99,6 +100,14 @@ class MemoryBlob(Blob):
         with self._store.lock:
             entry = self._store.objects.get(key)
         return None if entry is None else entry[0]
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        """``length`` bytes at ``start`` of the value at ``key``."""
+        validate_key(key)
+        validate_range(start, length)
+        with self._store.lock:
+            entry = self._store.objects.get(key)
+        return None if entry is None else entry[0][start:start + length]
 
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` at ``key`` (replacing any previous value)."""

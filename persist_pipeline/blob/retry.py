@@ -40,6 +40,9 @@ class RetryingBlob(Blob):
     def get(self, key: str) -> bytes | None:
         return self._retry("get", lambda: self.inner.get(key))
 
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        return self._retry("get", lambda: self.inner.get_range(key, start, length))
+
     def set(self, key: str, value: bytes) -> None:
         self._retry("set", lambda: self.inner.set(key, value))
 

@@ -62,6 +62,7 @@ from persist_pipeline.blob.base import (
     BlobMeta,
     validate_key,
     validate_prefix,
+    validate_range,
     validate_value,
 )
 from persist_pipeline.exceptions import (
@@ -466,6 +467,31 @@ class S3Blob(Blob):
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in _NOT_FOUND_CODES:
                 return None
+            raise self._error(exc, "get", key) from exc
+        except BotoCoreError as exc:
+            raise self._error(exc, "get", key) from exc
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        """``length`` bytes at ``start`` of the value at ``key`` (one ranged GET)."""
+        validate_key(key)
+        validate_range(start, length)
+        if length == 0:
+            return b"" if self.get_range(key, 0, 1) is not None else None
+        client = self._client()
+        try:
+            response = client.get_object(Bucket=self._bucket, Key=self._base + key,
+                                         Range=f"bytes={start}-{start + length - 1}")
+            body = response["Body"]
+            try:
+                return bytes(body.read())
+            finally:
+                body.close()
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code in _NOT_FOUND_CODES:
+                return None
+            if code == "InvalidRange":  # start at or past the end of a value
+                return b""
             raise self._error(exc, "get", key) from exc
         except BotoCoreError as exc:
             raise self._error(exc, "get", key) from exc

@@ -1,35 +1,38 @@
-"""One shard location's blob stores: main, optional WAL, and the LRU part cache."""
+"""One shard location's blob stores (main, optional WAL, the LRU part cache), and the
+streaming reader and writer of Parquet parts.
+
+Parts are read whole when small (through the cache) and row group by row group with
+ranged reads when large, so a merge or a snapshot holds one row group per input run,
+not one part. :class:`PartWriter` writes a stream of sorted, consolidated tables as
+parts of about a target size, recording each part's time and key bounds.
+"""
 
 from __future__ import annotations
 
+import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from persist_pipeline.blob.base import Blob
-from persist_pipeline.exceptions import CorruptPart
+from persist_pipeline.exceptions import CorruptPart, ResourceExhausted
 from persist_pipeline.internal import paths
-from persist_pipeline.internal.state import HollowPart, InlinePart, Part, Store
-from persist_pipeline.updates import decode_inline, decode_parquet, encode_parquet, split_by_size
+from persist_pipeline.internal.state import HollowPart, InlinePart, Part, Store, key_bounds
+from persist_pipeline.updates import (
+    PARQUET_ROW_GROUP_BYTES as _ROW_GROUP_BYTES,
+)
+from persist_pipeline.updates import (
+    SCHEMA,
+    decode_inline,
+    decode_parquet,
+    parquet_write_options,
+)
 
-
-def write_parts(table: pa.Table, shard_id: str, batch_id: str, blob: Blob, store: Store,
-                target_size_bytes: int) -> tuple[HollowPart, ...]:
-    """Write a consolidated table as Parquet parts of about ``target_size_bytes`` each.
-
-    Every call writes fresh keys, even for a batch id written before (a retried write).
-    """
-    parts = []
-    nonce = paths.new_nonce()
-    for i, piece in enumerate(split_by_size(table, target_size_bytes)):
-        data = encode_parquet(piece)
-        key = paths.part_key(shard_id, batch_id, nonce, i)
-        blob.set(key, data)
-        times = pc.min_max(piece.column("t")).as_py()
-        parts.append(HollowPart(key, store, len(data), piece.num_rows, int(times["min"]),
-                                int(times["max"])))
-    return tuple(parts)
+#: Parts up to this size are fetched whole (and cached); larger ones are streamed.
+WHOLE_FETCH_MAX_BYTES = 4 << 20
 
 
 @dataclass
@@ -66,3 +69,186 @@ class ShardBlobs:
             raise CorruptPart(f"part {part.key!r} ({where}) is missing from the "
                               f"{part.store} blob store")
         return decode_parquet(data, f"{part.key!r} in the {part.store} blob store")
+
+    def stream_part(self, part: Part, where: str, batch_rows: int,
+                    key_lower: bytes | None = None) -> Iterator[pa.Table]:
+        """A part's updates in order, as tables of at most ``batch_rows`` rows.
+
+        Large hollow parts are read row group by row group with ranged reads; row groups
+        whose keys all lie below ``key_lower`` are skipped (their statistics say so).
+        """
+        if isinstance(part, InlinePart) or part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
+            table = self.fetch_part(part, where)
+            for start in range(0, table.num_rows, batch_rows):
+                yield table.slice(start, batch_rows)
+            return
+        described = f"{part.key!r} in the {part.store} blob store"
+        source = _BlobFile(self.store(part.store, cached=True), part, where)
+        try:
+            reader = pq.ParquetFile(source)
+            groups = _row_groups_from(reader.metadata, key_lower)
+            for batch in reader.iter_batches(batch_size=batch_rows, row_groups=groups,
+                                             columns=SCHEMA.names, use_threads=False):
+                yield pa.Table.from_batches([batch]).cast(SCHEMA)
+        except (CorruptPart, ResourceExhausted):
+            raise
+        except (pa.ArrowMemoryError, MemoryError) as e:
+            raise ResourceExhausted(f"out of memory reading Parquet part {described} "
+                                    f"({part.encoded_size} bytes): {e}") from None
+        except (pa.ArrowException, KeyError, ValueError, OSError) as e:
+            raise CorruptPart(f"corrupt Parquet part {described}: {e}") from None
+
+
+def _row_groups_from(meta: pq.FileMetaData, key_lower: bytes | None) -> list[int]:
+    """The row groups that may hold a key at or above ``key_lower``."""
+    groups = list(range(meta.num_row_groups))
+    if key_lower is None or "k" not in meta.schema.names:
+        return groups
+    k = meta.schema.names.index("k")
+    keep = []
+    for g in groups:
+        stats = meta.row_group(g).column(k).statistics
+        if stats is not None and stats.has_min_max and stats.max < key_lower:
+            continue
+        keep.append(g)
+    return keep
+
+
+class _BlobFile(io.RawIOBase):
+    """A read-only, seekable file over one part, read with ranged gets."""
+
+    def __init__(self, blob: Blob, part: HollowPart, where: str) -> None:
+        super().__init__()
+        self._blob = blob
+        self._part = part
+        self._where = where
+        self._size = part.encoded_size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        want = min(len(buffer), self._size - self._pos)
+        if want <= 0:
+            return 0
+        data = self._blob.get_range(self._part.key, self._pos, want)
+        if data is None:
+            raise CorruptPart(f"part {self._part.key!r} ({self._where}) is missing from the "
+                              f"{self._part.store} blob store")
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+class PartWriter:
+    """Writes a stream of sorted, consolidated k/v/t/d tables as Parquet parts.
+
+    Each part holds about ``target_size_bytes`` of encoded data (the last one less);
+    tables must arrive in ``(k, v, t)`` order, so the parts form one sorted run. Every
+    writer writes fresh keys, even for a batch id written before (a retried write).
+    """
+
+    def __init__(self, shard_id: str, batch_id: str, blob: Blob, store: Store,
+                 target_size_bytes: int) -> None:
+        self._shard_id = shard_id
+        self._batch_id = batch_id
+        self._blob = blob
+        self._store: Store = store
+        self._target = max(1, target_size_bytes)
+        self._nonce = paths.new_nonce()
+        self._parts: list[HollowPart] = []
+        self._pending: list[pa.Table] = []
+        self._pending_bytes = 0
+        self._sink: io.BytesIO | None = None
+        self._writer: pq.ParquetWriter | None = None
+        self._rows = 0
+        self._min_time = 0
+        self._max_time = 0
+        self._first_key = b""
+        self._last_key = b""
+
+    @property
+    def parts(self) -> tuple[HollowPart, ...]:
+        """The parts written so far."""
+        return tuple(self._parts)
+
+    def write(self, table: pa.Table) -> None:
+        """Append ``table`` (which sorts after everything written before)."""
+        if table.num_rows == 0:
+            return
+        self._pending.append(table)
+        self._pending_bytes += table.nbytes
+        if self._pending_bytes >= min(self._target, _ROW_GROUP_BYTES):
+            self._encode_pending()
+
+    def finish(self) -> tuple[HollowPart, ...]:
+        """Write what is buffered; return every part, in key order."""
+        self._encode_pending()
+        self._flush_part()
+        return tuple(self._parts)
+
+    def _encode_pending(self) -> None:
+        if not self._pending:
+            return
+        table = pa.concat_tables(self._pending).cast(SCHEMA)
+        self._pending, self._pending_bytes = [], 0
+        per_row = max(1, table.nbytes // table.num_rows)
+        step = max(1, min(self._target, _ROW_GROUP_BYTES) // per_row)
+        for start in range(0, table.num_rows, step):
+            piece = table.slice(start, step)
+            if self._writer is None:
+                self._sink = io.BytesIO()
+                options = parquet_write_options(piece)
+                del options["row_group_size"]
+                self._writer = pq.ParquetWriter(self._sink, SCHEMA, **options)
+            assert self._sink is not None
+            self._writer.write_table(piece, row_group_size=step)
+            self._track(piece)
+            if self._sink.tell() >= self._target:
+                self._flush_part()
+
+    def _track(self, piece: pa.Table) -> None:
+        times = pc.min_max(piece.column("t")).as_py()
+        keys = piece.column("k")
+        if self._rows == 0:
+            self._min_time, self._max_time = int(times["min"]), int(times["max"])
+            self._first_key = keys[0].as_py()
+        else:
+            self._min_time = min(self._min_time, int(times["min"]))
+            self._max_time = max(self._max_time, int(times["max"]))
+        self._last_key = keys[-1].as_py()
+        self._rows += piece.num_rows
+
+    def _flush_part(self) -> None:
+        if self._writer is None:
+            return
+        assert self._sink is not None
+        self._writer.close()
+        data = self._sink.getvalue()
+        self._writer, self._sink = None, None
+        key = paths.part_key(self._shard_id, self._batch_id, self._nonce, len(self._parts))
+        self._blob.set(key, data)
+        min_key, max_key = key_bounds(self._first_key, self._last_key)
+        self._parts.append(HollowPart(key, self._store, len(data), self._rows,
+                                      self._min_time, self._max_time, min_key, max_key))
+        self._rows = 0
+
+
+def write_parts(table: pa.Table, shard_id: str, batch_id: str, blob: Blob, store: Store,
+                target_size_bytes: int) -> tuple[HollowPart, ...]:
+    """Write a consolidated table as Parquet parts of about ``target_size_bytes`` each."""
+    writer = PartWriter(shard_id, batch_id, blob, store, target_size_bytes)
+    writer.write(table)
+    return writer.finish()

@@ -29,7 +29,12 @@ class Description:
 
 @dataclass(frozen=True, slots=True)
 class HollowPart:
-    """A Parquet part in blob storage, referenced by key."""
+    """A Parquet part in blob storage, referenced by key.
+
+    Every part is sorted by ``(k, v, t)`` and consolidated, and the parts of one batch
+    are in key order: a batch is one sorted run. ``min_key``/``max_key`` bound its keys
+    (inclusive, see :func:`key_bounds`); None in parts written before they were recorded.
+    """
 
     key: str
     store: Store
@@ -37,6 +42,35 @@ class HollowPart:
     num_updates: int
     min_time: int
     max_time: int
+    min_key: bytes | None = None
+    max_key: bytes | None = None
+
+    def may_hold_keys(self, lower: bytes | None, upper: bytes | None) -> bool:
+        """Whether the part may hold a key ``k`` with ``lower <= k < upper`` (None: open)."""
+        if lower is not None and self.max_key is not None and self.max_key < lower:
+            return False
+        return not (upper is not None and self.min_key is not None and self.min_key >= upper)
+
+    def may_hold_times(self, lower: int, upper: int | None) -> bool:
+        """Whether the part may hold a time ``t`` with ``lower <= t < upper``."""
+        return self.max_time >= lower and (upper is None or self.min_time < upper)
+
+
+#: Longest key recorded whole in a part's key bounds; longer ones are cut (loose bounds).
+KEY_BOUND_MAX_BYTES = 128
+
+
+def key_bounds(min_key: bytes, max_key: bytes) -> tuple[bytes, bytes | None]:
+    """Bounds for a part's keys that stay small in the state: a prefix of ``min_key``
+    (never above it) and the shortest cut of ``max_key`` incremented (never below it;
+    None when no short bound exists, e.g. a key of only ``0xff`` bytes)."""
+    lower = min_key[:KEY_BOUND_MAX_BYTES]
+    if len(max_key) <= KEY_BOUND_MAX_BYTES:
+        return lower, max_key
+    cut = max_key[:KEY_BOUND_MAX_BYTES].rstrip(b"\xff")
+    if not cut:
+        return lower, None
+    return lower, cut[:-1] + bytes([cut[-1] + 1])
 
 
 @dataclass(frozen=True, slots=True)

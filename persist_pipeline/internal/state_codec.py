@@ -71,6 +71,10 @@ def _part_to(part: Part, out: pb.Part) -> None:
         h = out.hollow
         h.key, h.store, h.encoded_size = part.key, part.store, part.encoded_size
         h.num_updates, h.min_time, h.max_time = part.num_updates, part.min_time, part.max_time
+        if part.min_key is not None:
+            h.min_key = part.min_key
+        if part.max_key is not None:
+            h.max_key = part.max_key
     else:
         i = out.inline
         i.part_id, i.updates, i.num_updates = part.part_id, part.updates, part.num_updates
@@ -83,7 +87,9 @@ def _part_from(p: pb.Part) -> Part:
         if h.store not in ("main", "wal"):
             raise CorruptState(f"part {h.key!r} names unknown store {h.store!r}")
         store: Any = h.store
-        return HollowPart(h.key, store, h.encoded_size, h.num_updates, h.min_time, h.max_time)
+        return HollowPart(h.key, store, h.encoded_size, h.num_updates, h.min_time, h.max_time,
+                          h.min_key if h.HasField("min_key") else None,
+                          h.max_key if h.HasField("max_key") else None)
     if kind == "inline":
         i = p.inline
         return InlinePart(i.part_id, i.updates, i.num_updates)

@@ -35,20 +35,24 @@ class InlineUpdates(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., vals: _Optional[_Iterable[bytes]] = ..., times: _Optional[_Iterable[int]] = ..., diffs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HollowPart(_message.Message):
-    __slots__ = ("key", "store", "encoded_size", "num_updates", "min_time", "max_time")
+    __slots__ = ("key", "store", "encoded_size", "num_updates", "min_time", "max_time", "min_key", "max_key")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     ENCODED_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_UPDATES_FIELD_NUMBER: _ClassVar[int]
     MIN_TIME_FIELD_NUMBER: _ClassVar[int]
     MAX_TIME_FIELD_NUMBER: _ClassVar[int]
+    MIN_KEY_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEY_FIELD_NUMBER: _ClassVar[int]
     key: str
     store: str
     encoded_size: int
     num_updates: int
     min_time: int
     max_time: int
-    def __init__(self, key: _Optional[str] = ..., store: _Optional[str] = ..., encoded_size: _Optional[int] = ..., num_updates: _Optional[int] = ..., min_time: _Optional[int] = ..., max_time: _Optional[int] = ...) -> None: ...
+    min_key: bytes
+    max_key: bytes
+    def __init__(self, key: _Optional[str] = ..., store: _Optional[str] = ..., encoded_size: _Optional[int] = ..., num_updates: _Optional[int] = ..., min_time: _Optional[int] = ..., max_time: _Optional[int] = ..., min_key: _Optional[bytes] = ..., max_key: _Optional[bytes] = ...) -> None: ...
 
 class InlinePart(_message.Message):
     __slots__ = ("part_id", "updates", "num_updates")
