@@ -7,7 +7,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import pyarrow as pa
@@ -24,11 +24,16 @@ from persist_pipeline.exceptions import (
 )
 from persist_pipeline.frontier import MAX_TIME, Frontier, check_frontier, less_than
 from persist_pipeline.internal import transitions
+from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES
 from persist_pipeline.internal.heartbeat import Heartbeater
 from persist_pipeline.internal.machine import Machine
+from persist_pipeline.internal.merge import batch_rows, memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, HollowPart, State
 from persist_pipeline.internal.sync import new_lock
-from persist_pipeline.updates import consolidate, empty_table
+from persist_pipeline.updates import SCHEMA, advance_times, consolidate, empty_table
+
+#: The most rows in one record batch of :meth:`ReadHandle.snapshot_batches`.
+SNAPSHOT_BATCH_ROWS = 64 * 1024
 
 #: Parallel blob fetches per read.
 _FETCH_THREADS = 8
@@ -46,6 +51,50 @@ def _fetch_pool() -> ThreadPoolExecutor:
             _POOL = ThreadPoolExecutor(max_workers=_FETCH_THREADS,
                                        thread_name_prefix="persist-fetch")
         return _POOL
+
+
+def stream_snapshot(machine: Machine, batches: list[Batch], as_of: int) -> Iterator[pa.Table]:
+    """The consolidated collection at ``as_of`` of ``batches``, as sorted tables.
+
+    Inline batches and small hollow ones (up to an eighth of the memory bound in all)
+    are fetched whole, in parallel, and form one in-memory run; every other batch is
+    streamed as its own run through the k-way merge.
+    """
+    bound = machine.config.compaction_memory_bound_bytes
+    small: list[Batch] = []
+    small_bytes = 0
+    large: list[Batch] = []
+    for b in batches:
+        size = sum(p.encoded_size for p in b.hollow_parts())
+        if size <= WHOLE_FETCH_MAX_BYTES and small_bytes + size <= bound // 8:
+            small.append(b)
+            small_bytes += size
+        elif b.parts:
+            large.append(b)
+    where = f"shard {machine.shard_id}"
+    runs: list[tuple[Iterator[pa.Table], str]] = []
+    if small:
+        table = consolidate(fetch_batches(machine, small, where), as_of=as_of)
+        if not large:
+            if table.num_rows:
+                yield table
+            return
+        runs.append((iter([table]), f"small batches of {where}"))
+    plan = memory_plan(bound, len(runs) + len(large), bound)
+    for b in large:
+        runs.append((_batch_chunks(machine, b, as_of, plan.chunk_bytes, where),
+                     f"batch {b.id} of {where}"))
+    yield from merge_runs(runs, plan.chunk_bytes)
+
+
+def _batch_chunks(machine: Machine, batch: Batch, as_of: int, chunk_bytes: int,
+                  where: str) -> Iterator[pa.Table]:
+    for part in batch.parts:
+        if isinstance(part, HollowPart) and part.min_time > as_of:
+            continue
+        rows = batch_rows(chunk_bytes, part.encoded_size, part.num_updates)
+        for chunk in machine.blobs.stream_part(part, where, rows):
+            yield advance_times(chunk, as_of=as_of)
 
 
 def fetch_batches(machine: Machine, batches: list[Batch], where: str) -> pa.Table:
@@ -133,13 +182,18 @@ class ReadHandle:
         try:
             return fetch_batches(self._machine, batches, f"shard {self.shard_id}")
         except CorruptPart as e:
-            latest = self._machine.fetch_latest()
-            if self.reader_id not in latest.leased_readers:
-                self._expired = True
-                raise LeaseExpired(f"reader {self.reader_id} was expired while reading (it "
-                                   f"missed heartbeats) and GC collected what it was "
-                                   f"reading") from e
+            self._raise_if_expired(e)
             raise
+
+    def _raise_if_expired(self, error: CorruptPart) -> None:
+        """Raise :class:`LeaseExpired` if this reader was expired (asked of consensus):
+        then GC may have collected what it was reading, which is not corruption."""
+        latest = self._machine.fetch_latest()
+        if self.reader_id not in latest.leased_readers:
+            self._expired = True
+            raise LeaseExpired(f"reader {self.reader_id} was expired while reading (it "
+                               f"missed heartbeats) and GC collected what it was "
+                               f"reading") from error
 
     def heartbeat(self) -> None:
         """Renew the lease (done in the background; call it to renew now)."""
@@ -165,11 +219,29 @@ class ReadHandle:
         return t
 
     def snapshot(self, as_of: int) -> pa.Table:
-        """The collection at ``as_of``: a consolidated k/v/t/d table, every ``t == as_of``.
+        """The collection at ``as_of``: a consolidated k/v/t/d table, every ``t == as_of``,
+        sorted by ``(k, v)`` (the concatenation of :meth:`snapshot_batches`).
 
         Raises:
             SinceViolation: ``as_of`` is below this reader's since.
             NotYetAvailable: the shard's upper is not yet beyond ``as_of``.
+        """
+        batches = list(self.snapshot_batches(as_of))
+        return pa.Table.from_batches(batches, SCHEMA) if batches else empty_table()
+
+    def snapshot_batches(self, as_of: int,
+                         max_rows: int = SNAPSHOT_BATCH_ROWS) -> Iterator[pa.RecordBatch]:
+        """The collection at ``as_of`` as consolidated record batches in ``(k, v)`` order,
+        read in bounded memory (about ``compaction_memory_bound_bytes``, whatever the
+        shard's size): every batch of the shard is a sorted run, merged as it streams.
+
+        The state being read stays held (its parts are not collected) until the
+        iterator is exhausted or closed. Errors are raised as for :meth:`snapshot`, when
+        the iteration starts.
+
+        Args:
+            as_of: the time to read at.
+            max_rows: the most rows in one record batch.
         """
         with self._reading_state() as state:
             t = self._check_as_of(as_of, state)
@@ -177,7 +249,12 @@ class ReadHandle:
                 raise NotYetAvailable(f"as_of {t} is not complete yet: the shard's upper is "
                                       f"{state.upper}")
             batches = [b for b in state.ordered_batches if b.desc.lower <= t]
-            return consolidate(self.fetch(batches, state), as_of=t)
+            try:
+                for table in stream_snapshot(self._machine, batches, t):
+                    yield from table.to_batches(max_chunksize=max_rows)
+            except CorruptPart as e:
+                self._raise_if_expired(e)
+                raise
 
     def listen(self, as_of: int) -> Listen:
         """Every update with ``t > as_of``, in time order, with progress frontiers.
@@ -310,6 +387,10 @@ class Listen:
                    if less_than(lo, b.desc.upper) and less_than(b.desc.lower, hi)]
         self._check_batches(batches, lo, state)
         events = []
+        # Only the parts whose time range can hold updates in [lo, hi).
+        batches = [replace(b, parts=tuple(
+            p for p in b.parts if not isinstance(p, HollowPart) or p.may_hold_times(lo, hi)))
+            for b in batches]
         table = self._reader.fetch(batches, state)
         mask = pc.greater_equal(table.column("t"), lo)
         if hi is not None:

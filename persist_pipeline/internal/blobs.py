@@ -86,10 +86,11 @@ class ShardBlobs:
         source = _BlobFile(self.store(part.store, cached=True), part, where)
         try:
             reader = pq.ParquetFile(source)
-            groups = _row_groups_from(reader.metadata, key_lower)
-            for batch in reader.iter_batches(batch_size=batch_rows, row_groups=groups,
-                                             columns=SCHEMA.names, use_threads=False):
-                yield pa.Table.from_batches([batch]).cast(SCHEMA)
+            # One row group at a time: asked for several, pyarrow pre-buffers them all.
+            for group in _row_groups_from(reader.metadata, key_lower):
+                for batch in reader.iter_batches(batch_size=batch_rows, row_groups=[group],
+                                                 columns=SCHEMA.names, use_threads=False):
+                    yield pa.Table.from_batches([batch]).cast(SCHEMA)
         except (CorruptPart, ResourceExhausted):
             raise
         except (pa.ArrowMemoryError, MemoryError) as e:

@@ -132,7 +132,18 @@ class SimRun:
         self.clock.sleep(self.rng.expovariate(1.0 / (0.05 * scale)))
 
     def spawn(self, name: str, process: Process, body: Callable[[], None]) -> None:
-        self.scheduler.spawn(name, process, body)
+        self.scheduler.spawn(name, process, self._guarded(name, body))
+
+    def _guarded(self, name: str, body: Callable[[], None]) -> Callable[[], None]:
+        """``body``, with a library error that escapes the thread recorded as a violation
+        (an actor checks the errors it expects; any other one is a defect)."""
+        def run() -> None:
+            try:
+                body()
+            except PersistError as e:
+                self.violation(f"thread {name}: uncaught {type(e).__name__}: {e}")
+
+        return run
 
     def retry_open(self, open_: Callable[[], T]) -> T | None:
         """Open a handle, retrying while consensus is unavailable."""
@@ -150,7 +161,8 @@ class SimRun:
         self._processes += 1
         proc = Process(f"{role}{self._processes}")
         body = actors.ROLES[role]
-        self.scheduler.spawn(proc.name, proc, lambda: body(self, proc), delay_s)
+        self.scheduler.spawn(proc.name, proc, self._guarded(proc.name, lambda: body(self, proc)),
+                             delay_s)
         self._roles[proc.name] = role
 
     # --- the run -------------------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""Synthetic sorted runs for merge benchmarks and memory tests (no consensus needed).
+
+``python -m persist_pipeline.examples.merge_data write DIR ROWS RUNS`` writes ``RUNS``
+batches of 16-byte keys and 64-byte values as parts in a local blob folder and a JSON
+manifest; ``... merge DIR BOUND_MIB`` merges them with
+:func:`persist_pipeline.compaction.run_merge` and prints JSON with the peak RSS
+(``ru_maxrss``) of that process, which is what the memory tests and ``make bench``
+measure (each in a fresh process, so the peak is the merge's own).
+
+Keys are drawn from ``ROWS / 2`` values, so keys repeat across runs; a key's value is a
+function of the key and diffs are +1 or -1, so a merge consolidates and cancels.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from persist_pipeline.blob.local import LocalBlob
+from persist_pipeline.compaction import KeyRange, run_merge
+from persist_pipeline.internal.blobs import PartWriter
+from persist_pipeline.internal.state import Batch, Description, HollowPart
+from persist_pipeline.internal.trace import MergeReq
+from persist_pipeline.updates import SCHEMA, consolidate_sorted
+
+SHARD = "s00000000-0000-0000-0000-000000000000"
+_LANES = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
+                   0xD6E8FEB86659FD93, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53,
+                   0x2545F4914F6CDD1D, 0x94D049BB133111EB], dtype=np.uint64)
+
+
+def write_runs(folder: Path, rows: int, runs: int, seed: int = 1,
+               chunk_rows: int = 1_000_000) -> dict[str, object]:
+    """Write ``runs`` sorted batches of about ``rows / runs`` updates each."""
+    blob = LocalBlob(folder / "blobs", create=True)
+    per_run = rows // runs
+    key_space = max(1, rows // 2)
+    batches = []
+    for r in range(runs):
+        writer = PartWriter(SHARD, f"brun{r}", blob, "main", 64 << 20)
+        # A run is generated in key-range slices so generating it stays small too.
+        step = max(1, key_space // max(1, per_run // chunk_rows + 1))
+        written = 0
+        rng = np.random.default_rng(seed * 1000 + r)
+        for lo in range(0, key_space, step):
+            width = min(step, key_space - lo)
+            n = int(per_run * width / key_space)
+            ids = np.sort(rng.integers(lo, lo + width, n, dtype=np.uint64))
+            diffs = np.where(rng.random(n) < 0.7, 1, -1)
+            table = run_table_from_ids(ids, diffs, r)
+            writer.write(table)
+            written += table.num_rows
+        parts = writer.finish()
+        batches.append({"id": f"brun{r}", "rows": written,
+                        "parts": [[p.key, p.encoded_size, p.num_updates, p.min_time,
+                                   p.max_time, (p.min_key or b"").hex(),
+                                   (p.max_key or b"").hex()] for p in parts]})
+    manifest = {"rows": sum(int(str(b["rows"])) for b in batches), "runs": runs,
+                "batches": batches}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def run_table_from_ids(ids: np.ndarray, diffs: np.ndarray, t: int) -> pa.Table:
+    """Updates at time ``t`` for sorted key ids: 16-byte keys (the id, big-endian, then
+    a mix of it), 64-byte values (a function of the id), consolidated."""
+    n = len(ids)
+    with np.errstate(over="ignore"):
+        mixed = ids * np.uint64(0x9E3779B97F4A7C15)
+        key = np.empty((n, 2), dtype=">u8")  # big-endian: byte order is numeric order
+        key[:, 0], key[:, 1] = ids, mixed
+        val = (ids[:, None] * _LANES[None, :]).astype(">u8")
+    keys = pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), n,
+                                                [None, pa.py_buffer(key.tobytes())])
+    vals = pa.FixedSizeBinaryArray.from_buffers(pa.binary(64), n,
+                                                [None, pa.py_buffer(val.tobytes())])
+    return consolidate_sorted(pa.table(
+        [keys.cast(pa.binary()), vals.cast(pa.binary()), pa.array(np.full(n, t, np.int64)),
+         pa.array(diffs.astype(np.int64))], schema=SCHEMA))
+
+
+def load_request(folder: Path) -> MergeReq:
+    """The merge request over every run of the manifest, since advanced past them all."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    inputs = []
+    for t, b in enumerate(manifest["batches"]):
+        parts = tuple(HollowPart(key, "main", size, n, lo, hi, bytes.fromhex(kmin) or None,
+                                 bytes.fromhex(kmax) or None)
+                      for key, size, n, lo, hi, kmin, kmax in b["parts"])
+        inputs.append(Batch(b["id"], Description(t, t + 1, 0), parts, b["rows"]))
+    runs = len(inputs)
+    return MergeReq(0, tuple(inputs), Description(0, runs, runs - 1))
+
+
+def merge(folder: Path, bound_bytes: int, key_range: KeyRange | None = None) -> dict[str, float]:
+    """Merge the manifest's runs; the result's numbers and this process's peak RSS."""
+    blob = LocalBlob(folder / "blobs")
+    req = load_request(folder)
+    started = time.perf_counter()
+    res = run_merge(req, SHARD, blob, None, 64 << 20, bound_bytes, key_range=key_range)
+    seconds = time.perf_counter() - started
+    for part in res.output.hollow_parts():
+        blob.delete(part.key)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"rows_in": req.num_updates, "rows_out": res.output.num_updates,
+            "parts_out": len(res.output.parts), "seconds": seconds,
+            "rows_per_s": req.num_updates / seconds, "peak_rss_bytes": rss}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 4 and argv[0] == "write":
+        print(json.dumps({k: v for k, v in write_runs(Path(argv[1]), int(argv[2]),
+                                                      int(argv[3])).items()
+                          if k != "batches"}))
+        return 0
+    if len(argv) == 3 and argv[0] == "merge":
+        print(json.dumps(merge(Path(argv[1]), int(float(argv[2]) * (1 << 20)))))
+        return 0
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
