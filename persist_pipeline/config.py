@@ -129,11 +129,14 @@ class PersistConfig:
             raise InvalidConfig("PersistConfig.rollup_threshold must be an int of at least 1")
         if isinstance(self.read_fetch_threads, float) or self.read_fetch_threads < 1:
             raise InvalidConfig("PersistConfig.read_fetch_threads must be an int of at least 1")
-        for name in ("compaction_memory_bound_bytes", "compaction_split_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, float) or value < (1 << 20):
-                raise InvalidConfig(f"PersistConfig.{name} must be an int of at least 1 MiB, "
-                                    f"got {value!r}")
+        bound = self.compaction_memory_bound_bytes
+        if isinstance(bound, float) or bound < (1 << 20):
+            raise InvalidConfig("PersistConfig.compaction_memory_bound_bytes must be an int of "
+                                f"at least 1 MiB, got {bound!r}")
+        split = self.compaction_split_bytes
+        if isinstance(split, float) or split < 1:
+            raise InvalidConfig("PersistConfig.compaction_split_bytes must be an int of at "
+                                f"least 1, got {split!r}")
         if self.blob_target_size_bytes < 1:
             raise InvalidConfig("PersistConfig.blob_target_size_bytes must be at least 1")
 

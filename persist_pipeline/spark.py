@@ -18,6 +18,7 @@ On this kind of machine Spark must bind to loopback and run the virtualenv's Pyt
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -31,6 +32,7 @@ from persist_pipeline.blob import open_blob, redact_uri
 from persist_pipeline.blob.base import Blob
 from persist_pipeline.compaction import (
     CompactionMetrics,
+    KeyRange,
     MergeReq,
     MergeRes,
     apply_merge_result,
@@ -38,8 +40,10 @@ from persist_pipeline.compaction import (
     merge_requests,
 )
 from persist_pipeline.compaction import run_merge as _run_merge
+from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import InvalidConfig, PersistError, ShardNotFound
-from persist_pipeline.ids import ShardId
+from persist_pipeline.ids import ShardId, new_token
+from persist_pipeline.internal.state import Batch
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -153,7 +157,8 @@ def local_spark_session(master: str = "local[*]", app_name: str = "persist-pipel
 
 @dataclass(frozen=True, slots=True)
 class _Task:
-    """One merge request of one shard, with what an executor needs to run it."""
+    """One merge request of one shard (or one key range of it), with what an executor
+    needs to run it."""
 
     index: int
     shard_id: str
@@ -161,6 +166,11 @@ class _Task:
     main_uri: str
     wal_uri: str | None
     target_size_bytes: int
+    memory_bound_bytes: int = COMPACTION_MEMORY_BOUND_BYTES
+    key_range: KeyRange | None = None
+    batch_id: str | None = None
+    #: Which request of the run this task belongs to (the tasks of a split merge share it).
+    request: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,20 +194,48 @@ def _blob(uri: str) -> Blob:
 
 
 def _run_task(task: _Task) -> _TaskResult:
-    """Run on an executor: fetch the inputs, consolidate, write the output parts.
+    """Run on an executor: stream the inputs through the merge, write the output parts.
 
-    Persist errors (a missing or corrupt part, an unreachable store) are returned, not
-    raised, so one bad shard does not fail the others' results.
+    Every error (a missing or corrupt part, an unreachable store, running out of
+    memory, a bug) is returned, not raised, with its type and message, so it fails
+    this merge only and the other shards' results still commit.
     """
     started = time.monotonic()
     try:
         wal = _blob(task.wal_uri) if task.wal_uri else None
         res = _run_merge(task.req, task.shard_id, _blob(task.main_uri), wal,
-                         task.target_size_bytes)
-    except PersistError as e:
+                         task.target_size_bytes, task.memory_bound_bytes,
+                         key_range=task.key_range, batch_id=task.batch_id)
+    except Exception as e:
         return _TaskResult(task.index, task.shard_id, None, f"{type(e).__name__}: {e}",
                            time.monotonic() - started)
     return _TaskResult(task.index, task.shard_id, res, None, time.monotonic() - started)
+
+
+def split_points(req: MergeReq, splits: int) -> list[bytes]:
+    """Up to ``splits - 1`` keys that cut ``req``'s inputs into key ranges of about equal
+    bytes, chosen among its parts' lowest keys (weighted by part size); none when a part
+    does not record its key bounds (written before they were recorded)."""
+    if splits < 2:
+        return []
+    starts: list[tuple[bytes, int]] = []
+    for batch in req.inputs:
+        for part in batch.hollow_parts():
+            if part.min_key is None:
+                return []
+            starts.append((part.min_key, part.encoded_size))
+    starts.sort()
+    total = sum(size for _, size in starts)
+    points: list[bytes] = []
+    seen = 0
+    for key, size in starts:
+        if len(points) == splits - 1:
+            break
+        if seen >= total * (len(points) + 1) / splits and (not points or key > points[-1]) \
+                and key > starts[0][0]:
+            points.append(key)
+        seen += size
+    return points
 
 
 def _check_uri(uri: str, what: str) -> None:
@@ -257,17 +295,57 @@ def compact_shards(
         sc.setJobGroup(group, f"persist compaction: {len(tasks)} merge(s) over "
                               f"{len({t.shard_id for t in tasks})} shard(s)")
         try:
-            results = sc.parallelize(tasks, numSlices=slices).map(_run_task).collect()
+            try:
+                results = sc.parallelize(tasks, numSlices=slices).map(_run_task).collect()
+            except Exception as e:
+                # The job failed as a whole: run each task as its own job, so only the
+                # merges whose own task kills its executor fail.
+                log.warning("compaction job %s failed (%s); running its %d task(s) one job "
+                            "each", group, str(e).splitlines()[0][:300], len(tasks))
+                results = [_run_alone(sc, task) for task in tasks]
         finally:
             sc.setLocalProperty("spark.jobGroup.id", None)  # type: ignore[arg-type]
         log.info("compaction job %s: %d task(s) in %d slice(s)", group, len(tasks), slices)
         return results, group
 
     return drive_compaction(on_spark, client, shards, blob_uri=blob_uri,
-                            wal_blob_uri=wal_blob_uri)
+                            wal_blob_uri=wal_blob_uri,
+                            max_splits=max(1, 2 * spark.sparkContext.defaultParallelism))
+
+
+def _run_alone(sc: Any, task: _Task) -> _TaskResult:
+    """One task as its own Spark job; a failed job becomes this task's error."""
+    try:
+        result: _TaskResult = sc.parallelize([task], numSlices=1).map(_run_task).collect()[0]
+        return result
+    except Exception as e:
+        first = next((line for line in str(e).splitlines() if "Error" in line),
+                     str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return _TaskResult(task.index, task.shard_id, None,
+                           f"SparkTaskFailed: the executor running this merge failed: "
+                           f"{first.strip()[:500]}", 0.0)
 
 
 TaskRunner = Callable[[list[_Task]], tuple[list[_TaskResult], str]]
+
+
+def _combine(req: MergeReq, outputs: list[MergeRes]) -> MergeRes:
+    """One merge result from the results of a request's key-range tasks (in key order:
+    their ranges are disjoint and ascending, so their parts form one sorted run)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first = outputs[0].output
+    parts = tuple(p for res in outputs for p in res.output.parts)
+    return MergeRes(req.input_ids, Batch(first.id, req.desc, parts,
+                                         sum(res.output.num_updates for res in outputs)))
+
+
+def _delete_parts(client: PersistClient, res: MergeRes) -> None:
+    for part in res.output.hollow_parts():
+        try:
+            client.blobs.main.delete(part.key)
+        except PersistError as e:  # GC's orphan sweep removes it later
+            log.warning("could not delete unused compaction output %s: %s", part.key, e)
 
 
 def drive_compaction(
@@ -277,11 +355,16 @@ def drive_compaction(
     *,
     blob_uri: str,
     wal_blob_uri: str | None = None,
+    max_splits: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """The driver's side of :func:`compact_shards`, for any way of running the tasks.
 
-    Plans one task per pending merge request, hands them all to ``run_tasks`` (which
-    returns their results and a job label), and commits each result from here.
+    Plans one task per pending merge request, or, for a request of more than
+    ``compaction_split_bytes`` of input, one per key range (at most ``max_splits``),
+    hands them all to ``run_tasks`` (which returns their results and a job label), and
+    commits each request's result from here, once: the outputs of a split request's
+    tasks are disjoint sorted runs in key order and form one batch. A request any of
+    whose tasks failed commits nothing, and its other tasks' outputs are deleted.
     """
     started = time.monotonic()
     started_ms = client.clock.now_ms()  # before any output exists: their commit deadline
@@ -289,6 +372,8 @@ def drive_compaction(
     metrics: dict[str, CompactionMetrics] = {}
     extra: dict[str, dict[str, Any]] = {}
     tasks: list[_Task] = []
+    requests: list[tuple[str, MergeReq]] = []
+    config = client.config
     for shard in shards:
         shard_id = str(ShardId.parse(shard))
         if shard_id in metrics:
@@ -302,10 +387,22 @@ def drive_compaction(
         reqs = merge_requests(state)
         metrics[shard_id] = CompactionMetrics(requests=len(reqs),
                                               inline_bytes_before=state.inline_bytes)
-        extra[shard_id] = {"found": True, "spark_tasks": len(reqs), "task_s": 0.0}
+        extra[shard_id] = {"found": True, "spark_tasks": 0, "task_s": 0.0,
+                           "split_requests": 0}
         for req in reqs:
-            tasks.append(_Task(len(tasks), shard_id, req, blob_uri, wal_blob_uri or None,
-                               target))
+            request = len(requests)
+            requests.append((shard_id, req))
+            splits = min(max_splits, -(-req.encoded_bytes // config.compaction_split_bytes))
+            points = split_points(req, splits)
+            bounds: list[bytes | None] = [None, *points, None]
+            batch_id = f"b{new_token()}"
+            for lower, upper in itertools.pairwise(bounds):
+                tasks.append(_Task(len(tasks), shard_id, req, blob_uri, wal_blob_uri or None,
+                                   target, config.compaction_memory_bound_bytes,
+                                   KeyRange(lower, upper) if points else None,
+                                   batch_id if points else None, request))
+            extra[shard_id]["spark_tasks"] += len(points) + 1
+            extra[shard_id]["split_requests"] += 1 if points else 0
 
     results: list[_TaskResult] = []
     group = ""
@@ -313,22 +410,33 @@ def drive_compaction(
         results, group = run_tasks(tasks)
 
     failures: dict[str, list[str]] = {}
+    by_request: dict[int, list[_TaskResult]] = {}
     for result in sorted(results, key=lambda r: r.index):
-        task = tasks[result.index]
-        extra[task.shard_id]["task_s"] += result.duration_s
-        if result.res is None:
-            if (result.error or "").startswith("CorruptPart") and \
-                    inputs_replaced(client.machine(task.shard_id), task.req):
-                metrics[task.shard_id].obsolete += 1
+        extra[result.shard_id]["task_s"] += result.duration_s
+        by_request.setdefault(tasks[result.index].request, []).append(result)
+    for request, (shard_id, req) in enumerate(requests):
+        parts = by_request.get(request, [])
+        errors = [r.error or "unknown error" for r in parts if r.res is None]
+        if len(parts) != sum(1 for t in tasks if t.request == request):
+            errors.append("Spark returned no result for some of its tasks")
+        outputs = [r.res for r in parts if r.res is not None]
+        if errors:
+            # Never committed, so certainly unreferenced: the finished ranges' parts go.
+            for res in outputs:
+                _delete_parts(client, res)
+            if all(e.startswith("CorruptPart") for e in errors) and \
+                    inputs_replaced(client.machine(shard_id), req):
+                metrics[shard_id].obsolete += 1
                 continue
-            failures.setdefault(task.shard_id, []).append(result.error or "unknown error")
+            failures.setdefault(shard_id, []).extend(errors)
             continue
+        res = _combine(req, outputs)
         try:
-            outcome = apply_merge_result(client.machine(task.shard_id), result.res, started_ms)
+            outcome = apply_merge_result(client.machine(shard_id), res, started_ms)
         except PersistError as e:  # this result only; the other shards' still commit
-            failures.setdefault(task.shard_id, []).append(f"{type(e).__name__}: {e}")
+            failures.setdefault(shard_id, []).append(f"{type(e).__name__}: {e}")
             continue
-        metrics[task.shard_id].record(task.req, result.res, outcome)
+        metrics[shard_id].record(req, res, outcome)
 
     duration = time.monotonic() - started
     out: dict[str, dict[str, Any]] = {}

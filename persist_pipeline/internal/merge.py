@@ -189,8 +189,12 @@ def _is_sorted(k: pa.ChunkedArray, v: pa.ChunkedArray, t: pa.ChunkedArray) -> bo
     return bool(pc.all(ok).as_py())
 
 
+#: The fewest rows decoded from a part at a time.
+MIN_BATCH_ROWS = 1024
+
+
 def batch_rows(chunk_bytes: int, encoded_size: int, num_updates: int) -> int:
     """Rows to decode at a time from a part so a batch stays near ``chunk_bytes`` even
-    if the part compressed its updates fourfold (at least 1,024)."""
+    if the part compressed its updates fourfold (at least :data:`MIN_BATCH_ROWS`)."""
     per_row = 4 * encoded_size / max(1, num_updates)
-    return max(1024, int(chunk_bytes / max(1.0, per_row)))
+    return max(MIN_BATCH_ROWS, int(chunk_bytes / max(1.0, per_row)))

@@ -373,7 +373,7 @@ def spark_compactor(run: SimRun, proc: Process) -> None:
 
     _loop(run, "spark compaction", lambda: spark_driver.drive_compaction(
         run_tasks, client, [run.shard], blob_uri=run.spark_blob_uri,
-        wal_blob_uri=run.spark_wal_uri), scale=4.0,
+        wal_blob_uri=run.spark_wal_uri, max_splits=3), scale=4.0,
         tolerated=(Indeterminate, spark_driver.SparkCompactionFailed))
 
 

@@ -71,7 +71,9 @@ def sim_config(policy: InlinePolicy, cache_bytes: int) -> PersistConfig:
         inline_policy=policy, blob_target_size_bytes=16384, rollup_threshold=6,
         reader_lease_duration_s=6.0, heartbeat_interval_s=0, gc_orphan_min_age_s=8.0,
         blob_cache_bytes=cache_bytes, retry_deadline_s=20.0, listen_poll_interval_s=0.2,
-        background_maintenance=False, read_fetch_threads=1)
+        background_maintenance=False, read_fetch_threads=1,
+        # Tiny, so the Spark driver splits merges by key range under every fault.
+        compaction_split_bytes=64)
 
 
 @dataclass
