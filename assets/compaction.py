@@ -8,8 +8,9 @@ commits each result to consensus. Tasks read and write parts through the library
 code, so S3, MinIO and local folders work without Hadoop connectors.
 
 Each selected shard gets a materialization with the compaction metrics and a
-``snapshot_unchanged`` check: the shard's snapshot at its latest complete time, read
-before compaction (under a reader that holds ``since``) and again after, must be equal.
+``snapshot_unchanged`` check: the fingerprint of the shard's snapshot at its latest
+complete time, streamed before compaction (under a reader that holds ``since``) and again
+after, must be equal; it holds one record batch in memory, never the snapshot.
 When no selected shard has pending work, no Spark session is started.
 """
 
@@ -20,11 +21,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
-import pyarrow as pa
 
 from assets.asset_keys import COMPACTION_GROUP, compacted_key, shard_key
 from assets.pipeline_config import ShardConfig
 from persist_pipeline import PersistClient, ReadHandle
+from persist_pipeline.fingerprint import SnapshotFingerprint
 from persist_pipeline.spark import SparkCompactionFailed, compact_shards
 from resources.persist import PersistResource
 from resources.spark import PersistPySparkResource
@@ -39,30 +40,37 @@ METRIC_KEYS = ("requests", "applied", "not_applied", "spark_tasks", "parts_in", 
 
 
 class _Snapshot:
-    """A reader holding ``since`` and the snapshot it read before compaction."""
+    """A reader holding ``since`` and the fingerprint of the snapshot before compaction.
+
+    Fingerprints stream (:meth:`ReadHandle.snapshot_fingerprint`): the check never holds
+    a shard's snapshot in memory, whatever its size.
+    """
 
     def __init__(self, client: PersistClient, shard_id: str) -> None:
         self.reader: ReadHandle | None = None
         self.as_of: int | None = None
-        self.before: pa.Table | None = None
+        self.before: SnapshotFingerprint | None = None
         summary = client.shard_summaries().get(shard_id)
         if summary is None or summary.upper is None or summary.upper == 0:
             return  # no shard, a closed shard or nothing written: nothing to compare
         self.reader = client.open_reader(shard_id, debug="compaction snapshot check")
         since = self.reader.since if self.reader.since is not None else 0
         self.as_of = max(since, summary.upper - 1)
-        self.before = self.reader.snapshot(self.as_of)
+        self.before = self.reader.snapshot_fingerprint(self.as_of)
 
     def verify(self) -> dg.AssetCheckResult:
         if self.reader is None or self.before is None or self.as_of is None:
             return dg.AssetCheckResult(passed=True, metadata={"rows": 0, "note": "empty shard"})
-        after = self.reader.snapshot(self.as_of)
-        same = after.equals(self.before)
+        after = self.reader.snapshot_fingerprint(self.as_of)
+        same = after == self.before
         return dg.AssetCheckResult(
             passed=same, severity=dg.AssetCheckSeverity.ERROR,
             description=None if same else "compaction changed the snapshot",
-            metadata={"as_of": self.as_of, "rows_before": self.before.num_rows,
-                      "rows_after": after.num_rows})
+            metadata={"as_of": self.as_of, "rows_before": self.before.rows,
+                      "rows_after": after.rows, "diff_sum_before": self.before.diff_sum,
+                      "diff_sum_after": after.diff_sum,
+                      "fingerprint_before": self.before.digest[:16],
+                      "fingerprint_after": after.digest[:16]})
 
     def release(self) -> None:
         if self.reader is not None:

@@ -22,6 +22,7 @@ from persist_pipeline.exceptions import (
     PersistError,
     SinceViolation,
 )
+from persist_pipeline.fingerprint import SnapshotFingerprint, fingerprint_batches
 from persist_pipeline.frontier import MAX_TIME, Frontier, check_frontier, less_than
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES
@@ -255,6 +256,12 @@ class ReadHandle:
             except CorruptPart as e:
                 self._raise_if_expired(e)
                 raise
+
+    def snapshot_fingerprint(self, as_of: int) -> SnapshotFingerprint:
+        """A digest of the collection at ``as_of``, computed from
+        :meth:`snapshot_batches` in bounded memory: equal collections, and only those
+        (up to BLAKE2b collisions), have equal fingerprints."""
+        return fingerprint_batches(self.snapshot_batches(as_of))
 
     def listen(self, as_of: int) -> Listen:
         """Every update with ``t > as_of``, in time order, with progress frontiers.

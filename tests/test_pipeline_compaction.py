@@ -10,6 +10,8 @@ in-memory blob stores.
 
 from __future__ import annotations
 
+import itertools
+import random
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import pytest
 
 from assets.change_stream import ChangeStream
 from assets.runner import Tick
-from persist_pipeline import InlinePolicy, PersistClient, ShardId
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.exceptions import InvalidConfig
 from persist_pipeline.spark import SparkCompactionFailed, compact_shards
 from tests.pipeline_support import (
@@ -194,4 +196,42 @@ def test_spark_executor_failures_and_bad_uris(tmp_path: Path, spark_session: Any
 
     with pytest.raises(InvalidConfig, match="in-memory"):
         compact_shards(spark_session, client, [good], blob_uri="mem://x")
+    client.close()
+
+
+def test_spark_splits_a_large_merge_by_key_range_and_commits_it_once(
+        tmp_path: Path, spark_session: Any) -> None:
+    (tmp_path / "blob").mkdir()
+    blob = f"file://{tmp_path}/blob"
+    client = PersistClient.open(
+        f"sqlite:///{tmp_path}/consensus.db", blob, inline_policy=InlinePolicy(0, 0),
+        config=PersistConfig(blob_target_size_bytes=16 << 10, compaction_split_bytes=64 << 10))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    rng = random.Random(3)
+    for t in range(4):  # four batches of 2,000 rows over one key space, each many parts
+        writer.compare_and_append([(f"key-{(t * 31 + i * 7) % 5000:05d}".encode(),
+                                    rng.randbytes(40), t, 1) for i in range(2000)], t, t + 1)
+    # The last batch retracts some of the first's rows.
+    first = client.open_reader(shard).snapshot(0).slice(0, 500)
+    writer.compare_and_append([(r["k"], r["v"], 4, -r["d"]) for r in first.to_pylist()], 4, 5)
+    reader = client.open_reader(shard)
+    before = reader.snapshot_fingerprint(4)
+    expected = reader.snapshot(4)
+
+    [m] = compact_shards(spark_session, client, [shard], blob_uri=blob).values()
+    assert m["requests"] == m["applied"] == m["split_requests"] == 1
+    assert m["spark_tasks"] > 2  # one request, several key-range tasks, one commit
+    assert m["spark_jobs"] == 1 and m["failed_tasks"] == 0
+    state = client.machine(str(shard)).fetch_latest()
+    # The first four batches (one Spine entry) were replaced by one; the fifth stays.
+    [batch] = [b for b in state.batches.values() if b.desc.lower == 0]
+    assert batch.desc.upper == 4 and len(state.batches) == 2
+    keys = [(p.min_key, p.max_key) for p in batch.hollow_parts()]
+    assert all(a is not None and b is not None and a <= b for a, b in keys)
+    # One sorted run: a part's keys end where the next one's begin (a key may span two).
+    assert all(prev[1] <= nxt[0] for prev, nxt in itertools.pairwise(keys))  # type: ignore[operator]
+    assert reader.snapshot(4).equals(expected) and expected.num_rows == 8000 - 500
+    assert reader.snapshot_fingerprint(4) == before
+    reader.expire()
     client.close()

@@ -347,3 +347,34 @@ def test_a_failing_task_fails_its_own_merge_only(clients: Clients,
     assert stored == live
     for shard, rows_before in before.items():
         assert clients.snapshot(shard, 3) == rows_before
+
+
+# --- fingerprints ------------------------------------------------------------------------
+
+
+def test_fingerprint_identifies_the_collection_not_its_layout(open_client: Any) -> None:
+    client = open_client(PersistConfig(blob_target_size_bytes=1024))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    rng = random.Random(11)
+    for t in range(6):
+        writer.compare_and_append([(rng.randbytes(3), rng.choice([b"", b"x"]), t, 1)
+                                   for _ in range(rng.choice([2, 300]))], t, t + 1)
+    reader = client.open_reader(shard)
+    before = reader.snapshot_fingerprint(5)
+    snapshot = reader.snapshot(5)
+    assert before.rows == snapshot.num_rows
+    assert before.diff_sum == sum(snapshot.column("d").to_pylist())
+    client.compact(shard)
+    assert reader.snapshot_fingerprint(5) == before  # compacted: same collection
+    from persist_pipeline.fingerprint import fingerprint_batches
+
+    assert fingerprint_batches(snapshot.to_batches(max_chunksize=7)) == before
+    # One more update changes it, and so does moving one byte between key and value.
+    k, v = snapshot.column("k")[0].as_py(), snapshot.column("v")[0].as_py()
+    writer.compare_and_append([(k, v, 6, 1)], 6, 7)
+    assert reader.snapshot_fingerprint(6) != before
+    moved = pa.table({"k": [b"ab"], "v": [b"c"], "t": [0], "d": [1]})
+    assert fingerprint_batches([moved]) != fingerprint_batches(
+        [pa.table({"k": [b"a"], "v": [b"bc"], "t": [0], "d": [1]})])
+    reader.expire()
