@@ -184,6 +184,35 @@ def case8(result: CaseResult, path: str) -> None:
                   "(a simulation, not AWS)", path)
 
 
+def case9(result: CaseResult, path: str) -> None:
+    rows = result.data["rows"]
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for engine, label, color in (("ours", "ours (bound 256 MiB)", _OURS),
+                                 ("duckdb", "DuckDB (memory_limit 2 GB)", _PEER)):
+        points = sorted((r["n"], r) for r in rows if r["engine"] == engine)
+        xs = [n / 1e6 for n, _ in points]
+        mem.plot(xs, [r["peak_rss"] / (1 << 30) for _, r in points], "o-", color=color,
+                 label=label)
+        speed.plot(xs, [r["rows_per_s"] / 1e6 for _, r in points], "o-", color=color,
+                   label=label)
+    mem.axhline(1.0, color=_REF, linestyle="--", linewidth=1, label="target: 1 GiB")
+    mem.set_ylim(bottom=0)
+    mem.set_xlabel("updates in the merge (millions)")
+    mem.set_ylabel("peak RSS (GiB)")
+    mem.set_title("Memory of one merge vs its size", fontsize=10)
+    speed.set_ylim(bottom=0)
+    speed.set_xlabel("updates in the merge (millions)")
+    speed.set_ylabel("million rows / s")
+    speed.set_title("Throughput of the same merge", fontsize=10)
+    for ax in (mem, speed):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Case 9: one large merge in bounded memory", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 PLOTS: dict[str, tuple[str, Callable[[CaseResult, str], None]]] = {
     "case1": ("case1_append_latency.png", case1),
     "case2": ("case2_fill_curve.png", case2),
@@ -193,6 +222,7 @@ PLOTS: dict[str, tuple[str, Callable[[CaseResult, str], None]]] = {
     "case6": ("case6_sensor.png", case6),
     "case7": ("case7_cost.png", case7),
     "case8": ("case8_simulated.png", case8),
+    "case9": ("case9_scale.png", case9),
 }
 
 

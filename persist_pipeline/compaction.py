@@ -165,7 +165,10 @@ def _run_chunks(blobs: ShardBlobs, run: _Run, plan: MemoryPlan, since: int,
         return
     for part in run.parts:
         rows = batch_rows(plan.chunk_bytes, part.encoded_size, part.num_updates)
-        for chunk in blobs.stream_part(part, run.where, rows, key_lower=keys.lower):
+        for chunk in blobs.stream_part(part, run.where, rows, keys.lower, keys.upper):
+            if keys.upper is not None and chunk.num_rows and \
+                    chunk.column("k")[0].as_py() >= keys.upper:
+                return  # runs are in key order: nothing further is in range
             yield advance_times(keys.filter(chunk), since=since)
 
 

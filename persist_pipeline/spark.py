@@ -43,6 +43,7 @@ from persist_pipeline.compaction import run_merge as _run_merge
 from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import InvalidConfig, PersistError, ShardNotFound
 from persist_pipeline.ids import ShardId, new_token
+from persist_pipeline.internal.blobs import ShardBlobs, key_starts
 from persist_pipeline.internal.state import Batch
 
 if TYPE_CHECKING:
@@ -212,10 +213,11 @@ def _run_task(task: _Task) -> _TaskResult:
     return _TaskResult(task.index, task.shard_id, res, None, time.monotonic() - started)
 
 
-def split_points(req: MergeReq, splits: int) -> list[bytes]:
+def split_points(req: MergeReq, splits: int, blobs: ShardBlobs | None = None) -> list[bytes]:
     """Up to ``splits - 1`` keys that cut ``req``'s inputs into key ranges of about equal
-    bytes, chosen among its parts' lowest keys (weighted by part size); none when a part
-    does not record its key bounds (written before they were recorded)."""
+    bytes, chosen among the lowest keys of its parts' row groups (read from the Parquet
+    footers when ``blobs`` is given, else of the parts), weighted by size; none when a
+    part does not record its key bounds (written before they were recorded)."""
     if splits < 2:
         return []
     starts: list[tuple[bytes, int]] = []
@@ -223,7 +225,8 @@ def split_points(req: MergeReq, splits: int) -> list[bytes]:
         for part in batch.hollow_parts():
             if part.min_key is None:
                 return []
-            starts.append((part.min_key, part.encoded_size))
+            starts.extend(key_starts(blobs, part, f"batch {batch.id}") if blobs else
+                          [(part.min_key, part.encoded_size)])
     starts.sort()
     total = sum(size for _, size in starts)
     points: list[bytes] = []
@@ -393,7 +396,7 @@ def drive_compaction(
             request = len(requests)
             requests.append((shard_id, req))
             splits = min(max_splits, -(-req.encoded_bytes // config.compaction_split_bytes))
-            points = split_points(req, splits)
+            points = split_points(req, splits, client.blobs) if splits > 1 else []
             bounds: list[bytes | None] = [None, *points, None]
             batch_id = f"b{new_token()}"
             for lower, upper in itertools.pairwise(bounds):

@@ -7,8 +7,8 @@ manifest; ``... merge DIR BOUND_MIB`` merges them with
 (``ru_maxrss``) of that process, which is what the memory tests and ``make bench``
 measure (each in a fresh process, so the peak is the merge's own).
 
-Keys are drawn from ``ROWS / 2`` values, so keys repeat across runs; a key's value is a
-function of the key and diffs are +1 or -1, so a merge consolidates and cancels.
+Runs overlap by half of their keys; a key's value is a function of the key and diffs are
++1 or -1, so a merge consolidates and cancels.
 """
 
 from __future__ import annotations
@@ -37,22 +37,24 @@ _LANES = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
 
 def write_runs(folder: Path, rows: int, runs: int, seed: int = 1,
                chunk_rows: int = 1_000_000) -> dict[str, object]:
-    """Write ``runs`` sorted batches of about ``rows / runs`` updates each."""
+    """Write ``runs`` sorted batches of about ``rows / runs`` updates each.
+
+    Each run holds each key of ``[0, 2 * rows / runs)`` with probability one half (so
+    runs overlap by half and a merge consolidates), generated a slice at a time.
+    """
     blob = LocalBlob(folder / "blobs", create=True)
-    per_run = rows // runs
-    key_space = max(1, rows // 2)
+    per_run = max(1, rows // runs)
+    key_space = 2 * per_run
+    step = 2 * chunk_rows
     batches = []
     for r in range(runs):
         writer = PartWriter(SHARD, f"brun{r}", blob, "main", 64 << 20)
-        # A run is generated in key-range slices so generating it stays small too.
-        step = max(1, key_space // max(1, per_run // chunk_rows + 1))
         written = 0
         rng = np.random.default_rng(seed * 1000 + r)
         for lo in range(0, key_space, step):
             width = min(step, key_space - lo)
-            n = int(per_run * width / key_space)
-            ids = np.sort(rng.integers(lo, lo + width, n, dtype=np.uint64))
-            diffs = np.where(rng.random(n) < 0.7, 1, -1)
+            ids = (np.flatnonzero(rng.random(width) < 0.5) + lo).astype(np.uint64)
+            diffs = np.where(rng.random(len(ids)) < 0.7, 1, -1)
             table = run_table_from_ids(ids, diffs, r)
             writer.write(table)
             written += table.num_rows

@@ -71,11 +71,13 @@ class ShardBlobs:
         return decode_parquet(data, f"{part.key!r} in the {part.store} blob store")
 
     def stream_part(self, part: Part, where: str, batch_rows: int,
-                    key_lower: bytes | None = None) -> Iterator[pa.Table]:
+                    key_lower: bytes | None = None,
+                    key_upper: bytes | None = None) -> Iterator[pa.Table]:
         """A part's updates in order, as tables of at most ``batch_rows`` rows.
 
         Large hollow parts are read row group by row group with ranged reads; row groups
-        whose keys all lie below ``key_lower`` are skipped (their statistics say so).
+        whose keys all lie outside ``[key_lower, key_upper)`` are skipped (their
+        statistics say so). Rows outside the range may still be returned.
         """
         if isinstance(part, InlinePart) or part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
             table = self.fetch_part(part, where)
@@ -87,7 +89,7 @@ class ShardBlobs:
         try:
             reader = pq.ParquetFile(source)
             # One row group at a time: asked for several, pyarrow pre-buffers them all.
-            for group in _row_groups_from(reader.metadata, key_lower):
+            for group in _row_groups_from(reader.metadata, key_lower, key_upper):
                 for batch in reader.iter_batches(batch_size=batch_rows, row_groups=[group],
                                                  columns=SCHEMA.names, use_threads=False):
                     yield pa.Table.from_batches([batch]).cast(SCHEMA)
@@ -100,17 +102,42 @@ class ShardBlobs:
             raise CorruptPart(f"corrupt Parquet part {described}: {e}") from None
 
 
-def _row_groups_from(meta: pq.FileMetaData, key_lower: bytes | None) -> list[int]:
-    """The row groups that may hold a key at or above ``key_lower``."""
+def key_starts(blobs: ShardBlobs, part: HollowPart, where: str) -> list[tuple[bytes, int]]:
+    """``(lowest key, bytes)`` of each row group of a part, from its Parquet footer (one
+    or two ranged reads); the part's own lowest key and size when it is small or its
+    row groups carry no key statistics."""
+    whole = [(part.min_key or b"", part.encoded_size)]
+    if part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
+        return whole
+    meta = pq.ParquetFile(_BlobFile(blobs.store(part.store, cached=True), part, where)).metadata
+    if "k" not in meta.schema.names:
+        return whole
+    k = meta.schema.names.index("k")
+    starts = []
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        stats = group.column(k).statistics
+        if stats is None or not stats.has_min_max:
+            return whole
+        starts.append((bytes(stats.min), group.total_byte_size))
+    return starts
+
+
+def _row_groups_from(meta: pq.FileMetaData, key_lower: bytes | None,
+                     key_upper: bytes | None) -> list[int]:
+    """The row groups that may hold a key in ``[key_lower, key_upper)``."""
     groups = list(range(meta.num_row_groups))
-    if key_lower is None or "k" not in meta.schema.names:
+    if (key_lower is None and key_upper is None) or "k" not in meta.schema.names:
         return groups
     k = meta.schema.names.index("k")
     keep = []
     for g in groups:
         stats = meta.row_group(g).column(k).statistics
-        if stats is not None and stats.has_min_max and stats.max < key_lower:
-            continue
+        if stats is not None and stats.has_min_max:
+            if key_lower is not None and stats.max < key_lower:
+                continue
+            if key_upper is not None and stats.min >= key_upper:
+                break  # the row groups of a part are in key order
         keep.append(g)
     return keep
 
