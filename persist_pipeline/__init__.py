@@ -8,20 +8,24 @@ Module map:
 
 - ``client``: :class:`PersistClient`, the entry point; opens handles, inspect/compact/gc.
 - ``write`` / ``read``: write handles (compare_and_append, append) and read handles
-  (snapshot, listen, since holds; critical readers).
+  (snapshot, streaming snapshot_batches, listen, since holds; critical readers).
+- ``fingerprint``: a digest of a streamed snapshot (the Dagster compaction check).
 - ``config``: :class:`InlinePolicy` (inline vs blob) and every tunable with its default.
-- ``updates``: validation, consolidation (the engine-agnostic merge function) and the
-  part encodings (Parquet k/v/t/d; inline protobuf).
-- ``compaction`` / ``gc``: maintenance, each returning a metrics dict.
+- ``updates``: validation, consolidation (sort, then vectorized sums of equal rows) and
+  the part encodings (Parquet k/v/t/d; inline protobuf).
+- ``compaction`` / ``gc``: maintenance, each returning a metrics dict; ``run_merge``
+  streams a merge request (or one key range of it) in bounded memory.
 - ``consensus/`` and ``blob/``: backends behind small ABCs, opened by URI scheme.
-- ``internal/``: the state model, pure transitions, the Spine, codecs, the CaS loop
+- ``internal/``: the state model, pure transitions, the Spine, codecs, the k-way merge
+  of sorted runs (``merge``), streaming part reads and writes (``blobs``), the CaS loop
   (``machine``: lost replies settled, negative answers confirmed), routine maintenance
   (``maintenance``: rollups), every blob key (``paths``), the injected clock and locks.
 - ``ingest``: reading updates from Parquet, CSV and JSON Lines files.
 - ``faults``: seeded fault injection (wrappers in ``blob.faults``, ``consensus.faults``).
 - ``nemesis/``: killed processes, faults and a checker of every guarantee.
 - ``sim/``: the deterministic simulation (``persist-pipeline simulate``).
-- ``spark``: the Spark compaction executor (imports pyspark lazily).
+- ``spark``: the Spark compaction executor: key-range split merges, failures isolated per
+  merge (imports pyspark lazily).
 - ``proto/``: the protobuf wire formats; ``cli``: the ``persist-pipeline`` command.
 - ``exceptions``: every error, rooted at :class:`PersistError`.
 """

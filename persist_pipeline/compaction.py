@@ -1,8 +1,9 @@
 """Compaction: run merge requests, flush inline parts to the main blob store.
 
-The work is split so any engine can run it: :func:`run_merge` (fetch inputs,
-:func:`~persist_pipeline.updates.consolidate`, write output parts to the main store)
-is a pure function of a request and blob stores, safe to run on a Spark executor; the
+The work is split so any engine can run it: :func:`run_merge` (stream the inputs, sorted
+runs, through the k-way merge of :mod:`~persist_pipeline.internal.merge` in bounded
+memory, write output parts to the main store as they fill) is a pure function of a
+request, an optional key range and blob stores, safe to run on a Spark executor; the
 driver then commits each result with :func:`apply_merge_result`. Output is never inlined.
 """
 
