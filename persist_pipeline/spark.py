@@ -332,6 +332,17 @@ def _run_alone(sc: Any, task: _Task) -> _TaskResult:
 TaskRunner = Callable[[list[_Task]], tuple[list[_TaskResult], str]]
 
 
+def _split_or_not(req: MergeReq, splits: int, blobs: ShardBlobs) -> list[bytes]:
+    """:func:`split_points`, or no split when an input part cannot be read (replaced
+    and collected meanwhile, or unreachable): the task then meets the same problem and
+    reports it for this merge alone."""
+    try:
+        return split_points(req, splits, blobs)
+    except PersistError as e:
+        log.info("not splitting a merge of %s: %s", req.input_ids, e)
+        return []
+
+
 def _combine(req: MergeReq, outputs: list[MergeRes]) -> MergeRes:
     """One merge result from the results of a request's key-range tasks (in key order:
     their ranges are disjoint and ascending, so their parts form one sorted run)."""
@@ -396,7 +407,7 @@ def drive_compaction(
             request = len(requests)
             requests.append((shard_id, req))
             splits = min(max_splits, -(-req.encoded_bytes // config.compaction_split_bytes))
-            points = split_points(req, splits, client.blobs) if splits > 1 else []
+            points = _split_or_not(req, splits, client.blobs) if splits > 1 else []
             bounds: list[bytes | None] = [None, *points, None]
             batch_id = f"b{new_token()}"
             for lower, upper in itertools.pairwise(bounds):

@@ -378,3 +378,24 @@ def test_fingerprint_identifies_the_collection_not_its_layout(open_client: Any) 
     assert fingerprint_batches([moved]) != fingerprint_batches(
         [pa.table({"k": [b"a"], "v": [b"bc"], "t": [0], "d": [1]})])
     reader.expire()
+
+
+def test_a_missing_part_fails_its_own_split_merge_only(clients: Clients,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Split points come from the parts' Parquet footers, which the driver reads.
+    monkeypatch.setattr(blobs_module, "WHOLE_FETCH_MAX_BYTES", 0)
+    client = clients.plain(InlinePolicy(0, 0), **SPLIT)
+    good, broken = _big_shard(client), _big_shard(client)
+    state = client.machine(broken).fetch_latest()
+    victim = next(p for b in state.batches.values() for p in b.hollow_parts())
+    client.blobs.store(victim.store).delete(victim.key)  # lost from the store
+    with pytest.raises(spark_driver.SparkCompactionFailed) as info:
+        spark_driver.drive_compaction(_in_process, client, [good, broken],
+                                      blob_uri=clients.location.blob_uri,
+                                      wal_blob_uri=clients.location.wal_blob_uri, max_splits=4)
+    assert set(info.value.failures) == {str(broken)}
+    assert all(m.startswith("CorruptPart") and victim.key in m
+               for m in info.value.failures[str(broken)])
+    assert info.value.metrics[str(good)]["applied"] == 1
+    assert info.value.metrics[str(good)]["split_requests"] == 1
+    assert len(client.machine(broken).fetch_latest().batches) == 4  # unchanged
