@@ -144,10 +144,11 @@ def _input_runs(blobs: ShardBlobs, req: MergeReq, keys: KeyRange, where: str) ->
         if batch.parts and all(isinstance(p, InlinePart) for p in batch.parts):
             inline.extend(keys.filter(blobs.fetch_part(p, where)) for p in batch.parts)
             continue
-        parts = tuple(p for p in batch.parts
-                      if not isinstance(p, HollowPart) or p.may_hold_keys(keys.lower, keys.upper))
-        if parts:
-            runs.append(_Run(parts, f"batch {batch.id} of {where}"))
+        for n, run in enumerate(batch.runs()):
+            parts = tuple(p for p in run if not isinstance(p, HollowPart)
+                          or p.may_hold_keys(keys.lower, keys.upper))
+            if parts:
+                runs.append(_Run(parts, f"batch {batch.id} (run {n}) of {where}"))
     if inline:
         runs.append(_Run((), f"inline parts of {where}",
                          consolidate(pa.concat_tables(inline), since=req.desc.since)))

@@ -29,7 +29,7 @@ from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES
 from persist_pipeline.internal.heartbeat import Heartbeater
 from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.merge import batch_rows, memory_plan, merge_runs
-from persist_pipeline.internal.state import Batch, HollowPart, State
+from persist_pipeline.internal.state import Batch, HollowPart, Part, State
 from persist_pipeline.internal.sync import new_lock
 from persist_pipeline.updates import SCHEMA, advance_times, consolidate, empty_table
 
@@ -81,16 +81,17 @@ def stream_snapshot(machine: Machine, batches: list[Batch], as_of: int) -> Itera
                 yield table
             return
         runs.append((iter([table]), f"small batches of {where}"))
-    plan = memory_plan(bound, len(runs) + len(large), bound)
-    for b in large:
-        runs.append((_batch_chunks(machine, b, as_of, plan.chunk_bytes, where),
-                     f"batch {b.id} of {where}"))
+    large_runs = [(b, run) for b in large for run in b.runs()]
+    plan = memory_plan(bound, len(runs) + len(large_runs), bound)
+    for n, (b, run) in enumerate(large_runs):
+        runs.append((_run_chunks(machine, run, as_of, plan.chunk_bytes, where),
+                     f"batch {b.id} (run {n}) of {where}"))
     yield from merge_runs(runs, plan.chunk_bytes)
 
 
-def _batch_chunks(machine: Machine, batch: Batch, as_of: int, chunk_bytes: int,
-                  where: str) -> Iterator[pa.Table]:
-    for part in batch.parts:
+def _run_chunks(machine: Machine, run: tuple[Part, ...], as_of: int, chunk_bytes: int,
+                where: str) -> Iterator[pa.Table]:
+    for part in run:
         if isinstance(part, HollowPart) and part.min_time > as_of:
             continue
         rows = batch_rows(chunk_bytes, part.encoded_size, part.num_updates)

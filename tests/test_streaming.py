@@ -110,15 +110,22 @@ def test_merge_runs_refuses_a_run_that_is_not_sorted() -> None:
         list(merge_runs([(iter([unsorted]), "run x")], 1 << 20))
 
 
-def _request(blob: MemoryBlob, runs: list[list[Update]], part_bytes: int) -> MergeReq:
+def _request(blob: MemoryBlob, runs: list[list[Update]], part_bytes: int,
+             writers_per_batch: int = 1) -> MergeReq:
+    """One batch per run; with several writers a batch's updates are dealt to them in
+    turn, so its parts form overlapping sorted runs (as parts written by Spark tasks)."""
     inputs = []
     for n, run in enumerate(runs):
-        writer = PartWriter("s1", f"b{n}", blob, "main", part_bytes)
-        table = table_of(run)
-        for start in range(0, table.num_rows, 7):
-            writer.write(table.slice(start, 7))
-        parts = writer.finish()
-        inputs.append(Batch(f"b{n}", Description(n, n + 1, 0), parts, table.num_rows))
+        parts: tuple[Any, ...] = ()
+        rows_in = 0
+        for w in range(writers_per_batch):
+            writer = PartWriter("s1", f"b{n}", blob, "main", part_bytes)
+            table = table_of(run[w::writers_per_batch])
+            for start in range(0, table.num_rows, 7):
+                writer.write(table.slice(start, 7))
+            parts += writer.finish()
+            rows_in += table.num_rows
+        inputs.append(Batch(f"b{n}", Description(n, n + 1, 0), parts, rows_in))
     return MergeReq(0, tuple(inputs), Description(0, len(runs), 3))
 
 
@@ -129,12 +136,13 @@ THREE_RUNS_A_PASS = (64 << 10) + 3 * (256 + 64 * 5)
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(updates, min_size=1, max_size=7), st.integers(200, 3000),
-       st.sampled_from([None, b"\x01", b"a"]), st.sampled_from([None, b"\x02", b"b"]))
+       st.sampled_from([None, b"\x01", b"a"]), st.sampled_from([None, b"\x02", b"b"]),
+       st.sampled_from([1, 1, 2, 3]))
 def test_run_merge_streams_the_same_result_in_bounded_passes(
         tiny_memory: None, runs: list[list[Update]], part_bytes: int,
-        lower: bytes | None, upper: bytes | None) -> None:
+        lower: bytes | None, upper: bytes | None, writers_per_batch: int) -> None:
     blob = MemoryBlob()
-    req = _request(blob, runs, part_bytes)
+    req = _request(blob, runs, part_bytes, writers_per_batch)
     key_range = KeyRange(lower, upper)
     res = run_merge(req, "s1", blob, None, part_bytes, THREE_RUNS_A_PASS, key_range=key_range)
     tables = [blobs_module.ShardBlobs(blob, None, blob, None).fetch_part(p, "test")

@@ -31,9 +31,10 @@ class Description:
 class HollowPart:
     """A Parquet part in blob storage, referenced by key.
 
-    Every part is sorted by ``(k, v, t)`` and consolidated, and the parts of one batch
-    are in key order: a batch is one sorted run. ``min_key``/``max_key`` bound its keys
-    (inclusive, see :func:`key_bounds`); None in parts written before they were recorded.
+    Every part is sorted by ``(k, v, t)`` and consolidated; the parts one writer or one
+    merge writes for a batch are in key order, one sorted run (see :meth:`Batch.runs`).
+    ``min_key``/``max_key`` bound its keys (inclusive, see :func:`key_bounds`); None in
+    parts written before they were recorded.
     """
 
     key: str
@@ -112,6 +113,24 @@ class Batch:
 
     def hollow_parts(self) -> Iterator[HollowPart]:
         return (p for p in self.parts if isinstance(p, HollowPart))
+
+    def runs(self) -> list[tuple[Part, ...]]:
+        """The batch's parts as sorted runs: consecutive parts whose recorded key ranges
+        follow each other strictly form one run (a write or a merge writes one run; a
+        batch committed from parts written elsewhere, e.g. by Spark executors, may hold
+        several). A part without key bounds, or inline, is a run of its own."""
+        runs: list[list[Part]] = []
+        previous: Part | None = None
+        for part in self.parts:
+            follows = (isinstance(previous, HollowPart) and isinstance(part, HollowPart)
+                       and previous.max_key is not None and part.min_key is not None
+                       and previous.max_key < part.min_key)
+            if follows:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+            previous = part
+        return [tuple(run) for run in runs]
 
 
 @dataclass(frozen=True, slots=True)
