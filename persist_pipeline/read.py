@@ -236,6 +236,9 @@ class ReadHandle:
         """The collection at ``as_of`` as consolidated record batches in ``(k, v)`` order,
         read in bounded memory (about ``compaction_memory_bound_bytes``, whatever the
         shard's size): every batch of the shard is a sorted run, merged as it streams.
+        A reader does not write, so unlike a merge it cannot go in passes: each large run
+        costs about one Parquet row group beyond the bound, which compaction keeps few
+        (the Spine holds O(log n) batches).
 
         The state being read stays held (its parts are not collected) until the
         iterator is exhausted or closed. Errors are raised as for :meth:`snapshot`, when

@@ -121,7 +121,7 @@ def test_control_gc_that_ignores_what_is_live_is_caught(location, monkeypatch):
         writing.open_writer(shard).compare_and_append([], t, t + 1)
     client = location.client(InlinePolicy(0, 0), PersistConfig(rollup_threshold=2,
                                                                 gc_orphan_min_age_s=1))
-    time.sleep(1.1)  # every part is now old enough for the orphan sweep
+    time.sleep(2.1)  # every part is now old enough for the orphan sweep (S3 stamps: seconds)
     from persist_pipeline import gc
 
     # The broken build: the orphan sweep believes no version references anything.

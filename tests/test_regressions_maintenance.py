@@ -969,7 +969,7 @@ def test_rollups_a_killed_gc_dropped_are_swept_by_the_next_gc(location: Location
     assert dropped > 0
     monkeypatch.undo()
     writer.compare_and_append([], 12, 13)
-    time.sleep(1.1)  # the dropped rollups are now old enough for the sweep
+    time.sleep(2.1)  # the dropped rollups are now old enough for the sweep (S3 stamps: seconds)
     client.gc(shard)
     head = client.machine(shard).fetch_latest()
     listed = {m.key for m in client.blobs.main.list_keys(f"{shard}/") if "/rollup/" in m.key}
