@@ -66,6 +66,9 @@ class PlanFile:
         size: encoded bytes.
         num_updates: rows in the file.
         min_time / max_time: the range of its ``t`` column.
+        batch_id: the batch it belongs to.
+        index: its position among that batch's parts (a batch's parts are consecutive,
+            ascending ranges of one sorted run of keys).
     """
 
     uri: str
@@ -76,6 +79,8 @@ class PlanFile:
     num_updates: int
     min_time: int
     max_time: int
+    batch_id: str = ""
+    index: int = 0
 
 
 def base_blob(blob: Blob) -> Blob:
@@ -107,9 +112,10 @@ def file_uri(blob: Blob, key: str) -> tuple[str, str]:
 def blob_filesystem(blob: Blob) -> pafs.FileSystem:
     """A ``pyarrow.fs.FileSystem`` reaching the files of ``blob``.
 
-    For S3 it carries the location's endpoint, region, addressing style and static
-    credentials, if the URI has them (else pyarrow's AWS default chain: environment,
-    profile, instance role). Keep it private: it holds the secret key.
+    For S3 it carries the location's endpoint, region, addressing style and credentials:
+    the URI's, else those boto3's default chain finds now (environment, shared files,
+    instance role; temporary ones are not refreshed). Keep it private: it holds the
+    secret key.
 
     Raises:
         InvalidConfig: the store is in memory.
@@ -139,6 +145,18 @@ def blob_filesystem(blob: Blob) -> pafs.FileSystem:
         kwargs["secret_key"] = params.get("secret_access_key", "")
         if params.get("session_token"):
             kwargs["session_token"] = params["session_token"]
+    else:
+        # The same default chain as the blob store's boto3 client (environment, shared
+        # files, instance role), resolved now: pyarrow's own chain differs in details.
+        import boto3
+
+        found = boto3.session.Session().get_credentials()
+        if found is not None:
+            creds = found.get_frozen_credentials()
+            kwargs["access_key"] = creds.access_key
+            kwargs["secret_key"] = creds.secret_key
+            if creds.token:
+                kwargs["session_token"] = creds.token
     return pafs.S3FileSystem(**kwargs)
 
 

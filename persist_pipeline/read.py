@@ -224,14 +224,15 @@ class ReadHandle:
             for batch in state.ordered_batches:
                 if batch.desc.lower > t:
                     continue
-                for part in batch.parts:
+                for index, part in enumerate(batch.parts):
                     if isinstance(part, InlinePart):
                         inline.append(decode_inline(part.updates, f"{part.part_id} (shard "
                                                     f"{self.shard_id})"))
                         continue
                     uri, path = file_uri(self._machine.blobs.store(part.store), part.key)
                     files.append(PlanFile(uri, part.store, part.key, path, part.encoded_size,
-                                          part.num_updates, part.min_time, part.max_time))
+                                          part.num_updates, part.min_time, part.max_time,
+                                          batch.id, index))
             stores = {"main": self._machine.blobs.main}
             if self._machine.blobs.wal is not None:
                 stores["wal"] = self._machine.blobs.wal
