@@ -42,8 +42,8 @@ import pyarrow.compute as pc
 from persist_pipeline.blob.base import Blob
 from persist_pipeline.blob.local import LocalBlob
 from persist_pipeline.blob.s3 import S3Blob
-from persist_pipeline.exceptions import InvalidConfig
-from persist_pipeline.frontier import Frontier
+from persist_pipeline.exceptions import InvalidConfig, NotYetAvailable
+from persist_pipeline.frontier import MAX_TIME, Frontier
 from persist_pipeline.internal.state import Store
 from persist_pipeline.updates import SCHEMA, consolidate
 
@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     import pyarrow.dataset as pads
     import pyarrow.fs as pafs
 
-__all__ = ["PlanFile", "SnapshotPlan", "base_blob", "blob_filesystem", "file_uri"]
+__all__ = ["PlanFile", "SnapshotPlan", "base_blob", "blob_filesystem", "file_uri",
+           "latest_complete_time", "text_or_hex"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,18 @@ class PlanFile:
     max_time: int
     batch_id: str = ""
     index: int = 0
+
+
+def latest_complete_time(shard_id: str, upper: Frontier) -> int:
+    """The latest time whose collection is complete: ``upper - 1`` (the largest time for
+    a closed shard).
+
+    Raises:
+        NotYetAvailable: the upper is 0, so no time is complete yet.
+    """
+    if upper == 0:
+        raise NotYetAvailable(f"shard {shard_id} has no complete time yet (its upper is 0)")
+    return MAX_TIME if upper is None else upper - 1
 
 
 def base_blob(blob: Blob) -> Blob:

@@ -28,7 +28,7 @@ from persist_pipeline.internal.heartbeat import Heartbeater
 from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, State
 from persist_pipeline.internal.sync import new_lock
-from persist_pipeline.plan import PlanFile, SnapshotPlan, file_uri
+from persist_pipeline.plan import PlanFile, SnapshotPlan, file_uri, latest_complete_time
 from persist_pipeline.updates import consolidate, decode_inline, empty_table
 
 #: Parallel blob fetches per read.
@@ -211,10 +211,7 @@ class ReadHandle:
         state = self._start_reading()
         try:
             if as_of is None:
-                if state.upper == 0:
-                    raise NotYetAvailable(f"shard {self.shard_id} has no complete time yet "
-                                          f"(its upper is 0)")
-                as_of = MAX_TIME if state.upper is None else state.upper - 1
+                as_of = latest_complete_time(self.shard_id, state.upper)
             t = self._check_as_of(as_of, state)
             if not less_than(t, state.upper):
                 raise NotYetAvailable(f"as_of {t} is not complete yet: the shard's upper is "
