@@ -208,7 +208,7 @@ def _key_bounds(plan: SnapshotPlan, f: PlanFile) -> _FileBounds:
     if n == 0:
         return _FileBounds(0, b"", b"", ())
     step = max(1, n // _SAMPLES_PER_FILE)
-    samples = tuple(keys[i].as_py() for i in range(step, n, step))
+    samples = tuple(keys[i].as_py() for i in range(0, n, step))
     return _FileBounds(n, keys[0].as_py(), keys[n - 1].as_py(), samples)
 
 
@@ -323,12 +323,15 @@ def make_read_plan(options: Mapping[str, str]) -> tuple[_Location, int, list[_Re
         lease = client.config.reader_lease_duration_s
         reader = client.open_reader(location.shard_id, debug="spark read")
         try:
-            with reader.snapshot_plan(as_of) as plan:
-                # Hold since only where this read needs it; the seqno hold registered
-                # with the reader keeps the plan's files until the lease runs out.
-                reader.downgrade_since(plan.as_of)
-                partitions = plan_partitions(plan, partition_bytes, max_partitions)
-                return location, plan.as_of, partitions, lease
+            plan = reader.snapshot_plan(as_of)
+            # Hold since only where this read needs it. The seqno hold this publishes is
+            # at most the plan's (the plan is open), and it stays so: the plan is left
+            # open on purpose, since closing it would publish a newer hold and free the
+            # plan's files before the executors read them. The hold ends when the
+            # reader's lease runs out and GC expires it.
+            reader.downgrade_since(plan.as_of)
+            partitions = plan_partitions(plan, partition_bytes, max_partitions)
+            return location, plan.as_of, partitions, lease
         except BaseException:
             with contextlib.suppress(PersistError):
                 reader.expire()
