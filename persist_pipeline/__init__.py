@@ -8,7 +8,9 @@ Module map:
 
 - ``client``: :class:`PersistClient`, the entry point; opens handles, inspect/compact/gc.
 - ``write`` / ``read``: write handles (compare_and_append, append) and read handles
-  (snapshot, listen, since holds; critical readers).
+  (snapshot, listen, snapshot_plan, since holds; critical readers).
+- ``plan``: :class:`SnapshotPlan`, a snapshot's live Parquet files and inline rows for
+  other engines (a pyarrow filesystem and dataset; DuckDB, polars), held against GC.
 - ``config``: :class:`InlinePolicy` (inline vs blob) and every tunable with its default.
 - ``updates``: validation, consolidation (the engine-agnostic merge function) and the
   part encodings (Parquet k/v/t/d; inline protobuf).
@@ -21,7 +23,8 @@ Module map:
 - ``faults``: seeded fault injection (wrappers in ``blob.faults``, ``consensus.faults``).
 - ``nemesis/``: killed processes, faults and a checker of every guarantee.
 - ``sim/``: the deterministic simulation (``persist-pipeline simulate``).
-- ``spark``: the Spark compaction executor (imports pyspark lazily).
+- ``spark``: the Spark compaction executor (imports pyspark lazily) and ``register``.
+- ``spark_source``: the ``persist`` PySpark data source (reads and atomic writes).
 - ``proto/``: the protobuf wire formats; ``cli``: the ``persist-pipeline`` command.
 - ``exceptions``: every error, rooted at :class:`PersistError`.
 """
@@ -42,6 +45,7 @@ from persist_pipeline.exceptions import (
 )
 from persist_pipeline.frontier import CLOSED, Frontier
 from persist_pipeline.ids import ShardId
+from persist_pipeline.plan import SnapshotPlan
 from persist_pipeline.read import CriticalReaderHandle, Listen, ListenEvent, ReadHandle
 from persist_pipeline.write import WriteHandle, WriteResult
 
@@ -66,6 +70,7 @@ __all__ = [
     "ShardNotFound",
     "ShardSummary",
     "SinceViolation",
+    "SnapshotPlan",
     "UpperMismatch",
     "WriteHandle",
     "WriteResult",

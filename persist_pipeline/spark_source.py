@@ -136,7 +136,7 @@ class _Location:
         if not consensus or not blob:
             raise InvalidConfig("the persist data source needs options consensus and blob "
                                 "(or PERSIST_CONSENSUS_URI / PERSIST_BLOB_URI)")
-        for uri, what in ((blob, "blob"), (wal, "wal_blob")):
+        for uri, what in ((consensus, "consensus"), (blob, "blob"), (wal, "wal_blob")):
             if uri and uri.strip().lower().startswith("mem://"):
                 raise InvalidConfig(f"option {what} names an in-memory store, which Spark "
                                     "executors (other processes) cannot reach: use "

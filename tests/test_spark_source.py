@@ -151,6 +151,9 @@ def test_spark_source_refuses_bad_options(spark_session: Any, tmp_path: Path) ->
             "shard": str(ShardId.new())}
     with pytest.raises(Exception, match="in-memory store"):
         spark_session.read.format("persist").options(**opts).load().collect()
+    with pytest.raises(Exception, match="option consensus names an in-memory store"):
+        spark_session.read.format("persist").options(**{**opts, "consensus": "mem://x"}
+                                                    ).load().collect()
     df = spark_session.createDataFrame([(b"a", b"b", 0, 1)], "k binary, v binary, t long, d long")
     opts["blob"] = f"file://{tmp_path / 'b'}"
     with pytest.raises(Exception, match="append-only"):
