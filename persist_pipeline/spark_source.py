@@ -34,9 +34,10 @@ that outlasts its lease may fail on a part GC has deleted (never return wrong da
 
 **Writing.** Each task validates its rows (``k``, ``v`` binary; ``t``, ``d`` long; every
 ``t`` in ``[expected_upper, new_upper)``), consolidates them and writes Parquet parts to
-the blob store (the WAL store if ``wal_blob`` is given). The driver then commits every
-task's parts as ONE batch with one ``compare_and_append``: all rows become visible at
-once, or none. When the driver knows for certain nothing was committed (an upper
+the blob store (the WAL store if ``wal_blob`` is given); a task holds its partition's
+rows in memory while it does (repartition a large DataFrame to bound that). The driver
+then commits every task's parts as ONE batch with one ``compare_and_append``: all rows
+become visible at once, or none. When the driver knows for certain nothing was committed (an upper
 mismatch, a failed task, the commit deadline passed), it deletes the parts; when the
 outcome cannot be known (a lost reply), the parts are left to GC's orphan sweep, which
 deletes them only if no state references them. Only ``mode("append")`` is accepted.

@@ -72,9 +72,10 @@ def test_snapshot_shows_hex_only_where_not_utf8_and_says_so(env: dict[str, str],
 
 
 def test_shards_shows_pipeline_names(env: dict[str, str], tmp_path: Path) -> None:
+    from assets.pipeline_config import DEFAULT_CONFIG, load_pipeline_config
+
     config = tmp_path / "pipeline.yaml"
-    config.write_text(Path("pipeline.yaml").read_text())
-    from assets.pipeline_config import load_pipeline_config
+    config.write_text(DEFAULT_CONFIG.read_text())
 
     ids = {s.name: s.shard_id for s in load_pipeline_config(config).shards}
     assert cli(env, "new-shard", "--id", ids["clicks"]).returncode == 0

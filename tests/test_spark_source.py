@@ -207,3 +207,40 @@ def test_a_planned_read_keeps_its_files_until_its_lease_runs_out(
         for p in partitions:
             list(_read_partition(location, as_of, p, lease))
     client.close()
+
+
+def test_abort_deletes_parts_only_when_no_commit_was_attempted(tmp_path: Path) -> None:
+    """Spark calls abort after a failed task (no commit ran: the parts are certainly
+    unreferenced) and after a failed commit (which may have been indeterminate: the
+    parts may be referenced, so they are GC's to judge)."""
+    import pyarrow as pa
+
+    from persist_pipeline.spark_source import (
+        PersistCommitMessage,
+        _abort,
+        _commit_marker,
+        _write_job,
+        _write_task,
+    )
+
+    blob = f"file://{tmp_path / 'b'}"
+    opts = {"consensus": f"sqlite:///{tmp_path / 'c.db'}", "blob": blob,
+            "shard": str(ShardId.new()), "expected_upper": "0", "new_upper": "5"}
+    batch = pa.RecordBatch.from_pylist([{"k": b"a", "v": b"b", "t": 1, "d": 1}])
+
+    def uploaded(job: Any) -> PersistCommitMessage:
+        parts, n, started = _write_task(job, iter([batch]))
+        assert len(parts) == 1 and open_blob(blob).get(parts[0].key) is not None
+        return PersistCommitMessage(parts, n, started)
+
+    failed_task = _write_job(opts, overwrite=False)
+    message = uploaded(failed_task)
+    _abort(failed_task, [message])
+    assert open_blob(blob).get(message.parts[0].key) is None
+
+    failed_commit = _write_job(opts, overwrite=False)
+    message = uploaded(failed_commit)
+    _commit_marker(failed_commit).touch()  # what a commit does before its first CaS
+    _abort(failed_commit, [message])
+    assert open_blob(blob).get(message.parts[0].key) is not None
+    assert not _commit_marker(failed_commit).exists()
