@@ -212,3 +212,22 @@ def test_plan_files_may_go_once_its_readers_lease_ran_out(tmp_path: Path) -> Non
         plan.to_table()
     plan.close()  # closing after expiry is harmless
     client.close()
+
+
+def test_a_plan_shows_no_credentials(request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    location = make_location("pg-s3", request, tmp_path)
+    secret = "SeCrEtPlanKey/9+x"
+    blob_uri = (location.blob_uri + "&access_key_id=AKIAPLANTEST&secret_access_key="
+                + secret.replace("/", "%2F"))
+    client = PersistClient.open(location.consensus_uri, blob_uri,
+                                inline_policy=InlinePolicy(0, 0))
+    shard = str(ShardId.new())
+    with client.open_writer(shard) as writer:
+        writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    with client.open_reader(shard) as reader, reader.snapshot_plan(0) as plan:
+        shown = plan.to_json() + repr(plan) + " ".join(plan.files)
+        assert secret not in shown and "SeCrEt" not in shown
+        # The file system carries them (it reads the files) without showing them.
+        assert rows(plan.to_table(), 0) == [(b"a", b"1", 1)]
+        assert "SeCrEt" not in repr(plan.filesystem())
+    client.close()
