@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from persist_pipeline import PersistClient
+from persist_pipeline.blob import redact_uri
 from persist_pipeline.exceptions import BlobLocationNotFound, BlobUnavailable, InvalidUri
 from tests.test_cli import cli, env
 
@@ -124,9 +125,13 @@ def test_a_password_with_unescaped_characters_is_refused_without_echo(password: 
     with pytest.raises(InvalidUri, match="percent-encode") as caught:
         PersistClient.open(uri, "mem://")
     message = str(caught.value)
+    # Redacted for display (logs, Dagster metadata), the URI shows none of it either.
+    shown = redact_uri(uri) + " " + redact_uri(uri + "?sslmode=require")
+    assert shown.startswith("postgresql://***@127.0.0.1:5432/persist")
     for piece in {password, *password.replace("/", " ").replace("@", " ").replace(
             ":", " ").split()}:
         assert piece not in message
+        assert piece not in shown
     from urllib.parse import quote
 
     # Percent-encoded, the same password gets past the check (to the server, which
