@@ -75,6 +75,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from persist_pipeline.blob import redact_uri
 from persist_pipeline.exceptions import (
     InvalidConfig,
     InvalidFrontier,
@@ -119,14 +120,20 @@ def register(spark: SparkSession) -> None:
 # --- options -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class _Location:
-    """Where a shard lives, from a read's or write's options (URIs may hold secrets)."""
+    """Where a shard lives, from a read's or write's options (URIs may hold secrets:
+    its repr redacts them)."""
 
     consensus_uri: str
     blob_uri: str
     wal_blob_uri: str | None
     shard_id: str
+
+    def __repr__(self) -> str:
+        wal = f", wal_blob={redact_uri(self.wal_blob_uri)!r}" if self.wal_blob_uri else ""
+        return (f"_Location(consensus={redact_uri(self.consensus_uri)!r}, "
+                f"blob={redact_uri(self.blob_uri)!r}{wal}, shard={self.shard_id})")
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> _Location:
