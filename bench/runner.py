@@ -33,6 +33,7 @@ from bench import (
     case7_cost,
     case8_simulated,
     case9_scale,
+    case10_spark_read,
     peers,
     plots,
     profiling,
@@ -56,6 +57,7 @@ CASES: dict[str, Any] = {
     "profile": profiling,
     "5": case5_compaction,
     "9": case9_scale,
+    "10": case10_spark_read,
 }
 
 

@@ -8,8 +8,11 @@ Module map:
 
 - ``client``: :class:`PersistClient`, the entry point; opens handles, inspect/compact/gc.
 - ``write`` / ``read``: write handles (compare_and_append, append) and read handles
-  (snapshot, streaming snapshot_batches, listen, since holds; critical readers).
+  (snapshot, streaming snapshot_batches, listen, snapshot_plan, since holds; critical
+  readers).
 - ``fingerprint``: a digest of a streamed snapshot (the Dagster compaction check).
+- ``plan``: :class:`SnapshotPlan`, a snapshot's live Parquet files and inline rows for
+  other engines (a pyarrow filesystem and dataset; DuckDB, polars), held against GC.
 - ``config``: :class:`InlinePolicy` (inline vs blob) and every tunable with its default.
 - ``updates``: validation, consolidation (sort, then vectorized sums of equal rows) and
   the part encodings (Parquet k/v/t/d; inline protobuf).
@@ -25,7 +28,8 @@ Module map:
 - ``nemesis/``: killed processes, faults and a checker of every guarantee.
 - ``sim/``: the deterministic simulation (``persist-pipeline simulate``).
 - ``spark``: the Spark compaction executor: key-range split merges, failures isolated per
-  merge (imports pyspark lazily).
+  merge (imports pyspark lazily); ``register`` adds the data source.
+- ``spark_source``: the ``persist`` PySpark data source (reads and atomic writes).
 - ``proto/``: the protobuf wire formats; ``cli``: the ``persist-pipeline`` command.
 - ``exceptions``: every error, rooted at :class:`PersistError`.
 """
@@ -46,6 +50,7 @@ from persist_pipeline.exceptions import (
 )
 from persist_pipeline.frontier import CLOSED, Frontier
 from persist_pipeline.ids import ShardId
+from persist_pipeline.plan import SnapshotPlan
 from persist_pipeline.read import CriticalReaderHandle, Listen, ListenEvent, ReadHandle
 from persist_pipeline.write import WriteHandle, WriteResult
 
@@ -70,6 +75,7 @@ __all__ = [
     "ShardNotFound",
     "ShardSummary",
     "SinceViolation",
+    "SnapshotPlan",
     "UpperMismatch",
     "WriteHandle",
     "WriteResult",

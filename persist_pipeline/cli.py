@@ -49,6 +49,13 @@ def _time(text: str) -> int:
     return value
 
 
+def _as_of(text: str) -> int | None:
+    """A time, or ``latest`` (None): the shard's latest complete time, upper - 1."""
+    if text.strip().lower() == "latest":
+        return None
+    return _time(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="persist-pipeline", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wal-blob", metavar="URI", help="WAL blob URI (PERSIST_WAL_BLOB_URI)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    sub.add_parser("shards", help="list shards with their summaries (JSON)")
+    s = sub.add_parser("shards", help="list shards with their summaries and pipeline names "
+                       "(JSON)")
+    s.add_argument("--config", type=Path,
+                   help="pipeline config naming the shards (default: "
+                        "$PERSIST_PIPELINE_CONFIG, else ./pipeline.yaml if present)")
     s = sub.add_parser("new-shard", help="create a shard and print its id")
     s.add_argument("--id", help="use this shard id instead of a fresh one")
     s = sub.add_parser("inspect", help="print a shard's state as JSON")
@@ -72,8 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file format (default: from the extension)")
     s = sub.add_parser("snapshot", help="write the collection at --as-of")
     s.add_argument("shard")
-    s.add_argument("--as-of", type=_time, required=True)
-    s.add_argument("--out", type=Path, help="output .parquet or .csv (default: stdout, CSV)")
+    s.add_argument("--as-of", type=_as_of, required=True,
+                   help="a time, or 'latest' (the latest complete time: upper - 1)")
+    s.add_argument("--out", type=Path, help="output .parquet or .csv (default: stdout, CSV; "
+                                            "k and v as text, or hex where not UTF-8)")
+    s = sub.add_parser("plan", help="print the read plan at --as-of as JSON: the live "
+                       "Parquet files and the inline rows, for DuckDB, polars, Spark...")
+    s.add_argument("shard")
+    s.add_argument("--as-of", type=_as_of, default=None,
+                   help="a time, or 'latest' (default)")
+    s.add_argument("--hold-seconds", type=float, default=0.0,
+                   help="keep the files from GC this long after printing (the reader "
+                        "heartbeats meanwhile); without it they are guaranteed only "
+                        "while the command runs")
     s = sub.add_parser("compact", help="run pending merges and flush inline parts")
     s.add_argument("shard")
     s = sub.add_parser("gc", help="delete unreferenced blobs and truncate consensus")
@@ -110,19 +132,30 @@ def _print_json(obj: object) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
+def _printable(table: pa.Table) -> pa.Table:
+    """k and v as text: UTF-8 where every value of the column is, else hex (said on
+    stderr, so a reader of the CSV knows how to decode it)."""
+    from persist_pipeline.plan import text_or_hex
+
+    for index, name in ((0, "k"), (1, "v")):
+        encoding, values = text_or_hex(table.column(name))
+        if encoding == "hex":
+            print(f"persist-pipeline: column {name} is not valid UTF-8 throughout: written "
+                  f"as hex", file=sys.stderr)
+        table = table.set_column(index, name, pa.array(values, pa.string()))
+    return table
+
+
 def _write_table(table: pa.Table, out: Path | None) -> None:
-    printable = table.set_column(0, "k", pa.array(
-        [b.hex() for b in table.column("k").to_pylist()], pa.string()))
-    printable = printable.set_column(1, "v", pa.array(
-        [b.hex() for b in table.column("v").to_pylist()], pa.string()))
+    if out is not None and out.suffix not in (".parquet", ".csv"):
+        raise InvalidInput(f"--out must end in .parquet or .csv, got {out.name!r}")
+    printable = _printable(table) if out is None or out.suffix == ".csv" else table
     if out is None:
         pacsv.write_csv(printable, sys.stdout.buffer)
     elif out.suffix == ".parquet":
         pq.write_table(table, out)
-    elif out.suffix == ".csv":
-        pacsv.write_csv(printable, out)
     else:
-        raise InvalidInput(f"--out must end in .parquet or .csv, got {out.name!r}")
+        pacsv.write_csv(printable, out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,7 +173,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     with PersistClient.open(args.consensus, args.blob, args.wal_blob) as client:
         if args.command == "shards":
-            _print_json({k: v.__dict__ if hasattr(v, "__dict__") else _summary(v)
+            names = _shard_names(args.config)
+            _print_json({k: {**(v.__dict__ if hasattr(v, "__dict__") else _summary(v)),
+                             "name": names.get(k)}
                          for k, v in client.shard_summaries().items()})
         elif args.command == "inspect":
             _print_json(client.inspect(args.shard))
@@ -152,7 +187,21 @@ def run(args: argparse.Namespace) -> int:
                          "seqno": res.seqno, "upper": res.upper, "updates": res.num_updates})
         elif args.command == "snapshot":
             with client.open_reader(args.shard, debug="cli") as reader:
-                _write_table(reader.snapshot(args.as_of), args.out)
+                as_of = args.as_of
+                if as_of is None:
+                    from persist_pipeline.plan import latest_complete_time
+
+                    state = client.machine(args.shard).fetch_latest()
+                    as_of = latest_complete_time(state.shard_id, state.upper)
+                _write_table(reader.snapshot(as_of), args.out)
+        elif args.command == "plan":
+            if args.hold_seconds < 0:
+                raise InvalidInput("--hold-seconds must not be negative")
+            with client.open_reader(args.shard, debug="cli plan") as reader, \
+                    reader.snapshot_plan(args.as_of) as plan:
+                print(plan.to_json(), flush=True)
+                if args.hold_seconds:
+                    client.clock.sleep(args.hold_seconds)
         elif args.command == "compact":
             _print_json(client.compact(args.shard))
         elif args.command == "gc":
@@ -218,6 +267,29 @@ def _nemesis(args: argparse.Namespace) -> int:
         seconds=args.seconds, writers=args.writers, readers=args.readers, seed=args.seed,
         fault_rate=args.fault_rate, pg_restart=args.pg_restart, workdir=args.workdir))
     return 1 if report.check.violations else 0
+
+
+def _shard_names(config: Path | None) -> dict[str, str]:
+    """``{shard_id: name}`` from the pipeline config: ``config`` (errors are errors),
+    else ``$PERSIST_PIPELINE_CONFIG`` or ``./pipeline.yaml`` if present (errors are
+    warnings: the listing itself does not need names)."""
+    import importlib
+    import os
+
+    path = config or os.environ.get("PERSIST_PIPELINE_CONFIG")
+    if path is None and Path("pipeline.yaml").is_file():
+        path = "pipeline.yaml"
+    if path is None:
+        return {}
+    try:
+        module = importlib.import_module("assets.pipeline_config")
+        loaded = module.load_pipeline_config(Path(path))
+    except (ImportError, PersistError) as e:
+        if config is not None:
+            raise InvalidInput(f"--config {config}: {e}") from None
+        print(f"persist-pipeline: shard names not shown: {e}", file=sys.stderr)
+        return {}
+    return {s.shard_id: s.name for s in loaded.shards}
 
 
 def _summary(s: object) -> dict[str, Any]:

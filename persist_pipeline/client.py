@@ -19,7 +19,7 @@ from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import Consensus
 from persist_pipeline.consensus.retry import RetryingConsensus
-from persist_pipeline.exceptions import InvalidConfig
+from persist_pipeline.exceptions import BlobError, InvalidConfig
 from persist_pipeline.frontier import Frontier
 from persist_pipeline.gc import gc_shard
 from persist_pipeline.ids import ShardId, new_critical_reader_id, new_reader_id, new_writer_id
@@ -49,6 +49,20 @@ class ShardSummary:
     pending_merges: int
     inline_fallbacks: int
     walltime_ms: int
+
+
+#: The key the open-time probe reads (it never exists; reading it costs one GET).
+_PROBE_KEY = "persist-probe/never-written"
+
+
+def _probe(blob: Blob, what: str) -> None:
+    """One cheap read of an absent key: reaches the endpoint, the bucket and the
+    credentials, and changes nothing."""
+    try:
+        blob.get(_PROBE_KEY)
+    except BlobError as e:
+        raise type(e)(f"the {what} store cannot be used (checked when the client "
+                      f"opened): {e}") from None
 
 
 class PersistClient:
@@ -86,6 +100,7 @@ class PersistClient:
         inline_policy: InlinePolicy | None = None,
         config: PersistConfig | None = None,
         env: Mapping[str, str] | None = None,
+        probe: bool = True,
     ) -> PersistClient:
         """Open a location by URI; unset arguments come from ``PERSIST_*`` variables.
 
@@ -99,6 +114,13 @@ class PersistClient:
             inline_policy: where writes go (``PERSIST_INLINE_UPDATE_*_BYTES``).
             config: other tunables.
             env: the environment to read (default ``os.environ``).
+            probe: read one (absent) key from each blob store now, so that an
+                unreachable endpoint, a missing bucket or bad credentials are reported
+                here rather than by the first write or compaction.
+
+        Raises:
+            InvalidUri / InvalidConfig: a malformed URI or a missing setting.
+            BlobUnavailable / BlobLocationNotFound / BlobAuthError: the probe failed.
         """
         env = os.environ if env is None else env
         consensus_uri = consensus_uri or env.get("PERSIST_CONSENSUS_URI")
@@ -119,6 +141,10 @@ class PersistClient:
         try:
             blob = open_blob(blob_uri)
             wal = open_blob(wal_blob_uri) if wal_blob_uri else None
+            if probe:
+                _probe(blob, "blob")
+                if wal is not None:
+                    _probe(wal, "WAL blob")
         except BaseException:
             consensus.close()
             raise

@@ -29,9 +29,10 @@ from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES
 from persist_pipeline.internal.heartbeat import Heartbeater
 from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.merge import batch_rows, memory_plan, merge_runs
-from persist_pipeline.internal.state import Batch, HollowPart, Part, State
+from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, Part, State
 from persist_pipeline.internal.sync import new_lock
-from persist_pipeline.updates import SCHEMA, advance_times, consolidate, empty_table
+from persist_pipeline.plan import PlanFile, SnapshotPlan, file_uri, latest_complete_time
+from persist_pipeline.updates import SCHEMA, advance_times, consolidate, decode_inline, empty_table
 
 #: The most rows in one record batch of :meth:`ReadHandle.snapshot_batches`.
 SNAPSHOT_BATCH_ROWS = 64 * 1024
@@ -277,6 +278,80 @@ class ReadHandle:
         listen = Listen(self, t)
         self._listens.add(listen)
         return listen
+
+    def snapshot_plan(self, as_of: int | None = None) -> SnapshotPlan:
+        """The live Parquet files and inline rows of the snapshot at ``as_of``, for
+        other engines (DuckDB, polars, Spark); see :mod:`persist_pipeline.plan`.
+
+        The plan holds the state version it was made from: GC deletes none of its files
+        until the plan is closed (``close()`` or a ``with`` block) or this reader's
+        lease runs out. Heartbeats meanwhile keep the lease without releasing the hold.
+
+        Args:
+            as_of: the time to read; None for the latest complete time (upper - 1).
+
+        Raises:
+            SinceViolation: ``as_of`` is below this reader's since.
+            NotYetAvailable: the shard's upper is not yet beyond ``as_of`` (or, with
+                ``as_of=None``, nothing is complete yet).
+            InvalidConfig: a part lives in an in-memory blob store.
+        """
+        state = self._start_reading()
+        try:
+            if as_of is None:
+                as_of = latest_complete_time(self.shard_id, state.upper)
+            t = self._check_as_of(as_of, state)
+            if not less_than(t, state.upper):
+                raise NotYetAvailable(f"as_of {t} is not complete yet: the shard's upper is "
+                                      f"{state.upper}")
+            files: list[PlanFile] = []
+            inline: list[pa.Table] = []
+            for batch in state.ordered_batches:
+                if batch.desc.lower > t:
+                    continue
+                for index, part in enumerate(batch.parts):
+                    if isinstance(part, InlinePart):
+                        inline.append(decode_inline(part.updates, f"{part.part_id} (shard "
+                                                    f"{self.shard_id})"))
+                        continue
+                    uri, path = file_uri(self._machine.blobs.store(part.store), part.key)
+                    files.append(PlanFile(uri, part.store, part.key, path, part.encoded_size,
+                                          part.num_updates, part.min_time, part.max_time,
+                                          batch.id, index))
+            stores = {"main": self._machine.blobs.main}
+            if self._machine.blobs.wal is not None:
+                stores["wal"] = self._machine.blobs.wal
+            table = pa.concat_tables(inline) if inline else empty_table()
+            return SnapshotPlan(shard_id=self.shard_id, as_of=t, since=state.since,
+                                upper=state.upper, seqno=state.seqno, files=tuple(files),
+                                inline=table, stores=stores,
+                                release=lambda: self._stop_reading(state, heartbeat=True))
+        except BaseException:
+            self._stop_reading(state)
+            raise
+
+    def _start_reading(self) -> State:
+        """Fetch the latest state and hold its seqno until :meth:`_stop_reading` (the
+        same registration as a snapshot's, kept for the life of a plan)."""
+        self._check()
+        with self._reading_lock:
+            state = self._machine.fetch_latest()
+            if self.reader_id not in state.leased_readers:
+                self._expired = True
+                raise LeaseExpired(f"reader {self.reader_id} was expired (missed heartbeats)")
+            self._reading[state.seqno] = self._reading.get(state.seqno, 0) + 1
+        return state
+
+    def _stop_reading(self, state: State, heartbeat: bool = False) -> None:
+        with self._reading_lock:
+            self._reading[state.seqno] -= 1
+            if not self._reading[state.seqno]:
+                del self._reading[state.seqno]
+            idle = not self._reading
+        if heartbeat and idle and not self._expired:
+            # Publish the released hold now rather than at the next background beat.
+            with contextlib.suppress(PersistError):
+                self.heartbeat()
 
     def downgrade_since(self, new_since: Frontier) -> None:
         """Release times below ``new_since`` (compaction may then merge them).

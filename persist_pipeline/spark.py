@@ -61,6 +61,7 @@ __all__ = [
     "is_local_master",
     "local_spark_session",
     "prepare_spark_environment",
+    "register",
     "spark_conf",
 ]
 
@@ -464,3 +465,11 @@ def drive_compaction(
     if failures:
         raise SparkCompactionFailed(failures, out)
     return out
+
+
+def register(spark: SparkSession) -> None:
+    """Register the ``persist`` data source (read and write) on ``spark``: see
+    :mod:`persist_pipeline.spark_source`."""
+    from persist_pipeline.spark_source import register as register_source
+
+    register_source(spark)

@@ -81,11 +81,26 @@ def _from_rows(rows: Iterable[Any]) -> tuple[list[bytes], list[bytes], list[int]
     return ks, vs, ts, ds
 
 
+def _is_text(type_: pa.DataType) -> bool:
+    if pa.types.is_dictionary(type_):
+        return _is_text(type_.value_type)
+    return bool(pa.types.is_string(type_) or pa.types.is_large_string(type_)
+                or pa.types.is_string_view(type_))
+
+
 def _check_table(table: pa.Table) -> pa.Table:
     names = set(table.column_names)
     if names != {"k", "v", "t", "d"}:
         raise InvalidUpdates(f"a table of updates needs exactly columns k, v, t, d; got "
                              f"{sorted(names)}")
+    for name in ("k", "v"):
+        if _is_text(table.schema.field(name).type):
+            # As for tuples: keys and values are bytes, text is never guessed at.
+            raise InvalidUpdates(
+                f"column {name} holds text ({table.schema.field(name).type}); keys and "
+                f"values are bytes: encode them as UTF-8 first (pyarrow: "
+                f"pc.cast(col, pa.binary()); pandas: df[{name!r}].str.encode('utf-8'); "
+                f"polars: pl.col({name!r}).cast(pl.Binary))")
     for name in SCHEMA.names:
         if table.column(name).null_count:
             raise InvalidUpdates(f"column {name} contains nulls")
@@ -97,6 +112,28 @@ def _check_table(table: pa.Table) -> pa.Table:
     if table.num_rows and pc.min(table.column("t")).as_py() < 0:
         raise InvalidUpdates("ts must be non-negative")
     return table
+
+
+def _frame_to_table(obj: object) -> object:
+    """A pandas/polars DataFrame or an Arrow stream as a pyarrow Table; anything else
+    unchanged. Neither pandas nor polars is imported here."""
+    if isinstance(obj, pa.RecordBatchReader):
+        return obj.read_all()
+    module = type(obj).__module__.split(".")[0]
+    name = type(obj).__name__
+    try:
+        if module == "pandas" and name == "DataFrame":
+            return pa.Table.from_pandas(obj, preserve_index=False)
+        if module == "polars" and name == "DataFrame":
+            return obj.to_arrow()  # type: ignore[attr-defined]
+        if module == "polars" and name == "LazyFrame":
+            raise InvalidUpdates("a polars LazyFrame is a query, not data: pass "
+                                 "frame.collect()")
+        if hasattr(obj, "__arrow_c_stream__"):
+            return pa.table(obj)
+    except (pa.ArrowException, TypeError, ValueError) as e:
+        raise InvalidUpdates(f"cannot read the {name} as a k/v/t/d table: {e}") from None
+    return obj
 
 
 class Updates:
@@ -114,11 +151,20 @@ class Updates:
 
     @classmethod
     def coerce(cls, updates: object) -> Updates:
-        """Validate and consolidate user input: rows of tuples, or a k/v/t/d Arrow table."""
+        """Validate and consolidate user input.
+
+        Accepted: an iterable of ``(key, val, ts, diff)`` tuples, or a k/v/t/d table as a
+        ``pyarrow.Table``, ``RecordBatch`` or ``RecordBatchReader``, a pandas or polars
+        ``DataFrame``, or any object exporting an Arrow stream (``__arrow_c_stream__``).
+        Keys and values must be bytes (binary columns): text is refused, in tuples and
+        tables alike, with a hint to encode it.
+        """
         if isinstance(updates, Updates):
             return updates
         if isinstance(updates, pa.RecordBatch):
             updates = pa.Table.from_batches([updates])
+        elif not isinstance(updates, pa.Table):
+            updates = _frame_to_table(updates)
         if isinstance(updates, pa.Table):
             return cls(None, consolidate(_check_table(updates)))
         if isinstance(updates, str | bytes | dict) or not isinstance(updates, Iterable):

@@ -150,6 +150,62 @@ class WriteHandle:
             return WriteResult("none", 0, state.seqno, state.upper, 0,
                                already_committed=True)
 
+    def compare_and_append_parts(
+        self, parts: tuple[HollowPart, ...], num_updates: int, expected_upper: int,
+        new_upper: Frontier, *, idempotency_token: str, uploaded_at_ms: int,
+    ) -> WriteResult:
+        """Commit Parquet parts uploaded elsewhere (Spark tasks) as ONE batch, atomically.
+
+        Each part must be a consolidated k/v/t/d Parquet file under this shard's prefix
+        (:func:`~persist_pipeline.internal.blobs.write_parts`), written for batch
+        ``b<idempotency_token>``, with times in ``[expected_upper, new_upper)``.
+        ``uploaded_at_ms`` is when the first upload started: later than GC's commit
+        deadline after it, nothing is committed.
+
+        When nothing was committed for certain (upper mismatch, deadline, bad parts) the
+        parts are deleted; an indeterminate outcome leaves them to GC.
+
+        Raises:
+            UpperMismatch / CommitDeadlineExceeded / InvalidUpdates / Indeterminate: as
+                :meth:`compare_and_append`.
+        """
+        self._check_open()
+        expected = check_frontier(expected_upper, "expected_upper")
+        upper = check_frontier(new_upper, "new_upper")
+        try:
+            if expected is None or not less_than(expected, upper):
+                raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
+                                      f"({expected})")
+            prefix = f"{self.shard_id}/p/b{idempotency_token}/"
+            for part in parts:
+                if not part.key.startswith(prefix):
+                    raise InvalidUpdates(f"part {part.key!r} was not written for this "
+                                         f"batch (expected keys under {prefix!r})")
+                if part.min_time < expected or not less_equal(part.max_time + 1, upper):
+                    raise InvalidUpdates(f"update times must lie in [{expected}, {upper}); "
+                                         f"part {part.key!r} has {part.min_time}.."
+                                         f"{part.max_time}")
+        except (InvalidFrontier, InvalidUpdates):
+            self._delete_uncommitted(parts)
+            raise
+        machine = self._machine
+        since = machine.state.since
+        desc = Description(expected, upper, since if since is not None else 0)
+        batch = Batch(f"b{idempotency_token}", desc, parts, num_updates) if parts else None
+        placement: Placement = "none" if not parts else (
+            "wal" if parts[0].store == "wal" else "blob")
+        try:
+            result = self._apply(batch, expected, upper, idempotency_token, placement,
+                                 sum(p.encoded_size for p in parts), len(parts),
+                                 fell_back=False,
+                                 commit_deadline_ms=machine.commit_deadline_ms(uploaded_at_ms))
+        except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates):
+            # Certainly not committed (the CaS loop settled every lost reply first).
+            self._delete_uncommitted(parts)
+            raise
+        assert result is not None  # hollow batches never exceed the inline budget
+        return result
+
     def append(self, updates: object, lower: int, upper: Frontier) -> WriteResult:
         """Persist's ``append``: like compare_and_append with ``expected_upper=lower``,
         for writers of definite data that may race with identical writers.

@@ -21,7 +21,23 @@ PUBLIC_PARAMS = frozenset(
     }
 )
 
-_USERINFO_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@?#]*@")
+_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _redact_userinfo(uri: str) -> str:
+    """``scheme://***@host...``: everything up to the LAST ``@`` before the query or
+    fragment is hidden, so a password holding an unescaped ``/``, ``@`` or ``:`` (which
+    a strict parser would split elsewhere) never shows, not even in part."""
+    scheme = _SCHEME_RE.match(uri)
+    if scheme is None:
+        return uri
+    end = len(uri)
+    for sep in ("?", "#"):
+        found = uri.find(sep, scheme.end())
+        if found >= 0:
+            end = min(end, found)
+    at = uri.rfind("@", scheme.end(), end)
+    return uri if at < 0 else uri[:scheme.end()] + "***" + uri[at:]
 
 
 def redact_uri(uri: str) -> str:
@@ -30,7 +46,7 @@ def redact_uri(uri: str) -> str:
     Works on malformed URIs too (a query piece that is not ``name=value`` is hidden
     whole, a fragment too), so error messages can quote what the user passed.
     """
-    uri = _USERINFO_RE.sub(r"\1***@", uri)
+    uri = _redact_userinfo(uri)
     base, sep, rest = uri.partition("?")
     if not sep:
         base, hash_sep, _ = base.partition("#")

@@ -63,7 +63,38 @@ def open_consensus(uri: str) -> Consensus:
         return MemoryConsensus(rest or None)
     if scheme not in _SQL_SCHEMES:
         raise InvalidUri(f"unsupported consensus URI scheme {scheme!r}; supported: {_EXAMPLES}")
+    if _SQL_SCHEMES[scheme] != "sqlite":
+        check_userinfo(scheme, rest)
     return SqlConsensus(uri.strip())
+
+
+def check_userinfo(scheme: str, rest: str) -> None:
+    """Refuse a ``USER:PASSWORD@`` whose password holds an unescaped ``/``, ``@`` or ``:``.
+
+    Such a URI parses as a different host, port or database (and the driver's errors
+    would then quote pieces of the password). The message shows no part of the user
+    info, not even which character was found.
+
+    Args:
+        scheme: the URI's scheme, for the message.
+        rest: the URI after ``scheme://``.
+
+    Raises:
+        InvalidUri: with a hint to percent-encode the password.
+    """
+    head = rest.split("?", 1)[0]
+    at = head.rfind("@")
+    if at < 0:
+        return
+    userinfo = head[:at]
+    _, colon, password = userinfo.partition(":")
+    if "@" in userinfo or "/" in userinfo or (colon and ":" in password):
+        host = head[at + 1:].split("/", 1)[0]
+        raise InvalidUri(
+            f"the user info of consensus URI {scheme}://***@{host}/... holds an unescaped "
+            f"'/', '@' or ':' (in the password?): percent-encode the password, e.g. "
+            f"urllib.parse.quote(password, safe='') turns '/' into %2F, '@' into %40 and "
+            f"':' into %3A")
 
 
 def _quote(uri: str) -> str:

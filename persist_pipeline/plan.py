@@ -1,0 +1,304 @@
+"""Read plans: a snapshot's live Parquet files plus its inline rows, for other engines.
+
+:meth:`ReadHandle.snapshot_plan <persist_pipeline.read.ReadHandle.snapshot_plan>` returns
+a :class:`SnapshotPlan`: the URIs of the Parquet parts a snapshot at ``as_of`` reads, the
+updates still inlined in consensus as a pyarrow table, a ``pyarrow.fs.FileSystem`` that
+reaches the files (endpoint and credentials of the blob location) and a
+``pyarrow.dataset.Dataset`` over every row. DuckDB, polars, pandas and Spark read that
+dataset (or the files) directly, without copying through persist:
+
+.. code-block:: python
+
+    with reader.snapshot_plan(as_of) as plan:
+        ds = plan.to_dataset()
+        duckdb.sql(f"SELECT k, v, sum(d) AS d FROM ds WHERE t <= {plan.as_of} "
+                   "GROUP BY k, v HAVING sum(d) <> 0")
+
+**What the rows mean.** The plan holds every update of the batches the snapshot reads,
+times kept. Keeping the rows with ``t <= as_of``, grouping them by ``(k, v)``, summing
+``d`` and dropping zero sums gives exactly ``snapshot(as_of)`` (:meth:`SnapshotPlan.to_table`
+does it with pyarrow). Rows with ``t > as_of`` may be present: they belong to later times.
+
+**How long the files stay.** A plan keeps the state version it was made from held by its
+reader (the reader's seqno hold): GC never deletes a file of that version while the plan
+is open *and* its reader's lease is alive. Close the plan (``close()`` or a ``with``
+block) when the engine has finished reading; the hold is then released with the reader's
+next heartbeat. If the reader stops heartbeating (its process died, paused, or was closed)
+for longer than its lease, GC expires it and may delete the plan's files: a read still in
+progress then fails on a missing file, it never returns wrong data.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, quote, urlsplit
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_pipeline.blob.base import Blob
+from persist_pipeline.blob.local import LocalBlob
+from persist_pipeline.blob.s3 import S3Blob
+from persist_pipeline.exceptions import InvalidConfig, NotYetAvailable
+from persist_pipeline.frontier import MAX_TIME, Frontier
+from persist_pipeline.internal.state import Store
+from persist_pipeline.updates import SCHEMA, consolidate
+
+if TYPE_CHECKING:
+    import pyarrow.dataset as pads
+    import pyarrow.fs as pafs
+
+__all__ = ["PlanFile", "SnapshotPlan", "base_blob", "blob_filesystem", "file_uri",
+           "latest_complete_time", "text_or_hex"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanFile:
+    """One live Parquet part of a plan.
+
+    Attributes:
+        uri: ``file:///abs/path`` or ``s3://bucket/key`` (no credentials).
+        store: ``"main"`` or ``"wal"``: the blob store that holds it.
+        key: its blob key, relative to that store's root or prefix.
+        path: the path :meth:`SnapshotPlan.filesystem` of ``store`` opens it by.
+        size: encoded bytes.
+        num_updates: rows in the file.
+        min_time / max_time: the range of its ``t`` column.
+        batch_id: the batch it belongs to.
+        index: its position among that batch's parts (a batch's parts are consecutive,
+            ascending ranges of one sorted run of keys).
+    """
+
+    uri: str
+    store: Store
+    key: str
+    path: str
+    size: int
+    num_updates: int
+    min_time: int
+    max_time: int
+    batch_id: str = ""
+    index: int = 0
+
+
+def latest_complete_time(shard_id: str, upper: Frontier) -> int:
+    """The latest time whose collection is complete: ``upper - 1`` (the largest time for
+    a closed shard).
+
+    Raises:
+        NotYetAvailable: the upper is 0, so no time is complete yet.
+    """
+    if upper == 0:
+        raise NotYetAvailable(f"shard {shard_id} has no complete time yet (its upper is 0)")
+    return MAX_TIME if upper is None else upper - 1
+
+
+def base_blob(blob: Blob) -> Blob:
+    """The backend under the retry, cache and fault wrappers of ``blob``."""
+    seen = 0
+    while hasattr(blob, "inner") and seen < 16:
+        blob = blob.inner
+        seen += 1
+    return blob
+
+
+def file_uri(blob: Blob, key: str) -> tuple[str, str]:
+    """``(uri, filesystem path)`` of ``key`` in ``blob`` (a local folder or S3).
+
+    Raises:
+        InvalidConfig: the store is in memory, which no other engine or process can reach.
+    """
+    base = base_blob(blob)
+    if isinstance(base, LocalBlob):
+        path = str(base.root.joinpath(*key.split("/")))
+        return "file://" + quote(path), path
+    if isinstance(base, S3Blob):
+        full = f"{base.prefix}/{key}" if base.prefix else key
+        return f"s3://{base.bucket}/{quote(full)}", f"{base.bucket}/{full}"
+    raise InvalidConfig(f"blob store {base.describe()} is in this process's memory: other "
+                        "engines cannot read its files; use file:///dir or s3://bucket/prefix")
+
+
+def blob_filesystem(blob: Blob) -> pafs.FileSystem:
+    """A ``pyarrow.fs.FileSystem`` reaching the files of ``blob``.
+
+    For S3 it carries the location's endpoint, region, addressing style and credentials:
+    the URI's, else those boto3's default chain finds now (environment, shared files,
+    instance role; temporary ones are not refreshed). Keep it private: it holds the
+    secret key.
+
+    Raises:
+        InvalidConfig: the store is in memory.
+    """
+    import pyarrow.fs as pafs
+
+    base = base_blob(blob)
+    if isinstance(base, LocalBlob):
+        return pafs.LocalFileSystem()
+    if not isinstance(base, S3Blob):
+        file_uri(base, "x")  # raises the in-memory error
+        raise AssertionError("unreachable")
+    params = dict(parse_qsl(urlsplit(base.uri_with_credentials()).query,
+                            keep_blank_values=True))
+    kwargs: dict[str, Any] = {"region": params.get("region") or "us-east-1",
+                              "connect_timeout": float(params.get("connect_timeout", 5)),
+                              "request_timeout": float(params.get("read_timeout", 30))}
+    endpoint = params.get("endpoint_url")
+    if endpoint:
+        parts = urlsplit(endpoint)
+        kwargs["endpoint_override"] = parts.netloc
+        kwargs["scheme"] = parts.scheme or "https"
+    if params.get("addressing_style") == "virtual":
+        kwargs["force_virtual_addressing"] = True
+    if params.get("access_key_id"):
+        kwargs["access_key"] = params["access_key_id"]
+        kwargs["secret_key"] = params.get("secret_access_key", "")
+        if params.get("session_token"):
+            kwargs["session_token"] = params["session_token"]
+    else:
+        # The same default chain as the blob store's boto3 client (environment, shared
+        # files, instance role), resolved now: pyarrow's own chain differs in details.
+        import boto3
+
+        found = boto3.session.Session().get_credentials()
+        if found is not None:
+            creds = found.get_frozen_credentials()
+            kwargs["access_key"] = creds.access_key
+            kwargs["secret_key"] = creds.secret_key
+            if creds.token:
+                kwargs["session_token"] = creds.token
+    return pafs.S3FileSystem(**kwargs)
+
+
+class SnapshotPlan:
+    """The live files and inline rows of a snapshot at ``as_of``, held while open.
+
+    Made by :meth:`ReadHandle.snapshot_plan`; see the module docstring for what its rows
+    mean and how long its files stay. Thread-safe to read; ``close()`` is idempotent.
+
+    Attributes:
+        shard_id: the shard.
+        as_of: the snapshot's time.
+        since: the shard's since when the plan was made (``as_of >= since``).
+        upper: the shard's upper when the plan was made (``as_of < upper``).
+        seqno: the state version the plan was made from (held while the plan is open).
+        files: URIs of the live Parquet parts (``file:///...`` or ``s3://bucket/key``).
+        file_details: the same files with their store, key, size, rows and time range.
+        inline: the inline rows as a k/v/t/d ``pyarrow.Table`` (times kept).
+    """
+
+    def __init__(self, *, shard_id: str, as_of: int, since: Frontier, upper: Frontier,
+                 seqno: int, files: tuple[PlanFile, ...], inline: pa.Table,
+                 stores: Mapping[str, Blob], release: Callable[[], None]) -> None:
+        self.shard_id = shard_id
+        self.as_of = as_of
+        self.since = since
+        self.upper = upper
+        self.seqno = seqno
+        self.file_details = files
+        self.files = [f.uri for f in files]
+        self.inline = inline
+        self._stores = dict(stores)
+        self._release: Callable[[], None] | None = release
+
+    @property
+    def closed(self) -> bool:
+        return self._release is None
+
+    def close(self) -> None:
+        """Release the plan's hold on its state version (GC may then delete its files
+        once they are no longer live). Idempotent."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __enter__(self) -> SnapshotPlan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stores(self) -> list[Store]:
+        """The blob stores the plan's files live in (``main``, and ``wal`` if used)."""
+        return sorted({f.store for f in self.file_details})
+
+    def filesystem(self, store: Store = "main") -> pafs.FileSystem:
+        """A ``pyarrow.fs.FileSystem`` for the files of ``store`` (open them by
+        :attr:`PlanFile.path`). Carries the location's credentials: do not log it.
+
+        Raises:
+            InvalidConfig: the store is in memory, or the location has no WAL store.
+        """
+        blob = self._stores.get(store)
+        if blob is None:
+            raise InvalidConfig(f"this location has no {store} blob store")
+        return blob_filesystem(blob)
+
+    def to_dataset(self) -> pads.Dataset:
+        """A ``pyarrow.dataset.Dataset`` over every row: the files and the inline rows.
+
+        Nothing is read until the dataset is scanned; DuckDB (``duckdb.sql("... FROM
+        ds")``), polars (``pl.scan_pyarrow_dataset(ds)``) and pyarrow scan it lazily,
+        with projection and ``t`` filters pushed down to the Parquet files.
+        """
+        import pyarrow.dataset as pads
+
+        pieces: list[pads.Dataset] = []
+        for store in self.stores():
+            paths = [f.path for f in self.file_details if f.store == store]
+            pieces.append(pads.dataset(paths, schema=SCHEMA, format="parquet",
+                                       filesystem=self.filesystem(store)))
+        if self.inline.num_rows or not pieces:
+            pieces.append(pads.dataset(self.inline.cast(SCHEMA)))
+        return pieces[0] if len(pieces) == 1 else pads.dataset(pieces)
+
+    def to_table(self) -> pa.Table:
+        """The consolidated collection at ``as_of``, read through :meth:`to_dataset`
+        (equal to ``snapshot(as_of)``)."""
+        import pyarrow.dataset as pads
+
+        table = self.to_dataset().to_table(filter=pads.field("t") <= pa.scalar(self.as_of))
+        return consolidate(table, as_of=self.as_of)
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-ready description: times, files (no credentials) and inline rows.
+
+        Inline keys (values) are shown as UTF-8 text when every key (value) is valid
+        UTF-8, else all as hex; ``"inline_encoding"`` says which, per column.
+        """
+        k_enc, ks = text_or_hex(self.inline.column("k"))
+        v_enc, vs = text_or_hex(self.inline.column("v"))
+        return {
+            "shard_id": self.shard_id,
+            "as_of": self.as_of,
+            "since": self.since,
+            "upper": self.upper,
+            "seqno": self.seqno,
+            "files": [{"uri": f.uri, "store": f.store, "bytes": f.size,
+                       "updates": f.num_updates, "min_time": f.min_time,
+                       "max_time": f.max_time} for f in self.file_details],
+            "inline_encoding": {"k": k_enc, "v": v_enc},
+            "inline": [{"k": k, "v": v, "t": t, "d": d} for k, v, t, d in zip(
+                ks, vs, self.inline.column("t").to_pylist(),
+                self.inline.column("d").to_pylist(), strict=True)],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.describe(), indent=2, sort_keys=True)
+
+    def __repr__(self) -> str:
+        return (f"SnapshotPlan(shard={self.shard_id}, as_of={self.as_of}, "
+                f"files={len(self.files)}, inline_rows={self.inline.num_rows}, "
+                f"{'closed' if self.closed else 'open'})")
+
+
+def text_or_hex(column: pa.ChunkedArray | pa.Array) -> tuple[str, list[str]]:
+    """A binary column as text: ``("utf-8", values)`` when every value is valid UTF-8,
+    else ``("hex", values)`` with every value hex-encoded (never a mix of both)."""
+    try:
+        return "utf-8", pc.cast(column, pa.string()).to_pylist()
+    except pa.ArrowInvalid:
+        return "hex", [b.hex() for b in column.to_pylist()]

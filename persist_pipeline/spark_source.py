@@ -1,0 +1,531 @@
+"""The ``persist`` data source for PySpark 4 (the Python Data Source API): read and write.
+
+This module imports PySpark (the ``pipeline`` extra); the rest of the library does not.
+
+Register it once per session with :func:`register` (also ``persist_pipeline.spark.register``)::
+
+    from persist_pipeline.spark import register
+    register(spark)
+
+    df = (spark.read.format("persist")
+          .option("consensus", "postgresql://...").option("blob", "s3://bucket/prefix?...")
+          .option("shard", shard_id).option("as_of", 41)      # default: upper - 1
+          .load())                                            # columns k, v, t, d
+
+    (df.write.format("persist")
+       .options(consensus=..., blob=..., shard=shard_id, expected_upper=42, new_upper=50)
+       .mode("append").save())
+
+**Reading.** The planner (a Python worker of the driver) opens a leased reader, takes a
+:class:`~persist_pipeline.plan.SnapshotPlan` at ``as_of`` and splits the key space into
+ranges; each Spark partition reads, from the plan's Parquet parts and inline rows, the
+updates of its key range and consolidates them, so the result is exactly
+``snapshot(as_of)`` (every ``t == as_of``) and partitions are read by executors in
+parallel. With more than one partition the planner first reads the ``k`` column of every
+part (for its first and last key, and split points), so that a partition reads only
+the parts that overlap its range. ``partition_bytes`` (default 128 MiB of Parquet) sets
+how many partitions; ``partitions`` caps them (default 64).
+
+The files stay undeleted while the reader's lease lasts (``lease_seconds``, default the
+location's reader lease, 15 minutes): Spark has no hook that ends a read, so the reader
+stops heartbeating when planning ends and GC expires it once the lease runs out. A read
+that outlasts its lease may fail on a part GC has deleted (never return wrong data): raise
+``lease_seconds`` for such reads. The reader holds ``since`` at ``as_of`` only.
+
+**Writing.** Each task validates its rows (``k``, ``v`` binary; ``t``, ``d`` long; every
+``t`` in ``[expected_upper, new_upper)``), consolidates them and writes Parquet parts to
+the blob store (the WAL store if ``wal_blob`` is given); a task holds its partition's
+rows in memory while it does (repartition a large DataFrame to bound that). The driver
+then commits every task's parts as ONE batch with one ``compare_and_append``: all rows
+become visible at once, or none. When the driver knows for certain nothing was committed (an upper
+mismatch, a failed task, the commit deadline passed), it deletes the parts; when the
+outcome cannot be known (a lost reply), the parts are left to GC's orphan sweep, which
+deletes them only if no state references them. Only ``mode("append")`` is accepted.
+
+Options: ``consensus``, ``blob``, ``wal_blob`` (default to ``PERSIST_CONSENSUS_URI``,
+``PERSIST_BLOB_URI``, ``PERSIST_WAL_BLOB_URI`` of the Spark driver's environment),
+``shard``; reads: ``as_of`` (a time or ``latest``), ``partitions``,
+``partition_bytes``, ``lease_seconds``; writes: ``expected_upper``, ``new_upper`` (a
+time or ``closed``). ``mem://`` stores are refused: executors are other processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    DataSourceWriter,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import StructType
+
+from persist_pipeline.blob import redact_uri
+from persist_pipeline.exceptions import (
+    InvalidConfig,
+    InvalidFrontier,
+    InvalidUpdates,
+    LeaseExpired,
+    PersistError,
+)
+from persist_pipeline.frontier import Frontier, check_frontier
+from persist_pipeline.ids import ShardId, new_token
+from persist_pipeline.internal.state import HollowPart, Store
+from persist_pipeline.plan import PlanFile, SnapshotPlan
+from persist_pipeline.updates import Updates, consolidate, decode_parquet
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from persist_pipeline.client import PersistClient
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FORMAT", "SPARK_SCHEMA", "register"]
+
+#: The format name: ``spark.read.format("persist")``.
+FORMAT = "persist"
+#: The columns of every read and write, as Spark DDL.
+SPARK_SCHEMA = "k binary, v binary, t long, d long"
+#: What a read partition yields (nullable: Spark's own view of the DDL above).
+_ARROW_SCHEMA = pa.schema([("k", pa.binary()), ("v", pa.binary()), ("t", pa.int64()),
+                           ("d", pa.int64())])
+_DEFAULT_PARTITION_BYTES = 128 << 20
+_DEFAULT_MAX_PARTITIONS = 64
+#: Keys sampled per part to choose split points between partitions.
+_SAMPLES_PER_FILE = 64
+_ROWS_PER_BATCH = 65536
+
+
+def register(spark: SparkSession) -> None:
+    """Register the ``persist`` format on ``spark`` (idempotent)."""
+    spark.dataSource.register(PersistDataSource)
+
+
+# --- options -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, repr=False)
+class _Location:
+    """Where a shard lives, from a read's or write's options (URIs may hold secrets:
+    its repr redacts them)."""
+
+    consensus_uri: str
+    blob_uri: str
+    wal_blob_uri: str | None
+    shard_id: str
+
+    def __repr__(self) -> str:
+        wal = f", wal_blob={redact_uri(self.wal_blob_uri)!r}" if self.wal_blob_uri else ""
+        return (f"_Location(consensus={redact_uri(self.consensus_uri)!r}, "
+                f"blob={redact_uri(self.blob_uri)!r}{wal}, shard={self.shard_id})")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str]) -> _Location:
+        opts = {k.lower(): v for k, v in options.items()}
+        consensus = opts.get("consensus") or os.environ.get("PERSIST_CONSENSUS_URI")
+        blob = opts.get("blob") or os.environ.get("PERSIST_BLOB_URI")
+        wal = opts.get("wal_blob") or os.environ.get("PERSIST_WAL_BLOB_URI") or None
+        if not consensus or not blob:
+            raise InvalidConfig("the persist data source needs options consensus and blob "
+                                "(or PERSIST_CONSENSUS_URI / PERSIST_BLOB_URI)")
+        for uri, what in ((consensus, "consensus"), (blob, "blob"), (wal, "wal_blob")):
+            if uri and uri.strip().lower().startswith("mem://"):
+                raise InvalidConfig(f"option {what} names an in-memory store, which Spark "
+                                    "executors (other processes) cannot reach: use "
+                                    "file:///absolute/dir or s3://bucket/prefix")
+        shard = opts.get("shard")
+        if not shard:
+            raise InvalidConfig("the persist data source needs option shard (a shard id)")
+        return cls(consensus, blob, wal, str(ShardId.parse(shard)))
+
+    def client(self, lease_s: float | None = None) -> PersistClient:
+        from persist_pipeline.client import PersistClient
+        from persist_pipeline.config import PersistConfig
+
+        config = PersistConfig()
+        if lease_s is not None:
+            config = replace(config, reader_lease_duration_s=lease_s)
+        # Handles of this client live only as long as one planning or commit step:
+        # no background heartbeats (a read's lease is renewed by nobody, on purpose).
+        config = replace(config, heartbeat_interval_s=0)
+        return PersistClient.open(self.consensus_uri, self.blob_uri, self.wal_blob_uri,
+                                  config=config)
+
+
+def _int_option(options: Mapping[str, str], name: str, default: int, low: int = 1) -> int:
+    text = {k.lower(): v for k, v in options.items()}.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidConfig(f"option {name} must be an integer, got {text!r}") from None
+    if value < low:
+        raise InvalidConfig(f"option {name} must be at least {low}, got {value}")
+    return value
+
+
+def _frontier_option(options: Mapping[str, str], name: str) -> Frontier:
+    text = {k.lower(): v for k, v in options.items()}.get(name)
+    if text is None:
+        raise InvalidFrontier(f"a persist write needs option {name}")
+    if text.strip().lower() in ("closed", "none"):
+        return None
+    try:
+        return check_frontier(int(text), name)
+    except ValueError:
+        raise InvalidFrontier(f"option {name} must be a time or 'closed', got "
+                              f"{text!r}") from None
+
+
+# --- reading -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _FileBounds:
+    rows: int
+    first: bytes
+    last: bytes
+    samples: tuple[bytes, ...]
+
+
+def _key_bounds(plan: SnapshotPlan, f: PlanFile) -> _FileBounds:
+    """The first and last key of a (sorted) part and a few keys between, from its k
+    column alone."""
+    import pyarrow.parquet as pq
+
+    keys = pq.read_table(f.path, columns=["k"], filesystem=plan.filesystem(f.store)
+                         ).column("k")
+    n = len(keys)
+    if n == 0:
+        return _FileBounds(0, b"", b"", ())
+    step = max(1, n // _SAMPLES_PER_FILE)
+    samples = tuple(keys[i].as_py() for i in range(0, n, step))
+    return _FileBounds(n, keys[0].as_py(), keys[n - 1].as_py(), samples)
+
+
+@dataclass(frozen=True)
+class _ReadPartition:
+    """One key range ``[lower, upper)`` (None: unbounded) and what it must read."""
+
+    index: int
+    lower: bytes | None
+    upper: bytes | None
+    parts: tuple[tuple[Store, str], ...]
+    inline: pa.Table
+
+
+def _in_range(table: pa.Table, lower: bytes | None, upper: bytes | None) -> pa.Table:
+    mask = None
+    if lower is not None:
+        mask = pc.greater_equal(table.column("k"), pa.scalar(lower, pa.binary()))
+    if upper is not None:
+        below = pc.less(table.column("k"), pa.scalar(upper, pa.binary()))
+        mask = below if mask is None else pc.and_(mask, below)
+    return table if mask is None else table.filter(mask)
+
+
+def plan_partitions(plan: SnapshotPlan, partition_bytes: int = _DEFAULT_PARTITION_BYTES,
+                    max_partitions: int = _DEFAULT_MAX_PARTITIONS) -> list[_ReadPartition]:
+    """Split a plan into key ranges that together read every row exactly once."""
+    total = sum(f.size for f in plan.file_details) + plan.inline.nbytes
+    n = max(1, min(max_partitions, math.ceil(total / partition_bytes)))
+    every = tuple((f.store, f.key) for f in plan.file_details)
+    if n == 1 or not plan.file_details:
+        return [_ReadPartition(0, None, None, every, plan.inline)]
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="persist-plan") as pool:
+        bounds = list(pool.map(lambda f: _key_bounds(plan, f), plan.file_details))
+    weighted: list[tuple[bytes, float]] = []
+    for f, b in zip(plan.file_details, bounds, strict=True):
+        for key in b.samples:
+            weighted.append((key, f.size / max(1, len(b.samples))))
+    weighted.sort()
+    splits: list[bytes] = []
+    total_weight = sum(w for _, w in weighted)
+    acc = 0.0
+    for key, w in weighted:
+        acc += w
+        if len(splits) < n - 1 and acc >= total_weight * (len(splits) + 1) / n and \
+                (not splits or key > splits[-1]):
+            splits.append(key)
+    ranges = list(zip([None, *splits], [*splits, None], strict=True))
+    out = []
+    for i, (lo, hi) in enumerate(ranges):
+        parts = tuple((f.store, f.key) for f, b in zip(plan.file_details, bounds, strict=True)
+                      if b.rows and (hi is None or b.first < hi) and (lo is None or b.last >= lo))
+        out.append(_ReadPartition(i, lo, hi, parts, _in_range(plan.inline, lo, hi)))
+    return out
+
+
+def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
+                    lease_s: float) -> Iterator[pa.RecordBatch]:
+    """Run on an executor: this key range's rows of every part, consolidated at as_of."""
+    from persist_pipeline.spark import _blob
+
+    tables = [partition.inline]
+    for store, key in partition.parts:
+        uri = location.wal_blob_uri if store == "wal" else location.blob_uri
+        assert uri is not None
+        data = _blob(uri).get(key)
+        if data is None:
+            raise LeaseExpired(
+                f"part {key!r} of shard {location.shard_id} is gone: this Spark read ran "
+                f"longer than its reader's lease ({lease_s:g} s) and GC collected it; "
+                f"re-run the read, or give it a longer option lease_seconds")
+        table = decode_parquet(data, f"{key!r} in the {store} blob store")
+        tables.append(_in_range(table, partition.lower, partition.upper))
+    table = consolidate(pa.concat_tables([t.cast(tables[0].schema) for t in tables]),
+                        as_of=as_of)
+    yield from table.cast(_ARROW_SCHEMA).to_batches(max_chunksize=_ROWS_PER_BATCH)
+
+
+def _as_of_option(options: Mapping[str, str]) -> int | None:
+    text = {k.lower(): v for k, v in options.items()}.get("as_of")
+    if text is None or text.strip().lower() == "latest":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise InvalidFrontier(f"option as_of must be a time or 'latest', got {text!r}") from None
+    t = check_frontier(value, "as_of")
+    assert t is not None
+    return t
+
+
+def make_read_plan(options: Mapping[str, str]) -> tuple[_Location, int, list[_ReadPartition],
+                                                         float]:
+    """The planner's side of a read: a leased reader (left to expire), its plan at
+    ``as_of``, and the partitions."""
+    location = _Location.from_options(options)
+    as_of = _as_of_option(options)
+    partition_bytes = _int_option(options, "partition_bytes", _DEFAULT_PARTITION_BYTES)
+    max_partitions = _int_option(options, "partitions", _DEFAULT_MAX_PARTITIONS)
+    lease_text = {k.lower(): v for k, v in options.items()}.get("lease_seconds")
+    lease_s: float | None = None
+    if lease_text is not None:
+        try:
+            lease_s = float(lease_text)
+        except ValueError:
+            raise InvalidConfig(f"option lease_seconds must be a number, got "
+                                f"{lease_text!r}") from None
+        if not 0 < lease_s < math.inf:
+            raise InvalidConfig(f"option lease_seconds must be positive, got {lease_text!r}")
+    client = location.client(lease_s)
+    try:
+        lease = client.config.reader_lease_duration_s
+        reader = client.open_reader(location.shard_id, debug="spark read")
+        try:
+            plan = reader.snapshot_plan(as_of)
+            # Hold since only where this read needs it. The seqno hold this publishes is
+            # at most the plan's (the plan is open), and it stays so: the plan is left
+            # open on purpose, since closing it would publish a newer hold and free the
+            # plan's files before the executors read them. The hold ends when the
+            # reader's lease runs out and GC expires it.
+            reader.downgrade_since(plan.as_of)
+            partitions = plan_partitions(plan, partition_bytes, max_partitions)
+            return location, plan.as_of, partitions, lease
+        except BaseException:
+            with contextlib.suppress(PersistError):
+                reader.expire()
+            raise
+    finally:
+        client.close()
+
+
+# --- writing -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _WriteJob:
+    """What every task and the driver share about one write (picklable)."""
+
+    location: _Location
+    expected_upper: int
+    new_upper: Frontier
+    token: str
+    target_size_bytes: int
+
+    @property
+    def store(self) -> Store:
+        return "wal" if self.location.wal_blob_uri else "main"
+
+    @property
+    def batch_id(self) -> str:
+        return f"b{self.token}"
+
+
+def _write_job(options: Mapping[str, str], overwrite: bool) -> _WriteJob:
+    if overwrite:
+        raise InvalidConfig("persist shards are append-only: write with mode('append') "
+                            "and options expected_upper / new_upper")
+    location = _Location.from_options(options)
+    expected = _frontier_option(options, "expected_upper")
+    upper = _frontier_option(options, "new_upper")
+    if expected is None:
+        raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
+    if upper is not None and upper <= expected:
+        raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper ({expected})")
+    from persist_pipeline.config import PersistConfig
+
+    return _WriteJob(location, expected, upper, new_token(),
+                     PersistConfig().blob_target_size_bytes)
+
+
+def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
+        tuple[HollowPart, ...], int, int]:
+    """Run on an executor: validate, consolidate and upload this task's rows.
+
+    Returns ``(parts, updates, started_ms)``; ``started_ms`` is taken before the first
+    upload (it bounds when the parts may still be committed).
+    """
+    from persist_pipeline.internal.blobs import write_parts
+    from persist_pipeline.spark import _blob
+
+    started_ms = int(time.time() * 1000)
+    collected = list(batches)
+    if not collected:
+        return (), 0, started_ms
+    data = Updates.coerce(pa.Table.from_batches(collected))
+    bounds = data.time_bounds()
+    if bounds is not None:
+        lo, hi = bounds
+        if lo < job.expected_upper or (job.new_upper is not None and hi >= job.new_upper):
+            raise InvalidUpdates(f"update times must lie in [{job.expected_upper}, "
+                                 f"{job.new_upper}); this task got times {lo}..{hi}")
+    if not len(data):
+        return (), 0, started_ms
+    uri = job.location.wal_blob_uri if job.store == "wal" else job.location.blob_uri
+    assert uri is not None
+    parts = write_parts(data.table(), job.location.shard_id, job.batch_id, _blob(uri),
+                        job.store, job.target_size_bytes)
+    return parts, len(data), started_ms
+
+
+def _commit_marker(job: _WriteJob) -> Path:
+    """A file on the driver's host that says a commit of this write was attempted (commit
+    and abort run in separate Python workers of the driver; abort must know)."""
+    return Path(tempfile.gettempdir()) / f"persist-spark-commit-{job.token}"
+
+
+def _commit(job: _WriteJob, messages: Sequence[Any]) -> None:
+    """Run on the driver: commit every task's parts as one batch, atomically."""
+    marker = _commit_marker(job)
+    marker.touch()
+    parts = tuple(p for m in messages for p in m.parts)
+    updates = sum(m.num_updates for m in messages)
+    started = min((m.started_ms for m in messages), default=int(time.time() * 1000))
+    client = job.location.client()
+    try:
+        with client.open_writer(job.location.shard_id, debug="spark write") as writer:
+            result = writer.compare_and_append_parts(
+                parts, updates, job.expected_upper, job.new_upper,
+                idempotency_token=job.token, uploaded_at_ms=started)
+        log.info("persist spark write: %d update(s) in %d part(s) committed at seqno %d",
+                 updates, len(parts), result.seqno)
+    finally:
+        client.close()
+    marker.unlink(missing_ok=True)
+
+
+def _abort(job: _WriteJob, messages: Sequence[Any]) -> None:
+    """Run on the driver after a failed task or a failed commit."""
+    marker = _commit_marker(job)
+    if marker.exists():
+        # A commit was attempted: it deleted the parts itself if it knew for certain
+        # nothing was committed; otherwise they may be referenced, and are GC's to judge.
+        marker.unlink(missing_ok=True)
+        return
+    # No commit was attempted: nothing can reference these parts.
+    from persist_pipeline.spark import _blob
+
+    for message in messages:
+        for part in getattr(message, "parts", ()) if message is not None else ():
+            uri = job.location.wal_blob_uri if part.store == "wal" else job.location.blob_uri
+            try:
+                _blob(uri or job.location.blob_uri).delete(part.key)
+            except PersistError as e:  # GC's orphan sweep gets it later
+                log.warning("could not delete uncommitted part %s: %s", part.key, e)
+
+
+# --- the pyspark classes ------------------------------------------------------------------
+
+
+class PersistInputPartition(InputPartition):
+    """One key range of a read (see :func:`plan_partitions`)."""
+
+    def __init__(self, partition: _ReadPartition) -> None:
+        super().__init__(partition.index)
+        self.partition = partition
+
+
+class PersistReader(DataSourceReader):
+    """Planned in a Python worker of the driver, pickled to the executors."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.location, self.as_of, self._partitions, self.lease_s = make_read_plan(options)
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return [PersistInputPartition(p) for p in self._partitions]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, PersistInputPartition)
+        return _read_partition(self.location, self.as_of, partition.partition, self.lease_s)
+
+
+@dataclass
+class PersistCommitMessage(WriterCommitMessage):
+    """What one write task uploaded."""
+
+    parts: tuple[HollowPart, ...]
+    num_updates: int
+    started_ms: int
+
+
+class PersistWriter(DataSourceArrowWriter):
+    """Tasks upload parts; the driver commits them all with one compare_and_append."""
+
+    def __init__(self, job: _WriteJob) -> None:
+        self.job = job
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
+        parts, updates, started = _write_task(self.job, iterator)
+        return PersistCommitMessage(parts, updates, started)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        _commit(self.job, [m for m in messages if isinstance(m, PersistCommitMessage)])
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        _abort(self.job, [m for m in messages if isinstance(m, PersistCommitMessage)])
+
+
+class PersistDataSource(DataSource):
+    """``format("persist")``: a shard's consolidated collection at ``as_of``; appends."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> str:
+        return SPARK_SCHEMA
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return PersistReader(self.options)
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        return PersistWriter(_write_job(self.options, overwrite))

@@ -1,0 +1,246 @@
+"""The ``persist`` PySpark data source (one ``local[2]`` session for the module).
+
+Reads equal ``snapshot(as_of)`` on shards with compacted, blob, WAL and inline parts,
+split over several partitions read by executors; writes commit every task's parts as
+one atomic ``compare_and_append``, and a write that fails (an upper mismatch, bad rows
+in one task) leaves nothing visible and no part behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from persist_pipeline import InlinePolicy, PersistClient, ShardId
+from persist_pipeline.blob import open_blob
+from persist_pipeline.spark import register
+from tests.fixtures.location import Location, make_location
+from tests.helpers import expected_snapshot, rows
+from tests.pipeline_support import spark_session
+from tests.test_plan import INLINE_ON, build_mixed_shard
+
+__all__ = ["spark_session"]  # a fixture, imported for pytest
+
+pytestmark = pytest.mark.spark
+
+
+def _spark_location(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Location:
+    location = make_location(kind, request, tmp_path)
+    if location.blob_uri.startswith("s3://"):
+        # Spark's Python workers do not share this process's environment (the fake AWS
+        # credentials the S3 fixture sets): give them in the URI, as on a cluster.
+        location = replace(location, blob_uri=location.blob_uri +
+                           "&access_key_id=testing&secret_access_key=testing")
+    return location
+
+
+@pytest.fixture(params=["embedded", "pg-s3-wal"])
+def spark_location(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
+    return _spark_location(request.param, request, tmp_path)
+
+
+def _options(location: Location, shard: str, **extra: Any) -> dict[str, str]:
+    opts = {"consensus": location.consensus_uri, "blob": location.blob_uri, "shard": shard}
+    if location.wal_blob_uri:
+        opts["wal_blob"] = location.wal_blob_uri
+    opts.update({k: str(v) for k, v in extra.items()})
+    return opts
+
+
+def _spark_rows(df: Any) -> list[tuple[bytes, bytes, int, int]]:
+    return sorted((bytes(r.k), bytes(r.v), r.t, r.d) for r in df.collect())
+
+
+def _as_rows(table: Any) -> list[tuple[bytes, bytes, int, int]]:
+    return sorted((r["k"], r["v"], r["t"], r["d"]) for r in table.to_pylist())
+
+
+def test_spark_read_equals_snapshot(spark_session: Any, spark_location: Location) -> None:
+    register(spark_session)
+    client = spark_location.client(INLINE_ON)
+    shard, written = build_mixed_shard(client)
+    reader = client.open_reader(shard)
+    for as_of in (1, 3, 5):
+        df = (spark_session.read.format("persist")
+              .options(**_options(spark_location, shard, as_of=as_of, partition_bytes=512))
+              .load())
+        assert df.columns == ["k", "v", "t", "d"]
+        # Several key ranges, each read by its own task.
+        assert df.rdd.getNumPartitions() > 1
+        got = _spark_rows(df)
+        assert got == _as_rows(reader.snapshot(as_of))
+        assert [(k, v, d) for k, v, _, d in got] == expected_snapshot(written, as_of)
+    # Defaults: as_of is the latest complete time, and a small shard is one partition.
+    df = spark_session.read.format("persist").options(**_options(spark_location, shard)).load()
+    assert df.rdd.getNumPartitions() == 1
+    assert _spark_rows(df) == _as_rows(reader.snapshot(5))
+    reader.expire()
+    client.close()
+
+
+def _blob_keys(location: Location, shard: str) -> set[str]:
+    keys = set()
+    for uri in (location.blob_uri, location.wal_blob_uri):
+        if uri:
+            keys |= {m.key for m in open_blob(uri).list_keys(f"{shard}/p/")}
+    return keys
+
+
+@pytest.mark.parametrize("kind", ["embedded", "pg-s3"])
+def test_spark_write_round_trips_atomically(spark_session: Any, kind: str,
+                                            request: pytest.FixtureRequest,
+                                            tmp_path: Path) -> None:
+    register(spark_session)
+    location = _spark_location(kind, request, tmp_path)
+    client: PersistClient = location.client(InlinePolicy(4096, 1 << 20))
+    shard = str(ShardId.new())
+    with client.open_writer(shard) as writer:
+        writer.compare_and_append([(b"seed", b"x", 0, 1)], 0, 10)
+    updates = [(b"user-%03d" % i, b"event-%d" % (i % 7), 10 + i % 5, 1 + i % 2)
+               for i in range(400)]
+    df = spark_session.createDataFrame(updates, "k binary, v binary, t long, d long"
+                                       ).repartition(3)
+    (df.write.format("persist")
+     .options(**_options(location, shard, expected_upper=10, new_upper=20))
+     .mode("append").save())
+    state = client.machine(shard).fetch_latest()
+    assert state.upper == 20
+    # One batch for the whole write, with the parts of every task.
+    spark_batches = [b for b in state.batches.values() if b.desc.lower == 10]
+    assert len(spark_batches) == 1 and len(spark_batches[0].parts) == 3
+    reader = client.open_reader(shard)
+    everything = [(b"seed", b"x", 0, 1), *updates]
+    assert rows(reader.snapshot(19), 19) == expected_snapshot(everything, 19)
+    # Read back through the data source.
+    back = (spark_session.read.format("persist")
+            .options(**_options(location, shard, as_of=19)).load())
+    assert _spark_rows(back) == _as_rows(reader.snapshot(19))
+
+    # An upper mismatch: the write fails, nothing becomes visible, no part is left.
+    keys_before = _blob_keys(location, shard)
+    seqno_before = client.machine(shard).fetch_latest().seqno
+    with pytest.raises(Exception, match="UpperMismatch"):
+        (df.write.format("persist")
+         .options(**_options(location, shard, expected_upper=10, new_upper=30))
+         .mode("append").save())
+    after = client.machine(shard).fetch_latest()
+    assert after.upper == 20
+    assert [b.id for b in after.batches.values()] == [b.id for b in state.batches.values()]
+    assert _blob_keys(location, shard) == keys_before
+    # A task with a row outside [expected_upper, new_upper): the others' parts go too.
+    bad = spark_session.createDataFrame(
+        [(b"a", b"b", 20, 1)] * 50 + [(b"late", b"b", 99, 1)],
+        "k binary, v binary, t long, d long").repartition(3)
+    with pytest.raises(Exception, match="update times must lie"):
+        (bad.write.format("persist")
+         .options(**_options(location, shard, expected_upper=20, new_upper=30))
+         .mode("append").save())
+    assert client.machine(shard).fetch_latest().upper == 20
+    assert _blob_keys(location, shard) == keys_before
+    assert client.machine(shard).fetch_latest().seqno >= seqno_before
+    reader.expire()
+    client.close()
+
+
+def test_spark_source_refuses_bad_options(spark_session: Any, tmp_path: Path) -> None:
+    register(spark_session)
+    opts = {"consensus": f"sqlite:///{tmp_path / 'c.db'}", "blob": "mem://x",
+            "shard": str(ShardId.new())}
+    with pytest.raises(Exception, match="in-memory store"):
+        spark_session.read.format("persist").options(**opts).load().collect()
+    with pytest.raises(Exception, match="option consensus names an in-memory store"):
+        spark_session.read.format("persist").options(**{**opts, "consensus": "mem://x"}
+                                                    ).load().collect()
+    df = spark_session.createDataFrame([(b"a", b"b", 0, 1)], "k binary, v binary, t long, d long")
+    opts["blob"] = f"file://{tmp_path / 'b'}"
+    with pytest.raises(Exception, match="append-only"):
+        df.write.format("persist").options(**opts, expected_upper="0", new_upper="1"
+                                           ).mode("overwrite").save()
+
+
+def test_a_planned_read_keeps_its_files_until_its_lease_runs_out(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compaction commits while the planner splits the plan, and GC runs before the
+    executors read: the plan's files must stay for the lease (no Spark needed)."""
+    from persist_pipeline import PersistConfig, ReadHandle
+    from persist_pipeline.spark_source import _read_partition, make_read_plan
+
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    client = PersistClient.open(consensus, blob, inline_policy=InlinePolicy(0, 0),
+                                config=PersistConfig(rollup_threshold=4))
+    shard = str(ShardId.new())
+    written = []
+    with client.open_writer(shard) as writer:
+        for t in range(10):
+            batch = [(b"k%d" % (t % 4), b"v%d" % t, t, 1)]
+            writer.compare_and_append(batch, t, t + 1)
+            written += batch
+    opts = {"consensus": consensus, "blob": blob, "shard": shard, "as_of": "9",
+            "partition_bytes": "1024", "lease_seconds": "1.5"}
+    take_plan = ReadHandle.snapshot_plan
+
+    def compacting_meanwhile(*args: Any) -> Any:
+        plan = take_plan(*args)
+        client.compact(shard)
+        with client.open_writer(shard) as writer:
+            for t in range(10, 20):
+                writer.compare_and_append([], t, t + 1)
+        return plan
+
+    monkeypatch.setattr(ReadHandle, "snapshot_plan", compacting_meanwhile)
+    location, as_of, partitions, lease = make_read_plan(opts)
+    assert len(partitions) > 1 and lease == 1.5
+    assert client.gc(shard)["blobs_deleted"] == 0
+    got = sorted((r["k"], r["v"], r["d"]) for p in partitions
+                 for b in _read_partition(location, as_of, p, lease) for r in b.to_pylist())
+    assert got == expected_snapshot(written, 9)
+    # Once the lease ran out, GC expires the planner's reader and collects the files:
+    # a read that late fails clearly instead of returning wrong data.
+    import time
+
+    time.sleep(1.6)
+    assert client.gc(shard)["blobs_deleted"] >= 10
+    with pytest.raises(Exception, match="lease"):
+        for p in partitions:
+            list(_read_partition(location, as_of, p, lease))
+    client.close()
+
+
+def test_abort_deletes_parts_only_when_no_commit_was_attempted(tmp_path: Path) -> None:
+    """Spark calls abort after a failed task (no commit ran: the parts are certainly
+    unreferenced) and after a failed commit (which may have been indeterminate: the
+    parts may be referenced, so they are GC's to judge)."""
+    import pyarrow as pa
+
+    from persist_pipeline.spark_source import (
+        PersistCommitMessage,
+        _abort,
+        _commit_marker,
+        _write_job,
+        _write_task,
+    )
+
+    blob = f"file://{tmp_path / 'b'}"
+    opts = {"consensus": f"sqlite:///{tmp_path / 'c.db'}", "blob": blob,
+            "shard": str(ShardId.new()), "expected_upper": "0", "new_upper": "5"}
+    batch = pa.RecordBatch.from_pylist([{"k": b"a", "v": b"b", "t": 1, "d": 1}])
+
+    def uploaded(job: Any) -> PersistCommitMessage:
+        parts, n, started = _write_task(job, iter([batch]))
+        assert len(parts) == 1 and open_blob(blob).get(parts[0].key) is not None
+        return PersistCommitMessage(parts, n, started)
+
+    failed_task = _write_job(opts, overwrite=False)
+    message = uploaded(failed_task)
+    _abort(failed_task, [message])
+    assert open_blob(blob).get(message.parts[0].key) is None
+
+    failed_commit = _write_job(opts, overwrite=False)
+    message = uploaded(failed_commit)
+    _commit_marker(failed_commit).touch()  # what a commit does before its first CaS
+    _abort(failed_commit, [message])
+    assert open_blob(blob).get(message.parts[0].key) is not None
+    assert not _commit_marker(failed_commit).exists()
