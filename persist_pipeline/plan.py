@@ -44,7 +44,7 @@ from persist_pipeline.blob.local import LocalBlob
 from persist_pipeline.blob.s3 import S3Blob
 from persist_pipeline.exceptions import InvalidConfig, NotYetAvailable
 from persist_pipeline.frontier import MAX_TIME, Frontier
-from persist_pipeline.internal.state import Store
+from persist_pipeline.internal.state import HollowPart, Store
 from persist_pipeline.updates import SCHEMA, consolidate
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ class PlanFile:
         batch_id: the batch it belongs to.
         index: its position among that batch's parts (a batch's parts are consecutive,
             ascending ranges of one sorted run of keys).
+        min_key / max_key: bounds of its keys (inclusive), None if not recorded.
     """
 
     uri: str
@@ -82,6 +83,13 @@ class PlanFile:
     max_time: int
     batch_id: str = ""
     index: int = 0
+    min_key: bytes | None = None
+    max_key: bytes | None = None
+
+    def hollow_part(self) -> HollowPart:
+        """The state's description of this part (what the streaming reader takes)."""
+        return HollowPart(self.key, self.store, self.size, self.num_updates, self.min_time,
+                          self.max_time, self.min_key, self.max_key)
 
 
 def latest_complete_time(shard_id: str, upper: Frontier) -> int:

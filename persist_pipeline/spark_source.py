@@ -64,7 +64,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,
@@ -76,7 +75,10 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from persist_pipeline.blob import redact_uri
+from persist_pipeline.compaction import KeyRange
+from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import (
+    CorruptPart,
     InvalidConfig,
     InvalidFrontier,
     InvalidUpdates,
@@ -85,9 +87,11 @@ from persist_pipeline.exceptions import (
 )
 from persist_pipeline.frontier import Frontier, check_frontier
 from persist_pipeline.ids import ShardId, new_token
-from persist_pipeline.internal.state import HollowPart, Store
+from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, ShardBlobs
+from persist_pipeline.internal.merge import batch_rows, memory_plan, merge_runs
+from persist_pipeline.internal.state import Batch, Description, HollowPart, Part, Store
 from persist_pipeline.plan import PlanFile, SnapshotPlan
-from persist_pipeline.updates import Updates, consolidate, decode_parquet
+from persist_pipeline.updates import Updates, advance_times, consolidate
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -107,9 +111,9 @@ _ARROW_SCHEMA = pa.schema([("k", pa.binary()), ("v", pa.binary()), ("t", pa.int6
                            ("d", pa.int64())])
 _DEFAULT_PARTITION_BYTES = 128 << 20
 _DEFAULT_MAX_PARTITIONS = 64
-#: Keys sampled per part to choose split points between partitions.
-_SAMPLES_PER_FILE = 64
 _ROWS_PER_BATCH = 65536
+#: Keys sampled from a small part to choose split points between partitions.
+_SAMPLES_PER_SMALL_PART = 64
 
 
 def register(spark: SparkSession) -> None:
@@ -197,27 +201,29 @@ def _frontier_option(options: Mapping[str, str], name: str) -> Frontier:
 # --- reading -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _FileBounds:
-    rows: int
-    first: bytes
-    last: bytes
-    samples: tuple[bytes, ...]
-
-
-def _key_bounds(plan: SnapshotPlan, f: PlanFile) -> _FileBounds:
-    """The first and last key of a (sorted) part and a few keys between, from its k
-    column alone."""
+def _key_starts(plan: SnapshotPlan, f: PlanFile) -> list[tuple[bytes, int]]:
+    """Candidate split keys of a part with the bytes each starts: the lowest key of each
+    row group, from the Parquet footer (a small read); for a small part, whose row
+    groups are few, every ``1/64`` of its keys (its ``k`` column is small to read)."""
     import pyarrow.parquet as pq
 
-    keys = pq.read_table(f.path, columns=["k"], filesystem=plan.filesystem(f.store)
-                         ).column("k")
-    n = len(keys)
-    if n == 0:
-        return _FileBounds(0, b"", b"", ())
-    step = max(1, n // _SAMPLES_PER_FILE)
-    samples = tuple(keys[i].as_py() for i in range(0, n, step))
-    return _FileBounds(n, keys[0].as_py(), keys[n - 1].as_py(), samples)
+    if f.size <= WHOLE_FETCH_MAX_BYTES:
+        keys = pq.read_table(f.path, columns=["k"], filesystem=plan.filesystem(f.store)
+                             ).column("k")
+        step = max(1, len(keys) // _SAMPLES_PER_SMALL_PART)
+        samples = [keys[i].as_py() for i in range(0, len(keys), step)]
+        return [(key, f.size // max(1, len(samples))) for key in samples]
+    meta = pq.ParquetFile(f.path, filesystem=plan.filesystem(f.store)).metadata
+    if "k" not in meta.schema.names:
+        return [(f.min_key or b"", f.size)]
+    k = meta.schema.names.index("k")
+    starts = []
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(k).statistics
+        if stats is None or not stats.has_min_max:
+            return [(f.min_key or b"", f.size)]
+        starts.append((bytes(stats.min), meta.row_group(g).total_byte_size))
+    return starts
 
 
 @dataclass(frozen=True)
@@ -227,72 +233,92 @@ class _ReadPartition:
     index: int
     lower: bytes | None
     upper: bytes | None
-    parts: tuple[tuple[Store, str], ...]
+    parts: tuple[PlanFile, ...]
     inline: pa.Table
-
-
-def _in_range(table: pa.Table, lower: bytes | None, upper: bytes | None) -> pa.Table:
-    mask = None
-    if lower is not None:
-        mask = pc.greater_equal(table.column("k"), pa.scalar(lower, pa.binary()))
-    if upper is not None:
-        below = pc.less(table.column("k"), pa.scalar(upper, pa.binary()))
-        mask = below if mask is None else pc.and_(mask, below)
-    return table if mask is None else table.filter(mask)
 
 
 def plan_partitions(plan: SnapshotPlan, partition_bytes: int = _DEFAULT_PARTITION_BYTES,
                     max_partitions: int = _DEFAULT_MAX_PARTITIONS) -> list[_ReadPartition]:
-    """Split a plan into key ranges that together read every row exactly once."""
+    """Split a plan into key ranges that together read every row exactly once.
+
+    Split points are chosen, weighted by size, among the lowest keys of the parts' row
+    groups (their Parquet footers); a partition reads only the parts whose recorded key
+    range overlaps its own.
+    """
     total = sum(f.size for f in plan.file_details) + plan.inline.nbytes
     n = max(1, min(max_partitions, math.ceil(total / partition_bytes)))
-    every = tuple((f.store, f.key) for f in plan.file_details)
+    every = tuple(plan.file_details)
     if n == 1 or not plan.file_details:
         return [_ReadPartition(0, None, None, every, plan.inline)]
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="persist-plan") as pool:
-        bounds = list(pool.map(lambda f: _key_bounds(plan, f), plan.file_details))
-    weighted: list[tuple[bytes, float]] = []
-    for f, b in zip(plan.file_details, bounds, strict=True):
-        for key in b.samples:
-            weighted.append((key, f.size / max(1, len(b.samples))))
-    weighted.sort()
+        starts = [s for found in pool.map(lambda f: _key_starts(plan, f), plan.file_details)
+                  for s in found]
+    starts.sort()
     splits: list[bytes] = []
-    total_weight = sum(w for _, w in weighted)
-    acc = 0.0
-    for key, w in weighted:
-        acc += w
+    total_weight = sum(w for _, w in starts)
+    acc = 0
+    for key, w in starts:
         if len(splits) < n - 1 and acc >= total_weight * (len(splits) + 1) / n and \
-                (not splits or key > splits[-1]):
+                key > starts[0][0] and (not splits or key > splits[-1]):
             splits.append(key)
+        acc += w
     ranges = list(zip([None, *splits], [*splits, None], strict=True))
     out = []
+    inline = consolidate(plan.inline)  # sorted, as the range filter expects
     for i, (lo, hi) in enumerate(ranges):
-        parts = tuple((f.store, f.key) for f, b in zip(plan.file_details, bounds, strict=True)
-                      if b.rows and (hi is None or b.first < hi) and (lo is None or b.last >= lo))
-        out.append(_ReadPartition(i, lo, hi, parts, _in_range(plan.inline, lo, hi)))
+        parts = tuple(f for f in plan.file_details if f.hollow_part().may_hold_keys(lo, hi))
+        out.append(_ReadPartition(i, lo, hi, parts, KeyRange(lo, hi).filter(inline)))
     return out
 
 
 def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
                     lease_s: float) -> Iterator[pa.RecordBatch]:
-    """Run on an executor: this key range's rows of every part, consolidated at as_of."""
+    """Run on an executor: this key range's rows of every part, consolidated at as_of,
+    streamed through the k-way merge in bounded memory (each batch's parts are sorted
+    runs, read row group by row group)."""
     from persist_pipeline.spark import _blob
 
-    tables = [partition.inline]
-    for store, key in partition.parts:
-        uri = location.wal_blob_uri if store == "wal" else location.blob_uri
-        assert uri is not None
-        data = _blob(uri).get(key)
-        if data is None:
-            raise LeaseExpired(
-                f"part {key!r} of shard {location.shard_id} is gone: this Spark read ran "
-                f"longer than its reader's lease ({lease_s:g} s) and GC collected it; "
-                f"re-run the read, or give it a longer option lease_seconds")
-        table = decode_parquet(data, f"{key!r} in the {store} blob store")
-        tables.append(_in_range(table, partition.lower, partition.upper))
-    table = consolidate(pa.concat_tables([t.cast(tables[0].schema) for t in tables]),
-                        as_of=as_of)
-    yield from table.cast(_ARROW_SCHEMA).to_batches(max_chunksize=_ROWS_PER_BATCH)
+    main = _blob(location.blob_uri)
+    wal = _blob(location.wal_blob_uri) if location.wal_blob_uri else None
+    blobs = ShardBlobs(main, wal, main, wal)
+    keys = KeyRange(partition.lower, partition.upper)
+    where = f"shard {location.shard_id}"
+    by_batch: dict[str, list[PlanFile]] = {}
+    for f in partition.parts:
+        by_batch.setdefault(f.batch_id, []).append(f)
+    runs: list[tuple[Iterator[pa.Table], str]] = []
+    if partition.inline.num_rows:
+        runs.append((iter([consolidate(partition.inline, as_of=as_of)]),
+                     f"inline rows of {where}"))
+    for batch_id, files in by_batch.items():
+        files.sort(key=lambda f: f.index)
+        batch = Batch(batch_id, Description(0, None, 0),
+                      tuple(f.hollow_part() for f in files), 0)
+        runs += [(_run_chunks(blobs, run, keys, as_of, where), f"batch {batch_id} of {where}")
+                 for run in batch.runs()]
+    plan = memory_plan(COMPACTION_MEMORY_BOUND_BYTES, len(runs), COMPACTION_MEMORY_BOUND_BYTES)
+    try:
+        for table in merge_runs(runs, plan.chunk_bytes):
+            yield from table.cast(_ARROW_SCHEMA).to_batches(max_chunksize=_ROWS_PER_BATCH)
+    except CorruptPart as e:
+        if "is missing" not in str(e):
+            raise
+        raise LeaseExpired(
+            f"a part of shard {location.shard_id} is gone: this Spark read ran longer than "
+            f"its reader's lease ({lease_s:g} s) and GC collected it; re-run the read, or "
+            f"give it a longer option lease_seconds ({e})") from None
+
+
+def _run_chunks(blobs: ShardBlobs, run: tuple[Part, ...], keys: KeyRange, as_of: int,
+                where: str) -> Iterator[pa.Table]:
+    for part in run:
+        assert isinstance(part, HollowPart)
+        rows = batch_rows(1 << 20, part.encoded_size, part.num_updates)
+        for chunk in blobs.stream_part(part, where, rows, keys.lower, keys.upper):
+            if keys.upper is not None and chunk.num_rows and \
+                    chunk.column("k")[0].as_py() >= keys.upper:
+                return
+            yield advance_times(keys.filter(chunk), as_of=as_of)
 
 
 def _as_of_option(options: Mapping[str, str]) -> int | None:
