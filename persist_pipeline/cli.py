@@ -21,6 +21,8 @@ import pyarrow.parquet as pq
 from persist_pipeline.client import PersistClient
 from persist_pipeline.exceptions import InvalidInput, InvalidUpdates, PersistError
 from persist_pipeline.ingest import read_updates_file
+from persist_pipeline.read import ReadHandle
+from persist_pipeline.updates import SCHEMA
 
 
 class _Parser(argparse.ArgumentParser):
@@ -158,6 +160,19 @@ def _write_table(table: pa.Table, out: Path | None) -> None:
         pacsv.write_csv(printable, out)
 
 
+def _stream_parquet(reader: ReadHandle, as_of: int, out: Path) -> None:
+    """Write the snapshot to Parquet as it streams, in bounded memory whatever its size;
+    a failed read leaves no partial file."""
+    partial = out.with_name(out.name + ".partial")
+    try:
+        with pq.ParquetWriter(partial, SCHEMA) as writer:
+            for batch in reader.snapshot_batches(as_of):
+                writer.write_batch(batch)
+        partial.replace(out)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.command == "nemesis":
         return _nemesis(args)
@@ -193,7 +208,10 @@ def run(args: argparse.Namespace) -> int:
 
                     state = client.machine(args.shard).fetch_latest()
                     as_of = latest_complete_time(state.shard_id, state.upper)
-                _write_table(reader.snapshot(as_of), args.out)
+                if args.out is not None and args.out.suffix == ".parquet":
+                    _stream_parquet(reader, as_of, args.out)
+                else:  # CSV decides text or hex per column, so it needs the whole table
+                    _write_table(reader.snapshot(as_of), args.out)
         elif args.command == "plan":
             if args.hold_seconds < 0:
                 raise InvalidInput("--hold-seconds must not be negative")
