@@ -11,7 +11,7 @@ of 64 MiB Parquet parts whose keys overlap by half
   (``GROUP BY k, v, greatest(t, since) HAVING sum(d) <> 0 ORDER BY k, v, t``, zstd
   Parquet out): the same output, sorted.
 
-Each runs in a fresh process whose peak RSS (``ru_maxrss``) is reported. Then a shard of
+Each runs in a fresh process whose peak RSS (``VmHWM``) is reported. Then a shard of
 the Spark size is written through the API twice: one copy is compacted by
 ``client.compact()`` (one process), the other by ``spark.compact_shards`` on ``local[2]``,
 which splits the merge by key range into several tasks and commits it once; and a fresh
@@ -43,8 +43,9 @@ GIB = 1 << 30
 RUNS = 4
 
 _DUCKDB = textwrap.dedent("""
-    import json, resource, sys, time
+    import json, sys, time
     import duckdb
+    from persist_pipeline.examples.merge_data import peak_rss_bytes
     files, since, out, tmp = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     con = duckdb.connect()
     con.execute("SET memory_limit='2GB'")
@@ -58,12 +59,13 @@ _DUCKDB = textwrap.dedent("""
     seconds = time.perf_counter() - started
     rows_out = con.execute(f"SELECT count(*) FROM read_parquet('{out}')").fetchone()[0]
     print(json.dumps({"seconds": seconds, "rows_out": rows_out,
-                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                      "peak_rss_bytes": peak_rss_bytes()}))
 """)
 
 _SNAPSHOT = textwrap.dedent("""
-    import json, resource, sys, time
+    import json, sys, time
     from persist_pipeline import PersistClient
+    from persist_pipeline.examples.merge_data import peak_rss_bytes
     client = PersistClient.open(sys.argv[1], sys.argv[2])
     reader = client.open_reader(sys.argv[3])
     started = time.perf_counter()
@@ -73,7 +75,7 @@ _SNAPSHOT = textwrap.dedent("""
     seconds = time.perf_counter() - started
     reader.expire()
     print(json.dumps({"seconds": seconds, "rows": rows,
-                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                      "peak_rss_bytes": peak_rss_bytes()}))
 """)
 
 

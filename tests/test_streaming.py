@@ -216,14 +216,15 @@ _BOUND_MIB = 16
 _ALLOWED_GROWTH_MIB = 192
 
 _MEASURE = textwrap.dedent("""
-    import json, resource, sys
+    import json, sys
     from pathlib import Path
     import pyarrow as pa
     from persist_pipeline.examples import merge_data
     from persist_pipeline.blob.local import LocalBlob
     from persist_pipeline.internal.blobs import ShardBlobs
     from persist_pipeline.updates import consolidate
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    from persist_pipeline.examples.merge_data import peak_rss_bytes
+    base = peak_rss_bytes()
     folder, how, bound = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]) << 20
     if how == "stream":
         out = merge_data.merge(folder, bound)
@@ -233,7 +234,7 @@ _MEASURE = textwrap.dedent("""
         tables = [blobs.fetch_part(p, "x") for b in req.inputs for p in b.parts]
         merged = consolidate(pa.concat_tables(tables), since=req.desc.since)
         out = {"rows_in": req.num_updates, "rows_out": merged.num_rows,
-               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+               "peak_rss_bytes": peak_rss_bytes()}
     out["baseline_rss_bytes"] = base
     print(json.dumps(out))
 """)

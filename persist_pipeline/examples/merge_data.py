@@ -4,8 +4,8 @@
 batches of 16-byte keys and 64-byte values as parts in a local blob folder and a JSON
 manifest; ``... merge DIR BOUND_MIB`` merges them with
 :func:`persist_pipeline.compaction.run_merge` and prints JSON with the peak RSS
-(``ru_maxrss``) of that process, which is what the memory tests and ``make bench``
-measure (each in a fresh process, so the peak is the merge's own).
+(:func:`peak_rss_bytes`) of that process, which is what the memory tests and
+``make bench`` measure (each in a fresh process, so the peak is the merge's own).
 
 Runs overlap by half of their keys; a key's value is a function of the key and diffs are
 +1 or -1, so a merge consolidates and cancels.
@@ -109,10 +109,24 @@ def merge(folder: Path, bound_bytes: int, key_range: KeyRange | None = None) -> 
     seconds = time.perf_counter() - started
     for part in res.output.hollow_parts():
         blob.delete(part.key)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = peak_rss_bytes()
     return {"rows_in": req.num_updates, "rows_out": res.output.num_updates,
             "parts_out": len(res.output.parts), "seconds": seconds,
             "rows_per_s": req.num_updates / seconds, "peak_rss_bytes": rss}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size: ``VmHWM`` of ``/proc/self/status``, which
+    starts afresh at ``exec``. (``ru_maxrss`` does not on Linux: a child started by a
+    large parent reports the parent's peak.) Falls back to ``ru_maxrss`` elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def main(argv: list[str]) -> int:
