@@ -16,6 +16,7 @@ from assets.asset_keys import (
     GC_JOB,
     INGESTION_JOB,
     MAINTENANCE_GROUP,
+    landing_job_name,
     shard_key,
 )
 from assets.checks import build_shard_checks
@@ -32,6 +33,7 @@ from assets.sensors import (
 )
 from resources.alerts import AlertsResource
 from resources.inline_policy import InlinePolicyResource
+from resources.io_manager import PersistIOManager
 from resources.persist import PersistResource
 from resources.spark import build_pyspark_resource
 
@@ -47,7 +49,19 @@ def build_resources(config: PipelineConfig) -> dict[str, dg.ConfigurableResource
             persist_inline_update_max_bytes=config.max_bytes),
         "pyspark": build_pyspark_resource(config.spark.master, config.spark.conf),
         "alerts": AlertsResource(webhook_url=config.alerts.webhook_url),
+        # Assets added to this code location that return a table are stored in shards.
+        "io_manager": PersistIOManager(
+            consensus_uri=config.location.consensus_uri, blob_uri=config.location.blob_uri,
+            wal_blob_uri=config.location.wal_blob_uri,
+            persist_inline_update_threshold_bytes=config.threshold_bytes,
+            persist_inline_update_max_bytes=config.max_bytes),
     }
+
+
+def _dynamic(asset: dg.AssetsDefinition) -> dg.DynamicPartitionsDefinition:
+    partitions = asset.partitions_def
+    assert isinstance(partitions, dg.DynamicPartitionsDefinition)
+    return partitions
 
 
 def build_definitions(config: PipelineConfig) -> dg.Definitions:
@@ -61,6 +75,13 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
 
     synthetic = [shard_key(s.name) for s in shards if not isinstance(s.source, FileSource)]
     jobs = []
+    landing_jobs = {}
+    for s in shards:
+        if isinstance(s.source, FileSource):
+            landing_jobs[s.name] = dg.define_asset_job(
+                landing_job_name(s.name), selection=dg.AssetSelection.assets(shard_key(s.name)),
+                description=f"Ingests one landed file (a partition) into shard {s.name}.")
+    jobs.extend(landing_jobs.values())
     if synthetic:  # file shards are written by their landing sensors, one file per run
         jobs.append(dg.define_asset_job(
             INGESTION_JOB, selection=dg.AssetSelection.assets(*synthetic),
@@ -77,7 +98,8 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
         description="The inline-bytes and freshness checks of every shard.")
 
     sensors = [
-        *(build_landing_sensor(s, ingestion[s.name], running=running)
+        *(build_landing_sensor(s, landing_jobs[s.name], _dynamic(ingestion[s.name]),
+                               running=running)
           for s in shards if isinstance(s.source, FileSource)),
         build_inline_pressure_sensor(
             shards, high_water_fraction=config.compaction.high_water_fraction,

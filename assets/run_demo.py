@@ -110,17 +110,19 @@ def _record(results: list[Any], config: PipelineConfig, tally: dict[str, ShardTa
             out: list[str]) -> None:
     import dagster as dg
 
+    from assets.ingestion import BLOB_PUTS, INLINE_BYTES, PLACEMENT
+
     for result in results:
         for event in result.get_asset_materialization_events():
             kind, name = event.asset_key.path[0], event.asset_key.path[-1]
             m = _meta(event)
             t = tally[name]
-            if kind == "shards":
+            if kind == "ingest":
                 t.writes += 1
-                t.placements[str(m["placement"])] += 1
-                t.blob_puts += int(m["blob_puts"])
-                t.inline_now = int(m["shard_inline_bytes"])
-            elif kind == "compacted" and int(m["requests"]):
+                t.placements[str(m[PLACEMENT])] += 1
+                t.blob_puts += int(m[BLOB_PUTS])
+                t.inline_now = int(m[INLINE_BYTES])
+            elif kind == "compact" and int(m["requests"]):
                 t.compactions += 1
                 t.inline_peak = max(t.inline_peak, int(m["inline_bytes_before"]))
                 t.inline_after = t.inline_now = int(m["inline_bytes_after"])
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import dagster as dg
 
-    from assets.asset_keys import INGESTION_JOB, TAG_SHARDS
+    from assets.asset_keys import INGESTION_JOB, TAG_SHARDS, shard_key
     from assets.runner import SensorTicker, launch, launch_sensor_requests
     from assets.workspace import load_workspace_definitions
 
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     for ticker in alerts:  # the first tick sets each alert sensor's baseline
         ticker.tick()
     ingestion_job = defs.resolve_job_def(INGESTION_JOB)
-    synthetic_keys = [dg.AssetKey(["shards", s.name]) for s in synthetic]
+    synthetic_keys = [shard_key(s.name) for s in synthetic]
 
     for round_no in range(args.rounds):
         out: list[str] = []
