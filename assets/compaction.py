@@ -1,11 +1,15 @@
-"""Spark compaction: ``compacted/NAME`` for every shard, computed by one multi-asset.
+"""Spark compaction: ``compact/NAME`` for every shard, computed by one multi-asset.
 
-A run selects the shards to compact (the inline pressure sensor and the compaction
-schedule select the ones that need it). The step runs every pending merge request of
-every selected shard, which flushes every inline part to the main blob store, as the
-tasks of ONE Spark job (:func:`persist_pipeline.spark.compact_shards`); the driver
-commits each result to consensus. Tasks read and write parts through the library's blob
-code, so S3, MinIO and local folders work without Hadoop connectors.
+A run selects the shards to compact. Two triggers: the inline pressure sensor (a shard
+nearing its inline limit, within seconds), and declarative automation: once per tick of
+``compaction.schedule`` (hourly), every shard written since its last compaction is
+compacted (:func:`compaction_condition`, evaluated by ``persist_automation_sensor``).
+
+The step runs every pending merge request of every selected shard, which flushes every
+inline part to the main blob store, as the tasks of ONE Spark job
+(:func:`persist_pipeline.spark.compact_shards`); the driver commits each result to
+consensus. Tasks read and write parts through the library's blob code, so S3, MinIO and
+local folders work without Hadoop connectors.
 
 Each selected shard gets a materialization with the compaction metrics and a
 ``snapshot_unchanged`` check: the shard's snapshot at its latest complete time, read
@@ -75,13 +79,32 @@ def _needs_work(client: PersistClient, shard_ids: list[str]) -> bool:
                for s in shard_ids)
 
 
-def build_compaction_assets(shards: tuple[ShardConfig, ...]) -> dg.AssetsDefinition:
-    """The multi-asset computing ``compacted/NAME`` for every configured shard."""
+def compaction_condition(cron: str, timezone: str = "UTC") -> dg.AutomationCondition:
+    """Once a tick of ``cron`` has passed and the shard was written since its last
+    compaction (and no compaction of it is running): compact it."""
+    handled = dg.AutomationCondition
+    return (handled.cron_tick_passed(cron, timezone).since_last_handled()
+            & handled.any_deps_updated().since_last_handled()
+            & ~handled.in_progress()).with_label(f"written since last compaction, on {cron}")
+
+
+def build_compaction_assets(shards: tuple[ShardConfig, ...], *, cron: str = "0 * * * *",
+                            timezone: str = "UTC") -> dg.AssetsDefinition:
+    """The multi-asset computing ``compact/NAME`` for every configured shard.
+
+    Each asset is requested by declarative automation on ``cron`` when its shard was
+    written since the previous tick.
+    """
     by_key = {compacted_key(s.name): s for s in shards}
+    condition = compaction_condition(cron, timezone)
     specs = [dg.AssetSpec(compacted_key(s.name), deps=[shard_key(s.name)],
                           group_name=COMPACTION_GROUP, kinds={"spark"},
-                          description=f"Shard {s.name} compacted: pending merges run and "
-                                      "inline parts flushed to the main blob store by Spark.",
+                          automation_condition=condition,
+                          description=f"Shard {s.name} compacted by Spark: pending merges run "
+                                      "and inline parts flushed to the main blob store, so "
+                                      "its inline bytes drop to zero. Requested by "
+                                      "inline_pressure_sensor when the shard nears its inline "
+                                      f"limit, and on '{cron}' when it was written since.",
                           metadata={"shard_id": s.shard_id})
              for s in shards]
     check_specs = [dg.AssetCheckSpec(SNAPSHOT_CHECK, asset=compacted_key(s.name),

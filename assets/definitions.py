@@ -24,7 +24,7 @@ from assets.compaction import build_compaction_assets
 from assets.gc import build_gc_assets
 from assets.ingestion import build_ingestion_asset
 from assets.pipeline_config import FileSource, PipelineConfig, load_pipeline_config
-from assets.schedules import build_checks_schedule, build_compaction_schedule, build_gc_schedule
+from assets.schedules import build_automation_sensor, build_checks_schedule
 from assets.sensors import (
     build_compaction_failure_sensor,
     build_inline_pressure_sensor,
@@ -69,8 +69,9 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
     shards = config.shards
     running = config.automation_running
     ingestion = {s.name: build_ingestion_asset(s) for s in shards}
-    compaction = build_compaction_assets(shards)
-    gc = build_gc_assets(shards)
+    compaction = build_compaction_assets(shards, cron=config.compaction.schedule,
+                                         timezone=config.timezone)
+    gc = build_gc_assets(shards, cron=config.gc_schedule, timezone=config.timezone)
     checks = build_shard_checks(shards)
 
     synthetic = [shard_key(s.name) for s in shards if not isinstance(s.source, FileSource)]
@@ -111,12 +112,9 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
             backlog_threshold=config.alerts.backlog_threshold,
             interval_s=config.alerts.sensor_interval_s, running=running),
         build_compaction_failure_sensor(shards, running=running),
+        build_automation_sensor(running=running),
     ]
     schedules = [
-        build_compaction_schedule(shards, cron=config.compaction.schedule, job=compaction_job,
-                                  timezone=config.timezone, running=running),
-        build_gc_schedule(cron=config.gc_schedule, job=gc_job, timezone=config.timezone,
-                          running=running),
         build_checks_schedule(cron=config.checks_schedule, job=checks_job,
                               timezone=config.timezone, running=running),
     ]

@@ -23,6 +23,7 @@ latency, ``dagster/row_count``, the shard's upper, blob PUTs. Sources:
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import dagster as dg
@@ -242,8 +243,13 @@ def build_ingestion_asset(shard: ShardConfig) -> dg.AssetsDefinition:
     description = (shard.description or f"Shard {shard.name}.") + \
         f" {what} Source: {_describe_source(shard)}. Watch the 'Inline bytes' plot: the " \
         "inline pressure sensor starts a compaction when it nears the limit."
+    # Dagster's freshness policy (shown on the asset; at least a minute, Dagster's floor);
+    # the upper_advanced_recently check applies the exact limit.
+    freshness = dg.FreshnessPolicy.time_window(
+        fail_window=timedelta(seconds=max(60, shard.freshness_max_age_s)))
     common: dict[str, Any] = dict(
         key=key, group_name=INGESTION_GROUP, description=description, kinds={"persist"},
+        freshness_policy=freshness,
         metadata={"shard_id": shard.shard_id, "source": _describe_source(shard),
                   "dagster/column_schema": UPDATES_SCHEMA})
 

@@ -9,7 +9,8 @@ blobs, Spark ``local[*]``) against a real Dagster instance in ``.dagster_home``:
 2. round after round, an ingestion run writes a small batch into each synthetic shard,
    and ``inline_pressure_sensor`` is evaluated on the instance; when a shard's inline
    bytes cross the high-water mark it requests a compaction run, which runs on Spark;
-3. the compaction and GC schedules are evaluated and their runs executed;
+3. declarative automation (``persist_automation_sensor``) is evaluated as a day later:
+   hourly compaction of the shards written since their last compaction, daily GC;
 4. a summary table is printed.
 
 ``make ui`` then shows every run, the plotted metadata, sensors and schedules. The
@@ -26,7 +27,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +173,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import dagster as dg
 
-    from assets.asset_keys import INGESTION_JOB, TAG_SHARDS, shard_key
+    from assets.asset_keys import (
+        COMPACTION_GROUP,
+        COMPACTION_JOB,
+        GC_JOB,
+        INGESTION_JOB,
+        MAINTENANCE_GROUP,
+        TAG_SHARDS,
+        TAG_TRIGGER,
+        shard_key,
+    )
     from assets.runner import SensorTicker, launch, launch_sensor_requests
     from assets.workspace import load_workspace_definitions
 
@@ -195,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         "inline_over_limit_alert_sensor")]
     for ticker in alerts:  # the first tick sets each alert sensor's baseline
         ticker.tick()
+    automation_start = datetime.now(UTC)  # declarative automation's first evaluation
+    automation_cursor = dg.evaluate_automation_conditions(
+        defs=defs, instance=instance, evaluation_time=automation_start,
+        asset_selection=dg.AssetSelection.groups(COMPACTION_GROUP, MAINTENANCE_GROUP)).cursor
     ingestion_job = defs.resolve_job_def(INGESTION_JOB)
     synthetic_keys = [shard_key(s.name) for s in synthetic]
 
@@ -230,24 +244,29 @@ def main(argv: list[str] | None = None) -> int:
         for line in out:
             print(line)
 
-    # The schedules, evaluated on the instance as the daemon would at their next tick.
-    now = datetime.now(UTC)
-    for name in ("compaction_schedule", "gc_schedule"):
-        schedule = defs.resolve_schedule_def(name)
-        with dg.build_schedule_context(instance=instance, scheduled_execution_time=now,
-                                       resources=defs.resources) as context:
-            data = schedule.evaluate_tick(context)
-        requests = list(data.run_requests or [])
-        print(f"{name}: " + (f"{len(requests)} run(s)" if requests else
-                             f"skipped ({data.skip_message})"))
-        out = []
-        for request in requests:
-            result = launch(defs, instance, request, job_name=schedule.job_name,
-                            schedule_name=name, run_config=QUIET)
+    # Declarative automation, evaluated on the instance as persist_automation_sensor
+    # would a day later: compaction of the shards written since their last compaction
+    # (hourly ticks) and GC of every shard (the daily tick).
+    later = automation_start + timedelta(days=1, hours=1)
+    evaluated = dg.evaluate_automation_conditions(
+        defs=defs, instance=instance, evaluation_time=later, cursor=automation_cursor,
+        asset_selection=dg.AssetSelection.groups(COMPACTION_GROUP, MAINTENANCE_GROUP))
+    requested = sorted((k for k in defs.resolve_asset_graph().get_all_asset_keys()
+                        if evaluated.get_requested_partitions(k)), key=str)
+    print("persist_automation_sensor: " + (", ".join(k.to_user_string() for k in requested)
+                                           or "nothing requested"))
+    out = []
+    for job_name, group in ((COMPACTION_JOB, "compact"), (GC_JOB, "gc")):
+        keys = [k for k in requested if k.path[0] == group]
+        if keys:
+            request = dg.RunRequest(asset_selection=keys, tags={
+                "dagster/sensor_name": "persist_automation_sensor",
+                TAG_TRIGGER: "automation", TAG_SHARDS: ",".join(k.path[-1] for k in keys)})
+            result = launch(defs, instance, request, job_name=job_name, run_config=QUIET)
             if result is not None:
                 _record([result], config, tally, out)
-        for line in out:
-            print(line)
+    for line in out:
+        print(line)
 
     _print_summary(config, tally)
     runs = instance.get_runs_count()

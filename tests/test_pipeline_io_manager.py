@@ -274,7 +274,7 @@ def test_clear_errors(io_manager: PersistIOManager) -> None:
         bad = dg.materialize([not_a_table], resources={"io_manager": io_manager},
                              instance=instance, raise_on_error=False)
         assert not bad.success
-        with pytest.raises(UnsupportedOutput, match="got builtins.dict"):
+        with pytest.raises(UnsupportedOutput, match=r"got builtins\.dict"):
             dg.materialize([not_a_table], resources={"io_manager": io_manager},
                            instance=instance)
         with pytest.raises(AssetNotStored, match="orders: nothing stored yet"):
