@@ -18,6 +18,7 @@ AssetJob = UnresolvedAssetJobDefinition
 INGESTION_GROUP = "ingestion"
 COMPACTION_GROUP = "compaction"
 MAINTENANCE_GROUP = "maintenance"
+REPORTS_GROUP = "reports"
 
 INGESTION_JOB = "ingestion_job"
 COMPACTION_JOB = "compaction_job"

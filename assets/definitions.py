@@ -24,6 +24,7 @@ from assets.compaction import build_compaction_assets
 from assets.gc import build_gc_assets
 from assets.ingestion import build_ingestion_asset
 from assets.pipeline_config import FileSource, PipelineConfig, load_pipeline_config
+from assets.reports import build_report_asset
 from assets.schedules import build_automation_sensor, build_checks_schedule
 from assets.sensors import (
     build_compaction_failure_sensor,
@@ -119,7 +120,7 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
                               timezone=config.timezone, running=running),
     ]
     return dg.Definitions(
-        assets=[*ingestion.values(), compaction, gc],
+        assets=[*ingestion.values(), compaction, gc, build_report_asset(shards)],
         asset_checks=checks,
         jobs=[*jobs, compaction_job, gc_job, checks_job],
         sensors=sensors,

@@ -11,7 +11,8 @@ blobs, Spark ``local[*]``) against a real Dagster instance in ``.dagster_home``:
    bytes cross the high-water mark it requests a compaction run, which runs on Spark;
 3. declarative automation (``persist_automation_sensor``) is evaluated as a day later:
    hourly compaction of the shards written since their last compaction, daily GC;
-4. a summary table is printed.
+4. ``report/shard_health``, a table asset, is stored through ``PersistIOManager``;
+5. a summary table is printed.
 
 ``make ui`` then shows every run, the plotted metadata, sensors and schedules. The
 definitions are loaded through ``workspace.yaml``, exactly as the UI loads them.
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         TAG_TRIGGER,
         shard_key,
     )
+    from assets.reports import REPORT_KEY
     from assets.runner import SensorTicker, launch, launch_sensor_requests
     from assets.workspace import load_workspace_definitions
 
@@ -267,6 +269,16 @@ def main(argv: list[str] | None = None) -> int:
                 _record([result], config, tally, out)
     for line in out:
         print(line)
+
+    # A table asset stored through PersistIOManager (report/shard_health).
+    report = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+        instance=instance, asset_selection=[REPORT_KEY], run_config=QUIET,
+        raise_on_error=False)
+    if report.success:
+        health = report.output_for_node("report__shard_health")
+        print(f"report/shard_health: {health.num_rows} rows stored by PersistIOManager")
+    else:
+        print("report/shard_health FAILED")
 
     _print_summary(config, tally)
     runs = instance.get_runs_count()
