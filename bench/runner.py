@@ -32,6 +32,7 @@ from bench import (
     case6_sensor,
     case7_cost,
     case8_simulated,
+    case9_pipeline,
     peers,
     plots,
     profiling,
@@ -52,6 +53,7 @@ CASES: dict[str, Any] = {
     "6": case6_sensor,
     "7": case7_cost,
     "8": case8_simulated,
+    "9": case9_pipeline,
     "profile": profiling,
     "5": case5_compaction,
 }
@@ -64,7 +66,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     mode.add_argument("--quick", action="store_true", help="a reduced run")
     mode.add_argument("--smoke", action="store_true", help="tiny sizes (for the tests)")
     parser.add_argument("--cases", default="",
-                        help="comma-separated cases to run (1-8, profile); default all")
+                        help="comma-separated cases to run (1-9, profile); default all")
     parser.add_argument("--out", default="", help="where to write the report and plots")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return parser.parse_args(argv)
