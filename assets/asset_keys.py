@@ -24,7 +24,12 @@ INGESTION_JOB = "ingestion_job"
 COMPACTION_JOB = "compaction_job"
 GC_JOB = "gc_job"
 CHECKS_JOB = "shard_checks_job"
-ALERTS_JOB = "alerts_job"
+#: The job of every landing sensor: one landed file (a partition) of one files shard.
+LANDING_JOB = "ingest_files_job"
+#: The dynamic partitions of every files shard: one per landed file, ``SHARD/path``. One
+#: set for all files shards keeps the code location to a handful of jobs however many
+#: shards are configured (each job costs Dagster time proportional to every asset).
+FILES_PARTITIONS = "landed_files"
 
 #: Run tags set by this code location.
 TAG_SHARDS = "persist/shards"
@@ -47,14 +52,15 @@ def gc_key(name: str) -> dg.AssetKey:
     return dg.AssetKey(["gc", name])
 
 
-def files_partitions_name(name: str) -> str:
-    """The dynamic partitions (one per landed file) of the ``files`` shard ``name``."""
-    return f"{name}_files"
+def file_partition_key(shard: str, path: str) -> str:
+    """The partition of ``ingest/SHARD`` for the landed file ``path``: ``SHARD/path``."""
+    return f"{shard}/{path}"
 
 
-def landing_job_name(name: str) -> str:
-    """The job the landing sensor of the ``files`` shard ``name`` launches."""
-    return f"ingest_{name}_files_job"
+def split_file_partition(key: str) -> tuple[str, str]:
+    """``(shard, path)`` of a landed-file partition key."""
+    shard, _, path = key.partition("/")
+    return shard, path
 
 
 def op_name(key: dg.AssetKey) -> str:

@@ -15,8 +15,8 @@ from assets.asset_keys import (
     COMPACTION_JOB,
     GC_JOB,
     INGESTION_JOB,
+    LANDING_JOB,
     MAINTENANCE_GROUP,
-    landing_job_name,
     shard_key,
 )
 from assets.checks import build_shard_checks
@@ -59,12 +59,6 @@ def build_resources(config: PipelineConfig) -> dict[str, dg.ConfigurableResource
     }
 
 
-def _dynamic(asset: dg.AssetsDefinition) -> dg.DynamicPartitionsDefinition:
-    partitions = asset.partitions_def
-    assert isinstance(partitions, dg.DynamicPartitionsDefinition)
-    return partitions
-
-
 def build_definitions(config: PipelineConfig) -> dg.Definitions:
     """Assets, checks, jobs, sensors and schedules for ``config``."""
     shards = config.shards
@@ -77,13 +71,13 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
 
     synthetic = [shard_key(s.name) for s in shards if not isinstance(s.source, FileSource)]
     jobs = []
-    landing_jobs = {}
-    for s in shards:
-        if isinstance(s.source, FileSource):
-            landing_jobs[s.name] = dg.define_asset_job(
-                landing_job_name(s.name), selection=dg.AssetSelection.assets(shard_key(s.name)),
-                description=f"Ingests one landed file (a partition) into shard {s.name}.")
-    jobs.extend(landing_jobs.values())
+    files = [shard_key(s.name) for s in shards if isinstance(s.source, FileSource)]
+    landing_job = dg.define_asset_job(
+        LANDING_JOB, selection=dg.AssetSelection.assets(*files),
+        description="Ingests one landed file (a partition SHARD/path) into its shard; the "
+                    "landing sensors launch it selecting one ingest/SHARD asset.")
+    if files:
+        jobs.append(landing_job)
     if synthetic:  # file shards are written by their landing sensors, one file per run
         jobs.append(dg.define_asset_job(
             INGESTION_JOB, selection=dg.AssetSelection.assets(*synthetic),
@@ -100,8 +94,7 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
         description="The inline-bytes and freshness checks of every shard.")
 
     sensors = [
-        *(build_landing_sensor(s, landing_jobs[s.name], _dynamic(ingestion[s.name]),
-                               running=running)
+        *(build_landing_sensor(s, landing_job, running=running)
           for s in shards if isinstance(s.source, FileSource)),
         build_inline_pressure_sensor(
             shards, high_water_fraction=config.compaction.high_water_fraction,

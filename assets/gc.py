@@ -1,8 +1,7 @@
 """Garbage collection: ``gc/NAME`` for every shard, computed by one multi-asset.
 
-Each ``gc/NAME`` has ``AutomationCondition.cron_tick_passed(gc.schedule)`` (unless a
-run of it is in progress), so ``persist_automation_sensor`` collects every shard once per
-cron tick.
+Each ``gc/NAME`` has ``AutomationCondition.cron_tick_passed(gc.schedule)``, so
+``persist_automation_sensor`` collects every shard once per cron tick.
 
 For each selected shard, deletes the blobs no live state version references and
 truncates consensus below every reader's hold (:meth:`PersistClient.gc`), and reports
@@ -37,8 +36,9 @@ def build_gc_assets(shards: tuple[ShardConfig, ...], *, cron: str = "30 3 * * *"
     """The multi-asset computing ``gc/NAME`` for every configured shard, requested by
     declarative automation once per tick of ``cron``."""
     by_key = {gc_key(s.name): s for s in shards}
-    condition = (dg.AutomationCondition.cron_tick_passed(cron, timezone)
-                 & ~dg.AutomationCondition.in_progress())
+    # The cheapest condition (see compaction_condition): once per tick.
+    condition = dg.AutomationCondition.cron_tick_passed(cron, timezone).with_label(
+        f"tick of {cron}")
     specs = [dg.AssetSpec(gc_key(s.name), deps=[compacted_key(s.name)],
                           group_name=MAINTENANCE_GROUP, kinds={"python"},
                           automation_condition=condition,

@@ -6,9 +6,10 @@ first: the shard's inline bytes and limit, the placement (inline / wal / blob, d
 by the ``inline_policy`` resource's policy inside the library), the write's size and
 latency, ``dagster/row_count``, the shard's upper, blob PUTs. Sources:
 
-- ``files``: one dynamic partition per landed file (the partition key is the file's path
-  in the landing location; the landing sensor adds partitions and requests their runs,
-  and any partition can be re-run from the UI). A file is ingested exactly once whichever
+- ``files``: one dynamic partition per landed file (the partition key is
+  ``SHARD/path``, the file's path in the landing location; all files shards share the
+  ``landed_files`` partitions; the landing sensor adds partitions and requests their
+  runs, and any partition can be re-run from the UI). A file is ingested exactly once whichever
   way its run was launched: a run whose file (same name, size and mtime) was already
   ingested writes nothing, and of two runs of the same file at the same time, the later
   one fails without writing. The file is read and validated before anything touches the
@@ -31,7 +32,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
-from assets.asset_keys import INGESTION_GROUP, files_partitions_name, landing_job_name, shard_key
+from assets.asset_keys import (
+    FILES_PARTITIONS,
+    INGESTION_GROUP,
+    LANDING_JOB,
+    shard_key,
+    split_file_partition,
+)
 from assets.change_stream import ChangeStream
 from assets.pipeline_config import FileSource, ShardConfig, SyntheticSource
 from assets.sources import display_name, read_landed, stat_landed
@@ -68,6 +75,9 @@ UPDATES_SCHEMA = dg.TableSchema(columns=[
     dg.TableColumn("t", "int64", description="time (>= 0)"),
     dg.TableColumn("d", "int64", description="diff: +n inserts, -n retracts"),
 ])
+
+#: The partitions of every files shard (keys ``SHARD/path``, see :mod:`assets.asset_keys`).
+LANDED_FILES = dg.DynamicPartitionsDefinition(name=FILES_PARTITIONS)
 
 #: Run statuses of a run that may still write.
 ACTIVE_STATUSES = [dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED,
@@ -220,7 +230,7 @@ def earlier_active_run(instance: dg.DagsterInstance, run_id: str, key: dg.AssetK
     mine = instance.get_run_record_by_id(run_id)
     if mine is None:
         return None
-    job = landing_job_name(key.path[-1])
+    job = LANDING_JOB
     for record in instance.get_run_records(filters=dg.RunsFilter(
             tags={"dagster/partition": partition}, statuses=ACTIVE_STATUSES)):
         run = record.dagster_run
@@ -255,25 +265,28 @@ def build_ingestion_asset(shard: ShardConfig) -> dg.AssetsDefinition:
 
     if isinstance(source, FileSource):
         file_source = source
-        partitions = dg.DynamicPartitionsDefinition(name=files_partitions_name(shard.name))
-
-        @dg.asset(partitions_def=partitions, output_required=False, **common)
+        @dg.asset(partitions_def=LANDED_FILES, output_required=False, **common)
         def ingest_file(context: dg.AssetExecutionContext, persist: PersistResource,
                         inline_policy: InlinePolicyResource
                         ) -> Iterator[dg.MaterializeResult]:
-            name = context.partition_key
+            partition = context.partition_key
+            owner, name = split_file_partition(partition)
+            if owner != shard.name:
+                raise dg.Failure(description=f"partition {partition} is a file of shard "
+                                             f"{owner}, not {shard.name}: materialize it on "
+                                             f"ingest/{owner}")
             shown = display_name(file_source, name)
             try:
                 landed = stat_landed(file_source, name)
             except InvalidUpdates as e:
                 raise dg.Failure(description=str(e),
                                  metadata={"file": shown, "shard": shard.name}) from None
-            done = ingested_by(context.instance, key, name, landed.identity)
+            done = ingested_by(context.instance, key, partition, landed.identity)
             if done is not None:
                 context.log.info(f"{shown} ({landed.identity}) was already ingested by run "
                                  f"{done}: nothing written (each file is ingested once)")
                 return
-            other = earlier_active_run(context.instance, context.run.run_id, key, name)
+            other = earlier_active_run(context.instance, context.run.run_id, key, partition)
             if other is not None:
                 raise dg.Failure(description=f"run {other} is already ingesting {shown}: this "
                                              "run writes nothing, so the file is ingested once "

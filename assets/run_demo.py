@@ -10,7 +10,7 @@ blobs, Spark ``local[*]``) against a real Dagster instance in ``.dagster_home``:
    and ``inline_pressure_sensor`` is evaluated on the instance; when a shard's inline
    bytes cross the high-water mark it requests a compaction run, which runs on Spark;
 3. declarative automation (``persist_automation_sensor``) is evaluated as a day later:
-   hourly compaction of the shards written since their last compaction, daily GC;
+   hourly compaction of the shards with pending work, daily GC;
 4. ``report/shard_health``, a table asset, is stored through ``PersistIOManager``;
 5. a summary table is printed.
 
@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
 
     # Declarative automation, evaluated on the instance as persist_automation_sensor
-    # would a day later: compaction of the shards written since their last compaction
-    # (hourly ticks) and GC of every shard (the daily tick).
+    # would a day later: compaction of the shards with pending work (hourly ticks) and
+    # GC of every shard (the daily tick).
     later = automation_start + timedelta(days=1, hours=1)
     evaluated = dg.evaluate_automation_conditions(
         defs=defs, instance=instance, evaluation_time=later, cursor=automation_cursor,

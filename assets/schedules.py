@@ -2,8 +2,8 @@
 
 - ``persist_automation_sensor``: Dagster's automation condition sensor for the
   ``compact/*`` and ``gc/*`` assets, whose conditions (set where they are defined) are
-  ``AutomationCondition.on_cron(compaction.schedule)`` and
-  ``AutomationCondition.cron_tick_passed(gc.schedule)``.
+  ``AutomationCondition.cron_tick_passed(compaction.schedule)`` (the run compacts only
+  the shards with pending work) and ``AutomationCondition.cron_tick_passed(gc.schedule)``.
 - ``shard_checks_schedule`` (every 15 minutes): the inline-bytes and freshness checks.
 """
 
@@ -26,14 +26,15 @@ def _sensor_status(running: bool) -> dg.DefaultSensorStatus:
 def build_automation_sensor(*, running: bool = True,
                             interval_s: int = 30) -> dg.AutomationConditionSensorDefinition:
     """``persist_automation_sensor``: evaluates the automation conditions of the
-    compaction and GC assets (hourly compaction of shards written since, daily GC)."""
+    compaction and GC assets (hourly compaction of shards with work, daily GC)."""
     return dg.AutomationConditionSensorDefinition(
         "persist_automation_sensor",
         target=dg.AssetSelection.groups(COMPACTION_GROUP, MAINTENANCE_GROUP),
         default_status=_sensor_status(running), minimum_interval_seconds=interval_s,
         run_tags={TAG_TRIGGER: "automation"},
-        description="Declarative automation of compact/* (on_cron: the shards written "
-                    "since the last tick) and gc/* (cron_tick_passed).")
+        description="Declarative automation of compact/* (each tick of compaction.schedule; "
+                    "the run compacts the shards with pending work) and gc/* (each tick of "
+                    "gc.schedule).")
 
 
 def build_checks_schedule(*, cron: str, job: AssetJob,

@@ -1,7 +1,7 @@
 """Sensors: landing files, inline pressure (starts compaction), and alerts.
 
 - ``NAME_landing_sensor`` (one per ``files`` shard): each new landed file becomes a
-  dynamic partition of ``ingest/NAME`` and one run of ``ingest_NAME_files_job`` whose run
+  dynamic partition ``NAME/<file>`` of ``ingest/NAME`` and one run of ``ingest_files_job`` whose run
   key is the file's identity (name, size, mtime). The cursor remembers the identities
   already requested, Dagster never reuses a run key, files already ingested by a run
   launched by hand are not requested, and the asset itself writes nothing for a file
@@ -40,14 +40,17 @@ import dagster as dg
 
 from assets.asset_keys import (
     COMPACTION_JOB,
+    FILES_PARTITIONS,
+    LANDING_JOB,
     TAG_FILE,
     TAG_SHARDS,
     TAG_TRIGGER,
     AssetJob,
     compacted_key,
+    file_partition_key,
     shard_key,
 )
-from assets.ingestion import ingested_by
+from assets.ingestion import LANDED_FILES, ingested_by
 from assets.pipeline_config import FileSource, ShardConfig
 from assets.sources import describe, scan_landing
 from persist_pipeline import ShardSummary
@@ -80,38 +83,40 @@ def _now_ms() -> int:
 # --- landing files -------------------------------------------------------------------------
 
 
-def build_landing_sensor(shard: ShardConfig, job: AssetJob,
-                         partitions: dg.DynamicPartitionsDefinition, *,
+def build_landing_sensor(shard: ShardConfig, job: AssetJob, *,
                          running: bool = True) -> dg.SensorDefinition:
     """One partition and one ingestion run per new file in the ``files`` source of
     ``shard``."""
     source = shard.source
     assert isinstance(source, FileSource), "landing sensors watch files sources"
     key = shard_key(shard.name)
-    partitions_name = partitions.name
-    assert partitions_name is not None
 
     @dg.sensor(name=f"{shard.name}_landing_sensor", job=job,
                minimum_interval_seconds=source.sensor_interval_s,
                default_status=_status(running),
                description=f"Each new file in {describe_source_template(source)} becomes a "
-                           f"partition of ingest/{shard.name} and one run (run key: the "
-                           "file's name, size and mtime). Fails the tick if the location is "
-                           "missing or cannot be listed.")
+                           f"partition of ingest/{shard.name} ({shard.name}/<file>) and one "
+                           f"run of {LANDING_JOB} (run key: the file's name, size and "
+                           "mtime). Fails the tick if the location is missing or cannot be "
+                           "listed.")
     def landing_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         seen = set(_load_cursor(context.cursor).get("seen", []))
         landing = scan_landing(source)  # LandingLocationError fails the tick, clearly
-        new = [f for f in landing.files if f.identity not in seen]
-        known = set(context.instance.get_dynamic_partitions(partitions_name)) if new else set()
-        requests, already = [], []
-        for f in new:
-            if f.name in known and ingested_by(context.instance, key, f.name, f.identity):
-                already.append(f.name)  # e.g. materialized by hand: not again
+        requests, already, added = [], [], []
+        for f in landing.files:
+            if f.identity in seen:
                 continue
+            partition = file_partition_key(shard.name, f.name)
+            if context.instance.has_dynamic_partition(FILES_PARTITIONS, partition):
+                if ingested_by(context.instance, key, partition, f.identity):
+                    already.append(f.name)  # e.g. materialized by hand: not again
+                    continue
+            else:
+                added.append(partition)
             requests.append(dg.RunRequest(
-                run_key=f"{shard.name}:{f.identity}", partition_key=f.name,
+                run_key=f"{shard.name}:{f.identity}", partition_key=partition,
+                asset_selection=[key],
                 tags={TAG_SHARDS: shard.name, TAG_FILE: f.name, TAG_TRIGGER: "landing"}))
-        added = sorted({r.partition_key for r in requests if r.partition_key} - known)
         # Only identities still landed are kept: the cursor stays as small as the folder.
         cursor = json.dumps({"seen": sorted(f.identity for f in landing.files)})
         notes = []
@@ -128,7 +133,8 @@ def build_landing_sensor(shard: ShardConfig, job: AssetJob,
             return dg.SensorResult(skip_reason="; ".join([reason, *notes]), cursor=cursor)
         return dg.SensorResult(
             run_requests=requests, cursor=cursor,
-            dynamic_partitions_requests=[partitions.build_add_request(added)] if added else [])
+            dynamic_partitions_requests=[LANDED_FILES.build_add_request(added)] if added
+            else [])
 
     return landing_sensor
 

@@ -59,7 +59,7 @@ def test_workspace_loads_the_shipped_pipeline(shipped_env: Path,
     # A landed file is a partition of ingest/orders; the data's columns are declared.
     orders = graph.get(dg.AssetKey(["ingest", "orders"]))
     assert isinstance(orders.partitions_def, dg.DynamicPartitionsDefinition)
-    assert orders.partitions_def.name == "orders_files"
+    assert orders.partitions_def.name == "landed_files"
     schema = orders.metadata["dagster/column_schema"]
     assert [c.name for c in schema.columns] == ["k", "v", "t", "d"]
     # Compaction and GC are declaratively automated.
@@ -73,12 +73,12 @@ def test_workspace_loads_the_shipped_pipeline(shipped_env: Path,
         "compaction_backlog_alert_sensor", "inline_fallthrough_alert_sensor",
         "compaction_failure_alert_sensor", "persist_automation_sensor"}
     # Every sensor that launches runs launches a named job (no __anonymous_asset_job).
-    assert sensors["orders_landing_sensor"].job_name == "ingest_orders_files_job"
+    assert sensors["orders_landing_sensor"].job_name == "ingest_files_job"
     assert sensors["inline_pressure_sensor"].job_name == "compaction_job"
     assert {s.name for s in defs.schedules or []} == {"shard_checks_schedule"}
     assert defs.resolve_schedule_def("shard_checks_schedule").cron_schedule == "*/15 * * * *"
     for job in ("ingestion_job", "compaction_job", "gc_job", "shard_checks_job",
-                "ingest_orders_files_job"):
+                "ingest_files_job"):
         defs.resolve_job_def(job)
 
     resources = defs.resources

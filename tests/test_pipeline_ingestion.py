@@ -132,9 +132,9 @@ def test_file_ingestion_on_postgres_and_s3(make_pipeline: Any, pg_url: str, s3_u
     assert "secret" not in json.dumps(metas).lower()
 
     # Each file is a partition of ingest/orders.
-    assert sorted(pipeline.instance.get_dynamic_partitions("orders_files")) == [
-        "2026/day1.csv", "2026/day2.jsonl"]
-    assert {r.dagster_run.job_name for r in results} == {"ingest_orders_files_job"}
+    assert sorted(pipeline.instance.get_dynamic_partitions("landed_files")) == [
+        "orders/2026/day1.csv", "orders/2026/day2.jsonl"]
+    assert {r.dagster_run.job_name for r in results} == {"ingest_files_job"}
 
     # Exactly once: the next tick requests nothing; a sensor that lost its cursor sees
     # the files were ingested and requests nothing either (the non-data file is named).
@@ -259,20 +259,20 @@ def test_a_file_is_ingested_once_however_its_run_was_launched(make_pipeline: Any
     landing.mkdir(parents=True)
     (landing / "day1.csv").write_text("k,v,t\na,1,0\nb,2,0\n")
     shard_id = pipeline.shard_id("orders")
-    job = pipeline.defs.resolve_job_def("ingest_orders_files_job")
+    job = pipeline.defs.resolve_job_def("ingest_files_job")
 
     # By hand: the user adds the partition and materializes it (as the UI does).
-    pipeline.instance.add_dynamic_partitions("orders_files", ["day1.csv"])
-    manual = job.execute_in_process(instance=pipeline.instance, partition_key="day1.csv",
-                                    raise_on_error=False)
+    pipeline.instance.add_dynamic_partitions("landed_files", ["orders/day1.csv"])
+    manual = job.execute_in_process(instance=pipeline.instance,
+                                    partition_key="orders/day1.csv", raise_on_error=False)
     assert manual.success and materializations(manual)["ingest/orders"][UPPER] == 1
 
     # The sensor then sees the file: already ingested, no run.
     tick = pipeline.ticker("orders_landing_sensor").tick()
     assert tick.run_requests == [] and "1 already ingested (day1.csv)" in tick.skip_reason
     # Re-running the partition writes nothing either: the step succeeds, no materialization.
-    rerun = job.execute_in_process(instance=pipeline.instance, partition_key="day1.csv",
-                                   raise_on_error=False)
+    rerun = job.execute_in_process(instance=pipeline.instance,
+                                   partition_key="orders/day1.csv", raise_on_error=False)
     assert rerun.success and materializations(rerun) == {}
     assert pipeline.client().shard_summaries()[shard_id].upper == 1
     assert _collection(pipeline.client(), shard_id, 0) == {b"a": b"1", b"b": b"2"}
@@ -287,9 +287,9 @@ def test_a_file_is_ingested_once_however_its_run_was_launched(make_pipeline: Any
                                                             b"c": b"3"}
 
     # "Materialize" of a partition whose file is gone fails clearly, writing nothing.
-    pipeline.instance.add_dynamic_partitions("orders_files", ["gone.csv"])
-    gone = job.execute_in_process(instance=pipeline.instance, partition_key="gone.csv",
-                                  raise_on_error=False)
+    pipeline.instance.add_dynamic_partitions("landed_files", ["orders/gone.csv"])
+    gone = job.execute_in_process(instance=pipeline.instance,
+                                  partition_key="orders/gone.csv", raise_on_error=False)
     assert not gone.success
     [message] = failure_messages(gone)
     assert "gone.csv: no such file" in message

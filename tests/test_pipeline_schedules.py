@@ -1,9 +1,10 @@
 """Time-based automation, evaluated on a real instance, and the runs it requests.
 
-Covers: declarative automation (``persist_automation_sensor``) compacts, once per tick
-of the compaction cron, exactly the shards written since their last compaction, and GCs
-every shard on the daily tick; the GC job collects every shard; ``shard_checks_schedule``
-runs the inline-bytes and freshness checks (a never-written shard is not stale).
+Covers: declarative automation (``persist_automation_sensor``) requests compaction once
+per tick of the compaction cron and the run compacts exactly the shards with work
+(Spark), and GCs every shard on the daily tick; the GC job collects every shard;
+``shard_checks_schedule`` runs the inline-bytes and freshness checks (a never-written
+shard is not stale).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import dagster as dg
 
+from assets.runner import launch
 from tests.pipeline_support import (
     SYNTHETIC,
     Pipeline,
@@ -39,7 +41,7 @@ def _requested(pipeline: Pipeline, when: datetime, cursor: Any = None) -> tuple[
         result.cursor
 
 
-def test_automation_compacts_shards_written_since_and_collects_daily(
+def test_automation_compacts_shards_with_work_and_collects_daily(
         make_pipeline: Any) -> None:
     pipeline: Pipeline = make_pipeline(SHARDS, compaction={"schedule": "15 * * * *"})
     sensor = pipeline.defs.resolve_sensor_def("persist_automation_sensor")
@@ -48,15 +50,27 @@ def test_automation_compacts_shards_written_since_and_collects_daily(
     start = datetime(2026, 11, 23, 10, 20, tzinfo=UTC)  # just after a :15 tick
 
     requested, cursor = _requested(pipeline, start)
-    assert requested == []  # nothing written, no tick passed
+    assert requested == []  # no tick passed yet
     assert pipeline.ingest("clicks", "stock").success
     requested, cursor = _requested(pipeline, start + timedelta(minutes=10), cursor)
-    assert requested == []  # written, but the next :15 tick has not passed yet
+    assert requested == []  # the next :15 tick has not passed yet
     requested, cursor = _requested(pipeline, start + timedelta(minutes=56), cursor)
-    assert requested == ["compact/clicks", "compact/stock"]  # not idle: never written
+    assert requested == ["compact/clicks", "compact/idle", "compact/stock"]
     # Requested once per tick: the next evaluation does not ask again.
-    requested, cursor = _requested(pipeline, start + timedelta(minutes=57), cursor)
-    assert requested == []
+    assert _requested(pipeline, start + timedelta(minutes=57), cursor)[0] == []
+
+    # The run compacts the shards with work; the idle one is skipped, not materialized.
+    request = dg.RunRequest(asset_selection=[dg.AssetKey(k.split("/")) for k in requested],
+                            tags={"persist/trigger": "automation"})
+    result = launch(pipeline.defs, pipeline.instance, request, job_name="compaction_job")
+    assert result is not None and result.success
+    meta = materializations(result)
+    assert set(meta) == {"compact/clicks", "compact/stock"}
+    assert meta["compact/clicks"]["inline_bytes_after"] == 0
+    checks = check_results(result)
+    assert set(checks) == {"compact/clicks:snapshot_unchanged",
+                           "compact/stock:snapshot_unchanged"}
+    assert all(c.passed for c in checks.values())
 
     # The daily GC tick (30 3 * * *) requests GC of every shard, written or not.
     requested, _ = _requested(pipeline, start + timedelta(hours=18), cursor)
