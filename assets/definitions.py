@@ -22,7 +22,7 @@ from assets.asset_keys import (
 from assets.checks import build_shard_checks
 from assets.compaction import build_compaction_assets
 from assets.gc import build_gc_assets
-from assets.ingestion import build_ingestion_asset
+from assets.ingestion import build_ingestion_assets
 from assets.pipeline_config import FileSource, PipelineConfig, load_pipeline_config
 from assets.reports import build_report_asset
 from assets.schedules import build_automation_sensor, build_checks_schedule
@@ -63,7 +63,7 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
     """Assets, checks, jobs, sensors and schedules for ``config``."""
     shards = config.shards
     running = config.automation_running
-    ingestion = {s.name: build_ingestion_asset(s) for s in shards}
+    ingestion = build_ingestion_assets(shards)
     compaction = build_compaction_assets(shards, cron=config.compaction.schedule,
                                          timezone=config.timezone)
     gc = build_gc_assets(shards, cron=config.gc_schedule, timezone=config.timezone)
@@ -113,7 +113,7 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
                               timezone=config.timezone, running=running),
     ]
     return dg.Definitions(
-        assets=[*ingestion.values(), compaction, gc, build_report_asset(shards)],
+        assets=[*ingestion, compaction, gc, build_report_asset(shards)],
         asset_checks=checks,
         jobs=[*jobs, compaction_job, gc_job, checks_job],
         sensors=sensors,

@@ -1,5 +1,9 @@
 """Ingestion assets: one per shard (``ingest/NAME``), each materialization one write.
 
+They are computed by two multi-assets, ``synthetic_ingestion`` and ``file_ingestion``
+(partitioned by landed file), so the code location has two ops whatever the number of
+shards; a run selects the shards it writes.
+
 A materialization appends to the shard with ``compare_and_append`` at the shard's current
 upper (retrying if another writer moved it) and reports what the write did, most useful
 first: the shard's inline bytes and limit, the placement (inline / wal / blob, decided
@@ -22,7 +26,7 @@ latency, ``dagster/row_count``, the shard's upper, blob PUTs. Sources:
 # decorated functions (context, config and resource parameters) at definition time.
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -44,7 +48,7 @@ from assets.pipeline_config import FileSource, ShardConfig, SyntheticSource
 from assets.sources import display_name, read_landed, stat_landed
 from persist_pipeline import PersistClient, UpperMismatch, WriteHandle, WriteResult
 from persist_pipeline.blob import redact_uri
-from persist_pipeline.exceptions import InvalidUpdates
+from persist_pipeline.exceptions import InvalidUpdates, PersistError
 from resources.inline_policy import InlinePolicyResource
 from resources.persist import PersistResource
 
@@ -159,7 +163,7 @@ def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: Shar
         f"-> {result.placement}{' (inline budget full: fell through)' if result.fell_back else ''}"
         f" in {latency_ms:.2f} ms; upper {result.upper}, inline bytes "
         f"{metadata[INLINE_BYTES]}")
-    return dg.MaterializeResult(metadata=metadata)
+    return dg.MaterializeResult(asset_key=shard_key(shard.name), metadata=metadata)
 
 
 def _restamp(table: pa.Table, t: int) -> pa.Table:
@@ -243,9 +247,8 @@ def earlier_active_run(instance: dg.DagsterInstance, run_id: str, key: dg.AssetK
     return None
 
 
-def build_ingestion_asset(shard: ShardConfig) -> dg.AssetsDefinition:
-    """The ingestion asset ``ingest/NAME`` of one shard."""
-    key = shard_key(shard.name)
+def _spec(shard: ShardConfig) -> dg.AssetSpec:
+    """The asset ``ingest/NAME`` of one shard."""
     source = shard.source
     what = ("Each landed file is one partition and one compare_and_append; a file is "
             "ingested exactly once." if isinstance(source, FileSource) else
@@ -257,66 +260,106 @@ def build_ingestion_asset(shard: ShardConfig) -> dg.AssetsDefinition:
     # the upper_advanced_recently check applies the exact limit.
     freshness = dg.FreshnessPolicy.time_window(
         fail_window=timedelta(seconds=max(60, shard.freshness_max_age_s)))
-    common: dict[str, Any] = dict(
-        key=key, group_name=INGESTION_GROUP, description=description, kinds={"persist"},
-        freshness_policy=freshness,
+    return dg.AssetSpec(
+        shard_key(shard.name), group_name=INGESTION_GROUP, description=description,
+        kinds={"persist"}, freshness_policy=freshness,
+        skippable=isinstance(source, FileSource),  # a file already ingested writes nothing
         metadata={"shard_id": shard.shard_id, "source": _describe_source(shard),
                   "dagster/column_schema": UPDATES_SCHEMA})
 
-    if isinstance(source, FileSource):
-        file_source = source
-        @dg.asset(partitions_def=LANDED_FILES, output_required=False, **common)
-        def ingest_file(context: dg.AssetExecutionContext, persist: PersistResource,
-                        inline_policy: InlinePolicyResource
-                        ) -> Iterator[dg.MaterializeResult]:
-            partition = context.partition_key
-            owner, name = split_file_partition(partition)
-            if owner != shard.name:
-                raise dg.Failure(description=f"partition {partition} is a file of shard "
-                                             f"{owner}, not {shard.name}: materialize it on "
-                                             f"ingest/{owner}")
-            shown = display_name(file_source, name)
-            try:
-                landed = stat_landed(file_source, name)
-            except InvalidUpdates as e:
-                raise dg.Failure(description=str(e),
-                                 metadata={"file": shown, "shard": shard.name}) from None
-            done = ingested_by(context.instance, key, partition, landed.identity)
-            if done is not None:
-                context.log.info(f"{shown} ({landed.identity}) was already ingested by run "
-                                 f"{done}: nothing written (each file is ingested once)")
-                return
-            other = earlier_active_run(context.instance, context.run.run_id, key, partition)
-            if other is not None:
-                raise dg.Failure(description=f"run {other} is already ingesting {shown}: this "
-                                             "run writes nothing, so the file is ingested once "
-                                             "(re-run this partition if that run fails)")
-            try:
-                table = read_landed(file_source, name)  # before touching the shard
-                if stat_landed(file_source, name).identity != landed.identity:
-                    raise InvalidUpdates(f"{shown}: changed while it was read; the landing "
-                                         "sensor ingests the new version")
-            except InvalidUpdates as e:
-                raise dg.Failure(description=str(e),
-                                 metadata={"file": shown, "shard": shard.name}) from None
-            client = persist.client(inline_policy.policy())
-            yield _write(context, client, shard,
-                         file_plan(table, file_source, shown, landed.identity))
 
-        return ingest_file
+def build_ingestion_assets(shards: Sequence[ShardConfig]) -> list[dg.AssetsDefinition]:
+    """The ingestion assets ``ingest/NAME`` of every shard: one multi-asset for the
+    synthetic shards and one (partitioned by landed file) for the files shards.
 
-    stream = change_stream(source)
+    Two op definitions, whatever the number of shards: the code location loads in
+    seconds with 1,000 shards (an op per shard cost a few milliseconds each, and every
+    job pays for every op).
+    """
+    synthetic = [s for s in shards if not isinstance(s.source, FileSource)]
+    files = [s for s in shards if isinstance(s.source, FileSource)]
+    out = []
+    if synthetic:
+        out.append(_build_synthetic(synthetic))
+    if files:
+        out.append(_build_files(files))
+    return out
 
-    @dg.asset(**common)
-    def ingest_synthetic(context: dg.AssetExecutionContext, config: SyntheticIngestConfig,
-                         persist: PersistResource,
-                         inline_policy: InlinePolicyResource) -> dg.MaterializeResult:
+
+def _build_synthetic(shards: Sequence[ShardConfig]) -> dg.AssetsDefinition:
+    by_key = {shard_key(s.name): s for s in shards}
+    streams = {s.name: change_stream(s.source) for s in shards
+               if isinstance(s.source, SyntheticSource)}
+
+    @dg.multi_asset(name="synthetic_ingestion", specs=[_spec(s) for s in shards],
+                    can_subset=True)
+    def synthetic_ingestion(context: dg.AssetExecutionContext, config: SyntheticIngestConfig,
+                            persist: PersistResource, inline_policy: InlinePolicyResource
+                            ) -> Iterator[dg.MaterializeResult]:
         client = persist.client(inline_policy.policy())
-        return _write(context, client, shard, synthetic_plan(stream, config.events))
+        failed: dict[str, str] = {}
+        for key in sorted(context.selected_asset_keys, key=str):
+            shard = by_key[key]
+            try:  # one shard's failure does not stop the others' writes
+                yield _write(context, client, shard,
+                             synthetic_plan(streams[shard.name], config.events))
+            except (dg.Failure, PersistError) as e:
+                context.log.error(f"shard {shard.name}: {e}")
+                failed[shard.name] = str(e)
+        if failed:
+            raise dg.Failure(description=f"writes failed for shard(s) {', '.join(failed)}: "
+                                         + "; ".join(failed.values()),
+                             metadata={"failed_shards": ", ".join(failed)})
 
-    return ingest_synthetic
+    return synthetic_ingestion
 
 
-def build_ingestion_assets(shards: tuple[ShardConfig, ...]) -> Iterator[dg.AssetsDefinition]:
-    for shard in shards:
-        yield build_ingestion_asset(shard)
+def _build_files(shards: Sequence[ShardConfig]) -> dg.AssetsDefinition:
+    by_name = {s.name: s for s in shards}
+
+    @dg.multi_asset(name="file_ingestion", specs=[_spec(s) for s in shards],
+                    partitions_def=LANDED_FILES, can_subset=True)
+    def file_ingestion(context: dg.AssetExecutionContext, persist: PersistResource,
+                       inline_policy: InlinePolicyResource) -> Iterator[dg.MaterializeResult]:
+        partition = context.partition_key
+        owner, name = split_file_partition(partition)
+        selected = {k.path[-1] for k in context.selected_asset_keys}
+        if owner not in selected or owner not in by_name:
+            wanted = ", ".join(f"ingest/{n}" for n in sorted(selected))
+            raise dg.Failure(description=f"partition {partition} is a file of shard {owner}, "
+                                         f"not of {wanted}: materialize it on ingest/{owner}")
+        for other in sorted(selected - {owner}):
+            context.log.warning(f"partition {partition} is a file of shard {owner}: "
+                                f"nothing for ingest/{other}")
+        shard = by_name[owner]
+        source = shard.source
+        assert isinstance(source, FileSource)
+        key = shard_key(owner)
+        shown = display_name(source, name)
+        try:
+            landed = stat_landed(source, name)
+        except InvalidUpdates as e:
+            raise dg.Failure(description=str(e),
+                             metadata={"file": shown, "shard": shard.name}) from None
+        done = ingested_by(context.instance, key, partition, landed.identity)
+        if done is not None:
+            context.log.info(f"{shown} ({landed.identity}) was already ingested by run "
+                             f"{done}: nothing written (each file is ingested once)")
+            return
+        other = earlier_active_run(context.instance, context.run.run_id, key, partition)
+        if other is not None:
+            raise dg.Failure(description=f"run {other} is already ingesting {shown}: this "
+                                         "run writes nothing, so the file is ingested once "
+                                         "(re-run this partition if that run fails)")
+        try:
+            table = read_landed(source, name)  # before touching the shard
+            if stat_landed(source, name).identity != landed.identity:
+                raise InvalidUpdates(f"{shown}: changed while it was read; the landing "
+                                     "sensor ingests the new version")
+        except InvalidUpdates as e:
+            raise dg.Failure(description=str(e),
+                             metadata={"file": shown, "shard": shard.name}) from None
+        client = persist.client(inline_policy.policy())
+        yield _write(context, client, shard, file_plan(table, source, shown, landed.identity))
+
+    return file_ingestion

@@ -23,7 +23,7 @@ import dagster as dg
 import pytest
 import yaml
 
-from assets.asset_keys import INGESTION_JOB, op_name, shard_key
+from assets.asset_keys import INGESTION_JOB, shard_key
 from assets.pipeline_config import CONFIG_ENV, PipelineConfig, load_pipeline_config
 from assets.runner import SensorTicker, launch, launch_sensor_requests
 from assets.workspace import DEFAULT_WORKSPACE, load_workspace_definitions
@@ -91,8 +91,7 @@ class Pipeline:
 
     def ingest(self, *names: str, events: int = 0) -> dg.ExecuteInProcessResult:
         """One ingestion run writing once into each synthetic shard of ``names``."""
-        run_config = {"ops": {op_name(shard_key(n)): {"config": {"events": events}}
-                              for n in names}}
+        run_config = {"ops": {"synthetic_ingestion": {"config": {"events": events}}}}
         job = self.defs.resolve_job_def(INGESTION_JOB)
         return job.execute_in_process(instance=self.instance, raise_on_error=False,
                                       asset_selection=[shard_key(n) for n in names],
