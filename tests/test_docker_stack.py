@@ -837,8 +837,9 @@ def test_webserver_and_daemon_load_the_code_location_over_grpc(stand_ins: StandI
     repo = location["repositories"][0]
     sensors = {s["name"]: s["sensorState"]["status"] for s in repo["sensors"]}
     schedules = {s["name"]: s["scheduleState"]["status"] for s in repo["schedules"]}
-    assert {"inline_pressure_sensor", "orders_landing_sensor"} <= set(sensors)
-    assert set(schedules) == {"compaction_schedule", "gc_schedule", "shard_checks_schedule"}
+    assert {"inline_pressure_sensor", "orders_landing_sensor",
+            "persist_automation_sensor"} <= set(sensors)
+    assert set(schedules) == {"shard_checks_schedule"}
     assert set(sensors.values()) == set(schedules.values()) == {"RUNNING"}
     assert instance["runQueuingSupported"] is True  # QueuedRunCoordinator
     assert instance["runLauncher"]["name"] == "DefaultRunLauncher"
