@@ -23,16 +23,23 @@ from resources.persist import PersistResource
 
 REPORT_KEY = dg.AssetKey(["report", "shard_health"])
 
+def _field(name: str, type_: pa.DataType, description: str, nullable: bool = False
+           ) -> pa.Field:
+    return pa.field(name, type_, nullable, metadata={"description": description})
+
+
+#: The report's columns; descriptions show in the UI's column schema.
 HEALTH_SCHEMA = pa.schema([
-    pa.field("shard", pa.string(), nullable=False),
-    pa.field("shard_id", pa.string(), nullable=False),
-    pa.field("upper", pa.int64()),
-    pa.field("since", pa.int64()),
-    pa.field("inline_bytes", pa.int64(), nullable=False),
-    pa.field("inline_fill", pa.float64(), nullable=False),
-    pa.field("batches", pa.int32(), nullable=False),
-    pa.field("pending_merges", pa.int32(), nullable=False),
-    pa.field("inline_fallthroughs", pa.int64(), nullable=False),
+    _field("shard", pa.string(), "shard name in pipeline.yaml"),
+    _field("shard_id", pa.string(), "s<uuid>"),
+    _field("upper", pa.int64(), "write frontier (null: closed or never written)", True),
+    _field("since", pa.int64(), "read frontier (null: closed or never written)", True),
+    _field("inline_bytes", pa.int64(), "bytes inlined in consensus"),
+    _field("inline_fill", pa.float64(), "inline_bytes / persist_inline_update_max_bytes"),
+    _field("batches", pa.int32(), "batches in the shard's trace"),
+    _field("pending_merges", pa.int32(), "merge requests waiting for compaction"),
+    _field("inline_fallthroughs", pa.int64(),
+           "writes that went to blob storage because the inline budget was full"),
 ])
 
 

@@ -340,3 +340,15 @@ def test_the_documented_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert result.output_for_node("order_total").to_pylist() == [{"total": 12.5}]
         first = result.output_for_node("first_orders")
         assert isinstance(first, pd.DataFrame) and list(first["id"]) == [1, 2]
+
+
+def test_column_schema_carries_types_nullability_and_descriptions() -> None:
+    from persist_pipeline.dagster_io.io_manager import column_schema
+
+    schema = column_schema(pa.schema([
+        pa.field("id", pa.int64(), nullable=False, metadata={"description": "order id"}),
+        pa.field("note", pa.large_string())]))
+    first, second = schema.columns
+    assert (first.name, first.type, first.description) == ("id", "int64", "order id")
+    assert first.constraints.nullable is False and second.constraints.nullable is True
+    assert (second.type, second.description) == ("large_string", None)

@@ -90,11 +90,15 @@ def from_arrow(table: pa.Table, typing_type: object) -> Any:
 
 
 def column_schema(schema: pa.Schema) -> dg.TableSchema:
-    """The Arrow schema as Dagster's ``dagster/column_schema``."""
-    return dg.TableSchema(columns=[
-        dg.TableColumn(f.name, str(f.type),
-                       constraints=dg.TableColumnConstraints(nullable=f.nullable))
-        for f in schema])
+    """The Arrow schema as Dagster's ``dagster/column_schema`` (a field's ``description``
+    metadata, if any, becomes the column's description)."""
+    columns = []
+    for f in schema:
+        raw = (f.metadata or {}).get(b"description")
+        columns.append(dg.TableColumn(
+            f.name, str(f.type), description=raw.decode("utf-8", "replace") if raw else None,
+            constraints=dg.TableColumnConstraints(nullable=f.nullable)))
+    return dg.TableSchema(columns=columns)
 
 
 class PersistIOManager(dg.ConfigurableIOManager):
