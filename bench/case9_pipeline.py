@@ -157,6 +157,7 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
         table.add(labels[key], t.n, ms(t.p50), ms(t.p90), ms(t.max))
         data[key] = {"p50": t.p50, "max": t.max}
     table.notes += [
+        f"Load average when the case ended: {os.getloadavg()[0]:.1f} (2 cores here).",
         f"{data['assets']:,} assets and {data['sensors']} sensors defined. PostgreSQL "
         "consensus and S3 (moto) blobs; every shard written once.",
         "Sensor ticks are evaluated in this process with a fresh context each (as the "
@@ -170,7 +171,7 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
         "9", f"definitions with {n:,} shards load in under 10 s", "< 10 s",
         f"p50 {data['load']:.2f} s (cold process incl. import {data['total']:.2f} s)",
         load_ok, "met" if load_ok else f"missed by {data['load'] / 10:.2f}x"))
-    worst = max(t.max for key, t in ticks.items() if key != "persist_automation_sensor")
+    worst = max(t.max for t in ticks.values())  # the automation sensor's tick included
     tick_ok = worst < 1.0
     result.targets.append(Target(
         "9", f"a sensor tick under 1 s at {n:,} shards", "< 1 s",
