@@ -22,6 +22,8 @@ Module map:
 - ``nemesis/``: killed processes, faults and a checker of every guarantee.
 - ``sim/``: the deterministic simulation (``persist-pipeline simulate``).
 - ``spark``: the Spark compaction executor (imports pyspark lazily).
+- ``dagster_io/``: ``PersistIOManager``, Dagster assets stored in shards, and the row
+  encoding it uses (imports dagster; never imported by this package itself).
 - ``proto/``: the protobuf wire formats; ``cli``: the ``persist-pipeline`` command.
 - ``exceptions``: every error, rooted at :class:`PersistError`.
 """
