@@ -118,6 +118,18 @@ def test_dagster_loads_the_workspace(shipped_env: Path) -> None:
     assert "persist_pipeline" in done.stdout + done.stderr
 
 
+def test_dagster_loads_the_project_without_a_workspace_file(shipped_env: Path) -> None:
+    """`dagster dev` / `dagster definitions validate` run in the project folder without -w
+    find the code location through [tool.dagster] in pyproject.toml."""
+    env = {**os.environ, "DAGSTER_HOME": str(shipped_env.parent / "dagster_home")}
+    Path(env["DAGSTER_HOME"]).mkdir()
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "dagster"), "definitions", "validate"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "persist_pipeline" in done.stdout + done.stderr
+
+
 def _config_error(tmp_path: Path, text: str) -> str:
     path = tmp_path / "bad.yaml"
     path.write_text(text)

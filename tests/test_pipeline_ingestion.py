@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import psycopg2
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -285,6 +286,14 @@ def test_a_file_is_ingested_once_however_its_run_was_launched(make_pipeline: Any
     assert result.success and pipeline.client().shard_summaries()[shard_id].upper == 2
     assert _collection(pipeline.client(), shard_id, 1) == {b"a": b"1", b"b": b"2",
                                                             b"c": b"3"}
+
+    # Partitions are shared by every files shard: another shard's file is not ours.
+    pipeline.instance.add_dynamic_partitions("landed_files", ["events/day1.csv"])
+    foreign = job.execute_in_process(instance=pipeline.instance,
+                                     partition_key="events/day1.csv", raise_on_error=False,
+                                     asset_selection=[dg.AssetKey(["ingest", "orders"])])
+    assert foreign.success and materializations(foreign) == {}
+    assert pipeline.client().shard_summaries()[shard_id].upper == 2
 
     # "Materialize" of a partition whose file is gone fails clearly, writing nothing.
     pipeline.instance.add_dynamic_partitions("landed_files", ["orders/gone.csv"])
