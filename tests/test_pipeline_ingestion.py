@@ -331,3 +331,35 @@ def test_an_unreachable_s3_landing_location_fails_the_tick(
 
     with pytest.raises(LandingLocationError, match="cannot list the landing location s3://"):
         pipeline.ticker("events_landing_sensor").tick()
+
+
+def test_two_runs_of_one_file_at_once_write_it_once(make_pipeline: Any) -> None:
+    """A run of a file's partition that starts while an earlier run of the same file is
+    still in flight writes nothing and says which run has it; after that run failed
+    (without writing), a re-run ingests the file."""
+    pipeline: Pipeline = make_pipeline({"orders": {"source": {
+        "kind": "files", "uri": "{data_dir}/landing/orders"}}})
+    landing = pipeline.data_dir / "landing" / "orders"
+    landing.mkdir(parents=True)
+    (landing / "day2.csv").write_text("k,v,t\na,1,0\n")
+    shard_id = pipeline.shard_id("orders")
+    job = pipeline.defs.resolve_job_def("ingest_files_job")
+    pipeline.instance.add_dynamic_partitions("landed_files", ["orders/day2.csv"])
+
+    # The earlier run: created (as the daemon or the UI would), not finished.
+    earlier = pipeline.instance.create_run_for_job(
+        job, status=dg.DagsterRunStatus.STARTED,
+        tags={"dagster/partition": "orders/day2.csv"},
+        asset_selection={dg.AssetKey(["ingest", "orders"])})
+    later = job.execute_in_process(instance=pipeline.instance,
+                                   partition_key="orders/day2.csv", raise_on_error=False)
+    assert not later.success
+    [message] = failure_messages(later)
+    assert f"run {earlier.run_id} is already ingesting" in message
+    assert shard_id not in pipeline.client().shard_summaries()  # nothing written
+
+    pipeline.instance.report_run_failed(earlier)  # it died before writing
+    retry = job.execute_in_process(instance=pipeline.instance,
+                                   partition_key="orders/day2.csv", raise_on_error=False)
+    assert retry.success and materializations(retry)["ingest/orders"][UPPER] == 1
+    assert _collection(pipeline.client(), shard_id, 0) == {b"a": b"1"}
