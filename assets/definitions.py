@@ -15,15 +15,17 @@ from assets.asset_keys import (
     COMPACTION_JOB,
     GC_JOB,
     INGESTION_JOB,
+    LANDING_JOB,
     MAINTENANCE_GROUP,
     shard_key,
 )
 from assets.checks import build_shard_checks
 from assets.compaction import build_compaction_assets
 from assets.gc import build_gc_assets
-from assets.ingestion import build_ingestion_asset
+from assets.ingestion import build_ingestion_assets
 from assets.pipeline_config import FileSource, PipelineConfig, load_pipeline_config
-from assets.schedules import build_checks_schedule, build_compaction_schedule, build_gc_schedule
+from assets.reports import build_report_asset
+from assets.schedules import build_automation_sensor, build_checks_schedule
 from assets.sensors import (
     build_compaction_failure_sensor,
     build_inline_pressure_sensor,
@@ -32,6 +34,7 @@ from assets.sensors import (
 )
 from resources.alerts import AlertsResource
 from resources.inline_policy import InlinePolicyResource
+from resources.io_manager import PersistIOManager
 from resources.persist import PersistResource
 from resources.spark import build_pyspark_resource
 
@@ -47,6 +50,12 @@ def build_resources(config: PipelineConfig) -> dict[str, dg.ConfigurableResource
             persist_inline_update_max_bytes=config.max_bytes),
         "pyspark": build_pyspark_resource(config.spark.master, config.spark.conf),
         "alerts": AlertsResource(webhook_url=config.alerts.webhook_url),
+        # Assets added to this code location that return a table are stored in shards.
+        "io_manager": PersistIOManager(
+            consensus_uri=config.location.consensus_uri, blob_uri=config.location.blob_uri,
+            wal_blob_uri=config.location.wal_blob_uri,
+            persist_inline_update_threshold_bytes=config.threshold_bytes,
+            persist_inline_update_max_bytes=config.max_bytes),
     }
 
 
@@ -54,13 +63,21 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
     """Assets, checks, jobs, sensors and schedules for ``config``."""
     shards = config.shards
     running = config.automation_running
-    ingestion = {s.name: build_ingestion_asset(s) for s in shards}
-    compaction = build_compaction_assets(shards)
-    gc = build_gc_assets(shards)
+    ingestion = build_ingestion_assets(shards)
+    compaction = build_compaction_assets(shards, cron=config.compaction.schedule,
+                                         timezone=config.timezone)
+    gc = build_gc_assets(shards, cron=config.gc_schedule, timezone=config.timezone)
     checks = build_shard_checks(shards)
 
     synthetic = [shard_key(s.name) for s in shards if not isinstance(s.source, FileSource)]
     jobs = []
+    files = [shard_key(s.name) for s in shards if isinstance(s.source, FileSource)]
+    landing_job = dg.define_asset_job(
+        LANDING_JOB, selection=dg.AssetSelection.assets(*files),
+        description="Ingests one landed file (a partition SHARD/path) into its shard; the "
+                    "landing sensors launch it selecting one ingest/SHARD asset.")
+    if files:
+        jobs.append(landing_job)
     if synthetic:  # file shards are written by their landing sensors, one file per run
         jobs.append(dg.define_asset_job(
             INGESTION_JOB, selection=dg.AssetSelection.assets(*synthetic),
@@ -77,7 +94,7 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
         description="The inline-bytes and freshness checks of every shard.")
 
     sensors = [
-        *(build_landing_sensor(s, ingestion[s.name], running=running)
+        *(build_landing_sensor(s, landing_job, running=running)
           for s in shards if isinstance(s.source, FileSource)),
         build_inline_pressure_sensor(
             shards, high_water_fraction=config.compaction.high_water_fraction,
@@ -89,17 +106,14 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
             backlog_threshold=config.alerts.backlog_threshold,
             interval_s=config.alerts.sensor_interval_s, running=running),
         build_compaction_failure_sensor(shards, running=running),
+        build_automation_sensor(running=running),
     ]
     schedules = [
-        build_compaction_schedule(shards, cron=config.compaction.schedule, job=compaction_job,
-                                  timezone=config.timezone, running=running),
-        build_gc_schedule(cron=config.gc_schedule, job=gc_job, timezone=config.timezone,
-                          running=running),
         build_checks_schedule(cron=config.checks_schedule, job=checks_job,
                               timezone=config.timezone, running=running),
     ]
     return dg.Definitions(
-        assets=[*ingestion.values(), compaction, gc],
+        assets=[*ingestion, compaction, gc, build_report_asset(shards)],
         asset_checks=checks,
         jobs=[*jobs, compaction_job, gc_job, checks_job],
         sensors=sensors,

@@ -1,5 +1,8 @@
 """Garbage collection: ``gc/NAME`` for every shard, computed by one multi-asset.
 
+Each ``gc/NAME`` has ``AutomationCondition.cron_tick_passed(gc.schedule)``, so
+``persist_automation_sensor`` collects every shard once per cron tick.
+
 For each selected shard, deletes the blobs no live state version references and
 truncates consensus below every reader's hold (:meth:`PersistClient.gc`), and reports
 what it removed. Runs on the driver only (GC is metadata work plus deletes).
@@ -28,13 +31,20 @@ class GcConfig(dg.Config):
     sweep_orphans: bool = True
 
 
-def build_gc_assets(shards: tuple[ShardConfig, ...]) -> dg.AssetsDefinition:
-    """The multi-asset computing ``gc/NAME`` for every configured shard."""
+def build_gc_assets(shards: tuple[ShardConfig, ...], *, cron: str = "30 3 * * *",
+                    timezone: str = "UTC") -> dg.AssetsDefinition:
+    """The multi-asset computing ``gc/NAME`` for every configured shard, requested by
+    declarative automation once per tick of ``cron``."""
     by_key = {gc_key(s.name): s for s in shards}
+    # The cheapest condition (see compaction_condition): once per tick.
+    condition = dg.AutomationCondition.cron_tick_passed(cron, timezone).with_label(
+        f"tick of {cron}")
     specs = [dg.AssetSpec(gc_key(s.name), deps=[compacted_key(s.name)],
                           group_name=MAINTENANCE_GROUP, kinds={"python"},
-                          description=f"Garbage collection of shard {s.name}: unreferenced "
-                                      "blobs deleted, consensus truncated.",
+                          automation_condition=condition,
+                          description=f"Garbage collection of shard {s.name}: deletes the "
+                                      "blobs no live state version references and truncates "
+                                      f"old consensus versions. Runs on '{cron}'.",
                           metadata={"shard_id": s.shard_id})
              for s in shards]
 

@@ -1,14 +1,24 @@
-"""Ingestion assets: one per shard (``shards/NAME``), each materialization one write.
+"""Ingestion assets: one per shard (``ingest/NAME``), each materialization one write.
+
+They are computed by two multi-assets, ``synthetic_ingestion`` and ``file_ingestion``
+(partitioned by landed file), so the code location has two ops whatever the number of
+shards; a run selects the shards it writes.
 
 A materialization appends to the shard with ``compare_and_append`` at the shard's current
-upper (retrying if another writer moved it) and reports what the write did: rows,
-encoded bytes, placement (inline / wal / blob, decided by the ``inline_policy``
-resource's policy inside the library), blob PUTs, write latency, the shard's upper and
-inline bytes. Sources:
+upper (retrying if another writer moved it) and reports what the write did, most useful
+first: the shard's inline bytes and limit, the placement (inline / wal / blob, decided
+by the ``inline_policy`` resource's policy inside the library), the write's size and
+latency, ``dagster/row_count``, the shard's upper, blob PUTs. Sources:
 
-- ``files``: the run config names one landed file (the landing sensor does that). The
-  file is read and validated before anything touches the shard, so a bad file fails
-  its run with a message naming the file and line and writes nothing.
+- ``files``: one dynamic partition per landed file (the partition key is
+  ``SHARD/path``, the file's path in the landing location; all files shards share the
+  ``landed_files`` partitions; the landing sensor adds partitions and requests their
+  runs, and any partition can be re-run from the UI). A file is ingested exactly once whichever
+  way its run was launched: a run whose file (same name, size and mtime) was already
+  ingested writes nothing, and of two runs of the same file at the same time, the later
+  one fails without writing. The file is read and validated before anything touches the
+  shard, so a bad file fails its run with a message naming the file and line and writes
+  nothing.
 - ``synthetic``: the built-in change stream (:mod:`assets.change_stream`).
 """
 
@@ -16,8 +26,9 @@ inline bytes. Sources:
 # decorated functions (context, config and resource parameters) at definition time.
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import dagster as dg
@@ -25,13 +36,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pydantic import Field
 
-from assets.asset_keys import INGESTION_GROUP, shard_key
+from assets.asset_keys import (
+    FILES_PARTITIONS,
+    INGESTION_GROUP,
+    LANDING_JOB,
+    shard_key,
+    split_file_partition,
+)
 from assets.change_stream import ChangeStream
 from assets.pipeline_config import FileSource, ShardConfig, SyntheticSource
-from assets.sources import display_name, read_landed
+from assets.sources import display_name, read_landed, stat_landed
 from persist_pipeline import PersistClient, UpperMismatch, WriteHandle, WriteResult
 from persist_pipeline.blob import redact_uri
-from persist_pipeline.exceptions import InvalidUpdates
+from persist_pipeline.exceptions import InvalidUpdates, PersistError
 from resources.inline_policy import InlinePolicyResource
 from resources.persist import PersistResource
 
@@ -39,13 +56,36 @@ from resources.persist import PersistResource
 MAX_ATTEMPTS = 20
 
 
-class FileIngestConfig(dg.Config):
-    """Run config of a ``files`` ingestion asset."""
+#: Metadata labels of an ingestion materialization. The UI lists them in this order and
+#: plots the numeric ones in alphabetical order, so the names put "Inline bytes" first.
+INLINE_BYTES = "Inline bytes"
+INLINE_LIMIT = "Inline limit (bytes)"
+PLACEMENT = "Placement"
+WRITE_BYTES = "Write size (bytes)"
+WRITE_LATENCY = "Write latency (ms)"
+ROW_COUNT = "dagster/row_count"
+UPPER = "Upper"
+BLOB_PUTS = "PUTs to blob storage"
+FELL_THROUGH = "Fell through (inline budget full)"
+SEQNO = "Seqno"
+SHARD_ID = "Shard id"
+FILE = "File"
+FILE_IDENTITY = "File identity"
 
-    file: str = Field(
-        default="",
-        description="The landed file to ingest, relative to the landing folder / S3 prefix. "
-                    "The landing sensor sets it.")
+#: The columns of every shard (the ingestion assets' ``dagster/column_schema``).
+UPDATES_SCHEMA = dg.TableSchema(columns=[
+    dg.TableColumn("k", "binary", description="key"),
+    dg.TableColumn("v", "binary", description="value"),
+    dg.TableColumn("t", "int64", description="time (>= 0)"),
+    dg.TableColumn("d", "int64", description="diff: +n inserts, -n retracts"),
+])
+
+#: The partitions of every files shard (keys ``SHARD/path``, see :mod:`assets.asset_keys`).
+LANDED_FILES = dg.DynamicPartitionsDefinition(name=FILES_PARTITIONS)
+
+#: Run statuses of a run that may still write.
+ACTIVE_STATUSES = [dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.QUEUED,
+                   dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
 
 
 class SyntheticIngestConfig(dg.Config):
@@ -89,22 +129,21 @@ def append(writer: WriteHandle, plan: Callable[[int], Planned]) -> tuple[WriteRe
 def write_metadata(client: PersistClient, shard: ShardConfig, result: WriteResult,
                    planned: Planned, latency_ms: float) -> dict[str, Any]:
     """What a materialization reports (numbers are plotted by the UI)."""
-    info = client.inspect(shard.shard_id)
+    summary = client.shard_summaries().get(shard.shard_id)
+    inline_bytes = summary.inline_bytes if summary is not None else 0
     return {
-        "rows": planned.table.num_rows,
-        "updates_stored": result.num_updates,
-        "encoded_bytes": result.encoded_bytes,
-        "placement": result.placement,
-        "inline": int(result.placement == "inline"),
-        "blob_puts": result.num_parts,
-        "fell_back": result.fell_back,
-        "write_latency_ms": round(latency_ms, 3),
-        "shard_upper": result.upper if result.upper is not None else -1,
-        "shard_inline_bytes": info["inline_bytes"],
-        "inline_max_bytes": client.inline_policy.max_bytes,
-        "seqno": result.seqno,
-        "shard_id": shard.shard_id,
+        INLINE_BYTES: inline_bytes,
+        INLINE_LIMIT: client.inline_policy.max_bytes,
+        PLACEMENT: result.placement,
+        WRITE_BYTES: result.encoded_bytes,
+        WRITE_LATENCY: round(latency_ms, 3),
+        ROW_COUNT: planned.table.num_rows,
+        UPPER: result.upper if result.upper is not None else -1,
+        BLOB_PUTS: result.num_parts,
+        FELL_THROUGH: result.fell_back,
         **planned.metadata,
+        SEQNO: result.seqno,
+        SHARD_ID: shard.shard_id,
     }
 
 
@@ -123,17 +162,18 @@ def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: Shar
         f"shard {shard.name}: {planned.table.num_rows} rows, {result.encoded_bytes} bytes "
         f"-> {result.placement}{' (inline budget full: fell through)' if result.fell_back else ''}"
         f" in {latency_ms:.2f} ms; upper {result.upper}, inline bytes "
-        f"{metadata['shard_inline_bytes']}")
-    return dg.MaterializeResult(metadata=metadata)
+        f"{metadata[INLINE_BYTES]}")
+    return dg.MaterializeResult(asset_key=shard_key(shard.name), metadata=metadata)
 
 
 def _restamp(table: pa.Table, t: int) -> pa.Table:
     return table.set_column(2, "t", pa.array([t] * table.num_rows, pa.int64()))
 
 
-def file_plan(table: pa.Table, source: FileSource, shown: str) -> Callable[[int], Planned]:
+def file_plan(table: pa.Table, source: FileSource, shown: str,
+              identity: str = "") -> Callable[[int], Planned]:
     """How a landed file is written at a given upper (see :class:`FileSource`.times)."""
-    extra = {"file": shown}
+    extra = {FILE: shown, FILE_IDENTITY: identity}
 
     def plan(upper: int) -> Planned:
         if source.times == "ingest" or table.num_rows == 0:
@@ -156,7 +196,8 @@ def synthetic_plan(stream: ChangeStream, events: int) -> Callable[[int], Planned
     def plan(upper: int) -> Planned:
         changes = stream.changes(upper)
         return Planned(changes.table, upper + 1, {
-            "inserts": changes.inserts, "updates": changes.updates, "deletes": changes.deletes})
+            "Stream inserts": changes.inserts, "Stream updates": changes.updates,
+            "Stream deletes": changes.deletes})
 
     return plan
 
@@ -174,49 +215,155 @@ def _describe_source(shard: ShardConfig) -> str:
             f"write, seed {src.seed}")
 
 
-def build_ingestion_asset(shard: ShardConfig) -> dg.AssetsDefinition:
-    """The ingestion asset ``shards/NAME`` of one shard."""
-    key = shard_key(shard.name)
-    description = (shard.description or f"Shard {shard.name}.") + \
-        f" Each materialization is one compare_and_append. Source: {_describe_source(shard)}."
-    common: dict[str, Any] = dict(
-        key=key, group_name=INGESTION_GROUP, description=description, kinds={"persist"},
-        metadata={"shard_id": shard.shard_id, "source": _describe_source(shard)})
+def ingested_by(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str,
+                identity: str) -> str | None:
+    """The run that already ingested this version of a landed file, if any."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1000).records
+    for record in records:
+        materialization = record.asset_materialization
+        entry = materialization.metadata.get(FILE_IDENTITY) if materialization else None
+        if entry is not None and getattr(entry, "value", None) == identity:
+            return record.run_id
+    return None
+
+
+def earlier_active_run(instance: dg.DagsterInstance, run_id: str, key: dg.AssetKey,
+                       partition: str) -> str | None:
+    """Another unfinished run ingesting the same file that was created before this one."""
+    mine = instance.get_run_record_by_id(run_id)
+    if mine is None:
+        return None
+    job = LANDING_JOB
+    for record in instance.get_run_records(filters=dg.RunsFilter(
+            tags={"dagster/partition": partition}, statuses=ACTIVE_STATUSES)):
+        run = record.dagster_run
+        if run.run_id == run_id:
+            continue
+        if run.job_name != job and key not in (run.asset_selection or ()):
+            continue
+        if (record.create_timestamp, run.run_id) < (mine.create_timestamp, run_id):
+            return run.run_id
+    return None
+
+
+def _spec(shard: ShardConfig) -> dg.AssetSpec:
+    """The asset ``ingest/NAME`` of one shard."""
     source = shard.source
+    what = ("Each landed file is one partition and one compare_and_append; a file is "
+            "ingested exactly once." if isinstance(source, FileSource) else
+            "Each materialization is one compare_and_append of the next step of the stream.")
+    description = (shard.description or f"Shard {shard.name}.") + \
+        f" {what} Source: {_describe_source(shard)}. Watch the 'Inline bytes' plot: the " \
+        "inline pressure sensor starts a compaction when it nears the limit."
+    # Dagster's freshness policy (shown on the asset; at least a minute, Dagster's floor);
+    # the upper_advanced_recently check applies the exact limit.
+    freshness = dg.FreshnessPolicy.time_window(
+        fail_window=timedelta(seconds=max(60, shard.freshness_max_age_s)))
+    return dg.AssetSpec(
+        shard_key(shard.name), group_name=INGESTION_GROUP, description=description,
+        kinds={"persist"}, freshness_policy=freshness,
+        skippable=isinstance(source, FileSource),  # a file already ingested writes nothing
+        metadata={"shard_id": shard.shard_id, "source": _describe_source(shard),
+                  "dagster/column_schema": UPDATES_SCHEMA})
 
-    if isinstance(source, FileSource):
-        file_source = source
 
-        @dg.asset(**common)
-        def ingest_file(context: dg.AssetExecutionContext, config: FileIngestConfig,
-                        persist: PersistResource,
-                        inline_policy: InlinePolicyResource) -> dg.MaterializeResult:
-            if not config.file:
-                raise dg.Failure(f"shard {shard.name}: no file given; set the run config "
-                                 "'file' (the landing sensor does)")
-            shown = display_name(file_source, config.file)
-            try:
-                table = read_landed(file_source, config.file)  # before touching the shard
-            except InvalidUpdates as e:
-                raise dg.Failure(description=str(e),
-                                 metadata={"file": shown, "shard": shard.name}) from None
-            client = persist.client(inline_policy.policy())
-            return _write(context, client, shard, file_plan(table, file_source, shown))
+def build_ingestion_assets(shards: Sequence[ShardConfig]) -> list[dg.AssetsDefinition]:
+    """The ingestion assets ``ingest/NAME`` of every shard: one multi-asset for the
+    synthetic shards and one (partitioned by landed file) for the files shards.
 
-        return ingest_file
+    Two op definitions, whatever the number of shards: the code location loads in
+    seconds with 1,000 shards (an op per shard cost a few milliseconds each, and every
+    job pays for every op).
+    """
+    synthetic = [s for s in shards if not isinstance(s.source, FileSource)]
+    files = [s for s in shards if isinstance(s.source, FileSource)]
+    out = []
+    if synthetic:
+        out.append(_build_synthetic(synthetic))
+    if files:
+        out.append(_build_files(files))
+    return out
 
-    stream = change_stream(source)
 
-    @dg.asset(**common)
-    def ingest_synthetic(context: dg.AssetExecutionContext, config: SyntheticIngestConfig,
-                         persist: PersistResource,
-                         inline_policy: InlinePolicyResource) -> dg.MaterializeResult:
+def _build_synthetic(shards: Sequence[ShardConfig]) -> dg.AssetsDefinition:
+    by_key = {shard_key(s.name): s for s in shards}
+    streams = {s.name: change_stream(s.source) for s in shards
+               if isinstance(s.source, SyntheticSource)}
+
+    @dg.multi_asset(name="synthetic_ingestion", specs=[_spec(s) for s in shards],
+                    can_subset=True)
+    def synthetic_ingestion(context: dg.AssetExecutionContext, config: SyntheticIngestConfig,
+                            persist: PersistResource, inline_policy: InlinePolicyResource
+                            ) -> Iterator[dg.MaterializeResult]:
         client = persist.client(inline_policy.policy())
-        return _write(context, client, shard, synthetic_plan(stream, config.events))
+        failed: dict[str, str] = {}
+        for key in sorted(context.selected_asset_keys, key=str):
+            shard = by_key[key]
+            try:  # one shard's failure does not stop the others' writes
+                yield _write(context, client, shard,
+                             synthetic_plan(streams[shard.name], config.events))
+            except (dg.Failure, PersistError) as e:
+                context.log.error(f"shard {shard.name}: {e}")
+                failed[shard.name] = str(e)
+        if failed:
+            raise dg.Failure(description=f"writes failed for shard(s) {', '.join(failed)}: "
+                                         + "; ".join(failed.values()),
+                             metadata={"failed_shards": ", ".join(failed)})
 
-    return ingest_synthetic
+    return synthetic_ingestion
 
 
-def build_ingestion_assets(shards: tuple[ShardConfig, ...]) -> Iterator[dg.AssetsDefinition]:
-    for shard in shards:
-        yield build_ingestion_asset(shard)
+def _build_files(shards: Sequence[ShardConfig]) -> dg.AssetsDefinition:
+    by_name = {s.name: s for s in shards}
+
+    @dg.multi_asset(name="file_ingestion", specs=[_spec(s) for s in shards],
+                    partitions_def=LANDED_FILES, can_subset=True)
+    def file_ingestion(context: dg.AssetExecutionContext, persist: PersistResource,
+                       inline_policy: InlinePolicyResource) -> Iterator[dg.MaterializeResult]:
+        partition = context.partition_key
+        owner, name = split_file_partition(partition)
+        selected = {k.path[-1] for k in context.selected_asset_keys}
+        if owner not in selected or owner not in by_name:
+            # All files shards share the landed_files partitions, so "Materialize all" of
+            # ingest/NAME also covers other shards' files: nothing to do for those.
+            wanted = ", ".join(f"ingest/{n}" for n in sorted(selected))
+            context.log.warning(f"partition {partition} is a file of shard {owner}, not of "
+                                f"{wanted}: nothing written (materialize it on "
+                                f"ingest/{owner})")
+            return
+        for other in sorted(selected - {owner}):
+            context.log.warning(f"partition {partition} is a file of shard {owner}: "
+                                f"nothing for ingest/{other}")
+        shard = by_name[owner]
+        source = shard.source
+        assert isinstance(source, FileSource)
+        key = shard_key(owner)
+        shown = display_name(source, name)
+        try:
+            landed = stat_landed(source, name)
+        except InvalidUpdates as e:
+            raise dg.Failure(description=str(e),
+                             metadata={"file": shown, "shard": shard.name}) from None
+        done = ingested_by(context.instance, key, partition, landed.identity)
+        if done is not None:
+            context.log.info(f"{shown} ({landed.identity}) was already ingested by run "
+                             f"{done}: nothing written (each file is ingested once)")
+            return
+        other = earlier_active_run(context.instance, context.run.run_id, key, partition)
+        if other is not None:
+            raise dg.Failure(description=f"run {other} is already ingesting {shown}: this "
+                                         "run writes nothing, so the file is ingested once "
+                                         "(re-run this partition if that run fails)")
+        try:
+            table = read_landed(source, name)  # before touching the shard
+            if stat_landed(source, name).identity != landed.identity:
+                raise InvalidUpdates(f"{shown}: changed while it was read; the landing "
+                                     "sensor ingests the new version")
+        except InvalidUpdates as e:
+            raise dg.Failure(description=str(e),
+                             metadata={"file": shown, "shard": shard.name}) from None
+        client = persist.client(inline_policy.policy())
+        yield _write(context, client, shard, file_plan(table, source, shown, landed.identity))
+
+    return file_ingestion

@@ -9,8 +9,10 @@ blobs, Spark ``local[*]``) against a real Dagster instance in ``.dagster_home``:
 2. round after round, an ingestion run writes a small batch into each synthetic shard,
    and ``inline_pressure_sensor`` is evaluated on the instance; when a shard's inline
    bytes cross the high-water mark it requests a compaction run, which runs on Spark;
-3. the compaction and GC schedules are evaluated and their runs executed;
-4. a summary table is printed.
+3. declarative automation (``persist_automation_sensor``) is evaluated as a day later:
+   hourly compaction of the shards with pending work, daily GC;
+4. ``report/shard_health``, a table asset, is stored through ``PersistIOManager``;
+5. a summary table is printed.
 
 ``make ui`` then shows every run, the plotted metadata, sensors and schedules. The
 definitions are loaded through ``workspace.yaml``, exactly as the UI loads them.
@@ -26,7 +28,7 @@ import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -110,17 +112,19 @@ def _record(results: list[Any], config: PipelineConfig, tally: dict[str, ShardTa
             out: list[str]) -> None:
     import dagster as dg
 
+    from assets.ingestion import BLOB_PUTS, INLINE_BYTES, PLACEMENT
+
     for result in results:
         for event in result.get_asset_materialization_events():
             kind, name = event.asset_key.path[0], event.asset_key.path[-1]
             m = _meta(event)
             t = tally[name]
-            if kind == "shards":
+            if kind == "ingest":
                 t.writes += 1
-                t.placements[str(m["placement"])] += 1
-                t.blob_puts += int(m["blob_puts"])
-                t.inline_now = int(m["shard_inline_bytes"])
-            elif kind == "compacted" and int(m["requests"]):
+                t.placements[str(m[PLACEMENT])] += 1
+                t.blob_puts += int(m[BLOB_PUTS])
+                t.inline_now = int(m[INLINE_BYTES])
+            elif kind == "compact" and int(m["requests"]):
                 t.compactions += 1
                 t.inline_peak = max(t.inline_peak, int(m["inline_bytes_before"]))
                 t.inline_after = t.inline_now = int(m["inline_bytes_after"])
@@ -170,7 +174,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import dagster as dg
 
-    from assets.asset_keys import INGESTION_JOB, TAG_SHARDS
+    from assets.asset_keys import (
+        COMPACTION_GROUP,
+        COMPACTION_JOB,
+        GC_JOB,
+        INGESTION_JOB,
+        MAINTENANCE_GROUP,
+        TAG_SHARDS,
+        TAG_TRIGGER,
+        shard_key,
+    )
+    from assets.reports import REPORT_KEY
     from assets.runner import SensorTicker, launch, launch_sensor_requests
     from assets.workspace import load_workspace_definitions
 
@@ -193,8 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         "inline_over_limit_alert_sensor")]
     for ticker in alerts:  # the first tick sets each alert sensor's baseline
         ticker.tick()
+    automation_start = datetime.now(UTC)  # declarative automation's first evaluation
+    automation_cursor = dg.evaluate_automation_conditions(
+        defs=defs, instance=instance, evaluation_time=automation_start,
+        asset_selection=dg.AssetSelection.groups(COMPACTION_GROUP, MAINTENANCE_GROUP)).cursor
     ingestion_job = defs.resolve_job_def(INGESTION_JOB)
-    synthetic_keys = [dg.AssetKey(["shards", s.name]) for s in synthetic]
+    synthetic_keys = [shard_key(s.name) for s in synthetic]
 
     for round_no in range(args.rounds):
         out: list[str] = []
@@ -228,24 +246,39 @@ def main(argv: list[str] | None = None) -> int:
         for line in out:
             print(line)
 
-    # The schedules, evaluated on the instance as the daemon would at their next tick.
-    now = datetime.now(UTC)
-    for name in ("compaction_schedule", "gc_schedule"):
-        schedule = defs.resolve_schedule_def(name)
-        with dg.build_schedule_context(instance=instance, scheduled_execution_time=now,
-                                       resources=defs.resources) as context:
-            data = schedule.evaluate_tick(context)
-        requests = list(data.run_requests or [])
-        print(f"{name}: " + (f"{len(requests)} run(s)" if requests else
-                             f"skipped ({data.skip_message})"))
-        out = []
-        for request in requests:
-            result = launch(defs, instance, request, job_name=schedule.job_name,
-                            schedule_name=name, run_config=QUIET)
+    # Declarative automation, evaluated on the instance as persist_automation_sensor
+    # would a day later: compaction of the shards with pending work (hourly ticks) and
+    # GC of every shard (the daily tick).
+    later = automation_start + timedelta(days=1, hours=1)
+    evaluated = dg.evaluate_automation_conditions(
+        defs=defs, instance=instance, evaluation_time=later, cursor=automation_cursor,
+        asset_selection=dg.AssetSelection.groups(COMPACTION_GROUP, MAINTENANCE_GROUP))
+    requested = sorted((k for k in defs.resolve_asset_graph().get_all_asset_keys()
+                        if evaluated.get_requested_partitions(k)), key=str)
+    print("persist_automation_sensor: " + (", ".join(k.to_user_string() for k in requested)
+                                           or "nothing requested"))
+    out = []
+    for job_name, group in ((COMPACTION_JOB, "compact"), (GC_JOB, "gc")):
+        keys = [k for k in requested if k.path[0] == group]
+        if keys:
+            request = dg.RunRequest(asset_selection=keys, tags={
+                "dagster/sensor_name": "persist_automation_sensor",
+                TAG_TRIGGER: "automation", TAG_SHARDS: ",".join(k.path[-1] for k in keys)})
+            result = launch(defs, instance, request, job_name=job_name, run_config=QUIET)
             if result is not None:
                 _record([result], config, tally, out)
-        for line in out:
-            print(line)
+    for line in out:
+        print(line)
+
+    # A table asset stored through PersistIOManager (report/shard_health).
+    report = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+        instance=instance, asset_selection=[REPORT_KEY], run_config=QUIET,
+        raise_on_error=False)
+    if report.success:
+        health = report.output_for_node("report__shard_health")
+        print(f"report/shard_health: {health.num_rows} rows stored by PersistIOManager")
+    else:
+        print("report/shard_health FAILED")
 
     _print_summary(config, tally)
     runs = instance.get_runs_count()

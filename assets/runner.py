@@ -44,11 +44,22 @@ class SensorTicker:
 
     def tick(self) -> Tick:
         """Evaluate once; the cursor advances as the daemon would advance it."""
+        # The instance ref lets Dagster check a run request's partition against the
+        # partitions the same tick adds (as the daemon's context does).
         with dg.build_sensor_context(instance=self.instance, cursor=self.cursor,
+                                     instance_ref=self.instance.get_ref(),
                                      definitions=self.defs, sensor_name=self.name,
                                      resources=self.defs.resources) as context:
             data = self.sensor.evaluate_tick(context)
         self.cursor = data.cursor
+        # As the daemon does: partitions a sensor adds exist before its runs launch.
+        for change in data.dynamic_partitions_requests or []:
+            if isinstance(change, dg.AddDynamicPartitionsRequest):
+                self.instance.add_dynamic_partitions(change.partitions_def_name,
+                                                     list(change.partition_keys))
+            elif isinstance(change, dg.DeleteDynamicPartitionsRequest):
+                for key in change.partition_keys:
+                    self.instance.delete_dynamic_partition(change.partitions_def_name, key)
         return Tick(list(data.run_requests or []), data.skip_message, data.cursor)
 
     def job_name(self, request: dg.RunRequest) -> str:
@@ -111,7 +122,7 @@ def launch(defs: dg.Definitions, instance: dg.DagsterInstance, request: dg.RunRe
     selection = request.asset_selection
     return job.execute_in_process(
         run_config=merge_run_config(request.run_config, run_config), instance=instance,
-        tags=tags,
+        tags=tags, partition_key=request.partition_key,
         asset_selection=list(selection) if selection else None,
         raise_on_error=False, resources=resources)
 

@@ -1,10 +1,14 @@
 """Sensors: landing files, inline pressure (starts compaction), and alerts.
 
-- ``NAME_landing_sensor`` (one per ``files`` shard): each new landed file becomes one
-  ingestion run whose run key is the file's identity (name, size, mtime). The cursor
-  remembers the identities already requested, and Dagster never reuses a run key, so a
-  file is ingested exactly once; a bad file's failed run is not retried (land a fixed
-  file to ingest it).
+- ``NAME_landing_sensor`` (one per ``files`` shard): each new landed file becomes a
+  dynamic partition ``NAME/<file>`` of ``ingest/NAME`` and one run of ``ingest_files_job`` whose run
+  key is the file's identity (name, size, mtime). The cursor remembers the identities
+  already requested, Dagster never reuses a run key, files already ingested by a run
+  launched by hand are not requested, and the asset itself writes nothing for a file
+  version it already ingested: a file is ingested exactly once. A bad file's failed run
+  is not retried (land a fixed file, or re-run its partition). A missing or unreadable
+  landing location fails the tick with a message saying so; files of other formats
+  are named in the tick's skip reason.
 - ``inline_pressure_sensor``: finds the shards whose inline bytes reached the high-water
   mark (``high_water_fraction`` of ``persist_inline_update_max_bytes``, read from the
   ``inline_policy`` resource) or whose writes started falling through to blob storage,
@@ -36,17 +40,19 @@ import dagster as dg
 
 from assets.asset_keys import (
     COMPACTION_JOB,
+    FILES_PARTITIONS,
+    LANDING_JOB,
     TAG_FILE,
     TAG_SHARDS,
     TAG_TRIGGER,
     AssetJob,
     compacted_key,
-    op_name,
+    file_partition_key,
     shard_key,
 )
-from assets.ingestion import FileIngestConfig
+from assets.ingestion import LANDED_FILES, ingested_by
 from assets.pipeline_config import FileSource, ShardConfig
-from assets.sources import describe, list_landed
+from assets.sources import describe, scan_landing
 from persist_pipeline import ShardSummary
 from resources.alerts import Alert, AlertsResource
 from resources.env import redact_text
@@ -77,34 +83,58 @@ def _now_ms() -> int:
 # --- landing files -------------------------------------------------------------------------
 
 
-def build_landing_sensor(shard: ShardConfig, target: dg.AssetsDefinition, *,
+def build_landing_sensor(shard: ShardConfig, job: AssetJob, *,
                          running: bool = True) -> dg.SensorDefinition:
-    """One ingestion run per new file landing in the ``files`` source of ``shard``."""
+    """One partition and one ingestion run per new file in the ``files`` source of
+    ``shard``."""
     source = shard.source
     assert isinstance(source, FileSource), "landing sensors watch files sources"
-    op = op_name(shard_key(shard.name))
+    key = shard_key(shard.name)
 
-    @dg.sensor(name=f"{shard.name}_landing_sensor", target=target,
+    @dg.sensor(name=f"{shard.name}_landing_sensor", job=job,
                minimum_interval_seconds=source.sensor_interval_s,
                default_status=_status(running),
-               description=f"One ingestion run of shards/{shard.name} per new file in "
-                           f"{describe_source_template(source)} (run key: the file's "
-                           "name, size and mtime).")
+               description=f"Each new file in {describe_source_template(source)} becomes a "
+                           f"partition of ingest/{shard.name} ({shard.name}/<file>) and one "
+                           f"run of {LANDING_JOB} (run key: the file's name, size and "
+                           "mtime). Fails the tick if the location is missing or cannot be "
+                           "listed.")
     def landing_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         seen = set(_load_cursor(context.cursor).get("seen", []))
-        files = list_landed(source)
-        requests = [
-            dg.RunRequest(
-                run_key=f"{shard.name}:{f.identity}",
-                run_config=dg.RunConfig(ops={op: FileIngestConfig(file=f.name)}),
-                tags={TAG_SHARDS: shard.name, TAG_FILE: f.name, TAG_TRIGGER: "landing"})
-            for f in files if f.identity not in seen]
+        landing = scan_landing(source)  # LandingLocationError fails the tick, clearly
+        requests, already, added = [], [], []
+        for f in landing.files:
+            if f.identity in seen:
+                continue
+            partition = file_partition_key(shard.name, f.name)
+            if context.instance.has_dynamic_partition(FILES_PARTITIONS, partition):
+                if ingested_by(context.instance, key, partition, f.identity):
+                    already.append(f.name)  # e.g. materialized by hand: not again
+                    continue
+            else:
+                added.append(partition)
+            requests.append(dg.RunRequest(
+                run_key=f"{shard.name}:{f.identity}", partition_key=partition,
+                asset_selection=[key],
+                tags={TAG_SHARDS: shard.name, TAG_FILE: f.name, TAG_TRIGGER: "landing"}))
         # Only identities still landed are kept: the cursor stays as small as the folder.
-        cursor = json.dumps({"seen": sorted(f.identity for f in files)})
+        cursor = json.dumps({"seen": sorted(f.identity for f in landing.files)})
+        notes = []
+        if already:
+            notes.append(f"{len(already)} already ingested ({', '.join(already[:5])})")
+        if landing.ignored:
+            shown = ", ".join(landing.ignored[:5]) + (", ..." if len(landing.ignored) > 5
+                                                       else "")
+            notes.append(f"{len(landing.ignored)} file(s) ignored, not "
+                         f"{'/'.join(source.formats)}: {shown}")
+            context.log.warning(f"{describe(source)}: {notes[-1]}")
         if not requests:
-            return dg.SensorResult(skip_reason=f"no new file in {describe(source)}",
-                                   cursor=cursor)
-        return dg.SensorResult(run_requests=requests, cursor=cursor)
+            reason = f"no new file in {describe(source)}"
+            return dg.SensorResult(skip_reason="; ".join([reason, *notes]), cursor=cursor)
+        return dg.SensorResult(
+            run_requests=requests, cursor=cursor,
+            dynamic_partitions_requests=[LANDED_FILES.build_add_request(added)] if added
+            else [])
 
     return landing_sensor
 
@@ -375,7 +405,7 @@ def _failure_text(event: dg.DagsterEvent) -> str:
 def build_compaction_failure_sensor(shards: Sequence[ShardConfig], *,
                                     running: bool = True) -> dg.SensorDefinition:
     """Alerts on every failed run that compacts shards (the compaction job, or any run
-    selecting a ``compacted/NAME`` asset)."""
+    selecting a ``compact/NAME`` asset)."""
     compaction_keys = {compacted_key(s.name) for s in shards}
 
     @dg.run_failure_sensor(name="compaction_failure_alert_sensor",

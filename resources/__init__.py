@@ -1,2 +1,6 @@
-"""Dagster resources of persist-pipeline: the persist location, the inline write policy,
-Spark and alerting. Each module holds one resource."""
+"""Dagster resources of the code location: the persist location, the inline policy,
+Spark, alerts and the IO manager (:class:`PersistIOManager`)."""
+
+from resources.io_manager import PersistIOManager
+
+__all__ = ["PersistIOManager"]

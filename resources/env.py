@@ -8,39 +8,16 @@ changed environment takes effect without reloading the code location.
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from persist_pipeline.blob import redact_uri
-from persist_pipeline.exceptions import InvalidConfig
+from persist_pipeline.dagster_io.templates import expand_env
 
-_TEMPLATE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _URI = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
 
 
-def expand_env(text: str, env: Mapping[str, str] | None = None, *, what: str = "value") -> str:
-    """Replace ``${VAR}`` and ``${VAR:-default}`` in ``text`` from ``env``.
-
-    ``${VAR:-default}`` uses ``default`` when VAR is unset or empty.
-
-    Raises:
-        InvalidConfig: ``${VAR}`` names an unset variable (the message names the variable
-            and ``what``, never a value).
-    """
-    env = os.environ if env is None else env
-
-    def sub(match: re.Match[str]) -> str:
-        name, default = match.group(1), match.group(2)
-        value = env.get(name, "")
-        if value:
-            return value
-        if default is not None:
-            return default
-        raise InvalidConfig(f"{what}: environment variable {name} is not set")
-
-    return _TEMPLATE.sub(sub, text)
+__all__ = ["describe_url", "expand_env", "redact_text"]
 
 
 def redact_text(text: str) -> str:

@@ -91,7 +91,7 @@ class Pipeline:
 
     def ingest(self, *names: str, events: int = 0) -> dg.ExecuteInProcessResult:
         """One ingestion run writing once into each synthetic shard of ``names``."""
-        run_config = {"ops": {f"shards__{n}": {"config": {"events": events}} for n in names}}
+        run_config = {"ops": {"synthetic_ingestion": {"config": {"events": events}}}}
         job = self.defs.resolve_job_def(INGESTION_JOB)
         return job.execute_in_process(instance=self.instance, raise_on_error=False,
                                       asset_selection=[shard_key(n) for n in names],

@@ -695,13 +695,13 @@ def test_code_location_loads_and_runs_with_the_docker_environment(
         assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
         assert type(instance.run_launcher).__name__ == "DefaultRunLauncher"
         assert type(instance.run_storage).__name__ == "PostgresRunStorage"
-        keys = [dg.AssetKey(["shards", "clicks"]), dg.AssetKey(["shards", "inventory"])]
+        keys = [dg.AssetKey(["ingest", "clicks"]), dg.AssetKey(["ingest", "inventory"])]
         result = defs.resolve_job_def("ingestion_job").execute_in_process(
             instance=instance, asset_selection=keys, tags={TAG_SHARDS: "clicks,inventory"},
             run_config={"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}})
         assert result.success
         placements = {e.asset_key.path[-1]:
-                      e.step_materialization_data.materialization.metadata["placement"].value
+                      e.step_materialization_data.materialization.metadata["Placement"].value
                       for e in result.get_asset_materialization_events()}
         assert placements == {"clicks": "inline", "inventory": "inline"}
         assert instance.get_runs_count() == 1  # in the stack's Dagster database
@@ -837,8 +837,9 @@ def test_webserver_and_daemon_load_the_code_location_over_grpc(stand_ins: StandI
     repo = location["repositories"][0]
     sensors = {s["name"]: s["sensorState"]["status"] for s in repo["sensors"]}
     schedules = {s["name"]: s["scheduleState"]["status"] for s in repo["schedules"]}
-    assert {"inline_pressure_sensor", "orders_landing_sensor"} <= set(sensors)
-    assert set(schedules) == {"compaction_schedule", "gc_schedule", "shard_checks_schedule"}
+    assert {"inline_pressure_sensor", "orders_landing_sensor",
+            "persist_automation_sensor"} <= set(sensors)
+    assert set(schedules) == {"shard_checks_schedule"}
     assert set(sensors.values()) == set(schedules.values()) == {"RUNNING"}
     assert instance["runQueuingSupported"] is True  # QueuedRunCoordinator
     assert instance["runLauncher"]["name"] == "DefaultRunLauncher"

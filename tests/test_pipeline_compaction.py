@@ -69,7 +69,7 @@ def test_inline_pressure_sensor_requests_one_compaction_per_crossing(
             break
     [request] = requests
     assert client.shard_summaries()[clicks].inline_bytes >= 4096
-    assert [k.path for k in request.asset_selection] == [["compacted", "clicks"]]
+    assert [k.path for k in request.asset_selection] == [["compact", "clicks"]]
     assert request.run_key.startswith("inline-pressure:clicks@")
 
     # Same crossing, run not done yet: no second request, however often it ticks.
@@ -90,13 +90,13 @@ def test_inline_pressure_sensor_requests_one_compaction_per_crossing(
     [result] = pipeline.launch_all("inline_pressure_sensor", Tick(run_requests=[request]))
     assert result.success
     meta = materializations(result)
-    assert list(meta) == ["compacted/clicks"]  # only the crossing shard
-    m = meta["compacted/clicks"]
+    assert list(meta) == ["compact/clicks"]  # only the crossing shard
+    m = meta["compact/clicks"]
     assert m["requests"] >= 1 and m["inline_parts_in"] >= 1 and m["parts_out"] >= 1
     assert m["inline_bytes_before"] >= 4096 and m["inline_bytes_after"] == 0
     assert m["spark_tasks"] == m["requests"] and m["failed_tasks"] == 0
     assert m["rows_per_s"] > 0 and m["spark_master"] == "local[2]"
-    check = check_results(result)["compacted/clicks:snapshot_unchanged"]
+    check = check_results(result)["compact/clicks:snapshot_unchanged"]
     assert check.passed and check.metadata["rows_before"].value > 0
 
     summary = client.shard_summaries()[clicks]
@@ -121,7 +121,7 @@ def test_inline_pressure_sensor_requests_one_compaction_per_crossing(
             break
     [second] = again
     assert second.run_key != request.run_key
-    assert [k.path for k in second.asset_selection] == [["compacted", "clicks"]]
+    assert [k.path for k in second.asset_selection] == [["compact", "clicks"]]
 
 
 def _client(root: Path, wal: bool) -> tuple[PersistClient, str, str | None]:

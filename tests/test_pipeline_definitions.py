@@ -23,6 +23,7 @@ from persist_pipeline.updates import consolidate
 from resources.alerts import AlertsResource
 from resources.env import expand_env, redact_text
 from resources.inline_policy import InlinePolicyResource
+from resources.io_manager import PersistIOManager
 from resources.persist import PersistResource
 from resources.spark import PersistPySparkResource
 from tests.pipeline_support import PIPELINE_ENV
@@ -47,21 +48,37 @@ def test_workspace_loads_the_shipped_pipeline(shipped_env: Path,
     names = [s.name for s in config.shards]
     assert names == ["orders", "clicks", "inventory"]
 
-    keys = defs.resolve_asset_graph().get_all_asset_keys()
+    graph = defs.resolve_asset_graph()
+    keys = graph.get_all_asset_keys()
     for name in names:
-        for kind in ("shards", "compacted", "gc"):
-            assert dg.AssetKey([kind, name]) in keys
+        for kind, group in (("ingest", "ingestion"), ("compact", "compaction"),
+                            ("gc", "maintenance")):
+            key = dg.AssetKey([kind, name])
+            assert key in keys
+            assert graph.get(key).group_name == group
+    # A landed file is a partition of ingest/orders; the data's columns are declared.
+    orders = graph.get(dg.AssetKey(["ingest", "orders"]))
+    assert isinstance(orders.partitions_def, dg.DynamicPartitionsDefinition)
+    assert orders.partitions_def.name == "landed_files"
+    schema = orders.metadata["dagster/column_schema"]
+    assert [c.name for c in schema.columns] == ["k", "v", "t", "d"]
+    # Compaction and GC are declaratively automated.
+    assert graph.get(dg.AssetKey(["compact", "clicks"])).automation_condition is not None
+    assert graph.get(dg.AssetKey(["gc", "clicks"])).automation_condition is not None
     checks = {str(k.name) for c in defs.asset_checks or [] for k in c.check_keys}
     assert checks == {"inline_bytes_within_max", "upper_advanced_recently"}
-    assert {s.name for s in defs.sensors or []} == {
+    sensors = {s.name: s for s in defs.sensors or []}
+    assert set(sensors) == {
         "orders_landing_sensor", "inline_pressure_sensor", "inline_over_limit_alert_sensor",
         "compaction_backlog_alert_sensor", "inline_fallthrough_alert_sensor",
-        "compaction_failure_alert_sensor"}
-    assert {s.name for s in defs.schedules or []} == {
-        "compaction_schedule", "gc_schedule", "shard_checks_schedule"}
-    assert defs.resolve_schedule_def("compaction_schedule").cron_schedule == "0 * * * *"
-    assert defs.resolve_schedule_def("gc_schedule").cron_schedule == "30 3 * * *"
-    for job in ("ingestion_job", "compaction_job", "gc_job", "shard_checks_job"):
+        "compaction_failure_alert_sensor", "persist_automation_sensor"}
+    # Every sensor that launches runs launches a named job (no __anonymous_asset_job).
+    assert sensors["orders_landing_sensor"].job_name == "ingest_files_job"
+    assert sensors["inline_pressure_sensor"].job_name == "compaction_job"
+    assert {s.name for s in defs.schedules or []} == {"shard_checks_schedule"}
+    assert defs.resolve_schedule_def("shard_checks_schedule").cron_schedule == "*/15 * * * *"
+    for job in ("ingestion_job", "compaction_job", "gc_job", "shard_checks_job",
+                "ingest_files_job"):
         defs.resolve_job_def(job)
 
     resources = defs.resources
@@ -69,6 +86,8 @@ def test_workspace_loads_the_shipped_pipeline(shipped_env: Path,
     assert isinstance(resources["inline_policy"], InlinePolicyResource)
     assert isinstance(resources["pyspark"], PersistPySparkResource)
     assert isinstance(resources["alerts"], AlertsResource)
+    assert isinstance(resources["io_manager"], PersistIOManager)
+    assert resources["io_manager"].consensus_uri == resources["persist"].consensus_uri
     pyspark = resources["pyspark"]
     assert pyspark.spark_config["spark.master"] == "local[*]"
     assert pyspark.spark_config["spark.driver.bindAddress"] == "127.0.0.1"
@@ -96,6 +115,18 @@ def test_dagster_loads_the_workspace(shipped_env: Path) -> None:
          "-w", str(DEFAULT_WORKSPACE)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "persist_pipeline" in done.stdout + done.stderr
+
+
+def test_dagster_loads_the_project_without_a_workspace_file(shipped_env: Path) -> None:
+    """`dagster dev` / `dagster definitions validate` run in the project folder without -w
+    find the code location through [tool.dagster] in pyproject.toml."""
+    env = {**os.environ, "DAGSTER_HOME": str(shipped_env.parent / "dagster_home")}
+    Path(env["DAGSTER_HOME"]).mkdir()
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "dagster"), "definitions", "validate"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "persist_pipeline" in done.stdout + done.stderr
 
 
@@ -159,3 +190,44 @@ def test_change_stream_snapshots_match_its_model() -> None:
         assert set(snapshot.column("d").to_pylist()) <= {1}
         assert got == stream.collection(step + 1)
     assert all(kinds.values()), kinds  # inserts, updates and deletes all happen
+
+
+def test_the_wheel_installs_the_library_only(tmp_path: Path) -> None:
+    """Installing persist-pipeline puts `persist_pipeline` in site-packages and no
+    top-level `assets` or `resources` package that would clash with a user's project."""
+    import shutil
+
+    # A copy of the project (with assets/ and resources/), so no build/ folder is left in
+    # the repository and none from an earlier build is packaged.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, src / name)
+    for name in ("persist_pipeline", "assets", "resources"):
+        shutil.copytree(REPO_ROOT / name, src / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(src)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [wheel] = (tmp_path / "dist").glob("persist_pipeline-*.whl")
+    import zipfile
+
+    top = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    packages = {t for t in top if not t.endswith((".dist-info", ".data"))}
+    assert packages == {"persist_pipeline"}, packages
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "persist_pipeline/dagster_io/io_manager.py" in names
+
+
+def test_dg_loads_the_project(shipped_env: Path) -> None:
+    """`dg` (Dagster's project CLI) finds the project through [tool.dg] in pyproject.toml
+    and loads the same definitions as workspace.yaml."""
+    env = {**os.environ, "DAGSTER_HOME": str(shipped_env.parent / "dagster_home")}
+    Path(env["DAGSTER_HOME"]).mkdir()
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "dg"), "list", "defs", "--json"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "ingest/clicks" in done.stdout and "persist_automation_sensor" in done.stdout

@@ -15,12 +15,25 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import dagster as dg
 import psycopg2
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from assets.change_stream import ChangeStream
+from assets.ingestion import (
+    BLOB_PUTS,
+    FILE,
+    INLINE_BYTES,
+    INLINE_LIMIT,
+    PLACEMENT,
+    ROW_COUNT,
+    SEQNO,
+    UPPER,
+    WRITE_BYTES,
+    WRITE_LATENCY,
+)
 from persist_pipeline import PersistClient
 from tests.pipeline_support import (
     SYNTHETIC,
@@ -51,24 +64,27 @@ def test_synthetic_ingestion_on_the_embedded_default(make_pipeline: Any) -> None
     for _ in range(3):
         result = pipeline.ingest("clicks")
         assert result.success
-        meta = materializations(result)["shards/clicks"]
-        assert meta["placement"] == "inline" and meta["blob_puts"] == 0
-        assert meta["rows"] == meta["inserts"] * 1 + meta["updates"] * 2 + meta["deletes"]
-        assert 0 < meta["encoded_bytes"] < 4096
-        assert meta["write_latency_ms"] > 0
-        assert meta["inline_max_bytes"] == 8192
-        uppers.append(meta["shard_upper"])
-        inline.append(meta["shard_inline_bytes"])
+        meta = materializations(result)["ingest/clicks"]
+        assert meta[PLACEMENT] == "inline" and meta[BLOB_PUTS] == 0
+        assert meta[ROW_COUNT] == (meta["Stream inserts"] * 1 + meta["Stream updates"] * 2
+                                   + meta["Stream deletes"])
+        assert 0 < meta[WRITE_BYTES] < 4096
+        assert meta[WRITE_LATENCY] > 0
+        assert meta[INLINE_LIMIT] == 8192
+        uppers.append(meta[UPPER])
+        inline.append(meta[INLINE_BYTES])
+        # The most useful entry first, no duplicates (issue 13).
+        assert list(meta)[:3] == [INLINE_BYTES, INLINE_LIMIT, PLACEMENT]
         checks = check_results(result)
-        assert checks["shards/clicks:inline_bytes_within_max"].passed
-        assert checks["shards/clicks:upper_advanced_recently"].passed
+        assert checks["ingest/clicks:inline_bytes_within_max"].passed
+        assert checks["ingest/clicks:upper_advanced_recently"].passed
     assert uppers == [1, 2, 3]
     assert inline[0] < inline[1] < inline[2]
 
     # A write too big to inline goes to the main blob store as a Parquet part.
-    big = materializations(pipeline.ingest("clicks", events=2000))["shards/clicks"]
-    assert big["placement"] == "blob" and big["blob_puts"] == 1
-    assert big["encoded_bytes"] > 0 and big["shard_inline_bytes"] == inline[-1]
+    big = materializations(pipeline.ingest("clicks", events=2000))["ingest/clicks"]
+    assert big[PLACEMENT] == "blob" and big[BLOB_PUTS] == 1
+    assert big[WRITE_BYTES] > 0 and big[INLINE_BYTES] == inline[-1]
     parts = list((pipeline.data_dir / "blobs").rglob("*.parquet"))
     assert len(parts) == 1
 
@@ -109,22 +125,28 @@ def test_file_ingestion_on_postgres_and_s3(make_pipeline: Any, pg_url: str, s3_u
         "2026/day1.csv", "2026/day2.jsonl"]
     results = pipeline.launch_all(sensor, tick)
     assert [r.success for r in results] == [True, True]
-    metas = [materializations(r)["shards/orders"] for r in results]
-    by_file = {m["file"].split("/landing/orders/")[1]: m for m in metas}
-    assert by_file["2026/day1.csv"]["placement"] == "inline"
-    assert by_file["2026/day2.jsonl"]["placement"] == "blob"
-    assert by_file["2026/day2.jsonl"]["blob_puts"] == 1
+    metas = [materializations(r)["ingest/orders"] for r in results]
+    by_file = {m[FILE].split("/landing/orders/")[1]: m for m in metas}
+    assert by_file["2026/day1.csv"][PLACEMENT] == "inline"
+    assert by_file["2026/day2.jsonl"][PLACEMENT] == "blob"
+    assert by_file["2026/day2.jsonl"][BLOB_PUTS] == 1
     assert "secret" not in json.dumps(metas).lower()
 
-    # Exactly once: the next tick requests nothing; a sensor that lost its cursor
-    # requests the files again, but their run keys were used, so nothing runs.
-    assert pipeline.ticker(sensor).tick().run_requests == []
-    from assets.runner import SensorTicker, launch_sensor_requests
+    # Each file is a partition of ingest/orders.
+    assert sorted(pipeline.instance.get_dynamic_partitions("landed_files")) == [
+        "orders/2026/day1.csv", "orders/2026/day2.jsonl"]
+    assert {r.dagster_run.job_name for r in results} == {"ingest_files_job"}
 
-    amnesiac = SensorTicker(pipeline.defs, pipeline.instance, sensor)
-    again = amnesiac.tick()
-    assert len(again.run_requests) == 2
-    assert launch_sensor_requests(amnesiac, again) == []
+    # Exactly once: the next tick requests nothing; a sensor that lost its cursor sees
+    # the files were ingested and requests nothing either (the non-data file is named).
+    next_tick = pipeline.ticker(sensor).tick()
+    assert next_tick.run_requests == []
+    assert "1 file(s) ignored, not csv/jsonl/parquet: notes.txt" in next_tick.skip_reason
+    from assets.runner import SensorTicker
+
+    amnesiac = SensorTicker(pipeline.defs, pipeline.instance, sensor).tick()
+    assert amnesiac.run_requests == []
+    assert "2 already ingested" in amnesiac.skip_reason
 
     # The data is in PostgreSQL (consensus) and S3 (the blob part) and reads back.
     shard_id = pipeline.shard_id("orders")
@@ -197,8 +219,8 @@ def test_bad_files_fail_their_run_and_write_nothing(make_pipeline: Any) -> None:
     # The failed runs changed nothing: the good file committed right after the first.
     after = pipeline.client().shard_summaries()[shard_id]
     assert after.upper == 4
-    meta = materializations(results[3])["shards/orders"]
-    assert meta["seqno"] > before.seqno and meta["shard_upper"] == 4
+    meta = materializations(results[3])["ingest/orders"]
+    assert meta[SEQNO] > before.seqno and meta[UPPER] == 4
     assert _collection(pipeline.client(), shard_id, 3) == {b"k2": b"v2", b"k8": b"v8"}
 
     # A failed file is not retried by the sensor (its run key was used) ...
@@ -227,3 +249,117 @@ def test_s3_landing_errors_name_the_object(make_pipeline: Any, s3_uri: str, s3_c
     [message] = failure_messages(result)
     assert f"s3://{bucket}/in/{name}" in message and "line 3" in message
     assert "persist-landing-" not in message  # not the temporary download
+
+
+def test_a_file_is_ingested_once_however_its_run_was_launched(make_pipeline: Any) -> None:
+    """Materialized by hand first (a partition re-run from the UI), then picked up by the
+    landing sensor: one write, not two (the snapshot has d=1, never d=2)."""
+    pipeline: Pipeline = make_pipeline({"orders": {"source": {
+        "kind": "files", "uri": "{data_dir}/landing/orders"}}})
+    landing = pipeline.data_dir / "landing" / "orders"
+    landing.mkdir(parents=True)
+    (landing / "day1.csv").write_text("k,v,t\na,1,0\nb,2,0\n")
+    shard_id = pipeline.shard_id("orders")
+    job = pipeline.defs.resolve_job_def("ingest_files_job")
+
+    # By hand: the user adds the partition and materializes it (as the UI does).
+    pipeline.instance.add_dynamic_partitions("landed_files", ["orders/day1.csv"])
+    manual = job.execute_in_process(instance=pipeline.instance,
+                                    partition_key="orders/day1.csv", raise_on_error=False)
+    assert manual.success and materializations(manual)["ingest/orders"][UPPER] == 1
+
+    # The sensor then sees the file: already ingested, no run.
+    tick = pipeline.ticker("orders_landing_sensor").tick()
+    assert tick.run_requests == [] and "1 already ingested (day1.csv)" in tick.skip_reason
+    # Re-running the partition writes nothing either: the step succeeds, no materialization.
+    rerun = job.execute_in_process(instance=pipeline.instance,
+                                   partition_key="orders/day1.csv", raise_on_error=False)
+    assert rerun.success and materializations(rerun) == {}
+    assert pipeline.client().shard_summaries()[shard_id].upper == 1
+    assert _collection(pipeline.client(), shard_id, 0) == {b"a": b"1", b"b": b"2"}
+
+    # A new version of the file (new size and mtime) is new data: ingested once more.
+    (landing / "day1.csv").write_text("k,v,t\nc,3,0\n")
+    _set_mtime(landing / "day1.csv", 50)
+    [result] = pipeline.launch_all("orders_landing_sensor",
+                                   pipeline.ticker("orders_landing_sensor").tick())
+    assert result.success and pipeline.client().shard_summaries()[shard_id].upper == 2
+    assert _collection(pipeline.client(), shard_id, 1) == {b"a": b"1", b"b": b"2",
+                                                            b"c": b"3"}
+
+    # Partitions are shared by every files shard: another shard's file is not ours.
+    pipeline.instance.add_dynamic_partitions("landed_files", ["events/day1.csv"])
+    foreign = job.execute_in_process(instance=pipeline.instance,
+                                     partition_key="events/day1.csv", raise_on_error=False,
+                                     asset_selection=[dg.AssetKey(["ingest", "orders"])])
+    assert foreign.success and materializations(foreign) == {}
+    assert pipeline.client().shard_summaries()[shard_id].upper == 2
+
+    # "Materialize" of a partition whose file is gone fails clearly, writing nothing.
+    pipeline.instance.add_dynamic_partitions("landed_files", ["orders/gone.csv"])
+    gone = job.execute_in_process(instance=pipeline.instance,
+                                  partition_key="orders/gone.csv", raise_on_error=False)
+    assert not gone.success
+    [message] = failure_messages(gone)
+    assert "gone.csv: no such file" in message
+    assert pipeline.client().shard_summaries()[shard_id].upper == 2
+
+
+def test_a_missing_landing_location_fails_the_tick(make_pipeline: Any) -> None:
+    pipeline: Pipeline = make_pipeline({"orders": {"source": {
+        "kind": "files", "uri": "{data_dir}/landing/nowhere"}}})
+    from assets.sources import LandingLocationError
+
+    with pytest.raises(LandingLocationError,
+                       match=r"landing folder .*/landing/nowhere does not exist"):
+        pipeline.ticker("orders_landing_sensor").tick()
+    (pipeline.data_dir / "landing").mkdir(parents=True)
+    (pipeline.data_dir / "landing" / "nowhere").write_text("a file, not a folder")
+    with pytest.raises(LandingLocationError, match="is not a folder"):
+        pipeline.ticker("orders_landing_sensor").tick()
+
+
+@pytest.mark.s3
+def test_an_unreachable_s3_landing_location_fails_the_tick(
+        make_pipeline: Any, s3_uri: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    query = s3_uri.split("?", 1)[1]
+    monkeypatch.setenv("TEST_LANDING_URI", f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/in?"
+                                           f"{query}")
+    pipeline: Pipeline = make_pipeline({"events": {"source": {
+        "kind": "files", "uri": "${TEST_LANDING_URI}"}}})
+    from assets.sources import LandingLocationError
+
+    with pytest.raises(LandingLocationError, match="cannot list the landing location s3://"):
+        pipeline.ticker("events_landing_sensor").tick()
+
+
+def test_two_runs_of_one_file_at_once_write_it_once(make_pipeline: Any) -> None:
+    """A run of a file's partition that starts while an earlier run of the same file is
+    still in flight writes nothing and says which run has it; after that run failed
+    (without writing), a re-run ingests the file."""
+    pipeline: Pipeline = make_pipeline({"orders": {"source": {
+        "kind": "files", "uri": "{data_dir}/landing/orders"}}})
+    landing = pipeline.data_dir / "landing" / "orders"
+    landing.mkdir(parents=True)
+    (landing / "day2.csv").write_text("k,v,t\na,1,0\n")
+    shard_id = pipeline.shard_id("orders")
+    job = pipeline.defs.resolve_job_def("ingest_files_job")
+    pipeline.instance.add_dynamic_partitions("landed_files", ["orders/day2.csv"])
+
+    # The earlier run: created (as the daemon or the UI would), not finished.
+    earlier = pipeline.instance.create_run_for_job(
+        job, status=dg.DagsterRunStatus.STARTED,
+        tags={"dagster/partition": "orders/day2.csv"},
+        asset_selection={dg.AssetKey(["ingest", "orders"])})
+    later = job.execute_in_process(instance=pipeline.instance,
+                                   partition_key="orders/day2.csv", raise_on_error=False)
+    assert not later.success
+    [message] = failure_messages(later)
+    assert f"run {earlier.run_id} is already ingesting" in message
+    assert shard_id not in pipeline.client().shard_summaries()  # nothing written
+
+    pipeline.instance.report_run_failed(earlier)  # it died before writing
+    retry = job.execute_in_process(instance=pipeline.instance,
+                                   partition_key="orders/day2.csv", raise_on_error=False)
+    assert retry.success and materializations(retry)["ingest/orders"][UPPER] == 1
+    assert _collection(pipeline.client(), shard_id, 0) == {b"a": b"1"}

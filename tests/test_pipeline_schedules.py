@@ -1,14 +1,21 @@
-"""Schedules, evaluated on a real instance, and the runs they request.
+"""Time-based automation, evaluated on a real instance, and the runs it requests.
 
-Covers: ``compaction_schedule`` selects exactly the shards with pending work (and skips
-when there is none); ``gc_schedule`` runs GC of every shard; ``shard_checks_schedule``
-runs the inline-bytes and freshness checks.
+Covers: declarative automation (``persist_automation_sensor``) requests compaction once
+per tick of the compaction cron and the run compacts exactly the shards with work
+(Spark), and GCs every shard on the daily tick; the GC job collects every shard;
+``shard_checks_schedule`` runs the inline-bytes and freshness checks (a never-written
+shard is not stale).
 """
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import dagster as dg
+
+from assets.runner import launch
 from tests.pipeline_support import (
     SYNTHETIC,
     Pipeline,
@@ -20,36 +27,62 @@ from tests.pipeline_support import (
 __all__ = ["make_pipeline"]  # the fixture, imported for pytest
 
 SHARDS = {"clicks": {"source": SYNTHETIC},
-          "stock": {"source": {**SYNTHETIC, "seed": 5}},
+          "stock": {"source": {**SYNTHETIC, "seed": 5}, "freshness_max_age_s": 1},
           "idle": {"source": {**SYNTHETIC, "seed": 6}}}
 
 
-def test_compaction_schedule_selects_shards_with_pending_work(make_pipeline: Any) -> None:
+def _requested(pipeline: Pipeline, when: datetime, cursor: Any = None) -> tuple[list[str], Any]:
+    """The assets declarative automation requests at ``when`` (and the new cursor)."""
+    result = dg.evaluate_automation_conditions(
+        defs=pipeline.defs, instance=pipeline.instance, evaluation_time=when, cursor=cursor,
+        asset_selection=dg.AssetSelection.groups("compaction", "maintenance"))
+    keys = pipeline.defs.resolve_asset_graph().get_all_asset_keys()
+    return sorted(k.to_user_string() for k in keys if result.get_requested_partitions(k)), \
+        result.cursor
+
+
+def test_automation_compacts_shards_with_work_and_collects_daily(
+        make_pipeline: Any) -> None:
     pipeline: Pipeline = make_pipeline(SHARDS, compaction={"schedule": "15 * * * *"})
-    schedule = pipeline.defs.resolve_schedule_def("compaction_schedule")
-    assert schedule.cron_schedule == "15 * * * *"
-    assert schedule.job_name == "compaction_job"
+    sensor = pipeline.defs.resolve_sensor_def("persist_automation_sensor")
+    assert isinstance(sensor, dg.AutomationConditionSensorDefinition)
+    assert {s.name for s in pipeline.defs.schedules or []} == {"shard_checks_schedule"}
+    start = datetime(2026, 11, 23, 10, 20, tzinfo=UTC)  # just after a :15 tick
 
-    data = pipeline.evaluate_schedule("compaction_schedule")
-    assert not data.run_requests
-    assert "no shard has pending compaction work" in data.skip_message
-
+    requested, cursor = _requested(pipeline, start)
+    assert requested == []  # no tick passed yet
     assert pipeline.ingest("clicks", "stock").success
-    data = pipeline.evaluate_schedule("compaction_schedule")
-    [request] = data.run_requests
-    assert sorted(k.path[-1] for k in request.asset_selection) == ["clicks", "stock"]
-    assert all(k.path[0] == "compacted" for k in request.asset_selection)
-    assert request.tags["persist/trigger"] == "schedule"
+    requested, cursor = _requested(pipeline, start + timedelta(minutes=10), cursor)
+    assert requested == []  # the next :15 tick has not passed yet
+    requested, cursor = _requested(pipeline, start + timedelta(minutes=56), cursor)
+    assert requested == ["compact/clicks", "compact/idle", "compact/stock"]
+    # Requested once per tick: the next evaluation does not ask again.
+    assert _requested(pipeline, start + timedelta(minutes=57), cursor)[0] == []
+
+    # The run compacts the shards with work; the idle one is skipped, not materialized.
+    request = dg.RunRequest(asset_selection=[dg.AssetKey(k.split("/")) for k in requested],
+                            tags={"persist/trigger": "automation"})
+    result = launch(pipeline.defs, pipeline.instance, request, job_name="compaction_job")
+    assert result is not None and result.success
+    meta = materializations(result)
+    assert set(meta) == {"compact/clicks", "compact/stock"}
+    assert meta["compact/clicks"]["inline_bytes_after"] == 0
+    checks = check_results(result)
+    assert set(checks) == {"compact/clicks:snapshot_unchanged",
+                           "compact/stock:snapshot_unchanged"}
+    assert all(c.passed for c in checks.values())
+
+    # The daily GC tick (30 3 * * *) requests GC of every shard, written or not.
+    requested, _ = _requested(pipeline, start + timedelta(hours=18), cursor)
+    assert {"gc/clicks", "gc/stock", "gc/idle"} <= set(requested)
 
 
-def test_gc_schedule_collects_every_shard(make_pipeline: Any) -> None:
+def test_gc_run_collects_every_shard(make_pipeline: Any) -> None:
     pipeline: Pipeline = make_pipeline(SHARDS)
     assert pipeline.ingest("clicks").success
-    data = pipeline.evaluate_schedule("gc_schedule")
-    [request] = data.run_requests
-    result = pipeline.launch_schedule_request("gc_schedule", request)
-    assert result is not None and result.success
-    assert result.dagster_run.tags["dagster/schedule_name"] == "gc_schedule"
+    result = pipeline.defs.resolve_job_def("gc_job").execute_in_process(
+        instance=pipeline.instance, raise_on_error=False)
+    assert result.success
     meta = materializations(result)
     assert set(meta) == {"gc/clicks", "gc/stock", "gc/idle"}
     assert meta["gc/clicks"]["shard_found"] is True
@@ -68,9 +101,16 @@ def test_checks_schedule_runs_the_shard_checks(make_pipeline: Any) -> None:
     assert materializations(result) == {}  # checks only
     checks = check_results(result)
     for shard in ("clicks", "stock", "idle"):
-        inline = checks[f"shards/{shard}:inline_bytes_within_max"]
+        inline = checks[f"ingest/{shard}:inline_bytes_within_max"]
         assert inline.passed
         assert inline.metadata["inline_max_bytes"].value == 8192
-    assert checks["shards/clicks:upper_advanced_recently"].passed
-    stale = checks["shards/idle:upper_advanced_recently"]
+    assert checks["ingest/clicks:upper_advanced_recently"].passed
+    # Never written: nothing to be fresh about yet, so no warning.
+    idle = checks["ingest/idle:upper_advanced_recently"]
+    assert idle.passed and "never been written" in idle.description
+    # Written once, longer ago than its 1 s limit: stale, a warning.
+    time.sleep(1.2)
+    again = pipeline.launch_schedule_request("shard_checks_schedule", request)
+    assert again is not None and again.success
+    stale = check_results(again)["ingest/stock:upper_advanced_recently"]
     assert not stale.passed and stale.severity.value == "WARN"

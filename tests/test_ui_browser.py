@@ -7,11 +7,14 @@ a bad landing file, sensor-requested Spark compactions, the schedules' runs), th
 Headless Chromium (``/usr/bin/chromium`` or ``$PERSIST_CHROMIUM``; ``make browser``
 installs it) then checks what a user sees:
 
-* the ingestion asset ``shards/clicks``: its materializations (as many as the instance
-  recorded), their placement metadata (``inline``; ``blob`` for the large Parquet file of
-  ``shards/orders``), and the ``shard_inline_bytes`` plot drawn on its canvas;
+* the ingestion asset ``ingest/clicks``: its materializations (as many as the instance
+  recorded), their metadata (``Placement`` ``inline``; ``blob`` for the large Parquet file
+  of ``ingest/orders``, a partition named after the file), and the plots, the first of
+  which is ``Inline bytes``, drawn on its canvas, with no duplicate entries;
+* ``report/shard_health``, stored by ``PersistIOManager``: its column schema and row count;
 * the automation page lists every sensor and schedule of the code location, running;
-* the compaction run that ``inline_pressure_sensor`` requested succeeded, in the runs list
+* the runs list names the landing sensor's job (no anonymous asset job), and the
+  compaction run that ``inline_pressure_sensor`` requested succeeded, in the runs list
   and on the run's page.
 
 Screenshots go to ``results/ui/`` (linked from the README). Without Chromium the tests
@@ -49,7 +52,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-dev-shm-usage"]
 SHOTS = REPO_ROOT / "results" / "ui"
 ROUNDS = 12          # enough for inline_pressure_sensor to request compaction of clicks
-INGESTED = "clicks"  # the ingestion asset whose page is checked: shards/clicks
+INGESTED = "clicks"  # the ingestion asset whose page is checked: ingest/clicks
 TIMEOUT_MS = 30_000
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.timeout(420)]
 
@@ -58,8 +61,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.timeout(420)]
 class Facts:
     """What the instance recorded (the ground truth the UI must show)."""
 
-    materializations: int           # of shards/clicks
-    latest_run_id: str              # the run of shards/clicks' latest materialization
+    materializations: int           # of ingest/clicks
+    latest_run_id: str              # the run of ingest/clicks' latest materialization
     compaction_run_id: str          # the first compaction run inline_pressure_sensor asked for
     compaction_inline_before: int   # its inline_bytes_before for clicks
     sensors: list[str]
@@ -113,7 +116,7 @@ def _facts(home: Path, env: dict[str, str]) -> Facts:
         defs = load_workspace_definitions()
     instance = dg.DagsterInstance.from_config(str(home))
     try:
-        key = dg.AssetKey(["shards", INGESTED])
+        key = dg.AssetKey(["ingest", INGESTED])
         records = instance.fetch_materializations(key, limit=1000).records
         runs = instance.get_runs(filters=dg.RunsFilter(
             tags={"dagster/sensor_name": "inline_pressure_sensor",
@@ -122,7 +125,7 @@ def _facts(home: Path, env: dict[str, str]) -> Facts:
         first = runs[-1]  # get_runs is newest first
         assert first.status == dg.DagsterRunStatus.SUCCESS, first.status
         compacted = instance.fetch_materializations(
-            dg.AssetKey(["compacted", INGESTED]), limit=1000).records
+            dg.AssetKey(["compact", INGESTED]), limit=1000).records
         before = [r.asset_materialization.metadata["inline_bytes_before"].value
                   for r in compacted if r.run_id == first.run_id
                   and r.asset_materialization is not None]
@@ -262,35 +265,53 @@ def _colored_pixels(canvas: Any) -> int:
                  return n; }"""))
 
 
+#: The numeric metadata of an ingestion materialization, each plotted by the UI.
+PLOTTED = ("Inline bytes", "Inline limit (bytes)", "PUTs to blob storage", "Seqno",
+           "Stream deletes", "Stream inserts", "Stream updates", "Upper",
+           "Write latency (ms)", "Write size (bytes)", "dagster/row_count")
+
+
 def test_ingestion_asset_page_shows_materializations_placement_and_inline_bytes_plot(
         dagster_ui: DagsterUI, page: Any) -> None:
     facts = dagster_ui.facts
     # Overview: the latest materialization's metadata, placement among it.
-    _open(page, f"{dagster_ui.url}/assets/shards/{INGESTED}")
+    _open(page, f"{dagster_ui.url}/assets/ingest/{INGESTED}")
     page.get_by_text("Latest materialization").first.wait_for()
-    assert re.search(r"\binline\b", _metadata_value(page, "placement"))
-    for key in ("shard_inline_bytes", "encoded_bytes", "inline_max_bytes", "write_latency_ms"):
+    assert re.search(r"\binline\b", _metadata_value(page, "Placement"))
+    for key in ("Inline bytes", "Write size (bytes)", "Inline limit (bytes)",
+                "Write latency (ms)", "Upper"):
         _metadata_value(page, key)
+    for gone in ("updates_stored", "rows", "shard_inline_bytes"):  # the old duplicates
+        assert page.get_by_text(gone, exact=True).count() == 0, gone
     _settle(page, first_visit_wait_ms=5_000)
     page.screenshot(path=str(SHOTS / "asset-clicks-overview.png"))
 
-    # The metadata plotted over time: the inline-bytes plot is drawn.
+    # The metadata plotted over time: "Inline bytes" is the first plot, and it is drawn.
     page.get_by_role("button", name="Plots").click()
-    title = page.get_by_text("shard_inline_bytes", exact=True).first
+    title = page.get_by_text("Inline bytes", exact=True).first
     title.wait_for()
+    boxes = {}
+    for label in PLOTTED:
+        heading = page.get_by_text(label, exact=True).first
+        heading.wait_for()
+        box = heading.bounding_box()
+        assert box is not None, label
+        boxes[label] = (round(box["y"]), box["x"])
+    assert min(boxes, key=lambda k: boxes[k]) == "Inline bytes", boxes
     canvas = title.locator("xpath=ancestor::*[.//canvas][1]").locator("canvas").first
     canvas.scroll_into_view_if_needed()
     deadline = time.monotonic() + 15
     while (drawn := _colored_pixels(canvas)) < 100 and time.monotonic() < deadline:
         page.wait_for_timeout(250)  # the chart animates in
-    assert drawn >= 100, f"the shard_inline_bytes plot is blank ({drawn} coloured pixels)"
+    assert drawn >= 100, f"the Inline bytes plot is blank ({drawn} coloured pixels)"
     box = canvas.bounding_box()
     assert box is not None and box["width"] > 200 and box["height"] > 100, box
+    title.evaluate("e => e.scrollIntoView({block: 'start'})")  # the plots, from the first
     _settle(page)
     page.screenshot(path=str(SHOTS / "asset-clicks-plots.png"))
 
     # Events: every materialization is listed; the latest names its run and placement.
-    _open(page, f"{dagster_ui.url}/assets/shards/{INGESTED}?view=events")
+    _open(page, f"{dagster_ui.url}/assets/ingest/{INGESTED}?view=events")
     page.get_by_text("Materialized in run").first.wait_for()
     page.get_by_text(facts.latest_run_id[:8]).first.wait_for()
     # One timestamp per listed event (plus the selected event's heading).
@@ -299,17 +320,38 @@ def test_ingestion_asset_page_shows_materializations_placement_and_inline_bytes_
     while stamps.count() < facts.materializations and time.monotonic() < deadline:
         page.wait_for_timeout(250)
     assert stamps.count() >= facts.materializations, (stamps.count(), facts.materializations)
-    assert re.search(r"\binline\b", _metadata_value(page, "placement"))
+    assert re.search(r"\binline\b", _metadata_value(page, "Placement"))
     _settle(page)
     page.screenshot(path=str(SHOTS / "asset-clicks-events.png"))
 
     # The large Parquet file of the files shard went to blob storage: placement blob.
-    _open(page, f"{dagster_ui.url}/assets/shards/orders")
+    _open(page, f"{dagster_ui.url}/assets/ingest/orders")
     page.get_by_text("Latest materialization").first.wait_for()
-    assert re.search(r"\bblob\b", _metadata_value(page, "placement"))
-    assert ".parquet" in _metadata_value(page, "file")
+    assert re.search(r"\bblob\b", _metadata_value(page, "Placement"))
+    assert ".parquet" in _metadata_value(page, "File")
     _settle(page)
     page.screenshot(path=str(SHOTS / "asset-orders-overview.png"))
+
+
+def test_io_managed_asset_shows_its_schema_and_row_count(dagster_ui: DagsterUI,
+                                                         page: Any) -> None:
+    _open(page, f"{dagster_ui.url}/assets/report/shard_health")
+    page.get_by_text("Latest materialization").first.wait_for()
+    # dagster/column_schema, as the UI's column table: every column with its Arrow type.
+    for column, arrow_type in (("shard", "string"), ("inline_bytes", "int64"),
+                               ("inline_fill", "double"), ("pending_merges", "int32")):
+        row = page.locator("tr").filter(has=page.get_by_text(column, exact=True)).first
+        row.wait_for()
+        assert arrow_type in row.inner_text(), (column, row.inner_text())
+    # dagster/row_count, which the overview shows as "Row count": one row per shard.
+    heading = page.get_by_text("Row count", exact=True).first
+    heading.wait_for()
+    assert re.search(r"\b3\b", heading.locator("xpath=..").inner_text())
+    # The IO manager's write: the shard's upper after it, rows added.
+    assert re.search(r"\b1\b", _metadata_value(page, "shard_upper"))
+    assert re.search(r"\b3\b", _metadata_value(page, "rows_added"))
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "asset-report-overview.png"))
 
 
 def test_automation_lists_the_sensor_and_schedules_running(dagster_ui: DagsterUI,
@@ -317,7 +359,8 @@ def test_automation_lists_the_sensor_and_schedules_running(dagster_ui: DagsterUI
     from playwright.sync_api import expect
 
     facts = dagster_ui.facts
-    assert "inline_pressure_sensor" in facts.sensors and "compaction_schedule" in facts.schedules
+    assert "inline_pressure_sensor" in facts.sensors and "persist_automation_sensor" in \
+        facts.sensors and "shard_checks_schedule" in facts.schedules
     _open(page, f"{dagster_ui.url}/automation")
     for name in facts.sensors + facts.schedules:
         # The link's accessible name is the name between its icon and its description.
@@ -327,7 +370,6 @@ def test_automation_lists_the_sensor_and_schedules_running(dagster_ui: DagsterUI
         row = page.locator("[data-index]").filter(has=link).first
         toggle = row.get_by_role("checkbox").last  # the running/stopped switch
         expect(toggle, f"{name} is not running").to_be_checked()
-    page.get_by_text("Scheduled Every hour").first.wait_for()  # compaction_schedule's cron
     _settle(page)
     page.screenshot(path=str(SHOTS / "automation.png"))
 
@@ -343,6 +385,9 @@ def test_sensor_requested_compaction_run_succeeded(dagster_ui: DagsterUI, page: 
     row.get_by_text("inline_pressure_sensor").first.wait_for()
     row.get_by_text("compaction_job").first.wait_for()
     row.get_by_text("Success", exact=True).first.wait_for()
+    # The landing sensor's runs carry its named job, not an anonymous asset job.
+    page.get_by_text("ingest_files_job").first.wait_for()
+    assert page.get_by_text(re.compile("__anonymous_asset_job")).count() == 0
     _settle(page)
     page.screenshot(path=str(SHOTS / "runs.png"))
 
