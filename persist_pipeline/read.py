@@ -156,28 +156,11 @@ class ReadHandle:
 
     @contextlib.contextmanager
     def _reading_state(self) -> Iterator[State]:
-        self._check()
-        # Fetch and register the seqno being read in one step: a heartbeat in between
-        # would otherwise publish a newer hold and let GC delete what this read needs.
-        with self._reading_lock:
-            state = self._machine.fetch_latest()
-            if self.reader_id not in state.leased_readers:
-                self._expired = True
-                raise LeaseExpired(f"reader {self.reader_id} was expired (missed heartbeats)")
-            self._reading[state.seqno] = self._reading.get(state.seqno, 0) + 1
+        state = self._start_reading()
         try:
             yield state
         finally:
-            with self._reading_lock:
-                self._reading[state.seqno] -= 1
-                if not self._reading[state.seqno]:
-                    del self._reading[state.seqno]
-                idle = not self._reading
-            held = state.leased_readers[self.reader_id].seqno
-            if idle and state.seqno - held > self._machine.config.rollup_threshold:
-                # Release old state versions so GC can truncate below them.
-                with contextlib.suppress(PersistError):
-                    self.heartbeat()
+            self._stop_reading(state)
 
     def fetch(self, batches: list[Batch], state: State) -> pa.Table:
         """Every part of ``batches``; a part GC deleted because this reader's lease ran out
@@ -331,9 +314,11 @@ class ReadHandle:
             raise
 
     def _start_reading(self) -> State:
-        """Fetch the latest state and hold its seqno until :meth:`_stop_reading` (the
-        same registration as a snapshot's, kept for the life of a plan)."""
+        """Fetch the latest state and hold its seqno until :meth:`_stop_reading` (every
+        read does this; a plan keeps it for its life)."""
         self._check()
+        # Fetch and register the seqno being read in one step: a heartbeat in between
+        # would otherwise publish a newer hold and let GC delete what this read needs.
         with self._reading_lock:
             state = self._machine.fetch_latest()
             if self.reader_id not in state.leased_readers:
@@ -343,13 +328,18 @@ class ReadHandle:
         return state
 
     def _stop_reading(self, state: State, heartbeat: bool = False) -> None:
+        """Release the hold :meth:`_start_reading` took. When nothing is read any more,
+        publish the released hold at once if asked to (``heartbeat``) or if the reader
+        holds versions far behind (so GC can truncate below them), rather than at the
+        next background beat."""
         with self._reading_lock:
             self._reading[state.seqno] -= 1
             if not self._reading[state.seqno]:
                 del self._reading[state.seqno]
             idle = not self._reading
-        if heartbeat and idle and not self._expired:
-            # Publish the released hold now rather than at the next background beat.
+        held = state.leased_readers[self.reader_id].seqno
+        behind = state.seqno - held > self._machine.config.rollup_threshold
+        if idle and not self._expired and (heartbeat or behind):
             with contextlib.suppress(PersistError):
                 self.heartbeat()
 

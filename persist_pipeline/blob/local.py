@@ -165,24 +165,19 @@ class LocalBlob(Blob):
 
     def get(self, key: str) -> bytes | None:
         """The value at ``key``, or None if there is none."""
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
-            if self._missing_root():
-                raise self._fail("get", key, exc) from exc
-            return None
-        except OSError as exc:
-            raise self._fail("get", key, exc) from exc
+        return self._read(key, 0, -1)
 
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
         """``length`` bytes at ``start`` of the value at ``key`` (one seek and read)."""
         validate_range(start, length)
+        return self._read(key, start, length)
+
+    def _read(self, key: str, start: int, length: int) -> bytes | None:
         path = self._path(key)
         try:
             with open(path, "rb") as f:
-                f.seek(start)
+                if start:
+                    f.seek(start)
                 return f.read(length)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             if self._missing_root():

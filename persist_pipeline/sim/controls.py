@@ -101,10 +101,8 @@ def gc_trusts_its_scan() -> Iterator[None]:
 @contextmanager
 def reader_hold_race() -> Iterator[None]:
     """Defect 7: a read fetches its state and registers the seqno it reads in two steps."""
-    import contextlib
 
-    @contextlib.contextmanager
-    def reading_state(self: read.ReadHandle) -> Iterator[Any]:
+    def start_reading(self: read.ReadHandle) -> Any:
         self._check()
         state = self._machine.fetch_latest()
         if self.reader_id not in state.leased_readers:
@@ -112,15 +110,9 @@ def reader_hold_race() -> Iterator[None]:
             raise LeaseExpired(f"reader {self.reader_id} was expired")
         with self._reading_lock:
             self._reading[state.seqno] = self._reading.get(state.seqno, 0) + 1
-        try:
-            yield state
-        finally:
-            with self._reading_lock:
-                self._reading[state.seqno] -= 1
-                if not self._reading[state.seqno]:
-                    del self._reading[state.seqno]
+        return state
 
-    with _patched(read.ReadHandle, "_reading_state", reading_state):
+    with _patched(read.ReadHandle, "_start_reading", start_reading):
         yield
 
 
