@@ -251,16 +251,21 @@ def test_s3_landing_errors_name_the_object(make_pipeline: Any, s3_uri: str, s3_c
     assert "persist-landing-" not in message  # not the temporary download
 
 
-def test_a_file_is_ingested_once_however_its_run_was_launched(make_pipeline: Any) -> None:
-    """Materialized by hand first (a partition re-run from the UI), then picked up by the
-    landing sensor: one write, not two (the snapshot has d=1, never d=2)."""
+def _orders_with_file(make_pipeline: Any, name: str, text: str) -> tuple[Pipeline, Path, Any]:
+    """A pipeline with one files shard, ``orders``, whose landing folder holds ``name``."""
     pipeline: Pipeline = make_pipeline({"orders": {"source": {
         "kind": "files", "uri": "{data_dir}/landing/orders"}}})
     landing = pipeline.data_dir / "landing" / "orders"
     landing.mkdir(parents=True)
-    (landing / "day1.csv").write_text("k,v,t\na,1,0\nb,2,0\n")
+    (landing / name).write_text(text)
+    return pipeline, landing, pipeline.defs.resolve_job_def("ingest_files_job")
+
+
+def test_a_file_is_ingested_once_however_its_run_was_launched(make_pipeline: Any) -> None:
+    """Materialized by hand first (a partition re-run from the UI), then picked up by the
+    landing sensor: one write, not two (the snapshot has d=1, never d=2)."""
+    pipeline, landing, job = _orders_with_file(make_pipeline, "day1.csv", "k,v,t\na,1,0\nb,2,0\n")
     shard_id = pipeline.shard_id("orders")
-    job = pipeline.defs.resolve_job_def("ingest_files_job")
 
     # By hand: the user adds the partition and materializes it (as the UI does).
     pipeline.instance.add_dynamic_partitions("landed_files", ["orders/day1.csv"])
@@ -337,13 +342,8 @@ def test_two_runs_of_one_file_at_once_write_it_once(make_pipeline: Any) -> None:
     """A run of a file's partition that starts while an earlier run of the same file is
     still in flight writes nothing and says which run has it; after that run failed
     (without writing), a re-run ingests the file."""
-    pipeline: Pipeline = make_pipeline({"orders": {"source": {
-        "kind": "files", "uri": "{data_dir}/landing/orders"}}})
-    landing = pipeline.data_dir / "landing" / "orders"
-    landing.mkdir(parents=True)
-    (landing / "day2.csv").write_text("k,v,t\na,1,0\n")
+    pipeline, _, job = _orders_with_file(make_pipeline, "day2.csv", "k,v,t\na,1,0\n")
     shard_id = pipeline.shard_id("orders")
-    job = pipeline.defs.resolve_job_def("ingest_files_job")
     pipeline.instance.add_dynamic_partitions("landed_files", ["orders/day2.csv"])
 
     # The earlier run: created (as the daemon or the UI would), not finished.
