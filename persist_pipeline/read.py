@@ -17,6 +17,7 @@ from persist_pipeline.exceptions import (
     CorruptPart,
     FencedOut,
     InvalidFrontier,
+    InvalidInput,
     LeaseExpired,
     NotYetAvailable,
     PersistError,
@@ -232,6 +233,8 @@ class ReadHandle:
             as_of: the time to read at.
             max_rows: the most rows in one record batch.
         """
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise InvalidInput(f"max_rows must be a positive int, got {max_rows!r}")
         with self._reading_state() as state:
             t = self._check_as_of(as_of, state)
             if not less_than(t, state.upper):

@@ -902,3 +902,14 @@ def test_fault_config_validated(kwargs: dict[str, Any]) -> None:
     with pytest.raises(InvalidConfig):
         # Operations are checked against the wrapped backend's operations.
         FaultyBlob(MemoryBlob(), FaultConfig(**kwargs))
+
+
+def test_get_range_reads_a_slice_and_refuses_bad_ranges(blob: Blob) -> None:
+    blob.set("r/part", b"0123456789")
+    assert blob.get_range("r/part", 2, 3) == b"234"
+    assert blob.get_range("r/part", 8, 10) == b"89"  # fewer at the end
+    assert blob.get_range("r/missing", 0, 4) is None
+    for start, length in ((-1, 2), (0, -1), (True, 1), (0, 1.5)):
+        with pytest.raises(InvalidInput):
+            blob.get_range("r/part", start, length)  # type: ignore[arg-type]
+    assert blob.get("r/part") == b"0123456789"  # unchanged

@@ -408,3 +408,23 @@ def test_a_missing_part_fails_its_own_split_merge_only(clients: Clients,
     assert info.value.metrics[str(good)]["applied"] == 1
     assert info.value.metrics[str(good)]["split_requests"] == 1
     assert len(client.machine(broken).fetch_latest().batches) == 4  # unchanged
+
+
+def test_bad_streaming_settings_are_refused_with_typed_errors(open_client: Any) -> None:
+    from persist_pipeline.exceptions import InvalidConfig, InvalidInput
+
+    for bad in ({"compaction_memory_bound_bytes": 1000},
+                {"compaction_memory_bound_bytes": 2.0 ** 30},
+                {"compaction_split_bytes": 0}):
+        with pytest.raises(InvalidConfig):
+            PersistConfig(**bad)
+    client = open_client()
+    shard = ShardId.new()
+    client.open_writer(shard).compare_and_append([(b"k", b"v", 0, 1)], 0, 1)
+    reader = client.open_reader(shard)
+    seqno = client.machine(str(shard)).fetch_latest().seqno
+    for max_rows in (0, -1, 1.5, True):
+        with pytest.raises(InvalidInput):
+            list(reader.snapshot_batches(0, max_rows=max_rows))
+    assert client.machine(str(shard)).fetch_latest().seqno == seqno  # nothing changed
+    reader.expire()
