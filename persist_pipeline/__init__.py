@@ -46,6 +46,7 @@ from persist_pipeline.exceptions import (
     NotYetAvailable,
     PersistError,
     ResourceExhausted,
+    SchemaMismatch,
     ShardNotFound,
     SinceViolation,
     UpperMismatch,
@@ -54,6 +55,7 @@ from persist_pipeline.frontier import CLOSED, Frontier
 from persist_pipeline.ids import ShardId
 from persist_pipeline.plan import SnapshotPlan
 from persist_pipeline.read import CriticalReaderHandle, Listen, ListenEvent, ReadHandle
+from persist_pipeline.schema import ShardSchema
 from persist_pipeline.write import WriteHandle, WriteResult
 
 __version__ = "0.1.0"
@@ -73,8 +75,10 @@ __all__ = [
     "PersistError",
     "ReadHandle",
     "ResourceExhausted",
+    "SchemaMismatch",
     "ShardId",
     "ShardNotFound",
+    "ShardSchema",
     "ShardSummary",
     "SinceViolation",
     "SnapshotPlan",

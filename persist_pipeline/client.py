@@ -19,17 +19,18 @@ from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import Consensus
 from persist_pipeline.consensus.retry import RetryingConsensus
-from persist_pipeline.exceptions import BlobError, InvalidConfig
+from persist_pipeline.exceptions import BlobError, InvalidConfig, InvalidInput
 from persist_pipeline.frontier import Frontier
 from persist_pipeline.gc import gc_shard
 from persist_pipeline.ids import ShardId, new_critical_reader_id, new_reader_id, new_writer_id
-from persist_pipeline.internal import state_codec
+from persist_pipeline.internal import state_codec, transitions
 from persist_pipeline.internal.blobs import ShardBlobs
 from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
 from persist_pipeline.internal.machine import Machine, MachineMetrics
 from persist_pipeline.internal.state import HollowPart, InlinePart
 from persist_pipeline.internal.trace import merge_requests
 from persist_pipeline.read import CriticalReaderHandle, ReadHandle
+from persist_pipeline.schema import ShardSchema
 from persist_pipeline.write import WriteHandle
 
 ShardLike = ShardId | str
@@ -170,14 +171,41 @@ class PersistClient:
         m.fetch_latest()  # raises ShardNotFound
         return m
 
-    def open_writer(self, shard: ShardLike, *, debug: str = "") -> WriteHandle:
-        """A writer; creates the shard (``since = upper = 0``) if it does not exist."""
+    def open_writer(self, shard: ShardLike, *, schema: ShardSchema | None = None,
+                    debug: str = "") -> WriteHandle:
+        """A writer; creates the shard (``since = upper = 0``) if it does not exist.
+
+        Args:
+            shard: the shard.
+            schema: make (or keep) the shard typed: recorded when the shard has no
+                updates yet; on a typed shard it must match the recorded one, or append
+                nullable value columns to it (recorded too). Without it, the writer
+                takes the shard's recorded schema, if any.
+            debug: shown in ``inspect``.
+
+        Raises:
+            SchemaMismatch: ``schema`` does not fit the shard (nothing is changed).
+        """
+        if schema is not None and not isinstance(schema, ShardSchema):
+            raise InvalidInput(f"schema must be a ShardSchema, got {type(schema).__name__}")
         m = self.machine(shard)
-        m.open(create=True)
+        state = m.open(create=True)
+        recorded = ShardSchema.from_bytes(state.schema) if state.schema else None
+        if schema is not None:
+            recorded, _ = m.apply(lambda s: transitions.record_schema(s, schema, m.now_ms()))
         handle = WriteHandle(m, new_writer_id(), self.inline_policy,
-                             self.blobs.wal is not None, debug)
+                             self.blobs.wal is not None, debug, recorded)
         self._handles.add(handle)
         return handle
+
+    def schema(self, shard: ShardLike) -> ShardSchema | None:
+        """The shard's recorded schema (None: an untyped shard).
+
+        Raises:
+            ShardNotFound: the shard does not exist.
+        """
+        state = self._existing(shard).fetch_latest()
+        return ShardSchema.from_bytes(state.schema) if state.schema else None
 
     def open_reader(self, shard: ShardLike, *, create: bool = False,
                     debug: str = "") -> ReadHandle:

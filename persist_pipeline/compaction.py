@@ -28,6 +28,7 @@ from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.merge import MemoryPlan, batch_rows, memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, Part
 from persist_pipeline.internal.trace import ApplyMergeOutcome, MergeReq, MergeRes, merge_requests
+from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import advance_times, consolidate
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,9 @@ def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
                 merged.append(_Run(parts, f"intermediate run of {where}"))
             runs = merged
             plan = memory_plan(memory_bound_bytes, len(runs), target_size_bytes)
+        schema = ShardSchema.from_bytes(req.schema) if req.schema else None
         writer = PartWriter(shard_id, batch_id, main, "main",
-                            min(target_size_bytes, plan.part_bytes))
+                            min(target_size_bytes, plan.part_bytes), schema)
         for table in merge_runs(_sources(blobs, runs, plan, since, keys), plan.chunk_bytes):
             writer.write(table)
         parts = writer.finish()

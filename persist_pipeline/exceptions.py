@@ -24,6 +24,11 @@ class InvalidUpdates(InvalidInput):
     """An update is malformed: non-bytes key/value, a bad time or diff, a bad table schema."""
 
 
+class SchemaMismatch(InvalidInput):
+    """A schema or a typed table does not fit the shard's recorded schema (or the shard
+    holds untyped data); nothing was changed."""
+
+
 class InvalidFrontier(InvalidInput):
     """A frontier argument is malformed or does not advance as required."""
 

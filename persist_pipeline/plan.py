@@ -51,6 +51,8 @@ if TYPE_CHECKING:
     import pyarrow.dataset as pads
     import pyarrow.fs as pafs
 
+    from persist_pipeline.schema import ShardSchema
+
 __all__ = ["PlanFile", "SnapshotPlan", "base_blob", "blob_filesystem", "file_uri",
            "latest_complete_time", "text_or_hex"]
 
@@ -195,13 +197,23 @@ class SnapshotPlan:
         seqno: the state version the plan was made from (held while the plan is open).
         files: URIs of the live Parquet parts (``file:///...`` or ``s3://bucket/key``).
         file_details: the same files with their store, key, size, rows and time range.
-        inline: the inline rows as a k/v/t/d ``pyarrow.Table`` (times kept).
+        inline: the inline rows as a k/v/t/d ``pyarrow.Table`` (times kept); a typed
+            shard's also have its key and value columns, as its Parquet files do.
+        schema: a typed shard's :class:`~persist_pipeline.schema.ShardSchema`, else None.
     """
 
     def __init__(self, *, shard_id: str, as_of: int, since: Frontier, upper: Frontier,
                  seqno: int, files: tuple[PlanFile, ...], inline: pa.Table,
-                 stores: Mapping[str, Blob], release: Callable[[], None]) -> None:
+                 stores: Mapping[str, Blob], release: Callable[[], None],
+                 schema: ShardSchema | None = None) -> None:
         self.shard_id = shard_id
+        self.schema = schema
+        if schema is not None:
+            inline = pa.Table.from_arrays(
+                [*inline.columns,
+                 *schema.decode(inline, f"shard {shard_id} inline").columns[
+                     :len(schema.columns)]],
+                schema=_file_schema(schema))
         self.as_of = as_of
         self.since = since
         self.upper = upper
@@ -257,19 +269,30 @@ class SnapshotPlan:
         pieces: list[pads.Dataset] = []
         for store in self.stores():
             paths = [f.path for f in self.file_details if f.store == store]
-            pieces.append(pads.dataset(paths, schema=SCHEMA, format="parquet",
+            # A typed shard's older files may lack value columns added since: null.
+            pieces.append(pads.dataset(paths, schema=self.dataset_schema, format="parquet",
                                        filesystem=self.filesystem(store)))
         if self.inline.num_rows or not pieces:
-            pieces.append(pads.dataset(self.inline.cast(SCHEMA)))
+            pieces.append(pads.dataset(self.inline.cast(self.dataset_schema)))
         return pieces[0] if len(pieces) == 1 else pads.dataset(pieces)
 
     def to_table(self) -> pa.Table:
         """The consolidated collection at ``as_of``, read through :meth:`to_dataset`
-        (equal to ``snapshot(as_of)``)."""
+        (equal to ``snapshot(as_of)``; typed for a typed shard)."""
         import pyarrow.dataset as pads
 
-        table = self.to_dataset().to_table(filter=pads.field("t") <= pa.scalar(self.as_of))
-        return consolidate(table, as_of=self.as_of)
+        table = self.to_dataset().to_table(columns=SCHEMA.names,
+                                           filter=pads.field("t") <= pa.scalar(self.as_of))
+        table = consolidate(table, as_of=self.as_of)
+        if self.schema is not None:
+            return self.schema.decode(table, f"shard {self.shard_id}")
+        return table
+
+    @property
+    def dataset_schema(self) -> pa.Schema:
+        """The columns of :meth:`to_dataset`: k, v, t, d, then a typed shard's key and
+        value columns."""
+        return SCHEMA if self.schema is None else _file_schema(self.schema)
 
     def describe(self) -> dict[str, Any]:
         """A JSON-ready description: times, files (no credentials) and inline rows.
@@ -301,6 +324,10 @@ class SnapshotPlan:
         return (f"SnapshotPlan(shard={self.shard_id}, as_of={self.as_of}, "
                 f"files={len(self.files)}, inline_rows={self.inline.num_rows}, "
                 f"{'closed' if self.closed else 'open'})")
+
+
+def _file_schema(schema: ShardSchema) -> pa.Schema:
+    return pa.schema([*SCHEMA, *schema.key, *schema.value])
 
 
 def text_or_hex(column: pa.ChunkedArray | pa.Array) -> tuple[str, list[str]]:

@@ -33,7 +33,8 @@ from persist_pipeline.internal.merge import batch_rows, memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, Part, State
 from persist_pipeline.internal.sync import new_lock
 from persist_pipeline.plan import PlanFile, SnapshotPlan, file_uri, latest_complete_time
-from persist_pipeline.updates import SCHEMA, advance_times, consolidate, decode_inline, empty_table
+from persist_pipeline.schema import ShardSchema
+from persist_pipeline.updates import advance_times, consolidate, decode_inline, empty_table
 
 #: The most rows in one record batch of :meth:`ReadHandle.snapshot_batches`.
 SNAPSHOT_BATCH_ROWS = 64 * 1024
@@ -207,14 +208,24 @@ class ReadHandle:
 
     def snapshot(self, as_of: int) -> pa.Table:
         """The collection at ``as_of``: a consolidated k/v/t/d table, every ``t == as_of``,
-        sorted by ``(k, v)`` (the concatenation of :meth:`snapshot_batches`).
+        sorted by ``(k, v)`` (the concatenation of :meth:`snapshot_batches`). A typed
+        shard's snapshot has its key and value columns instead of ``k`` and ``v``.
 
         Raises:
             SinceViolation: ``as_of`` is below this reader's since.
             NotYetAvailable: the shard's upper is not yet beyond ``as_of``.
         """
         batches = list(self.snapshot_batches(as_of))
-        return pa.Table.from_batches(batches, SCHEMA) if batches else empty_table()
+        if batches:
+            return pa.Table.from_batches(batches)
+        schema = self.schema()
+        return empty_table() if schema is None else schema.arrow_schema().empty_table()
+
+    def schema(self) -> ShardSchema | None:
+        """The shard's schema as last seen (None: untyped). Reads of a typed shard
+        return its key and value columns plus ``t`` and ``d`` instead of ``k``/``v``."""
+        data = self._machine.state.schema
+        return ShardSchema.from_bytes(data) if data else None
 
     def snapshot_batches(self, as_of: int,
                          max_rows: int = SNAPSHOT_BATCH_ROWS) -> Iterator[pa.RecordBatch]:
@@ -233,9 +244,14 @@ class ReadHandle:
             as_of: the time to read at.
             max_rows: the most rows in one record batch.
         """
+        return self._snapshot_batches(as_of, max_rows, typed=True)
+
+    def _snapshot_batches(self, as_of: int, max_rows: int,
+                          typed: bool) -> Iterator[pa.RecordBatch]:
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
             raise InvalidInput(f"max_rows must be a positive int, got {max_rows!r}")
         with self._reading_state() as state:
+            schema = ShardSchema.from_bytes(state.schema) if typed and state.schema else None
             t = self._check_as_of(as_of, state)
             if not less_than(t, state.upper):
                 raise NotYetAvailable(f"as_of {t} is not complete yet: the shard's upper is "
@@ -243,6 +259,8 @@ class ReadHandle:
             batches = [b for b in state.ordered_batches if b.desc.lower <= t]
             try:
                 for table in stream_snapshot(self._machine, batches, t):
+                    if schema is not None:
+                        table = schema.decode(table, f"shard {self.shard_id}")
                     yield from table.to_batches(max_chunksize=max_rows)
             except CorruptPart as e:
                 self._raise_if_expired(e)
@@ -252,7 +270,8 @@ class ReadHandle:
         """A digest of the collection at ``as_of``, computed from
         :meth:`snapshot_batches` in bounded memory: equal collections, and only those
         (up to BLAKE2b collisions), have equal fingerprints."""
-        return fingerprint_batches(self.snapshot_batches(as_of))
+        return fingerprint_batches(self._snapshot_batches(as_of, SNAPSHOT_BATCH_ROWS,
+                                                          typed=False))
 
     def listen(self, as_of: int) -> Listen:
         """Every update with ``t > as_of``, in time order, with progress frontiers.
@@ -308,9 +327,10 @@ class ReadHandle:
             if self._machine.blobs.wal is not None:
                 stores["wal"] = self._machine.blobs.wal
             table = pa.concat_tables(inline) if inline else empty_table()
+            schema = ShardSchema.from_bytes(state.schema) if state.schema else None
             return SnapshotPlan(shard_id=self.shard_id, as_of=t, since=state.since,
                                 upper=state.upper, seqno=state.seqno, files=tuple(files),
-                                inline=table, stores=stores,
+                                inline=table, stores=stores, schema=schema,
                                 release=lambda: self._stop_reading(state, heartbeat=True))
         except BaseException:
             self._stop_reading(state)
@@ -419,7 +439,8 @@ class ListenEvent:
 
     Attributes:
         kind: ``"updates"`` or ``"progress"``.
-        updates: for ``"updates"``, a consolidated k/v/t/d table (times kept).
+        updates: for ``"updates"``, a consolidated k/v/t/d table (times kept); a typed
+            shard's key and value columns instead of ``k``/``v``.
         upper: for ``"progress"``, the new frontier (``None``: the shard is closed).
     """
 
@@ -476,6 +497,9 @@ class Listen:
             mask = pc.and_(mask, pc.less(table.column("t"), hi))
         table = consolidate(table.filter(mask))
         if table.num_rows:
+            if state.schema:
+                table = ShardSchema.from_bytes(state.schema).decode(
+                    table, f"shard {state.shard_id}")
             events.append(ListenEvent("updates", updates=table))
         events.append(ListenEvent("progress", upper=hi))
         self.frontier = hi

@@ -114,7 +114,7 @@ def _check_table(table: pa.Table) -> pa.Table:
     return table
 
 
-def _frame_to_table(obj: object) -> object:
+def frame_to_table(obj: object) -> object:
     """A pandas/polars DataFrame or an Arrow stream as a pyarrow Table; anything else
     unchanged. Neither pandas nor polars is imported here."""
     if isinstance(obj, pa.RecordBatchReader):
@@ -164,7 +164,7 @@ class Updates:
         if isinstance(updates, pa.RecordBatch):
             updates = pa.Table.from_batches([updates])
         elif not isinstance(updates, pa.Table):
-            updates = _frame_to_table(updates)
+            updates = frame_to_table(updates)
         if isinstance(updates, pa.Table):
             return cls(None, consolidate(_check_table(updates)))
         if isinstance(updates, str | bytes | dict) or not isinstance(updates, Iterable):
@@ -281,7 +281,8 @@ def encode_parquet(table: pa.Table) -> bytes:
 def decode_parquet(data: bytes, where: str) -> pa.Table:
     """Decode a Parquet part; raises :class:`CorruptPart` naming ``where``."""
     try:
-        table = pq.read_table(io.BytesIO(data))
+        # Only the storage columns: a typed shard's parts also carry its typed columns.
+        table = pq.read_table(io.BytesIO(data), columns=SCHEMA.names)
         return table.select(["k", "v", "t", "d"]).cast(SCHEMA)
     except (pa.ArrowMemoryError, MemoryError) as e:
         raise ResourceExhausted(f"out of memory decoding Parquet part {where} "

@@ -6,14 +6,19 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from persist_pipeline.config import InlinePolicy, Placement
 from persist_pipeline.exceptions import (
     CommitDeadlineExceeded,
+    CorruptPart,
     Indeterminate,
     InvalidFrontier,
     InvalidUpdates,
     LeaseExpired,
     PersistError,
+    SchemaMismatch,
     UpperMismatch,
 )
 from persist_pipeline.frontier import Frontier, check_frontier, less_equal, less_than
@@ -21,14 +26,20 @@ from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import write_parts
 from persist_pipeline.internal.heartbeat import Heartbeater
+from persist_pipeline.internal.lookup import current_rows
 from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.state import Batch, Description, HollowPart, InlinePart, Store
-from persist_pipeline.updates import Updates
+from persist_pipeline.schema import ShardSchema
+from persist_pipeline.updates import SCHEMA, Updates
 
 if TYPE_CHECKING:
     from persist_pipeline.internal.state import State
 
 log = logging.getLogger(__name__)
+
+#: How many times an upsert or delete re-reads its keys after losing a race to another
+#: write (or to GC collecting parts a compaction replaced) before giving up.
+_REPLACE_ATTEMPTS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +73,9 @@ class WriteHandle:
     """Appends to one shard. Obtain one with :meth:`PersistClient.open_writer`."""
 
     def __init__(self, machine: Machine, writer_id: str, policy: InlinePolicy,
-                 has_wal: bool, debug: str = "") -> None:
+                 has_wal: bool, debug: str = "", schema: ShardSchema | None = None) -> None:
         self._machine = machine
+        self.schema = schema
         self.writer_id = writer_id
         self.policy = policy
         self._store: Store = "wal" if has_wal else "main"
@@ -129,7 +141,7 @@ class WriteHandle:
         if not less_than(expected, upper):
             raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
                                   f"({expected})")
-        data = Updates.coerce(updates)
+        data = self._coerce(updates)
         _check_times(data, expected, upper)
         token = idempotency_token or new_token()
         try:
@@ -199,7 +211,7 @@ class WriteHandle:
                                  sum(p.encoded_size for p in parts), len(parts),
                                  fell_back=False,
                                  commit_deadline_ms=machine.commit_deadline_ms(uploaded_at_ms))
-        except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates):
+        except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates, SchemaMismatch):
             # Certainly not committed (the CaS loop settled every lost reply first).
             self._delete_uncommitted(parts)
             raise
@@ -222,7 +234,7 @@ class WriteHandle:
         hi = check_frontier(upper, "upper")
         if lo is None or not less_than(lo, hi):
             raise InvalidFrontier(f"upper ({hi}) must be beyond lower ({lo})")
-        data = Updates.coerce(updates)
+        data = self._coerce(updates)
         _check_times(data, lo, hi)
         token = new_token()
         while True:
@@ -240,6 +252,91 @@ class WriteHandle:
                     continue
                 state = self._machine.state
                 return WriteResult("none", 0, state.seqno, current, 0)
+
+    def upsert(self, table: object, ts: int | None = None) -> WriteResult:
+        """Make each row of ``table`` the value of its key at ``ts`` (typed shards).
+
+        The previous rows of those keys (found through the parts whose key bounds can
+        hold them) are retracted and the new ones added, in ONE compare-and-set append
+        that advances the upper to ``ts + 1``. If another write lands first, the keys are
+        read again and the append retried, as long as ``ts`` is still at or beyond the
+        shard's upper.
+
+        Args:
+            table: the key and value columns (a pyarrow Table, pandas/polars DataFrame,
+                Arrow stream or list of row dicts); each key at most once.
+            ts: the time of the change, at or beyond the shard's upper; None: at the
+                shard's upper when the write commits (a retry takes the new upper).
+
+        Raises:
+            SchemaMismatch: an untyped shard, or the table does not fit the schema.
+            InvalidUpdates: a key appears twice. InvalidFrontier: ``ts`` is not a time.
+            UpperMismatch: the shard's upper is beyond ``ts`` (the past cannot change;
+                nothing was written).
+        """
+        schema = self._require_schema("upsert")
+        rows = schema.encode(table, with_times=False)
+        keys = rows.column("k")
+        if pc.count_distinct(keys).as_py() != rows.num_rows:
+            raise InvalidUpdates("upsert: a key appears more than once in the table (which "
+                                 "value would win is undefined)")
+        return self._replace_keys(keys, rows, ts, "upsert")
+
+    def delete(self, keys: object, ts: int | None = None) -> WriteResult:
+        """Remove the rows of ``keys`` (a table of the key columns) at ``ts``; keys
+        without rows are ignored. Atomic and retried like :meth:`upsert`."""
+        schema = self._require_schema("delete")
+        return self._replace_keys(schema.encode_keys(keys), None, ts, "delete")
+
+    def _require_schema(self, what: str) -> ShardSchema:
+        self._check_open()
+        if self.schema is None:
+            raise SchemaMismatch(f"{what} needs a typed shard (open the writer with a "
+                                 f"ShardSchema); shard {self.shard_id} is untyped")
+        return self.schema
+
+    def _replace_keys(self, keys: pa.ChunkedArray | pa.Array, rows: pa.Table | None,
+                      ts: int | None, what: str) -> WriteResult:
+        wanted = None if ts is None else check_frontier(ts, "ts")
+        sorted_keys = sorted(set(keys.to_pylist()))
+        machine = self._machine
+        for attempt in range(_REPLACE_ATTEMPTS):
+            state = machine.fetch_latest()
+            expected = state.upper
+            if expected is None:
+                raise InvalidFrontier(f"{what}: shard {self.shard_id} is closed")
+            time = expected if wanted is None else wanted
+            if time < expected:
+                raise UpperMismatch(time, expected)
+            try:
+                current = current_rows(machine.blobs, state, sorted_keys)
+            except CorruptPart:
+                # A part collected after compaction replaced it: read a newer state.
+                if attempt + 1 < _REPLACE_ATTEMPTS and machine.fetch_latest().seqno > \
+                        state.seqno:
+                    continue
+                raise
+            retract = current.set_column(2, "t", pa.array([time] * current.num_rows,
+                                                          pa.int64()))
+            retract = retract.set_column(3, "d", pc.negate(current.column("d")))
+            pieces = [retract.cast(SCHEMA)]
+            if rows is not None:
+                pieces.append(rows.set_column(2, "t", pa.array([time] * rows.num_rows,
+                                                               pa.int64())).cast(SCHEMA))
+            try:
+                return self.compare_and_append(Updates.coerce(pa.concat_tables(pieces)),
+                                               expected, time + 1)
+            except UpperMismatch:
+                continue  # another write landed: read the keys again
+        raise UpperMismatch(expected, machine.fetch_latest().upper)
+
+    def _coerce(self, updates: object) -> Updates:
+        """Validated, consolidated updates: typed tables encoded for a typed shard."""
+        if self.schema is None:
+            return Updates.coerce(updates)
+        if isinstance(updates, Updates):
+            return updates
+        return Updates.coerce(self.schema.encode(updates))
 
     def _commit(self, data: Updates, expected: int, upper: Frontier, token: str) -> WriteResult:
         batch_id = f"b{token}"
@@ -270,7 +367,7 @@ class WriteHandle:
         started_ms = machine.now_ms()
         parts = write_parts(data.table(), self.shard_id, batch_id,
                             machine.blobs.store(self._store), self._store,
-                            machine.config.blob_target_size_bytes)
+                            machine.config.blob_target_size_bytes, schema=self.schema)
         try:
             batch = Batch(batch_id, desc, parts, len(data))
             placement: Placement = "wal" if self._store == "wal" else "blob"
@@ -280,7 +377,7 @@ class WriteHandle:
                                  commit_deadline_ms=machine.commit_deadline_ms(started_ms))
             assert result is not None
             return result
-        except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates):
+        except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates, SchemaMismatch):
             # Certainly not committed: the CaS loop settles every lost reply before it
             # answers "no". Indeterminate (and any other error) leaves the parts to GC.
             self._delete_uncommitted(parts)
@@ -305,9 +402,15 @@ class WriteHandle:
                 state, batch, writer_id=self.writer_id, token=token, expected_upper=expected,
                 new_upper=upper, now_ms=machine.now_ms(), lease_ms=lease,
                 inline_max_bytes=policy.max_bytes, fell_back=fell_back,
-                commit_deadline_ms=commit_deadline_ms)
+                commit_deadline_ms=commit_deadline_ms, typed=self.schema is not None)
 
         result, state = machine.apply(transition)
+        if isinstance(result, transitions.SchemaChanged):
+            raise SchemaMismatch(
+                f"shard {self.shard_id} is {'typed' if result.typed else 'untyped'} but this "
+                f"writer was opened {'without' if result.typed else 'with'} a schema (the "
+                f"shard's schema was recorded after it opened): reopen the writer; nothing "
+                f"was written")
         if isinstance(result, transitions.DeadlineExceeded):
             raise CommitDeadlineExceeded(
                 f"shard {self.shard_id}: parts uploaded too long ago to commit safely (GC "

@@ -12,12 +12,16 @@ from __future__ import annotations
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from persist_pipeline.blob.base import Blob
+
+if TYPE_CHECKING:
+    from persist_pipeline.schema import ShardSchema
 from persist_pipeline.exceptions import CorruptPart, ResourceExhausted
 from persist_pipeline.internal import paths
 from persist_pipeline.internal.state import HollowPart, InlinePart, Part, Store, key_bounds
@@ -189,8 +193,11 @@ class PartWriter:
     """
 
     def __init__(self, shard_id: str, batch_id: str, blob: Blob, store: Store,
-                 target_size_bytes: int) -> None:
+                 target_size_bytes: int, schema: ShardSchema | None = None) -> None:
         self._shard_id = shard_id
+        self._schema = schema
+        self._file_schema = SCHEMA if schema is None else pa.schema(
+            [*SCHEMA, *schema.key, *schema.value], metadata=SCHEMA.metadata)
         self._batch_id = batch_id
         self._blob = blob
         self._store: Store = store
@@ -240,12 +247,21 @@ class PartWriter:
                 self._sink = io.BytesIO()
                 options = parquet_write_options(piece)
                 del options["row_group_size"]
-                self._writer = pq.ParquetWriter(self._sink, SCHEMA, **options)
+                self._writer = pq.ParquetWriter(self._sink, self._file_schema, **options)
             assert self._sink is not None
-            self._writer.write_table(piece, row_group_size=step)
+            self._writer.write_table(self._with_typed_columns(piece), row_group_size=step)
             self._track(piece)
             if self._sink.tell() >= self._target:
                 self._flush_part()
+
+    def _with_typed_columns(self, piece: pa.Table) -> pa.Table:
+        """A typed shard's parts carry its key and value columns beside k/v (decoded
+        from them), so that other engines read real types."""
+        if self._schema is None:
+            return piece
+        typed = self._schema.decode(piece, f"a part of shard {self._shard_id}")
+        columns = [*piece.columns, *typed.columns[:len(self._schema.columns)]]
+        return pa.Table.from_arrays(columns, schema=self._file_schema)
 
     def _track(self, piece: pa.Table) -> None:
         times = pc.min_max(piece.column("t")).as_py()
@@ -275,8 +291,10 @@ class PartWriter:
 
 
 def write_parts(table: pa.Table, shard_id: str, batch_id: str, blob: Blob, store: Store,
-                target_size_bytes: int) -> tuple[HollowPart, ...]:
-    """Write a consolidated table as Parquet parts of about ``target_size_bytes`` each."""
-    writer = PartWriter(shard_id, batch_id, blob, store, target_size_bytes)
+                target_size_bytes: int, schema: ShardSchema | None = None
+                ) -> tuple[HollowPart, ...]:
+    """Write a consolidated table as Parquet parts of about ``target_size_bytes`` each
+    (with a typed shard's columns beside k/v when ``schema`` is given)."""
+    writer = PartWriter(shard_id, batch_id, blob, store, target_size_bytes, schema)
     writer.write(table)
     return writer.finish()

@@ -216,6 +216,8 @@ class State:
         orphan_sweep_ms: when GC's orphan sweep last fenced commits (see :mod:`gc`).
         batches: by batch id.
         spine: Spine entries by their lower.
+        schema: a typed shard's encoded :class:`~persist_pipeline.schema.ShardSchema`
+            (empty: untyped).
     """
 
     shard_id: str
@@ -233,6 +235,7 @@ class State:
     critical_readers: Mapping[str, CriticalReader] = field(default_factory=dict)
     writers: Mapping[str, Writer] = field(default_factory=dict)
     rollups: Mapping[int, Rollup] = field(default_factory=dict)
+    schema: bytes = b""
 
     @cached_property
     def ordered_batches(self) -> tuple[Batch, ...]:

@@ -198,6 +198,7 @@ def encode_state(state: State) -> bytes:
         _writer_to(state.writers[k], msg.writers.add())
     for seqno in sorted(state.rollups):
         _rollup_to(state.rollups[seqno], msg.rollups.add())
+    msg.schema = state.schema
     return msg.SerializeToString(deterministic=True)
 
 
@@ -216,6 +217,7 @@ def decode_state(data: bytes, where: str) -> State:
             critical_readers={r.id: _critical_from(r) for r in msg.critical_readers},
             writers={w.id: _writer_from(w) for w in msg.writers},
             rollups={r.seqno: _rollup_from(r) for r in msg.rollups},
+            schema=msg.schema,
             **_scalars_from(msg.scalars),
         )
     except (DecodeError, ValueError, TypeError) as e:
@@ -287,6 +289,8 @@ def encode_diff(old: State, new: State) -> bytes:
         for value in ups:
             f.to_proto(value, out.add())
         getattr(msg, f.deletes).extend(dels)
+    if new.schema != old.schema:
+        msg.schema = new.schema
     return msg.SerializeToString()
 
 
@@ -325,8 +329,9 @@ def apply_diff(state: State, diff: pb.StateDiff, where: str) -> State:
                                    [f.from_proto(v) for v in getattr(diff, f.upserts)],
                                    list(getattr(diff, f.deletes)), f.key)
                 for f in _MAP_FIELDS}
+        schema = diff.schema if diff.HasField("schema") else state.schema
         return replace(state, shard_id=diff.shard_id, seqno=diff.seqno, **maps,
-                       **_scalars_from(diff.scalars))
+                       schema=schema, **_scalars_from(diff.scalars))
     except (ValueError, TypeError) as e:
         raise CorruptState(f"corrupt state diff at {where}: {e}") from None
 

@@ -23,6 +23,9 @@ class MergeReq:
     spine_lower: int
     inputs: tuple[Batch, ...]
     desc: Description
+    #: The shard's encoded schema when the request was made (typed shards' output parts
+    #: carry typed columns); empty for untyped shards.
+    schema: bytes = b""
 
     @property
     def input_ids(self) -> tuple[str, ...]:
@@ -83,7 +86,7 @@ def merge_requests(state: State) -> list[MergeReq]:
             continue
         desc = Description(inputs[0].desc.lower, inputs[-1].desc.upper,
                            max(since, max(b.desc.since for b in inputs)))
-        reqs.append(MergeReq(entry.lower, inputs, desc))
+        reqs.append(MergeReq(entry.lower, inputs, desc, state.schema))
     return reqs
 
 

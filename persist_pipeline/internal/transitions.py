@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from persist_pipeline.exceptions import InvalidFrontier, InvalidInput, LeaseExpired
+from persist_pipeline.exceptions import (
+    InvalidFrontier,
+    InvalidInput,
+    LeaseExpired,
+    SchemaMismatch,
+)
 from persist_pipeline.frontier import Frontier, less_equal, less_than
 from persist_pipeline.internal.state import (
     Batch,
@@ -21,6 +26,7 @@ from persist_pipeline.internal.state import (
     Writer,
 )
 from persist_pipeline.internal.trace import ApplyMergeOutcome, MergeRes, apply_merge_res, push_batch
+from persist_pipeline.schema import ShardSchema
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +55,16 @@ class InlineBudgetExceeded:
     current_inline_bytes: int
 
 
-AppendResult = Appended | UpperMismatchResult | InlineBudgetExceeded | DeadlineExceeded
+@dataclass(frozen=True, slots=True)
+class SchemaChanged:
+    """The shard became typed (or is typed) and this write's updates are not encoded for
+    it: an untyped writer opened before the shard's schema was recorded."""
+
+    typed: bool
+
+
+AppendResult = (Appended | UpperMismatchResult | InlineBudgetExceeded | DeadlineExceeded
+                | SchemaChanged)
 
 
 def _with_since(state: State, **changes: object) -> State:
@@ -91,6 +106,7 @@ def compare_and_append(
     inline_max_bytes: int,
     fell_back: bool,
     commit_deadline_ms: int | None = None,
+    typed: bool = False,
 ) -> tuple[State, AppendResult]:
     """Append ``batch`` (None: no updates) iff the shard's upper is ``expected_upper``.
 
@@ -98,7 +114,8 @@ def compare_and_append(
     recent committed write carried ``token`` and reached ``new_upper``, the append is
     reported as already committed. ``fell_back`` counts an inline candidate that went to
     blob because the budget was full. Idempotency is checked before ``commit_deadline_ms``:
-    a write that committed is reported as such however late the retry.
+    a write that committed is reported as such however late the retry. ``typed`` says
+    whether the updates are encoded rows of the shard's schema; it must match the state.
     """
     writer = state.writers.get(writer_id)
     if (writer is not None and writer.most_recent_write_token == token
@@ -109,6 +126,8 @@ def compare_and_append(
         return state, Appended(already_committed=True)
     if commit_deadline_ms is not None and now_ms > commit_deadline_ms:
         return state, DeadlineExceeded(commit_deadline_ms)
+    if bool(state.schema) != typed:
+        return state, SchemaChanged(bool(state.schema))
     if state.upper != expected_upper:
         return state, UpperMismatchResult(state.upper)
     inline = batch.inline_bytes if batch is not None else 0
@@ -129,6 +148,26 @@ def compare_and_append(
         push_batch(spine, batch)
         changes.update(batches=batches, spine=spine, inline_bytes=state.inline_bytes + inline)
     return replace(state, **changes), Appended()  # type: ignore[arg-type]
+
+
+def record_schema(state: State, requested: ShardSchema, now_ms: int
+                  ) -> tuple[State, ShardSchema]:
+    """Record a typed shard's schema: at creation (a shard without updates), or evolved
+    (nullable value columns appended). Returns the schema now recorded.
+
+    Raises:
+        SchemaMismatch: the shard holds untyped updates, or the schemas are incompatible.
+    """
+    if not state.schema:
+        if any(b.num_updates for b in state.batches.values()):
+            raise SchemaMismatch(f"shard {state.shard_id} holds untyped updates: a schema "
+                                 f"can only be given when a shard is created")
+        return replace(state, schema=requested.to_bytes(), walltime_ms=now_ms), requested
+    stored = ShardSchema.from_bytes(state.schema)
+    evolved = stored.evolve(requested)
+    if evolved is stored:
+        return state, stored
+    return replace(state, schema=evolved.to_bytes(), walltime_ms=now_ms), evolved
 
 
 def batch_in_state(state: State, batch: Batch | None) -> bool:

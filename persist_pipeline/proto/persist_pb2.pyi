@@ -171,7 +171,7 @@ class Scalars(_message.Message):
     def __init__(self, walltime_ms: _Optional[int] = ..., upper: _Optional[_Union[Frontier, _Mapping]] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., inline_bytes: _Optional[int] = ..., created_ms: _Optional[int] = ..., inline_fallbacks: _Optional[int] = ..., orphan_sweep_ms: _Optional[int] = ...) -> None: ...
 
 class State(_message.Message):
-    __slots__ = ("format_version", "shard_id", "seqno", "scalars", "batches", "spine", "leased_readers", "critical_readers", "writers", "rollups")
+    __slots__ = ("format_version", "shard_id", "seqno", "scalars", "batches", "spine", "leased_readers", "critical_readers", "writers", "rollups", "schema")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     SEQNO_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,7 @@ class State(_message.Message):
     CRITICAL_READERS_FIELD_NUMBER: _ClassVar[int]
     WRITERS_FIELD_NUMBER: _ClassVar[int]
     ROLLUPS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     shard_id: str
     seqno: int
@@ -192,10 +193,11 @@ class State(_message.Message):
     critical_readers: _containers.RepeatedCompositeFieldContainer[CriticalReader]
     writers: _containers.RepeatedCompositeFieldContainer[Writer]
     rollups: _containers.RepeatedCompositeFieldContainer[Rollup]
-    def __init__(self, format_version: _Optional[int] = ..., shard_id: _Optional[str] = ..., seqno: _Optional[int] = ..., scalars: _Optional[_Union[Scalars, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ..., spine: _Optional[_Iterable[_Union[SpineEntry, _Mapping]]] = ..., leased_readers: _Optional[_Iterable[_Union[LeasedReader, _Mapping]]] = ..., critical_readers: _Optional[_Iterable[_Union[CriticalReader, _Mapping]]] = ..., writers: _Optional[_Iterable[_Union[Writer, _Mapping]]] = ..., rollups: _Optional[_Iterable[_Union[Rollup, _Mapping]]] = ...) -> None: ...
+    schema: bytes
+    def __init__(self, format_version: _Optional[int] = ..., shard_id: _Optional[str] = ..., seqno: _Optional[int] = ..., scalars: _Optional[_Union[Scalars, _Mapping]] = ..., batches: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ..., spine: _Optional[_Iterable[_Union[SpineEntry, _Mapping]]] = ..., leased_readers: _Optional[_Iterable[_Union[LeasedReader, _Mapping]]] = ..., critical_readers: _Optional[_Iterable[_Union[CriticalReader, _Mapping]]] = ..., writers: _Optional[_Iterable[_Union[Writer, _Mapping]]] = ..., rollups: _Optional[_Iterable[_Union[Rollup, _Mapping]]] = ..., schema: _Optional[bytes] = ...) -> None: ...
 
 class StateDiff(_message.Message):
-    __slots__ = ("format_version", "shard_id", "seqno", "scalars", "batch_upserts", "batch_deletes", "spine_upserts", "spine_deletes", "reader_upserts", "reader_deletes", "critical_upserts", "critical_deletes", "writer_upserts", "writer_deletes", "rollup_upserts", "rollup_deletes")
+    __slots__ = ("format_version", "shard_id", "seqno", "scalars", "batch_upserts", "batch_deletes", "spine_upserts", "spine_deletes", "reader_upserts", "reader_deletes", "critical_upserts", "critical_deletes", "writer_upserts", "writer_deletes", "rollup_upserts", "rollup_deletes", "schema")
     FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     SEQNO_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +214,7 @@ class StateDiff(_message.Message):
     WRITER_DELETES_FIELD_NUMBER: _ClassVar[int]
     ROLLUP_UPSERTS_FIELD_NUMBER: _ClassVar[int]
     ROLLUP_DELETES_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
     format_version: int
     shard_id: str
     seqno: int
@@ -228,7 +231,8 @@ class StateDiff(_message.Message):
     writer_deletes: _containers.RepeatedScalarFieldContainer[str]
     rollup_upserts: _containers.RepeatedCompositeFieldContainer[Rollup]
     rollup_deletes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, format_version: _Optional[int] = ..., shard_id: _Optional[str] = ..., seqno: _Optional[int] = ..., scalars: _Optional[_Union[Scalars, _Mapping]] = ..., batch_upserts: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ..., batch_deletes: _Optional[_Iterable[str]] = ..., spine_upserts: _Optional[_Iterable[_Union[SpineEntry, _Mapping]]] = ..., spine_deletes: _Optional[_Iterable[int]] = ..., reader_upserts: _Optional[_Iterable[_Union[LeasedReader, _Mapping]]] = ..., reader_deletes: _Optional[_Iterable[str]] = ..., critical_upserts: _Optional[_Iterable[_Union[CriticalReader, _Mapping]]] = ..., critical_deletes: _Optional[_Iterable[str]] = ..., writer_upserts: _Optional[_Iterable[_Union[Writer, _Mapping]]] = ..., writer_deletes: _Optional[_Iterable[str]] = ..., rollup_upserts: _Optional[_Iterable[_Union[Rollup, _Mapping]]] = ..., rollup_deletes: _Optional[_Iterable[int]] = ...) -> None: ...
+    schema: bytes
+    def __init__(self, format_version: _Optional[int] = ..., shard_id: _Optional[str] = ..., seqno: _Optional[int] = ..., scalars: _Optional[_Union[Scalars, _Mapping]] = ..., batch_upserts: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ..., batch_deletes: _Optional[_Iterable[str]] = ..., spine_upserts: _Optional[_Iterable[_Union[SpineEntry, _Mapping]]] = ..., spine_deletes: _Optional[_Iterable[int]] = ..., reader_upserts: _Optional[_Iterable[_Union[LeasedReader, _Mapping]]] = ..., reader_deletes: _Optional[_Iterable[str]] = ..., critical_upserts: _Optional[_Iterable[_Union[CriticalReader, _Mapping]]] = ..., critical_deletes: _Optional[_Iterable[str]] = ..., writer_upserts: _Optional[_Iterable[_Union[Writer, _Mapping]]] = ..., writer_deletes: _Optional[_Iterable[str]] = ..., rollup_upserts: _Optional[_Iterable[_Union[Rollup, _Mapping]]] = ..., rollup_deletes: _Optional[_Iterable[int]] = ..., schema: _Optional[bytes] = ...) -> None: ...
 
 class ShardSummary(_message.Message):
     __slots__ = ("upper", "since", "inline_bytes", "num_batches", "num_inline_parts", "pending_merges", "walltime_ms", "latest_rollup_seqno", "inline_fallbacks", "latest_rollup_key")

@@ -1,0 +1,73 @@
+"""Point lookups by key: the current rows of some keys, for upserts and deletes.
+
+Only parts whose recorded key bounds can hold one of the keys are read, and of those only
+the row groups whose key statistics span one of them (:meth:`ShardBlobs.stream_part`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_pipeline.frontier import MAX_TIME
+from persist_pipeline.internal.blobs import ShardBlobs
+from persist_pipeline.internal.merge import batch_rows
+from persist_pipeline.internal.state import HollowPart, InlinePart, Part, State
+from persist_pipeline.updates import SCHEMA, consolidate, empty_table
+
+#: Rows per streamed chunk of a part scanned by a lookup.
+_LOOKUP_CHUNK_BYTES = 8 << 20
+
+
+def _holds_one_of(part: HollowPart, keys: Sequence[bytes]) -> tuple[bytes, bytes] | None:
+    """The least and greatest of ``keys`` within the part's key bounds, or None."""
+    lo = 0 if part.min_key is None else bisect.bisect_left(keys, part.min_key)
+    hi = len(keys) if part.max_key is None else bisect.bisect_right(keys, part.max_key)
+    if lo >= hi:
+        return None
+    return keys[lo], keys[hi - 1]
+
+
+def _part_rows(blobs: ShardBlobs, part: Part, keys: Sequence[bytes], key_set: pa.Array,
+               where: str) -> list[pa.Table]:
+    if isinstance(part, InlinePart):
+        table = blobs.fetch_part(part, where)
+        return [table.filter(pc.is_in(table.column("k"), value_set=key_set))]
+    span = _holds_one_of(part, keys)
+    if span is None:
+        return []
+    rows = batch_rows(_LOOKUP_CHUNK_BYTES, part.encoded_size, part.num_updates)
+    out = []
+    # The upper bound is exclusive: the greatest key plus a zero byte follows it.
+    for chunk in blobs.stream_part(part, where, rows, key_lower=span[0],
+                                   key_upper=span[1] + b"\x00"):
+        found = chunk.filter(pc.is_in(chunk.column("k"), value_set=key_set))
+        if found.num_rows:
+            out.append(found)
+    return out
+
+
+def current_rows(blobs: ShardBlobs, state: State, keys: Sequence[bytes]) -> pa.Table:
+    """Every ``(k, v)`` of ``keys`` with its accumulated diff over all of ``state``'s
+    updates (every time below its upper), zero sums dropped: the keys' rows as of
+    ``upper - 1``. ``keys`` must be sorted and distinct.
+
+    Raises:
+        CorruptPart: a part is unreadable or missing (e.g. collected after compaction
+            replaced it: the caller re-reads a newer state).
+    """
+    if not keys:
+        return empty_table()
+    key_set = pa.array(keys, pa.binary())
+    where = f"shard {state.shard_id} key lookup"
+    pieces: list[pa.Table] = []
+    for batch in state.ordered_batches:
+        for part in batch.parts:
+            pieces.extend(_part_rows(blobs, part, keys, key_set, where))
+    if not pieces:
+        return empty_table()
+    # All times advanced to one: the sums are the multiplicities at upper - 1.
+    return consolidate(pa.concat_tables(pieces).cast(SCHEMA), since=MAX_TIME)

@@ -1,0 +1,294 @@
+"""Typed shards: :class:`ShardSchema`, the Arrow schema of a shard's keys and values.
+
+A typed shard is an ordinary shard whose ``k`` and ``v`` bytes are the canonical row
+encoding of its key and value columns (:mod:`persist_pipeline.internal.rowcodec`), so
+compaction, consolidation and every guarantee apply unchanged. The schema is recorded in
+the shard's state when the shard is created; writers and readers convert between typed
+tables (the key and value columns plus ``t`` and ``d``) and the encoded updates.
+
+Evolution: value columns may be appended later if they are nullable; rows written before
+read with nulls there (a row's encoding ends after its last non-null value column, so the
+old and new encodings of the same row are identical). Keys never change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import pyarrow as pa
+
+from persist_pipeline.exceptions import InvalidInput, InvalidUpdates, SchemaMismatch
+from persist_pipeline.internal import rowcodec
+
+#: Column names the storage format uses itself; typed columns may not take them.
+RESERVED_COLUMNS = frozenset({"k", "v", "t", "d"})
+_KEY_COLUMNS_META = b"persist_pipeline.key_columns"
+
+
+def _as_schema(obj: object, what: str) -> pa.Schema:
+    if isinstance(obj, pa.Schema):
+        return obj
+    if isinstance(obj, Mapping):
+        obj = list(obj.items())
+    try:
+        return pa.schema(obj)
+    except (TypeError, ValueError, pa.ArrowException) as e:
+        raise InvalidInput(f"the {what} schema must be a pyarrow.Schema (or a list of "
+                           f"fields / a name -> type mapping): {e}") from None
+
+
+def _describe(field: pa.Field) -> str:
+    return f"{field.name}: {field.type}{'' if field.nullable else ' not null'}"
+
+
+def _same_field(a: pa.Field, b: pa.Field) -> bool:
+    return bool(a.name == b.name and a.type.equals(b.type) and a.nullable == b.nullable)
+
+
+@dataclass(frozen=True)
+class ShardSchema:
+    """The Arrow schemas of a typed shard's keys and values.
+
+    Args:
+        key: the key columns (at least one). Rows with equal keys are the same key.
+        value: the value columns (may be empty: a set of keys).
+
+    Raises:
+        InvalidInput: no key column, a repeated or reserved name (``k``, ``v``, ``t``,
+            ``d``), or an unsupported type.
+    """
+
+    key: pa.Schema
+    value: pa.Schema
+
+    def __init__(self, key: pa.Schema | Iterable[Any] | Mapping[str, Any],
+                 value: pa.Schema | Iterable[Any] | Mapping[str, Any] = ()) -> None:
+        object.__setattr__(self, "key", _as_schema(key, "key"))
+        object.__setattr__(self, "value", _as_schema(value, "value"))
+        if len(self.key) == 0:
+            raise InvalidInput("a shard schema needs at least one key column")
+        names = self.key.names + self.value.names
+        for name in names:
+            if names.count(name) > 1:
+                raise InvalidInput(f"column {name!r} appears twice in the shard schema")
+            if name in RESERVED_COLUMNS:
+                raise InvalidInput(f"column name {name!r} is reserved (k, v, t and d are the "
+                                   f"storage columns): rename it")
+        try:
+            for field in [*self.key, *self.value]:
+                rowcodec.check_type(field.type, f"column {field.name!r}")
+        except InvalidUpdates as e:
+            raise InvalidInput(str(e)) from None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ShardSchema):
+            return NotImplemented
+        return (len(self.key) == len(other.key) and len(self.value) == len(other.value)
+                and all(_same_field(a, b) for a, b in zip(self.key, other.key, strict=True))
+                and all(_same_field(a, b) for a, b in zip(self.value, other.value,
+                                                          strict=True)))
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.key.names), tuple(self.value.names)))
+
+    def __repr__(self) -> str:
+        keys = ", ".join(_describe(f) for f in self.key)
+        values = ", ".join(_describe(f) for f in self.value)
+        return f"ShardSchema(key=[{keys}], value=[{values}])"
+
+    @property
+    def columns(self) -> list[str]:
+        """Key then value column names."""
+        return [*self.key.names, *self.value.names]
+
+    def arrow_schema(self) -> pa.Schema:
+        """The schema of typed reads: key and value columns, then ``t`` and ``d``."""
+        return pa.schema([*self.key, *self.value, pa.field("t", pa.int64(), nullable=False),
+                          pa.field("d", pa.int64(), nullable=False)])
+
+    # --- recording in the state --------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """The schema as recorded in the shard's state (an Arrow IPC schema message)."""
+        both = pa.schema([*self.key, *self.value],
+                         metadata={_KEY_COLUMNS_META: str(len(self.key)).encode()})
+        return bytes(both.serialize().to_pybytes())
+
+    @staticmethod
+    def from_bytes(data: bytes) -> ShardSchema:
+        return _decode_schema(data)
+
+    def evolve(self, requested: ShardSchema) -> ShardSchema:
+        """The schema to record when a writer asks for ``requested`` on a shard that
+        has this one: the same, or this one with nullable value columns appended; a
+        request that lacks some trailing nullable value columns (an older writer) keeps
+        this one.
+
+        Raises:
+            SchemaMismatch: anything else (nothing is changed).
+        """
+        if not (len(self.key) == len(requested.key)
+                and all(_same_field(a, b) for a, b in zip(self.key, requested.key,
+                                                          strict=True))):
+            raise SchemaMismatch(
+                f"the shard's key columns are [{', '.join(_describe(f) for f in self.key)}]"
+                f", not [{', '.join(_describe(f) for f in requested.key)}]: keys cannot "
+                f"change")
+        common = min(len(self.value), len(requested.value))
+        for a, b in zip(list(self.value)[:common], list(requested.value)[:common],
+                        strict=True):
+            if not _same_field(a, b):
+                raise SchemaMismatch(
+                    f"value column {a.name!r} is recorded as {_describe(a)}, asked for "
+                    f"{_describe(b)}: only nullable value columns may be added, at the end")
+        if len(requested.value) <= len(self.value):
+            return self
+        added = list(requested.value)[len(self.value):]
+        for f in added:
+            if not f.nullable:
+                raise SchemaMismatch(f"added value column {f.name!r} must be nullable (rows "
+                                     f"written before it read as null)")
+        return requested
+
+    # --- typed tables <-> updates ---------------------------------------------------------
+
+    def encode(self, table: object, *, with_times: bool = True) -> pa.Table:
+        """A typed table as k/v/t/d updates (``d`` defaults to 1).
+
+        Args:
+            table: a pyarrow Table or RecordBatch, a pandas or polars DataFrame, an Arrow
+                stream, or a list of row dicts, with every key column, the value columns
+                (nullable ones may be left out: null) and ``t`` (and optionally ``d``).
+            with_times: False for upserts and deletes (no ``t``/``d`` columns; ``t`` and
+                ``d`` are filled with 0 and 1).
+
+        Raises:
+            SchemaMismatch / InvalidUpdates: the table does not fit; nothing is written.
+        """
+        conformed = self.conform(table, with_times=with_times)
+        n = conformed.num_rows
+        k = rowcodec.encode_rows([conformed.column(c) for c in self.key.names], n,
+                                 strip_trailing_nulls=False)
+        v = rowcodec.encode_rows([conformed.column(c) for c in self.value.names], n,
+                                 strip_trailing_nulls=True)
+        if with_times:
+            t, d = conformed.column("t"), conformed.column("d")
+        else:
+            t = pa.array([0] * n, pa.int64())
+            d = pa.array([1] * n, pa.int64())
+        return pa.Table.from_arrays([k, v, t, d], names=["k", "v", "t", "d"])
+
+    def conform(self, table: object, *, with_times: bool = True) -> pa.Table:
+        """The table with exactly the schema's columns (cast, missing nullable values
+        filled with null) plus ``t`` and ``d`` when ``with_times``."""
+        given = _to_table(table, self)
+        names = given.column_names
+        if len(set(names)) != len(names):
+            raise SchemaMismatch(f"the table repeats a column: {names}")
+        allowed = set(self.columns) | ({"t", "d"} if with_times else set())
+        unknown = [c for c in names if c not in allowed]
+        if unknown:
+            hint = ("" if with_times or not {"t", "d"} & set(unknown)
+                    else " (upsert and delete take the time as an argument)")
+            raise SchemaMismatch(f"column(s) {unknown} are not in the shard's schema "
+                                 f"{self!r}{hint}; to add value columns, reopen the writer "
+                                 f"with a schema that appends them (nullable)")
+        n = given.num_rows
+        arrays: list[pa.Array | pa.ChunkedArray] = []
+        fields = [*self.key, *self.value]
+        for field in fields:
+            if field.name not in names:
+                if field.nullable and field.name in self.value.names:
+                    arrays.append(pa.nulls(n, field.type))
+                    continue
+                raise SchemaMismatch(f"the table has no column {field.name!r} "
+                                     f"({_describe(field)})")
+            column = given.column(field.name)
+            if not column.type.equals(field.type):
+                try:
+                    column = column.cast(field.type, safe=True)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+                    raise SchemaMismatch(f"column {field.name!r} is {column.type}, the shard "
+                                         f"stores {field.type}, and it does not cast "
+                                         f"safely: {e}") from None
+            if not field.nullable and column.null_count:
+                raise InvalidUpdates(f"column {field.name!r} is not nullable but holds "
+                                     f"{column.null_count} null(s)")
+            arrays.append(column)
+        if with_times:
+            if "t" not in names:
+                raise InvalidUpdates("a typed write needs a t column (the update times)")
+            arrays.append(_int64_column(given, "t"))
+            arrays.append(_int64_column(given, "d") if "d" in names
+                          else pa.array([1] * n, pa.int64()))
+            fields = [*fields, pa.field("t", pa.int64()), pa.field("d", pa.int64())]
+        return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+    def decode(self, updates: pa.Table, where: str = "a read") -> pa.Table:
+        """k/v/t/d updates as a typed table (:meth:`arrow_schema`).
+
+        Raises:
+            CorruptPart: the bytes are not rows of this schema.
+        """
+        keys = rowcodec.decode_rows(updates.column("k"), self.key, where=where,
+                                    allow_missing_trailing=False)
+        values = rowcodec.decode_rows(updates.column("v"), self.value, where=where,
+                                      allow_missing_trailing=True)
+        return pa.Table.from_arrays(
+            [*keys, *values, updates.column("t").cast(pa.int64()),
+             updates.column("d").cast(pa.int64())], schema=self.arrow_schema())
+
+    def encode_keys(self, table: object) -> pa.Array:
+        """The ``k`` bytes of a table of key columns (deletes); extra columns refused."""
+        given = _to_table(table, self)
+        extra = [c for c in given.column_names if c not in self.key.names]
+        if extra:
+            raise SchemaMismatch(f"delete takes only the key columns "
+                                 f"{self.key.names}; got also {extra}")
+        keys_only = ShardSchema(self.key, [])
+        conformed = keys_only.conform(given, with_times=False)
+        return rowcodec.encode_rows([conformed.column(c) for c in self.key.names],
+                                    conformed.num_rows, strip_trailing_nulls=False)
+
+
+def _int64_column(table: pa.Table, name: str) -> pa.ChunkedArray:
+    column = table.column(name)
+    if column.null_count:
+        raise InvalidUpdates(f"column {name} contains nulls")
+    if not (pa.types.is_integer(column.type)):
+        raise InvalidUpdates(f"column {name} must hold integers, got {column.type}")
+    try:
+        return column.cast(pa.int64(), safe=True)
+    except pa.ArrowInvalid as e:
+        raise InvalidUpdates(f"column {name} does not fit in int64: {e}") from None
+
+
+def _to_table(obj: object, schema: ShardSchema) -> pa.Table:
+    from persist_pipeline.updates import frame_to_table
+
+    if isinstance(obj, pa.RecordBatch):
+        return pa.Table.from_batches([obj])
+    if isinstance(obj, list) and all(isinstance(row, dict) for row in obj):
+        try:
+            return pa.Table.from_pylist(obj)
+        except (pa.ArrowException, TypeError, ValueError) as e:
+            raise InvalidUpdates(f"cannot read the rows as a table: {e}") from None
+    table = frame_to_table(obj)
+    if not isinstance(table, pa.Table):
+        raise InvalidUpdates(f"a typed shard takes a pyarrow Table, a pandas or polars "
+                             f"DataFrame, an Arrow stream or a list of row dicts with "
+                             f"columns {schema.columns} (+ t, d); got {type(obj).__name__}")
+    return table
+
+
+@lru_cache(maxsize=256)
+def _decode_schema(data: bytes) -> ShardSchema:
+    both = pa.ipc.read_schema(pa.py_buffer(data))
+    meta = both.metadata or {}
+    num_keys = int(meta[_KEY_COLUMNS_META])
+    fields = list(both)
+    return ShardSchema(pa.schema(fields[:num_keys]), pa.schema(fields[num_keys:]))
+
