@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,9 +39,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: How many times an upsert or delete re-reads its keys after losing a race to another
-#: write (or to GC collecting parts a compaction replaced) before giving up.
-_REPLACE_ATTEMPTS = 20
+#: How many times an upsert or delete re-reads its keys after finding a part collected
+#: (a compaction replaced it since the state it read) before reporting the part missing.
+_MISSING_PART_RETRIES = 10
+#: The longest random back-off between an upsert's attempts after losing a race (it
+#: retries until ``retry_deadline_s``).
+_REPLACE_BACKOFF_MAX_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +305,19 @@ class WriteHandle:
         wanted = None if ts is None else check_frontier(ts, "ts")
         sorted_keys = sorted(set(keys.to_pylist()))
         machine = self._machine
-        for attempt in range(_REPLACE_ATTEMPTS):
+        clock = machine.clock
+        deadline = clock.monotonic() + machine.config.retry_deadline_s
+        missing_parts = 0
+        expected: Frontier = 0
+        for attempt in itertools.count():
+            if attempt:
+                # Lost a race: back off a random while, so that upserters of hot keys
+                # do not keep invalidating each other's reads.
+                clock.sleep(random.uniform(0, min(_REPLACE_BACKOFF_MAX_S,
+                                                  0.001 * 2 ** min(attempt, 10))))
+                if clock.monotonic() > deadline:
+                    current_upper = machine.fetch_latest().upper
+                    raise UpperMismatch(expected, current_upper)
             state = machine.fetch_latest()
             expected = state.upper
             if expected is None:
@@ -312,8 +329,9 @@ class WriteHandle:
                 current = current_rows(machine.blobs, state, sorted_keys)
             except CorruptPart:
                 # A part collected after compaction replaced it: read a newer state.
-                if attempt + 1 < _REPLACE_ATTEMPTS and machine.fetch_latest().seqno > \
-                        state.seqno:
+                missing_parts += 1
+                if missing_parts < _MISSING_PART_RETRIES and \
+                        machine.fetch_latest().seqno > state.seqno:
                     continue
                 raise
             retract = current.set_column(2, "t", pa.array([time] * current.num_rows,
@@ -328,7 +346,7 @@ class WriteHandle:
                                                expected, time + 1)
             except UpperMismatch:
                 continue  # another write landed: read the keys again
-        raise UpperMismatch(expected, machine.fetch_latest().upper)
+        raise AssertionError("unreachable")
 
     def _coerce(self, updates: object) -> Updates:
         """Validated, consolidated updates: typed tables encoded for a typed shard."""

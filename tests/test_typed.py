@@ -1,0 +1,406 @@
+"""Typed shards end to end on every backend and inline setting: round trips of every
+supported type (nulls included) through inline parts, blob parts, compaction, streaming
+snapshots, listens and read plans; schema mismatch and evolution; upsert and delete
+against a model, under concurrency and lost replies; DuckDB reading the typed columns.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import random
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from persist_pipeline import (
+    InlinePolicy,
+    PersistClient,
+    PersistConfig,
+    SchemaMismatch,
+    ShardId,
+    ShardSchema,
+    UpperMismatch,
+)
+from persist_pipeline.blob.memory import MemoryBlob
+from persist_pipeline.exceptions import InvalidFrontier, InvalidInput, InvalidUpdates
+from persist_pipeline.internal.blobs import ShardBlobs
+from persist_pipeline.internal.lookup import current_rows
+from persist_pipeline.internal.state import HollowPart
+from tests.fixtures.location import Location
+from tests.test_regressions_lost_replies import Clients
+
+UTC = datetime.timezone.utc
+
+ALL_TYPES = ShardSchema(
+    [pa.field("id", pa.int64(), nullable=False), ("region", pa.string())],
+    [("qty", pa.int32()), ("price", pa.float64()), ("amount", pa.decimal128(12, 2)),
+     ("note", pa.string()), ("blob", pa.binary()), ("at", pa.timestamp("us", tz="UTC")),
+     ("day", pa.date32()), ("ok", pa.bool_()), ("tags", pa.list_(pa.string())),
+     ("addr", pa.struct([("city", pa.string()), ("zip", pa.int32()),
+                         ("lines", pa.list_(pa.string()))]))])
+
+
+def _row(i: int, *, nulls: bool = False) -> dict[str, Any]:
+    if nulls:
+        return {"id": i, "region": None, "qty": None, "price": None, "amount": None,
+                "note": None, "blob": None, "at": None, "day": None, "ok": None,
+                "tags": None, "addr": None}
+    return {"id": i, "region": ["eu", "us", "ä"][i % 3], "qty": i - 50,
+            "price": [1.5, -0.25, float("inf")][i % 3],
+            "amount": decimal.Decimal(f"{i}.{i % 100:02d}"), "note": f"note {i}" * (i % 4),
+            "blob": bytes([i % 256, 0, 255]), "at": datetime.datetime(2026, 1, 1, i % 24,
+                                                                     tzinfo=UTC),
+            "day": datetime.date(1999, 12, 31) + datetime.timedelta(days=i),
+            "ok": i % 2 == 0, "tags": [f"t{j}" for j in range(i % 3)] + [None] * (i % 2),
+            "addr": {"city": f"c{i}", "zip": None if i % 5 == 0 else i,
+                     "lines": ["a", "b"][: i % 3]}}
+
+
+def _table(rows: list[dict[str, Any]], t: int, d: int = 1) -> pa.Table:
+    table = pa.Table.from_pylist(rows, schema=pa.schema([*ALL_TYPES.key, *ALL_TYPES.value]))
+    n = table.num_rows
+    return table.append_column("t", pa.array([t] * n, pa.int64())).append_column(
+        "d", pa.array([d] * n, pa.int64()))
+
+
+def _collection(table: pa.Table) -> list[tuple[Any, ...]]:
+    """A snapshot as a sorted list of (row without t, d) for order-free comparison."""
+    out = []
+    for row in table.to_pylist():
+        d = row.pop("d")
+        row.pop("t")
+        out.append((repr(sorted(row.items())), d))
+    return sorted(out)
+
+
+def _expected(*tables: pa.Table) -> list[tuple[Any, ...]]:
+    sums: dict[str, int] = {}
+    for table in tables:
+        for row in table.to_pylist():
+            d = row.pop("d")
+            row.pop("t")
+            key = repr(sorted(row.items()))
+            sums[key] = sums.get(key, 0) + d
+    return sorted((k, d) for k, d in sums.items() if d)
+
+
+def test_typed_round_trip_through_every_path(open_client: Callable[..., PersistClient]) -> None:
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard, schema=ALL_TYPES)
+    small = _table([_row(1), _row(2, nulls=True)], t=0)
+    large = _table([_row(i) for i in range(3, 400)] + [_row(2, nulls=True)], t=1)
+    retract = _table([_row(5), _row(7)], t=2, d=-1)
+    writer.compare_and_append(small, 0, 1)
+    writer.compare_and_append(large, 1, 2)
+    writer.compare_and_append(retract, 2, 3)
+    expected = _expected(small, large, retract)
+    reader = client.open_reader(shard)
+    snapshot = reader.snapshot(2)
+    assert snapshot.schema.names == [*ALL_TYPES.columns, "t", "d"]
+    assert snapshot.schema.field("addr").type == ALL_TYPES.value.field("addr").type
+    assert _collection(snapshot) == expected
+    streamed = pa.Table.from_batches(list(reader.snapshot_batches(2, max_rows=37)))
+    assert _collection(streamed) == expected
+    if not client.blobs.main.describe().startswith("mem://"):  # plans need shared files
+        with reader.snapshot_plan(2) as plan:
+            assert _collection(plan.to_table()) == expected
+    listened = []
+    listen = reader.listen(0)
+    for event in listen.poll():
+        if event.kind == "updates":
+            assert event.updates is not None
+            assert "k" not in event.updates.column_names
+            listened.append(event.updates)
+    listen.close()
+    assert _expected(pa.concat_tables(listened)) == _expected(large, retract)
+    client.compact(shard)
+    assert _collection(reader.snapshot(2)) == expected
+    assert client.schema(shard) == ALL_TYPES
+
+
+def test_typed_parts_store_real_columns_for_other_engines(tmp_path: Any) -> None:
+    client = PersistClient.open(f"sqlite:///{tmp_path}/c.db", f"file://{tmp_path}/b",
+                                inline_policy=InlinePolicy(0, 0))
+    shard = ShardId.new()
+    writer = client.open_writer(shard, schema=ALL_TYPES)
+    rows = _table([_row(i) for i in range(20)], t=0)
+    writer.compare_and_append(rows, 0, 1)
+    reader = client.open_reader(shard)
+    with reader.snapshot_plan(0) as plan:
+        [path] = [f.path for f in plan.file_details]
+        file = pq.read_table(path)
+    for field in [*ALL_TYPES.key, *ALL_TYPES.value]:
+        assert file.schema.field(field.name).type == field.type
+    assert file.select(ALL_TYPES.columns).to_pylist() == \
+        rows.select(ALL_TYPES.columns).sort_by("id").to_pylist()
+    client.close()
+
+
+def test_duckdb_reads_typed_columns_from_the_read_plan(durable_location: Location) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    client = durable_location.client(InlinePolicy(4096, 1 << 20))
+    shard = ShardId.new()
+    schema = ShardSchema([("id", pa.int64())], [("name", pa.string()),
+                                                ("amount", pa.decimal128(10, 2))])
+    writer = client.open_writer(shard, schema=schema)
+    writer.compare_and_append(pa.table({"id": range(500), "name": [f"n{i}" for i in
+                                                                   range(500)],
+                                        "amount": [decimal.Decimal(i) for i in range(500)],
+                                        "t": [0] * 500}), 0, 1)
+    writer.upsert(pa.table({"id": [1, 2], "name": ["one", None],
+                            "amount": [decimal.Decimal("1.50"), None]}))  # inline
+    reader = client.open_reader(shard)
+    expected = reader.snapshot(reader_upper(writer) - 1).drop_columns(["t", "d"]).to_pylist()
+    with reader.snapshot_plan() as plan:
+        dataset = plan.to_dataset()  # noqa: F841 - read by DuckDB below
+        con = duckdb.connect()
+        types = dict(con.sql("DESCRIBE SELECT id, name, amount FROM dataset").fetchall()
+                     and [(r[0], r[1]) for r in con.sql(
+                         "DESCRIBE SELECT id, name, amount FROM dataset").fetchall()])
+        assert types == {"id": "BIGINT", "name": "VARCHAR", "amount": "DECIMAL(10,2)"}
+        got = con.sql("SELECT id, name, amount FROM dataset GROUP BY ALL "
+                      "HAVING sum(d) <> 0 ORDER BY id").fetchall()
+    assert [dict(zip(["id", "name", "amount"], r, strict=True)) for r in got] == \
+        sorted(expected, key=lambda r: r["id"])
+    client.close()
+
+
+def reader_upper(writer: Any) -> int:
+    upper: int = writer.fetch_recent_upper()
+    return upper
+
+
+def test_schema_mismatch_and_evolution(location: Location) -> None:
+    client = location.client(InlinePolicy(4096, 1 << 20))
+    shard = ShardId.new()
+    v1 = ShardSchema([("id", pa.int64())], [("a", pa.string())])
+    writer = client.open_writer(shard, schema=v1)
+    writer.compare_and_append(pa.table({"id": [1, 2], "a": ["x", None], "t": [0, 0]}), 0, 1)
+    seqno = client.inspect(shard)["seqno"]
+    for bad in (ShardSchema([("id", pa.int32())], [("a", pa.string())]),
+                ShardSchema([("id", pa.int64())], [("a", pa.binary())]),
+                ShardSchema([("id", pa.int64())], [("a", pa.string()),
+                                                   pa.field("b", pa.int8(), False)]),
+                ShardSchema([("id", pa.int64()), ("id2", pa.int8())], [("a", pa.string())])):
+        with pytest.raises(SchemaMismatch):
+            client.open_writer(shard, schema=bad)
+    assert client.inspect(shard)["seqno"] == seqno  # nothing changed
+    assert client.schema(shard) == v1
+    v2 = ShardSchema([("id", pa.int64())], [("a", pa.string()), ("b", pa.list_(pa.int8()))])
+    newer = client.open_writer(shard, schema=v2)
+    assert client.schema(shard) == v2
+    newer.compare_and_append(pa.table({"id": [3], "a": ["z"], "b": [[1, 2]], "t": [1]}), 1, 2)
+    # The old writer still writes (its rows lack b: null) and reads see every column.
+    writer.compare_and_append(pa.table({"id": [4], "a": ["w"], "t": [2]}), 2, 3)
+    # A row retracted in the new shape cancels the one written in the old shape.
+    newer.compare_and_append(pa.table({"id": [1], "a": ["x"], "b": pa.array([None],
+                                       pa.list_(pa.int8())), "t": [3], "d": [-1]}), 3, 4)
+    snapshot = client.open_reader(shard).snapshot(3)
+    assert sorted(snapshot.select(["id", "a", "b"]).to_pylist(), key=lambda r: r["id"]) == [
+        {"id": 2, "a": None, "b": None}, {"id": 3, "a": "z", "b": [1, 2]},
+        {"id": 4, "a": "w", "b": None}]
+    # Reopening with no schema takes the recorded one; an older one keeps it too.
+    assert client.open_writer(shard).schema == v2
+    assert client.open_writer(shard, schema=v1).schema == v2
+    client.close()
+
+
+def test_untyped_and_typed_never_mix(location: Location) -> None:
+    client = location.client(InlinePolicy(4096, 1 << 20))
+    untyped = ShardId.new()
+    w = client.open_writer(untyped)
+    w.compare_and_append([(b"k", b"v", 0, 1)], 0, 1)
+    with pytest.raises(SchemaMismatch, match="untyped updates"):
+        client.open_writer(untyped, schema=ShardSchema([("id", pa.int64())]))
+    assert client.schema(untyped) is None
+    with pytest.raises(SchemaMismatch, match="typed shard"):
+        w.upsert(pa.table({"id": [1]}))
+    # A writer opened before the shard got its schema cannot write raw bytes into it.
+    shard = ShardId.new()
+    early = client.open_writer(shard)
+    typed = client.open_writer(shard, schema=ShardSchema([("id", pa.int64())]))
+    with pytest.raises(SchemaMismatch, match="reopen the writer"):
+        early.compare_and_append([(b"raw", b"", 0, 1)], 0, 1)
+    typed.compare_and_append(pa.table({"id": [7], "t": [0]}), 0, 1)
+    assert client.open_reader(shard).snapshot(0).to_pylist() == [{"id": 7, "t": 0, "d": 1}]
+    with pytest.raises(InvalidUpdates):
+        typed.compare_and_append([(b"raw", b"", 1, 1)], 1, 2)
+    with pytest.raises(InvalidInput):
+        client.open_writer(shard, schema="id int")  # type: ignore[arg-type]
+    client.close()
+
+
+def test_frames_and_row_dicts_are_accepted() -> None:
+    pd = pytest.importorskip("pandas")
+    pl = pytest.importorskip("polars")
+    client = PersistClient.open("mem://typed-frames", "mem://typed-frames")
+    shard = ShardId.new()
+    writer = client.open_writer(shard, schema=ShardSchema([("id", pa.int64())],
+                                                          [("name", pa.string())]))
+    writer.compare_and_append(pd.DataFrame({"id": [1], "name": ["pd"], "t": [0]}), 0, 1)
+    writer.compare_and_append(pl.DataFrame({"id": [2], "name": ["pl"], "t": [1]}), 1, 2)
+    writer.compare_and_append([{"id": 3, "name": "dict", "t": 2}], 2, 3)
+    writer.upsert(pl.DataFrame({"id": [1], "name": ["PD"]}))
+    result = writer.delete(pd.DataFrame({"id": [2]}))
+    snapshot = client.open_reader(shard).snapshot(int(result.upper) - 1)
+    assert sorted((r["id"], r["name"]) for r in snapshot.to_pylist()) == [(1, "PD"),
+                                                                            (3, "dict")]
+    client.close()
+
+
+def test_upsert_and_delete_bad_input_changes_nothing(location: Location) -> None:
+    client = location.client(InlinePolicy(4096, 1 << 20))
+    shard = ShardId.new()
+    writer = client.open_writer(shard, schema=ShardSchema([("id", pa.int64())],
+                                                          [("val", pa.int64())]))
+    writer.upsert(pa.table({"id": [1], "val": [10]}), ts=5)
+    seqno = client.inspect(shard)["seqno"]
+    with pytest.raises(InvalidUpdates, match="more than once"):
+        writer.upsert(pa.table({"id": [1, 1], "val": [1, 2]}))
+    with pytest.raises(SchemaMismatch, match="take the time as an argument"):
+        writer.upsert(pa.table({"id": [1], "val": [1], "t": [9]}))
+    with pytest.raises(SchemaMismatch, match="only the key columns"):
+        writer.delete(pa.table({"id": [1], "val": [1]}))
+    with pytest.raises(UpperMismatch):
+        writer.upsert(pa.table({"id": [2], "val": [1]}), ts=3)  # below the upper (6)
+    with pytest.raises(InvalidFrontier):
+        writer.delete(pa.table({"id": [1]}), ts=-1)
+    assert client.inspect(shard)["seqno"] == seqno
+    assert client.open_reader(shard).snapshot(5).to_pylist() == [
+        {"id": 1, "val": 10, "t": 5, "d": 1}]
+    client.close()
+
+
+def _model_check(client: PersistClient, shard: ShardId,
+                 log: list[tuple[int, str, dict[int, int | None]]]) -> None:
+    """Replays committed operations in upper order; the snapshot must equal it."""
+    model: dict[int, int] = {}
+    uppers = [upper for upper, _, _ in log]
+    assert len(set(uppers)) == len(uppers), "two operations committed at one upper"
+    for _, _, changes in sorted(log, key=lambda entry: entry[0]):
+        for key, value in changes.items():
+            if value is None:
+                model.pop(key, None)
+            else:
+                model[key] = value
+    reader = client.open_reader(shard)
+    upper = reader_upper(client.open_writer(shard))
+    snapshot = reader.snapshot(upper - 1).to_pylist()
+    assert all(r["d"] == 1 for r in snapshot), "a key has a row with multiplicity != 1"
+    assert {r["id"]: r["val"] for r in snapshot} == model
+    assert len(snapshot) == len(model)
+
+
+def test_concurrent_upserts_and_deletes_match_a_model(
+        location: Location, inline: InlinePolicy) -> None:
+    client = location.client(inline, PersistConfig(inline_policy=inline))
+    shard = ShardId.new()
+    schema = ShardSchema([("id", pa.int64())], [("val", pa.int64())])
+    client.open_writer(shard, schema=schema)
+    log: list[tuple[int, str, dict[int, int | None]]] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        writer = client.open_writer(shard)
+        try:
+            for step in range(12):
+                keys = rng.sample(range(8), rng.randint(1, 3))
+                if rng.random() < 0.25:
+                    result = writer.delete(pa.table({"id": keys}))
+                    changes: dict[int, int | None] = dict.fromkeys(keys)
+                else:
+                    values = [seed * 1000 + step * 10 + i for i in range(len(keys))]
+                    result = writer.upsert(pa.table({"id": keys, "val": values}))
+                    changes = dict(zip(keys, values, strict=True))
+                with lock:
+                    log.append((int(result.upper) - 1, "op", changes))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len(log) == 48
+    _model_check(client, shard, log)
+    client.compact(shard)
+    _model_check(client, shard, log)
+    client.close()
+
+
+def test_upsert_whose_reply_is_lost_while_another_upsert_lands_applies_once(
+        location: Location) -> None:
+    clients = Clients(location)
+    try:
+        lossy_client, lossy = clients.lossy(InlinePolicy(4096, 1 << 20))
+        other = clients.plain(InlinePolicy(4096, 1 << 20))
+        shard = ShardId.new()
+        schema = ShardSchema([("id", pa.int64())], [("val", pa.int64())])
+        first = lossy_client.open_writer(shard, schema=schema)
+        first.upsert(pa.table({"id": [1], "val": [1]}))
+        second = other.open_writer(shard, schema=schema)
+        landed: list[int] = []
+
+        def concurrent_upsert() -> None:
+            landed.append(int(second.upsert(pa.table({"id": [1], "val": [3]})).upper))
+
+        lossy.arm(concurrent_upsert)
+        result = first.upsert(pa.table({"id": [1], "val": [2]}))
+        assert lossy.lost == 1
+        assert int(result.upper) < landed[0]  # ours committed first, theirs after
+        reader = other.open_reader(shard)
+        assert reader.snapshot(landed[0] - 1).to_pylist() == [
+            {"id": 1, "val": 3, "t": landed[0] - 1, "d": 1}]
+    finally:
+        clients.close()
+
+
+class CountingBlob(MemoryBlob):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def get(self, key: str) -> bytes | None:
+        self.reads.append(key)
+        return super().get(key)
+
+
+def test_key_lookups_read_only_parts_whose_key_bounds_can_hold_the_keys() -> None:
+    blob = CountingBlob()
+    client = PersistClient(_memory_consensus(), blob, config=PersistConfig(
+        inline_policy=InlinePolicy(0, 0), background_maintenance=False))
+    shard = ShardId.new()
+    schema = ShardSchema([("id", pa.int64())], [("val", pa.string())])
+    writer = client.open_writer(shard, schema=schema)
+    for n in range(10):  # ten batches, each over its own key range
+        ids = list(range(n * 100, n * 100 + 100))
+        writer.compare_and_append(pa.table({"id": ids, "val": [str(i) for i in ids],
+                                            "t": [n] * 100}), n, n + 1)
+    state = client.machine(shard).fetch_latest()
+    parts = [p for b in state.batches.values() for p in b.parts]
+    assert len(parts) == 10 and all(isinstance(p, HollowPart) for p in parts)
+    keys = sorted(schema.encode_keys(pa.table({"id": [150, 777]})).to_pylist())
+    blob.reads.clear()
+    found = current_rows(ShardBlobs(blob, None, blob, None), state, keys)
+    assert len(set(blob.reads)) == 2  # two of the ten parts
+    assert sorted(schema.decode(found).column("id").to_pylist()) == [150, 777]
+    writer.upsert(pa.table({"id": [150], "val": ["new"]}))
+    assert sorted(r["val"] for r in client.open_reader(shard).snapshot(10).to_pylist()
+                  if r["id"] == 150) == ["new"]
+    client.close()
+
+
+def _memory_consensus() -> Any:
+    from persist_pipeline.consensus.memory import MemoryConsensus
+
+    return MemoryConsensus()
