@@ -10,7 +10,7 @@ Register it once per session with :func:`register` (also ``persist_pipeline.spar
     df = (spark.read.format("persist")
           .option("consensus", "postgresql://...").option("blob", "s3://bucket/prefix?...")
           .option("shard", shard_id).option("as_of", 41)      # default: upper - 1
-          .load())                                            # columns k, v, t, d
+          .load())                           # columns k, v, t, d (typed: its columns, t, d)
 
     (df.write.format("persist")
        .options(consensus=..., blob=..., shard=shard_id, expected_upper=42, new_upper=50)
@@ -31,6 +31,9 @@ location's reader lease, 15 minutes): Spark has no hook that ends a read, so the
 stops heartbeating when planning ends and GC expires it once the lease runs out. A read
 that outlasts its lease may fail on a part GC has deleted (never return wrong data): raise
 ``lease_seconds`` for such reads. The reader holds ``since`` at ``as_of`` only.
+
+**Typed shards** read as their key and value columns plus ``t`` and ``d`` (Spark's types:
+timestamps in microseconds), and writes take those columns (``d`` optional, 1).
 
 **Writing.** Each task validates its rows (``k``, ``v`` binary; ``t``, ``d`` long; every
 ``t`` in ``[expected_upper, new_upper)``), consolidates them and writes Parquet parts to
@@ -84,6 +87,7 @@ from persist_pipeline.exceptions import (
     InvalidUpdates,
     LeaseExpired,
     PersistError,
+    ShardNotFound,
 )
 from persist_pipeline.frontier import Frontier, check_frontier
 from persist_pipeline.ids import ShardId, new_token
@@ -91,6 +95,7 @@ from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, ShardBlobs
 from persist_pipeline.internal.merge import batch_rows, memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Part, Store
 from persist_pipeline.plan import PlanFile, SnapshotPlan
+from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import Updates, advance_times, consolidate
 
 if TYPE_CHECKING:
@@ -272,7 +277,7 @@ def plan_partitions(plan: SnapshotPlan, partition_bytes: int = _DEFAULT_PARTITIO
 
 
 def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
-                    lease_s: float) -> Iterator[pa.RecordBatch]:
+                    lease_s: float, schema: bytes = b"") -> Iterator[pa.RecordBatch]:
     """Run on an executor: this key range's rows of every part, consolidated at as_of,
     streamed through the k-way merge in bounded memory (each batch's parts are sorted
     runs, read row group by row group)."""
@@ -297,9 +302,13 @@ def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
         runs += [(_run_chunks(blobs, run, keys, as_of, where), f"batch {batch_id} of {where}")
                  for run in batch.runs()]
     plan = memory_plan(COMPACTION_MEMORY_BOUND_BYTES, len(runs), COMPACTION_MEMORY_BOUND_BYTES)
+    typed = ShardSchema.from_bytes(schema) if schema else None
+    out_schema = _ARROW_SCHEMA if typed is None else spark_arrow_schema(typed)
     try:
         for table in merge_runs(runs, plan.chunk_bytes):
-            yield from table.cast(_ARROW_SCHEMA).to_batches(max_chunksize=_ROWS_PER_BATCH)
+            if typed is not None:
+                table = _to_spark_types(typed.decode(table, where), out_schema)
+            yield from table.cast(out_schema).to_batches(max_chunksize=_ROWS_PER_BATCH)
     except CorruptPart as e:
         if "is missing" not in str(e):
             raise
@@ -335,9 +344,9 @@ def _as_of_option(options: Mapping[str, str]) -> int | None:
 
 
 def make_read_plan(options: Mapping[str, str]) -> tuple[_Location, int, list[_ReadPartition],
-                                                         float]:
+                                                         float, bytes]:
     """The planner's side of a read: a leased reader (left to expire), its plan at
-    ``as_of``, and the partitions."""
+    ``as_of``, the partitions and the shard's encoded schema (empty: untyped)."""
     location = _Location.from_options(options)
     as_of = _as_of_option(options)
     partition_bytes = _int_option(options, "partition_bytes", _DEFAULT_PARTITION_BYTES)
@@ -365,11 +374,54 @@ def make_read_plan(options: Mapping[str, str]) -> tuple[_Location, int, list[_Re
             # reader's lease runs out and GC expires it.
             reader.downgrade_since(plan.as_of)
             partitions = plan_partitions(plan, partition_bytes, max_partitions)
-            return location, plan.as_of, partitions, lease
+            schema = plan.schema.to_bytes() if plan.schema is not None else b""
+            return location, plan.as_of, partitions, lease, schema
         except BaseException:
             with contextlib.suppress(PersistError):
                 reader.expire()
             raise
+    finally:
+        client.close()
+
+
+def spark_struct(schema: ShardSchema) -> StructType:
+    """A typed shard's read schema as Spark sees it.
+
+    Raises:
+        InvalidConfig: a column type Spark cannot hold (e.g. unsigned 64-bit integers).
+    """
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    try:
+        struct: StructType = from_arrow_schema(schema.arrow_schema())
+    except (TypeError, ValueError, AssertionError) as e:
+        raise InvalidConfig(f"the shard's schema {schema!r} has a type Spark cannot read: "
+                            f"{e}") from None
+    return struct
+
+
+def spark_arrow_schema(schema: ShardSchema) -> pa.Schema:
+    """The Arrow schema of the batches a typed read yields (Spark's own conversion of
+    :func:`spark_struct`: timestamps in microseconds)."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(spark_struct(schema), timezone="UTC")
+
+
+def _to_spark_types(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    try:
+        return table.cast(schema, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise InvalidConfig(f"the shard's rows do not fit Spark's types ({e}); e.g. "
+                            f"nanosecond timestamps with sub-microsecond digits") from None
+
+
+def _shard_schema(location: _Location) -> ShardSchema | None:
+    client = location.client()
+    try:
+        return client.schema(location.shard_id)
+    except ShardNotFound:
+        return None
     finally:
         client.close()
 
@@ -386,6 +438,7 @@ class _WriteJob:
     new_upper: Frontier
     token: str
     target_size_bytes: int
+    schema: bytes = b""
 
     @property
     def store(self) -> Store:
@@ -409,8 +462,10 @@ def _write_job(options: Mapping[str, str], overwrite: bool) -> _WriteJob:
         raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper ({expected})")
     from persist_pipeline.config import PersistConfig
 
+    typed = _shard_schema(location)
     return _WriteJob(location, expected, upper, new_token(),
-                     PersistConfig().blob_target_size_bytes)
+                     PersistConfig().blob_target_size_bytes,
+                     typed.to_bytes() if typed is not None else b"")
 
 
 def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
@@ -427,7 +482,9 @@ def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
     collected = list(batches)
     if not collected:
         return (), 0, started_ms
-    data = Updates.coerce(pa.Table.from_batches(collected))
+    typed = ShardSchema.from_bytes(job.schema) if job.schema else None
+    table = pa.Table.from_batches(collected)
+    data = Updates.coerce(table if typed is None else typed.encode(table))
     bounds = data.time_bounds()
     if bounds is not None:
         lo, hi = bounds
@@ -439,7 +496,7 @@ def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
     uri = job.location.wal_blob_uri if job.store == "wal" else job.location.blob_uri
     assert uri is not None
     parts = write_parts(data.table(), job.location.shard_id, job.batch_id, _blob(uri),
-                        job.store, job.target_size_bytes)
+                        job.store, job.target_size_bytes, schema=typed)
     return parts, len(data), started_ms
 
 
@@ -504,14 +561,16 @@ class PersistReader(DataSourceReader):
     """Planned in a Python worker of the driver, pickled to the executors."""
 
     def __init__(self, options: Mapping[str, str]) -> None:
-        self.location, self.as_of, self._partitions, self.lease_s = make_read_plan(options)
+        (self.location, self.as_of, self._partitions, self.lease_s,
+         self.schema) = make_read_plan(options)
 
     def partitions(self) -> Sequence[InputPartition]:
         return [PersistInputPartition(p) for p in self._partitions]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, PersistInputPartition)
-        return _read_partition(self.location, self.as_of, partition.partition, self.lease_s)
+        return _read_partition(self.location, self.as_of, partition.partition, self.lease_s,
+                               self.schema)
 
 
 @dataclass
@@ -547,8 +606,9 @@ class PersistDataSource(DataSource):
     def name(cls) -> str:
         return FORMAT
 
-    def schema(self) -> str:
-        return SPARK_SCHEMA
+    def schema(self) -> str | StructType:
+        typed = _shard_schema(_Location.from_options(self.options))
+        return SPARK_SCHEMA if typed is None else spark_struct(typed)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return PersistReader(self.options)

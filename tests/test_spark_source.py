@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 
 from persist_pipeline import InlinePolicy, PersistClient, ShardId
@@ -191,7 +192,7 @@ def test_a_planned_read_keeps_its_files_until_its_lease_runs_out(
         return plan
 
     monkeypatch.setattr(ReadHandle, "snapshot_plan", compacting_meanwhile)
-    location, as_of, partitions, lease = make_read_plan(opts)
+    location, as_of, partitions, lease, _ = make_read_plan(opts)
     assert len(partitions) > 1 and lease == 1.5
     assert client.gc(shard)["blobs_deleted"] == 0
     got = sorted((r["k"], r["v"], r["d"]) for p in partitions
@@ -244,3 +245,59 @@ def test_abort_deletes_parts_only_when_no_commit_was_attempted(tmp_path: Path) -
     _abort(failed_commit, [message])
     assert open_blob(blob).get(message.parts[0].key) is not None
     assert not _commit_marker(failed_commit).exists()
+
+
+def test_typed_shard_reads_and_writes_real_spark_types(spark_session: Any,
+                                                       spark_location: Location) -> None:
+    import datetime
+    import decimal
+
+    from persist_pipeline import ShardSchema
+
+    register(spark_session)
+    client = spark_location.client(INLINE_ON)
+    shard = ShardId.new()
+    schema = ShardSchema(
+        [("id", pa.int64())],
+        [("name", pa.string()), ("amount", pa.decimal128(10, 2)),
+         ("at", pa.timestamp("us", tz="UTC")), ("day", pa.date32()), ("ok", pa.bool_()),
+         ("tags", pa.list_(pa.string())), ("addr", pa.struct([("city", pa.string()),
+                                                              ("zip", pa.int32())]))])
+    writer = client.open_writer(shard, schema=schema)
+    rows = [{"id": i, "name": None if i % 7 == 0 else f"n{i}",
+             "amount": decimal.Decimal(i) / 4, "day": datetime.date(2026, 1, 1 + i % 28),
+             "at": datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc),
+             "ok": i % 2 == 0, "tags": ["a"] * (i % 3), "addr": {"city": f"c{i}", "zip": i},
+             "t": 0} for i in range(300)]
+    writer.compare_and_append(rows, 0, 1)  # a blob part
+    writer.upsert([{"id": 5, "name": "five"}])  # inline; other columns null
+    writer.delete([{"id": 6}])
+    upper = writer.fetch_recent_upper()
+    assert upper is not None
+    df = (spark_session.read.format("persist")
+          .options(**_options(spark_location, str(shard), partition_bytes=2048)).load())
+    assert df.columns == [*schema.columns, "t", "d"]
+    assert dict(df.dtypes) == {"id": "bigint", "name": "string", "amount": "decimal(10,2)",
+                               "at": "timestamp", "day": "date", "ok": "boolean",
+                               "tags": "array<string>",
+                               "addr": "struct<city:string,zip:int>", "t": "bigint",
+                               "d": "bigint"}
+    assert df.rdd.getNumPartitions() > 1
+    snapshot = client.open_reader(shard).snapshot(upper - 1)
+    got = sorted((r.id, r.name, r.amount, r.day, r.ok, r.tags,
+                  None if r.addr is None else (r.addr.city, r.addr.zip), r.t, r.d)
+                 for r in df.collect())
+    want = sorted((r["id"], r["name"], r["amount"], r["day"], r["ok"], r["tags"],
+                   None if r["addr"] is None else (r["addr"]["city"], r["addr"]["zip"]),
+                   r["t"], r["d"]) for r in snapshot.to_pylist())
+    assert got == want and len(got) == 299
+    # A typed write from Spark: the same columns (d optional), committed atomically.
+    new = spark_session.createDataFrame(
+        [(1000 + i, f"spark{i}", upper) for i in range(20)], "id long, name string, t long")
+    (new.write.format("persist")
+     .options(**_options(spark_location, str(shard), expected_upper=upper,
+                         new_upper=upper + 1)).mode("append").save())
+    after = client.open_reader(shard).snapshot(upper)
+    names = {r["id"]: r["name"] for r in after.to_pylist() if r["id"] >= 1000}
+    assert names == {1000 + i: f"spark{i}" for i in range(20)}
+    client.close()
