@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from persist_pipeline.client import PersistClient
 from persist_pipeline.exceptions import InvalidInput, InvalidUpdates, PersistError
-from persist_pipeline.ingest import read_updates_file
+from persist_pipeline.ingest import read_typed_file, read_updates_file
 from persist_pipeline.read import ReadHandle
 from persist_pipeline.updates import SCHEMA
 
@@ -139,12 +139,30 @@ def _printable(table: pa.Table) -> pa.Table:
     stderr, so a reader of the CSV knows how to decode it)."""
     from persist_pipeline.plan import text_or_hex
 
+    if "k" not in table.column_names:  # a typed shard: its own columns
+        return _flat_columns(table)
     for index, name in ((0, "k"), (1, "v")):
         encoding, values = text_or_hex(table.column(name))
         if encoding == "hex":
             print(f"persist-pipeline: column {name} is not valid UTF-8 throughout: written "
                   f"as hex", file=sys.stderr)
         table = table.set_column(index, name, pa.array(values, pa.string()))
+    return table
+
+
+def _flat_columns(table: pa.Table) -> pa.Table:
+    """A typed table for CSV: lists and structs as JSON text, binary as hex."""
+    for index, field in enumerate(table.schema):
+        type_ = field.type
+        if pa.types.is_nested(type_):
+            text = [None if v is None else json.dumps(v, default=str, sort_keys=True)
+                    for v in table.column(index).to_pylist()]
+        elif pa.types.is_binary(type_) or pa.types.is_large_binary(type_) or \
+                pa.types.is_fixed_size_binary(type_):
+            text = [None if v is None else v.hex() for v in table.column(index).to_pylist()]
+        else:
+            continue
+        table = table.set_column(index, field.name, pa.array(text, pa.string()))
     return table
 
 
@@ -164,10 +182,12 @@ def _stream_parquet(reader: ReadHandle, as_of: int, out: Path) -> None:
     """Write the snapshot to Parquet as it streams, in bounded memory whatever its size;
     a failed read leaves no partial file."""
     partial = out.with_name(out.name + ".partial")
+    typed = reader.schema()
+    schema = SCHEMA if typed is None else typed.arrow_schema()
     try:
-        with pq.ParquetWriter(partial, SCHEMA) as writer:
+        with pq.ParquetWriter(partial, schema) as writer:
             for batch in reader.snapshot_batches(as_of):
-                writer.write_batch(batch)
+                writer.write_batch(batch.cast(schema))
         partial.replace(out)
     finally:
         partial.unlink(missing_ok=True)
@@ -195,8 +215,9 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "inspect":
             _print_json(client.inspect(args.shard))
         elif args.command == "append":
-            updates = read_updates_file(args.file, args.format)
             with client.open_writer(args.shard, debug="cli") as writer:
+                updates = (read_updates_file(args.file, args.format) if writer.schema is None
+                           else read_typed_file(args.file, writer.schema, args.format))
                 res = writer.compare_and_append(updates, args.expected_upper, args.new_upper)
             _print_json({"placement": res.placement, "encoded_bytes": res.encoded_bytes,
                          "seqno": res.seqno, "upper": res.upper, "updates": res.num_updates})

@@ -257,6 +257,7 @@ class PersistClient:
             "critical_readers": sorted(state.critical_readers),
             "writers": sorted(state.writers),
             "rollups": sorted(state.rollups),
+            "schema": repr(ShardSchema.from_bytes(state.schema)) if state.schema else None,
         }
 
     def compact(self, shard: ShardLike) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -19,6 +19,9 @@ import pyarrow.parquet as pq
 from persist_pipeline.exceptions import InvalidUpdates
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.updates import SCHEMA
+
+if TYPE_CHECKING:
+    from persist_pipeline.schema import ShardSchema
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl",
            ".ndjson": "jsonl"}
@@ -152,3 +155,35 @@ def read_updates_file(path: Path | str, fmt: str | None = None) -> pa.Table:
         return read_parquet(path)
     except UnicodeDecodeError as e:
         raise InvalidUpdates(f"{path}: not UTF-8 text (byte {e.start})") from None
+
+
+def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = None) -> pa.Table:
+    """Read a file of a typed shard's rows (its key and value columns, ``t``, optional
+    ``d``), parsed to the schema's types; raises :class:`InvalidUpdates`.
+
+    CSV and JSON Lines cells are parsed as the schema's column types (nested columns
+    need Parquet or JSON Lines); the rows are checked by :meth:`ShardSchema.encode`.
+    """
+    import pyarrow.csv as pacsv
+    import pyarrow.json as pajson
+
+    path = Path(path)
+    kind = detect_format(path, fmt)
+    if not path.is_file():
+        raise InvalidUpdates(f"{path}: no such file")
+    types = {f.name: f.type for f in [*schema.key, *schema.value]}
+    types.update({"t": pa.int64(), "d": pa.int64()})
+    try:
+        if kind == "csv":
+            return pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
+                column_types=types, strings_can_be_null=True))
+        if kind == "jsonl":
+            with path.open("rb") as f:
+                head = f.readline()
+            present = set(json.loads(head)) if head.strip() else set()
+            explicit = pa.schema([(n, t) for n, t in types.items() if n in present])
+            return pajson.read_json(path, parse_options=pajson.ParseOptions(
+                explicit_schema=explicit, unexpected_field_behavior="error"))
+        return pq.read_table(path)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, OSError) as e:
+        raise InvalidUpdates(f"{path}: cannot read it as rows of {schema!r}: {e}") from None

@@ -313,7 +313,7 @@ class WriteHandle:
             if attempt:
                 # Lost a race: back off a random while, so that upserters of hot keys
                 # do not keep invalidating each other's reads.
-                clock.sleep(random.uniform(0, min(_REPLACE_BACKOFF_MAX_S,
+                clock.sleep(random.uniform(0, min(_REPLACE_BACKOFF_MAX_S,  # noqa: S311
                                                   0.001 * 2 ** min(attempt, 10))))
                 if clock.monotonic() > deadline:
                     current_upper = machine.fetch_latest().upper

@@ -89,3 +89,38 @@ def test_nemesis_needs_a_location(tmp_path):
     bare = {k: v for k, v in os.environ.items() if not k.startswith("PERSIST_")}
     out = cli(bare, "nemesis", "--seconds", "1")
     assert out.returncode == 2 and "--consensus" in out.stderr
+
+
+def test_typed_shard_append_snapshot_and_inspect(env, tmp_path):
+    import pyarrow as pa
+
+    from persist_pipeline import PersistClient, ShardId, ShardSchema
+
+    shard = str(ShardId.new())
+    schema = ShardSchema([("id", pa.int64())], [("name", pa.string()),
+                                                ("tags", pa.list_(pa.string()))])
+    with PersistClient.open(env["PERSIST_CONSENSUS_URI"], env["PERSIST_BLOB_URI"]) as client:
+        client.open_writer(shard, schema=schema).expire()
+    csv = tmp_path / "typed.csv"
+    csv.write_text("id,name,t\n1,alice,0\n2,,0\n")
+    out = cli(env, "append", shard, str(csv), "--expected-upper", "0", "--new-upper", "1")
+    assert out.returncode == 0, out.stderr
+    jsonl = tmp_path / "typed.jsonl"
+    jsonl.write_text('{"id": 3, "name": "carol", "tags": ["x", "y"], "t": 1}\n')
+    out = cli(env, "append", shard, str(jsonl), "--expected-upper", "1", "--new-upper", "2")
+    assert out.returncode == 0, out.stderr
+    bad = tmp_path / "bad.csv"
+    bad.write_text("id,name,t\nnot-a-number,x,2\n")
+    out = cli(env, "append", shard, str(bad), "--expected-upper", "2", "--new-upper", "3")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    info = json.loads(cli(env, "inspect", shard).stdout)
+    assert info["upper"] == 2 and "id: int64" in info["schema"]
+    lines = cli(env, "snapshot", shard, "--as-of", "1").stdout.splitlines()
+    assert lines[0] == '"id","name","tags","t","d"'
+    assert lines[1:] == ['1,"alice",,1,1', '2,,,1,1', '3,"carol","[""x"", ""y""]",1,1']
+    out_file = tmp_path / "typed.parquet"
+    out = cli(env, "snapshot", shard, "--as-of", "1", "--out", str(out_file))
+    assert out.returncode == 0, out.stderr
+    table = pq.read_table(out_file)
+    assert table.schema.field("tags").type == pa.list_(pa.string())
+    assert sorted(table.column("id").to_pylist()) == [1, 2, 3]

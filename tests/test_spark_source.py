@@ -266,7 +266,7 @@ def test_typed_shard_reads_and_writes_real_spark_types(spark_session: Any,
     writer = client.open_writer(shard, schema=schema)
     rows = [{"id": i, "name": None if i % 7 == 0 else f"n{i}",
              "amount": decimal.Decimal(i) / 4, "day": datetime.date(2026, 1, 1 + i % 28),
-             "at": datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc),
+             "at": datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC),
              "ok": i % 2 == 0, "tags": ["a"] * (i % 3), "addr": {"city": f"c{i}", "zip": i},
              "t": 0} for i in range(300)]
     writer.compare_and_append(rows, 0, 1)  # a blob part

@@ -34,7 +34,7 @@ from persist_pipeline.internal.state import HollowPart
 from tests.fixtures.location import Location
 from tests.test_regressions_lost_replies import Clients
 
-UTC = datetime.timezone.utc
+UTC = datetime.UTC
 
 ALL_TYPES = ShardSchema(
     [pa.field("id", pa.int64(), nullable=False), ("region", pa.string())],
@@ -322,7 +322,7 @@ def test_concurrent_upserts_and_deletes_match_a_model(
                     changes = dict(zip(keys, values, strict=True))
                 with lock:
                     log.append((int(result.upper) - 1, "op", changes))
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
