@@ -213,6 +213,11 @@ def case9(result: CaseResult, path: str) -> None:
     plt.close(fig)
 
 
+def case12(result: CaseResult, path: str) -> None:
+    _latency_bars(result.data["appends"], "Small append latency: typed vs untyped (p50 bar, "
+                  "p99 tick)", path)
+
+
 PLOTS: dict[str, tuple[str, Callable[[CaseResult, str], None]]] = {
     "case1": ("case1_append_latency.png", case1),
     "case2": ("case2_fill_curve.png", case2),
@@ -223,6 +228,7 @@ PLOTS: dict[str, tuple[str, Callable[[CaseResult, str], None]]] = {
     "case7": ("case7_cost.png", case7),
     "case8": ("case8_simulated.png", case8),
     "case9": ("case9_scale.png", case9),
+    "case12": ("case12_typed.png", case12),
 }
 
 

@@ -15,13 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any
+from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from persist_pipeline.exceptions import InvalidInput, InvalidUpdates, SchemaMismatch
 from persist_pipeline.internal import rowcodec
+
+if TYPE_CHECKING:
+    from persist_pipeline.updates import Updates
 
 #: Column names the storage format uses itself; typed columns may not take them.
 RESERVED_COLUMNS = frozenset({"k", "v", "t", "d"})
@@ -181,9 +184,41 @@ class ShardSchema:
             d = pa.array([1] * n, pa.int64())
         return pa.Table.from_arrays([k, v, t, d], names=["k", "v", "t", "d"])
 
+    def to_updates(self, table: object) -> Updates:
+        """A typed table as validated, consolidated :class:`Updates` (what a write
+        stores); small tables take a plain-Python path, as small untyped writes do."""
+        from persist_pipeline.updates import Updates
+
+        columns, n = self._columns(table, True)
+        if n > rowcodec.SMALL_ROWS:
+            conformed = pa.Table.from_arrays(list(columns.values()), schema=self._times_schema)
+            return Updates.coerce(self.encode(conformed))
+        k = rowcodec.encode_rows_list([columns[c] for c in self.key.names], n,
+                                      strip_trailing_nulls=False)
+        v = rowcodec.encode_rows_list([columns[c] for c in self.value.names], n,
+                                      strip_trailing_nulls=True)
+        t = columns["t"].to_pylist()
+        d = columns["d"].to_pylist()
+        return Updates.coerce(list(zip(k, v, t, d, strict=True)))
+
     def conform(self, table: object, *, with_times: bool = True) -> pa.Table:
         """The table with exactly the schema's columns (cast, missing nullable values
         filled with null) plus ``t`` and ``d`` when ``with_times``."""
+        columns, _ = self._columns(table, with_times)
+        schema = self._times_schema if with_times else self._columns_schema
+        return pa.Table.from_arrays(list(columns.values()), schema=schema)
+
+    @cached_property
+    def _columns_schema(self) -> pa.Schema:
+        return pa.schema([*self.key, *self.value])
+
+    @cached_property
+    def _times_schema(self) -> pa.Schema:
+        return pa.schema([*self.key, *self.value, pa.field("t", pa.int64()),
+                          pa.field("d", pa.int64())])
+
+    def _columns(self, table: object, with_times: bool
+                 ) -> tuple[dict[str, pa.Array | pa.ChunkedArray], int]:
         given = _to_table(table, self)
         names = given.column_names
         if len(set(names)) != len(names):
@@ -197,12 +232,11 @@ class ShardSchema:
                                  f"{self!r}{hint}; to add value columns, reopen the writer "
                                  f"with a schema that appends them (nullable)")
         n = given.num_rows
-        arrays: list[pa.Array | pa.ChunkedArray] = []
-        fields = [*self.key, *self.value]
-        for field in fields:
+        out: dict[str, pa.Array | pa.ChunkedArray] = {}
+        for field in self._columns_schema:
             if field.name not in names:
                 if field.nullable and field.name in self.value.names:
-                    arrays.append(pa.nulls(n, field.type))
+                    out[field.name] = pa.nulls(n, field.type)
                     continue
                 raise SchemaMismatch(f"the table has no column {field.name!r} "
                                      f"({_describe(field)})")
@@ -217,15 +251,14 @@ class ShardSchema:
             if not field.nullable and column.null_count:
                 raise InvalidUpdates(f"column {field.name!r} is not nullable but holds "
                                      f"{column.null_count} null(s)")
-            arrays.append(column)
+            out[field.name] = column
         if with_times:
             if "t" not in names:
                 raise InvalidUpdates("a typed write needs a t column (the update times)")
-            arrays.append(_int64_column(given, "t"))
-            arrays.append(_int64_column(given, "d") if "d" in names
-                          else pa.array([1] * n, pa.int64()))
-            fields = [*fields, pa.field("t", pa.int64()), pa.field("d", pa.int64())]
-        return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+            out["t"] = _int64_column(given, "t")
+            out["d"] = (_int64_column(given, "d") if "d" in names
+                        else pa.array([1] * n, pa.int64()))
+        return out, n
 
     def decode(self, updates: pa.Table, where: str = "a read") -> pa.Table:
         """k/v/t/d updates as a typed table (:meth:`arrow_schema`).
@@ -256,6 +289,8 @@ class ShardSchema:
 
 def _int64_column(table: pa.Table, name: str) -> pa.ChunkedArray:
     column = table.column(name)
+    if column.type == pa.int64() and not column.null_count:
+        return column
     if column.null_count:
         raise InvalidUpdates(f"column {name} contains nulls")
     if not (pa.types.is_integer(column.type)):
@@ -269,6 +304,8 @@ def _int64_column(table: pa.Table, name: str) -> pa.ChunkedArray:
 def _to_table(obj: object, schema: ShardSchema) -> pa.Table:
     from persist_pipeline.updates import frame_to_table
 
+    if isinstance(obj, pa.Table):
+        return obj
     if isinstance(obj, pa.RecordBatch):
         return pa.Table.from_batches([obj])
     if isinstance(obj, list) and all(isinstance(row, dict) for row in obj):

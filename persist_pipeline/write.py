@@ -354,7 +354,7 @@ class WriteHandle:
             return Updates.coerce(updates)
         if isinstance(updates, Updates):
             return updates
-        return Updates.coerce(self.schema.encode(updates))
+        return self.schema.to_updates(updates)
 
     def _commit(self, data: Updates, expected: int, upper: Frontier, token: str) -> WriteResult:
         batch_id = f"b{token}"

@@ -27,7 +27,10 @@ one element position at a time across all rows.
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -128,6 +131,11 @@ def _raw_le(arr: pa.Array, w: int) -> np.ndarray:
 
 
 def _encode_fixed(arr: pa.Array, w: int) -> pa.Array:
+    return _fixed_rows(_encode_fixed_matrix(arr, w))
+
+
+def _encode_fixed_matrix(arr: pa.Array, w: int) -> np.ndarray:
+    """Each row's encoding of a fixed-width column, as an (n, 1 + w) matrix."""
     type_ = arr.type
     valid = _validity(arr)
     raw = _raw_le(arr, w)
@@ -151,7 +159,7 @@ def _encode_fixed(arr: pa.Array, w: int) -> pa.Array:
     rows = np.empty((len(arr), 1 + w), dtype=_U8)
     rows[:, 0] = valid
     rows[:, 1:] = be
-    return _fixed_rows(rows)
+    return rows
 
 
 def _header(valid: np.ndarray, counts: np.ndarray) -> pa.Array:
@@ -217,6 +225,123 @@ def encode_column(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
     if pa.types.is_list(type_) or pa.types.is_large_list(type_):
         return _encode_list(arr)
     raise InvalidUpdates(f"type {type_} is not supported in a shard schema")
+
+
+#: Up to this many rows, :func:`encode_rows_list` encodes in plain Python over numpy
+#: views: for a small write, a dozen Arrow kernel calls per column cost more than the
+#: rows themselves.
+SMALL_ROWS = 256
+
+
+#: Up to this many rows, integer, temporal, float and boolean columns are encoded value
+#: by value in Python (numpy's per-call cost dominates below it).
+_PER_VALUE_ROWS = 32
+
+
+def _python_values(arr: pa.Array, w: int) -> list[Any] | None:
+    """The values of a small integer-like, float or boolean column as Python numbers
+    (raw integers for temporal types), or None for other types."""
+    type_ = arr.type
+    if pa.types.is_boolean(type_):
+        return list(arr.to_pylist())
+    if pa.types.is_decimal(type_) or pa.types.is_fixed_size_binary(type_):
+        return None
+    if pa.types.is_floating(type_):
+        dtype = np.dtype(f"<f{w}")
+    elif pa.types.is_unsigned_integer(type_):
+        dtype = np.dtype(f"<u{w}")
+    else:
+        dtype = np.dtype(f"<i{w}")
+    values: list[Any] = _raw_le(arr, w).view(dtype).reshape(-1).tolist()
+    if arr.null_count:
+        valid = _validity(arr)
+        values = [v if ok else None for v, ok in zip(values, valid, strict=True)]
+    return values
+
+
+def _fixed_list(arr: pa.Array, width: int) -> list[bytes]:
+    if len(arr) <= _PER_VALUE_ROWS:
+        values = _python_values(arr, width)
+        if values is not None:
+            return _fixed_values(arr.type, width, values)
+    rows = _encode_fixed_matrix(arr, width)
+    flat = rows.tobytes()
+    step = 1 + width
+    return [flat[i:i + step] for i in range(0, len(flat), step)]
+
+
+def _fixed_values(type_: pa.DataType, w: int, values: list[Any]) -> list[bytes]:
+    null = bytes(1 + w)
+    out = []
+    if pa.types.is_boolean(type_):
+        return [null if v is None else (b"\x01\x01" if v else b"\x01\x00") for v in values]
+    if pa.types.is_floating(type_):
+        fmt, sign, mask = (">d", 1 << 63, (1 << 64) - 1) if w == 8 else (">f", 1 << 31,
+                                                                       (1 << 32) - 1)
+        for v in values:
+            if v is None:
+                out.append(null)
+                continue
+            if math.isnan(v):
+                v = math.nan
+            elif v == 0:
+                v = 0.0
+            bits = int.from_bytes(struct.pack(fmt, v), "big")
+            bits = (~bits & mask) if bits & sign else (bits | sign)
+            out.append(b"\x01" + bits.to_bytes(w, "big"))
+        return out
+    offset = 0 if pa.types.is_unsigned_integer(type_) else 1 << (8 * w - 1)
+    for v in values:
+        out.append(null if v is None else b"\x01" + (v + offset).to_bytes(w, "big"))
+    return out
+
+
+def _varwidth_list(arr: pa.Array) -> list[bytes]:
+    out = []
+    text = pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+    for value in arr.to_pylist():
+        if value is None:
+            out.append(b"\x00\x00\x00\x00\x00")
+            continue
+        data = value.encode() if text else value
+        if len(data) >= 1 << 32:
+            raise InvalidUpdates("a value of 4 GiB or more cannot be stored")
+        out.append(b"\x01" + len(data).to_bytes(4, "big") + data)
+    return out
+
+
+def _column_list(arr: pa.Array | pa.ChunkedArray) -> list[bytes]:
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.chunk(0) if arr.num_chunks == 1 else arr.combine_chunks()
+    width = _fixed_width(arr.type)
+    if width is not None:
+        return _fixed_list(arr, width)
+    if _is_varwidth(arr.type):
+        return _varwidth_list(arr)
+    return list(encode_column(arr).to_pylist())
+
+
+def encode_rows_list(columns: Sequence[pa.Array | pa.ChunkedArray], num_rows: int, *,
+                     strip_trailing_nulls: bool) -> list[bytes]:
+    """:func:`encode_rows` as a list of ``bytes``, computed in plain Python for small
+    inputs (identical bytes: the tests compare both on random tables)."""
+    if num_rows > SMALL_ROWS:
+        return list(encode_rows(columns, num_rows,
+                                strip_trailing_nulls=strip_trailing_nulls).to_pylist())
+    encoded = [_column_list(c) for c in columns]
+    if not encoded:
+        return [b""] * num_rows
+    if strip_trailing_nulls and any(c.null_count for c in columns):
+        valid = [_validity(c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c)
+                 for c in columns]
+        out = []
+        for i in range(num_rows):
+            last = len(columns)
+            while last and not valid[last - 1][i]:
+                last -= 1
+            out.append(b"".join(encoded[j][i] for j in range(last)))
+        return out
+    return [b"".join(row) for row in zip(*encoded, strict=True)]
 
 
 def _empty_rows(n: int) -> pa.Array:
