@@ -10,8 +10,10 @@ parts of about a target size, recording each part's time and key bounds.
 from __future__ import annotations
 
 import io
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -39,6 +41,40 @@ from persist_pipeline.updates import (
 WHOLE_FETCH_MAX_BYTES = 4 << 20
 
 
+#: Decoded small parts kept for lookups (bytes of Arrow data): parts are immutable, so
+#: a cached part is never stale, and repeated upserts skip decoding the same Parquet.
+LOOKUP_CACHE_BYTES = 64 << 20
+
+
+class DecodedParts:
+    """An LRU of decoded small parts by blob key, bounded by Arrow bytes; thread-safe."""
+
+    def __init__(self, max_bytes: int = LOOKUP_CACHE_BYTES) -> None:
+        self._max = max_bytes
+        self._tables: OrderedDict[tuple[str, str], pa.Table] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, blobs: ShardBlobs, part: HollowPart, where: str) -> pa.Table:
+        """The part decoded (:meth:`ShardBlobs.fetch_part`), from the LRU if there."""
+        key = (part.store, part.key)
+        with self._lock:
+            table = self._tables.get(key)
+            if table is not None:
+                self._tables.move_to_end(key)
+                return table
+        table = blobs.fetch_part(part, where)
+        if table.nbytes <= self._max // 4:
+            with self._lock:
+                if key not in self._tables:
+                    self._tables[key] = table
+                    self._bytes += table.nbytes
+                while self._bytes > self._max:
+                    _, old = self._tables.popitem(last=False)
+                    self._bytes -= old.nbytes
+        return table
+
+
 @dataclass
 class ShardBlobs:
     """The blob stores of a persist location.
@@ -47,12 +83,14 @@ class ShardBlobs:
         main: where compaction output, large writes and rollups go.
         wal: the optional low-latency store for fresh write parts (seed 004).
         cached_main / cached_wal: the same stores behind the LRU cache, for reads.
+        decoded: decoded small parts, for key lookups (upserts and deletes).
     """
 
     main: Blob
     wal: Blob | None
     cached_main: Blob
     cached_wal: Blob | None
+    decoded: DecodedParts = field(default_factory=lambda: DecodedParts())
 
     def store(self, store: Store, cached: bool = False) -> Blob:
         if store == "wal":

@@ -13,15 +13,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist_pipeline.frontier import MAX_TIME
-from persist_pipeline.internal.blobs import ShardBlobs
+from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, ShardBlobs
 from persist_pipeline.internal.merge import batch_rows
 from persist_pipeline.internal.state import HollowPart, InlinePart, Part, State
 from persist_pipeline.updates import SCHEMA, consolidate, empty_table
 
 #: Rows per streamed chunk of a part scanned by a lookup.
 _LOOKUP_CHUNK_BYTES = 8 << 20
-
-
 def _holds_one_of(part: HollowPart, keys: Sequence[bytes]) -> tuple[bytes, bytes] | None:
     """The least and greatest of ``keys`` within the part's key bounds, or None."""
     lo = 0 if part.min_key is None else bisect.bisect_left(keys, part.min_key)
@@ -39,6 +37,9 @@ def _part_rows(blobs: ShardBlobs, part: Part, keys: Sequence[bytes], key_set: pa
     span = _holds_one_of(part, keys)
     if span is None:
         return []
+    if part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
+        table = blobs.decoded.get(blobs, part, where)
+        return [table.filter(pc.is_in(table.column("k"), value_set=key_set))]
     rows = batch_rows(_LOOKUP_CHUNK_BYTES, part.encoded_size, part.num_updates)
     out = []
     # The upper bound is exclusive: the greatest key plus a zero byte follows it.
