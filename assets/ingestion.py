@@ -44,7 +44,12 @@ from assets.asset_keys import (
     split_file_partition,
 )
 from assets.change_stream import ChangeStream
-from assets.pipeline_config import FileSource, ShardConfig, SyntheticSource
+from assets.pipeline_config import (
+    FileSource,
+    ShardConfig,
+    SyntheticSource,
+    register_shard_name,
+)
 from assets.sources import display_name, read_landed, stat_landed
 from persist_pipeline import PersistClient, UpperMismatch, WriteHandle, WriteResult
 from persist_pipeline.blob import redact_uri
@@ -149,6 +154,7 @@ def write_metadata(client: PersistClient, shard: ShardConfig, result: WriteResul
 
 def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: ShardConfig,
            plan: Callable[[int], Planned]) -> dg.MaterializeResult:
+    register_shard_name(client, shard)  # InvalidConfig if the name is another shard's
     writer = client.open_writer(shard.shard_id, debug=f"dagster run {context.run.run_id}")
     try:
         try:
