@@ -44,11 +44,16 @@ from assets.asset_keys import (
     split_file_partition,
 )
 from assets.change_stream import ChangeStream
-from assets.pipeline_config import FileSource, ShardConfig, SyntheticSource
+from assets.pipeline_config import (
+    FileSource,
+    ShardConfig,
+    SyntheticSource,
+    register_shard_name,
+)
 from assets.sources import display_name, read_landed, stat_landed
 from persist_pipeline import PersistClient, UpperMismatch, WriteHandle, WriteResult
 from persist_pipeline.blob import redact_uri
-from persist_pipeline.exceptions import InvalidUpdates, PersistError
+from persist_pipeline.exceptions import InvalidConfig, InvalidUpdates, PersistError
 from resources.inline_policy import InlinePolicyResource
 from resources.persist import PersistResource
 
@@ -149,6 +154,10 @@ def write_metadata(client: PersistClient, shard: ShardConfig, result: WriteResul
 
 def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: ShardConfig,
            plan: Callable[[int], Planned]) -> dg.MaterializeResult:
+    try:
+        register_shard_name(client, shard)
+    except InvalidConfig as e:  # the config name is another shard's
+        raise dg.Failure(description=str(e), metadata={"shard": shard.name}) from None
     writer = client.open_writer(shard.shard_id, debug=f"dagster run {context.run.run_id}")
     try:
         try:

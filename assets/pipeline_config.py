@@ -6,6 +6,12 @@ root. Relative paths in it are relative to the file. Strings may use ``${VAR}`` 
 webhook and S3 landing URIs keep their ``${...}`` templates until run time (they may hold
 secrets, see :mod:`resources.env`); everything else is expanded when the file is loaded.
 
+A shard's ``shard_id`` may be a shard id or a name registered in the location's name
+registry (``PersistClient.resolve``): names are looked up when the file is loaded (one
+consensus query, only if the file uses any), so the name must be registered by then.
+When the pipeline writes to a shard it registers the shard's config name for its id
+(:func:`register_shard_name`), failing if the name belongs to another shard.
+
 Every error names the file and the offending key.
 """
 
@@ -14,17 +20,29 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from persist_pipeline import ShardId
-from persist_pipeline.config import INLINE_UPDATE_MAX_BYTES, INLINE_UPDATE_THRESHOLD_BYTES
-from persist_pipeline.exceptions import InvalidConfig, InvalidShardId
+from persist_pipeline import PersistClient, ShardId
+from persist_pipeline.config import (
+    INLINE_UPDATE_MAX_BYTES,
+    INLINE_UPDATE_THRESHOLD_BYTES,
+    PersistConfig,
+)
+from persist_pipeline.consensus import open_consensus
+from persist_pipeline.consensus.retry import RetryingConsensus
+from persist_pipeline.exceptions import (
+    InvalidConfig,
+    InvalidShardId,
+    InvalidShardName,
+    PersistError,
+)
 from persist_pipeline.ingest import FORMATS
+from persist_pipeline.names import NameRegistry, check_name
 from resources.env import expand_env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +57,9 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 TimesMode = Literal["ingest", "source"]
+
+#: Reads the registered shard names of a location: ``{name: shard id}``.
+NameSource = Callable[[], Mapping[str, ShardId | str]]
 
 
 @dataclass(frozen=True)
@@ -98,13 +119,19 @@ Source = FileSource | SyntheticSource
 
 @dataclass(frozen=True)
 class ShardConfig:
-    """One shard: its name (asset keys use it), id and source."""
+    """One shard: its name (asset keys use it), id and source.
+
+    Attributes:
+        registered_name: the registered shard name the file gave as ``shard_id`` (which
+            holds the id it was resolved to); empty when the file gave an id or none.
+    """
 
     name: str
     shard_id: str
     source: Source
     description: str = ""
     freshness_max_age_s: int = 3600
+    registered_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -171,8 +198,16 @@ def config_path(env: Mapping[str, str] | None = None) -> Path:
 
 
 def load_pipeline_config(path: Path | str | None = None,
-                         env: Mapping[str, str] | None = None) -> PipelineConfig:
-    """Read and validate the config file (default: :func:`config_path`)."""
+                         env: Mapping[str, str] | None = None,
+                         names: NameSource | None = None) -> PipelineConfig:
+    """Read and validate the config file (default: :func:`config_path`).
+
+    Args:
+        path: the file.
+        env: the environment for ``${VAR}`` (default ``os.environ``).
+        names: reads the registered shard names, used only if a ``shard_id`` is a name
+            (default: read them from the file's own consensus location).
+    """
     env = os.environ if env is None else env
     file = Path(path).resolve() if path is not None else config_path(env)
     try:
@@ -181,13 +216,42 @@ def load_pipeline_config(path: Path | str | None = None,
         raise InvalidConfig(f"{file}: cannot read the pipeline config: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise InvalidConfig(f"{file}: not valid YAML: {e}") from None
-    return _Parser(file, env).parse(raw)
+    return _Parser(file, env, names).parse(raw)
+
+
+def register_shard_name(client: PersistClient, shard: ShardConfig) -> None:
+    """Registers ``shard``'s config name for its id in the location's name registry.
+
+    Idempotent (and cached per client: names never change).
+
+    Raises:
+        InvalidConfig: the name is registered for another shard.
+    """
+    recorded = client.register_name(shard.name, shard.shard_id)
+    if str(recorded) != shard.shard_id:
+        raise InvalidConfig(
+            f"shards.{shard.name}: the shard name {shard.name!r} is registered for shard "
+            f"{recorded}, but the pipeline config's shard_id is {shard.shard_id}; registered "
+            "names never change, so give this shard that id or another name")
+
+
+def _location_names(location: LocationConfig, env: Mapping[str, str]) -> NameSource:
+    """Reads the registered names from ``location``'s consensus store."""
+
+    def read() -> Mapping[str, ShardId]:
+        uri = expand_env(location.consensus_uri, env, what="location.consensus_uri").strip()
+        deadline = PersistConfig().retry_deadline_s
+        with open_consensus(uri) as consensus:
+            return NameRegistry(RetryingConsensus(consensus, deadline), deadline).names()
+
+    return read
 
 
 class _Parser:
-    def __init__(self, file: Path, env: Mapping[str, str]) -> None:
+    def __init__(self, file: Path, env: Mapping[str, str], names: NameSource | None) -> None:
         self.file = file
         self.env = env
+        self.names = names
         self.data_dir = file.parent
 
     # --- helpers -----------------------------------------------------------------------
@@ -313,6 +377,7 @@ class _Parser:
         if not isinstance(shards_raw, Mapping) or not shards_raw:
             raise self.error("shards", "must map at least one shard name to its settings")
         shards = tuple(self.shard(str(name), spec) for name, spec in shards_raw.items())
+        shards = self.resolve_names(shards, location)
         ids = [s.shard_id for s in shards]
         if len(set(ids)) != len(ids):
             raise self.error("shards", "two shards have the same shard_id")
@@ -326,6 +391,34 @@ class _Parser:
                                       "checks.schedule"),
             alerts=alerts, automation_running=status == "running", shards=shards,
             timezone=self.expand(raw.get("timezone", "UTC"), "timezone"))
+
+    def resolve_names(self, shards: tuple[ShardConfig, ...],
+                      location: LocationConfig) -> tuple[ShardConfig, ...]:
+        """``shards`` with each ``shard_id`` given as a registered name resolved to its id
+        (one registry read, only if any is)."""
+        named = [s for s in shards if s.registered_name]
+        if not named:
+            return shards
+        read = self.names or _location_names(location, self.env)
+        where = f"shards.{named[0].name}.shard_id"
+        try:
+            registry = {name: str(ShardId.parse(i)) for name, i in read().items()}
+        except PersistError as e:
+            raise type(e)(f"{self.file}: {where}: reading the registered shard names: "
+                          f"{e}") from None
+        out = []
+        for s in shards:
+            if s.registered_name:
+                found = registry.get(s.registered_name)
+                if found is None:
+                    raise self.error(
+                        f"shards.{s.name}.shard_id",
+                        f"{s.registered_name!r} is not a shard id, and no shard is "
+                        "registered under that name (register one with `persist-pipeline "
+                        f"new-shard --name {s.registered_name}`)")
+                s = replace(s, shard_id=found)
+            out.append(s)
+        return tuple(out)
 
     def cron(self, value: Any, where: str) -> str:
         text = self.expand(value, where)
@@ -343,10 +436,16 @@ class _Parser:
         self.check_keys(spec, {"shard_id", "source", "description", "freshness_max_age_s"},
                         where)
         shard_id = spec.get("shard_id") or shard_id_for(name)
+        registered_name = ""
         try:
             shard_id = str(ShardId.parse(str(shard_id)))
         except InvalidShardId as e:
-            raise self.error(where + ".shard_id", str(e)) from None
+            try:
+                registered_name = check_name(str(shard_id))  # resolved by resolve_names
+            except InvalidShardName:
+                raise self.error(where + ".shard_id", f"{e} (nor is it a valid shard "
+                                                      "name)") from None
+            shard_id = ""
         src = spec.get("source")
         if not isinstance(src, Mapping):
             raise self.error(where + ".source", "must be a mapping with a kind")
@@ -387,4 +486,5 @@ class _Parser:
         return ShardConfig(
             name=name, shard_id=shard_id, source=source,
             description=str(spec.get("description", "")),
-            freshness_max_age_s=self.integer(spec, "freshness_max_age_s", 3600, where + ".", 1))
+            freshness_max_age_s=self.integer(spec, "freshness_max_age_s", 3600, where + ".", 1),
+            registered_name=registered_name)

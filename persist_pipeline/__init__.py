@@ -14,6 +14,8 @@ Module map:
 - ``plan``: :class:`SnapshotPlan`, a snapshot's live Parquet files and inline rows for
   other engines (a pyarrow filesystem and dataset; DuckDB, polars), held against GC.
 - ``config``: :class:`InlinePolicy` (inline vs blob) and every tunable with its default.
+- ``names``: named shards, a registry of immutable ``name -> shard id`` records in
+  consensus (``PersistClient.resolve``, ``shard_names``).
 - ``updates``: validation, consolidation (sort, then vectorized sums of equal rows) and
   the part encodings (Parquet k/v/t/d; inline protobuf).
 - ``compaction`` / ``gc``: maintenance, each returning a metrics dict; ``run_merge``

@@ -1,8 +1,10 @@
 """The ``persist-pipeline`` command (also ``python -m persist_pipeline``).
 
 Global options ``--consensus URI --blob URI [--wal-blob URI]`` default to the
-``PERSIST_*`` environment variables. Every error is printed as one line on stderr
-with exit code 2 (bad input) or 1 (anything else); no stack traces.
+``PERSIST_*`` environment variables. Every command taking a shard takes its id or a name
+registered for it (``new-shard --name``, ``PersistClient.resolve``); ``names`` lists them.
+Every error is printed as one line on stderr with exit code 2 (bad input) or 1 (anything
+else); no stack traces.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from persist_pipeline.client import PersistClient
-from persist_pipeline.exceptions import InvalidInput, InvalidUpdates, PersistError
+from persist_pipeline.exceptions import (
+    InvalidInput,
+    InvalidShardId,
+    InvalidShardName,
+    InvalidUpdates,
+    PersistError,
+)
+from persist_pipeline.ids import ShardId
 from persist_pipeline.ingest import read_typed_file, read_updates_file
 from persist_pipeline.read import ReadHandle
 from persist_pipeline.updates import SCHEMA
@@ -73,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "$PERSIST_PIPELINE_CONFIG, else ./pipeline.yaml if present)")
     s = sub.add_parser("new-shard", help="create a shard and print its id")
     s.add_argument("--id", help="use this shard id instead of a fresh one")
+    s.add_argument("--name", help="register this name for the shard; if the name is "
+                   "registered already, its shard is the one created (and printed)")
+    sub.add_parser("names", help="list registered shard names and their ids (JSON)")
+    s = sub.add_parser("resolve", help="print the id of the shard registered under a name")
+    s.add_argument("name")
+    s.add_argument("--create", action="store_true",
+                   help="register a fresh shard id under the name if it has none")
     s = sub.add_parser("inspect", help="print a shard's state as JSON")
     s.add_argument("shard")
     s = sub.add_parser("append", help="compare_and_append a file (Parquet, CSV or JSONL)")
@@ -199,35 +215,40 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "simulate":
         return _simulate(args)
     if args.command == "new-shard":
-        from persist_pipeline.ids import ShardId
-
-        shard = ShardId.parse(args.id) if args.id else ShardId.new()
-        with PersistClient.open(args.consensus, args.blob, args.wal_blob) as client:
-            client.open_writer(shard).expire()
-        print(shard)
-        return 0
+        return _new_shard(args)
     with PersistClient.open(args.consensus, args.blob, args.wal_blob) as client:
         if args.command == "shards":
-            names = _shard_names(args.config)
+            names = _shard_names(args.config, client)
+            registered: dict[str, list[str]] = {}
+            for name, shard_id in client.shard_names().items():
+                registered.setdefault(str(shard_id), []).append(name)
             _print_json({k: {**(v.__dict__ if hasattr(v, "__dict__") else _summary(v)),
-                             "name": names.get(k)}
+                             "name": names.get(k), "names": registered.get(k, [])}
                          for k, v in client.shard_summaries().items()})
-        elif args.command == "inspect":
-            _print_json(client.inspect(args.shard))
+            return 0
+        if args.command == "names":
+            _print_json({name: str(i) for name, i in client.shard_names().items()})
+            return 0
+        if args.command == "resolve":
+            print(client.resolve(args.name, create=args.create))
+            return 0
+        shard = _shard(client, args.shard)
+        if args.command == "inspect":
+            _print_json(client.inspect(shard))
         elif args.command == "append":
-            with client.open_writer(args.shard, debug="cli") as writer:
+            with client.open_writer(shard, debug="cli") as writer:
                 updates = (read_updates_file(args.file, args.format) if writer.schema is None
                            else read_typed_file(args.file, writer.schema, args.format))
                 res = writer.compare_and_append(updates, args.expected_upper, args.new_upper)
             _print_json({"placement": res.placement, "encoded_bytes": res.encoded_bytes,
                          "seqno": res.seqno, "upper": res.upper, "updates": res.num_updates})
         elif args.command == "snapshot":
-            with client.open_reader(args.shard, debug="cli") as reader:
+            with client.open_reader(shard, debug="cli") as reader:
                 as_of = args.as_of
                 if as_of is None:
                     from persist_pipeline.plan import latest_complete_time
 
-                    state = client.machine(args.shard).fetch_latest()
+                    state = client.machine(shard).fetch_latest()
                     as_of = latest_complete_time(state.shard_id, state.upper)
                 if args.out is not None and args.out.suffix == ".parquet":
                     _stream_parquet(reader, as_of, args.out)
@@ -236,16 +257,46 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "plan":
             if args.hold_seconds < 0:
                 raise InvalidInput("--hold-seconds must not be negative")
-            with client.open_reader(args.shard, debug="cli plan") as reader, \
+            with client.open_reader(shard, debug="cli plan") as reader, \
                     reader.snapshot_plan(args.as_of) as plan:
                 print(plan.to_json(), flush=True)
                 if args.hold_seconds:
                     client.clock.sleep(args.hold_seconds)
         elif args.command == "compact":
-            _print_json(client.compact(args.shard))
+            _print_json(client.compact(shard))
         elif args.command == "gc":
-            _print_json(client.gc(args.shard))
+            _print_json(client.gc(shard))
     return 0
+
+
+def _new_shard(args: argparse.Namespace) -> int:
+    shard = ShardId.parse(args.id) if args.id else ShardId.new()
+    with PersistClient.open(args.consensus, args.blob, args.wal_blob) as client:
+        if args.name is not None:
+            recorded = client.register_name(args.name, shard)
+            if args.id and recorded != shard:
+                raise InvalidInput(f"the name {args.name!r} is registered for shard "
+                                   f"{recorded}, not {shard}; names never change")
+            shard = recorded
+        client.open_writer(shard).expire()
+    print(shard)
+    return 0
+
+
+def _shard(client: PersistClient, text: str) -> ShardId:
+    """The shard a command-line argument names: a shard id, else a registered name."""
+    try:
+        return ShardId.parse(text)
+    except InvalidShardId as not_an_id:
+        try:
+            found = client.name_registry.lookup(text)
+        except InvalidShardName:
+            raise not_an_id from None
+        if found is None:
+            raise InvalidShardId(f"{text!r} is neither a shard id ({not_an_id}) nor a "
+                                 "registered shard name (`persist-pipeline names` lists "
+                                 "them)") from None
+        return found
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -308,10 +359,11 @@ def _nemesis(args: argparse.Namespace) -> int:
     return 1 if report.check.violations else 0
 
 
-def _shard_names(config: Path | None) -> dict[str, str]:
+def _shard_names(config: Path | None, client: PersistClient) -> dict[str, str]:
     """``{shard_id: name}`` from the pipeline config: ``config`` (errors are errors),
     else ``$PERSIST_PIPELINE_CONFIG`` or ``./pipeline.yaml`` if present (errors are
-    warnings: the listing itself does not need names)."""
+    warnings: the listing itself does not need names). Shard ids the config gives as
+    registered names are looked up on ``client``'s location."""
     import importlib
     import os
 
@@ -322,7 +374,7 @@ def _shard_names(config: Path | None) -> dict[str, str]:
         return {}
     try:
         module = importlib.import_module("assets.pipeline_config")
-        loaded = module.load_pipeline_config(Path(path))
+        loaded = module.load_pipeline_config(Path(path), names=client.shard_names)
     except (ImportError, PersistError) as e:
         if config is not None:
             raise InvalidInput(f"--config {config}: {e}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import weakref
@@ -29,6 +30,7 @@ from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
 from persist_pipeline.internal.machine import Machine, MachineMetrics
 from persist_pipeline.internal.state import HollowPart, InlinePart
 from persist_pipeline.internal.trace import merge_requests
+from persist_pipeline.names import NameRegistry, is_registry_key
 from persist_pipeline.read import CriticalReaderHandle, ReadHandle
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.write import WriteHandle
@@ -269,18 +271,53 @@ class PersistClient:
         return gc_shard(self._existing(shard), sweep_orphans=sweep_orphans)
 
     def list_shards(self) -> list[str]:
-        return sorted(self.consensus.list_shards())
+        """Every shard with at least one record (shard names are not shards)."""
+        return sorted(k for k in self.consensus.list_shards() if not is_registry_key(k))
 
     def shard_summaries(self) -> dict[str, ShardSummary]:
         """Every shard's summary in one consensus query (cost independent of state size)."""
         out = {}
         for shard_id, head in self.consensus.list_heads().items():
+            if is_registry_key(shard_id):
+                continue  # a shard name's record (see resolve), not a shard
             s = state_codec.decode_summary(head.summary, f"shard {shard_id}")
             out[shard_id] = ShardSummary(
                 shard_id, head.seqno, state_codec.frontier_from_proto(s.upper),
                 state_codec.frontier_from_proto(s.since), s.inline_bytes, s.num_batches,
                 s.num_inline_parts, s.pending_merges, s.inline_fallbacks, s.walltime_ms)
         return out
+
+    @functools.cached_property
+    def name_registry(self) -> NameRegistry:
+        """The registry of shard names on this location (see :mod:`persist_pipeline.names`)."""
+        return NameRegistry(self.consensus, self.config.retry_deadline_s, self.clock)
+
+    def resolve(self, name: str, create: bool = False) -> ShardId:
+        """The id of the shard registered under ``name``.
+
+        Names are unique and never change: of concurrent creators of one name all get the
+        same id. A name may be registered before its shard is created (by the first
+        ``open_writer``).
+
+        Args:
+            name: 1-200 characters of ``A-Z a-z 0-9 . _ / -``, not shaped like a shard id.
+            create: register a fresh shard id under ``name`` if it has none.
+
+        Raises:
+            InvalidShardName: ``name`` is malformed (nothing is written).
+            ShardNameNotFound: no such name and ``create`` is False (a ``ShardNotFound``).
+            Indeterminate: consensus stayed unavailable past the retry deadline.
+        """
+        return self.name_registry.resolve(name, create=create)
+
+    def register_name(self, name: str, shard: ShardLike) -> ShardId:
+        """Registers ``name`` for ``shard`` unless the name already has an id; returns the
+        id registered under ``name`` (compare it with ``shard`` to detect a conflict)."""
+        return self.name_registry.register(name, ShardId.parse(shard))
+
+    def shard_names(self) -> dict[str, ShardId]:
+        """Every registered shard name and its id, in one consensus query."""
+        return self.name_registry.names()
 
     def flush_maintenance(self, timeout_s: float | None = None) -> None:
         """Wait for background maintenance (state rollups) started so far."""

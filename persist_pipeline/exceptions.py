@@ -37,6 +37,10 @@ class InvalidShardId(InvalidInput):
     """A shard id is not of the form ``s<uuid>``."""
 
 
+class InvalidShardName(InvalidInput):
+    """A shard name is malformed (see :func:`persist_pipeline.names.check_name`)."""
+
+
 class InvalidUri(InvalidInput):
     """A consensus or blob URI is malformed or names an unsupported scheme."""
 
@@ -64,6 +68,10 @@ class UpperMismatch(PersistError):
 
 class ShardNotFound(PersistError, LookupError):
     """No shard with this id exists in the consensus store."""
+
+
+class ShardNameNotFound(ShardNotFound):
+    """No shard is registered under this name (see ``PersistClient.resolve``)."""
 
 
 class SinceViolation(PersistError):
