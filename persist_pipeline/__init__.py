@@ -13,6 +13,8 @@ Module map:
 - ``fingerprint``: a digest of a streamed snapshot (the Dagster compaction check).
 - ``plan``: :class:`SnapshotPlan`, a snapshot's live Parquet files and inline rows for
   other engines (a pyarrow filesystem and dataset; DuckDB, polars), held against GC.
+- ``schema``: :class:`ShardSchema`, typed shards (key and value columns encoded into
+  k/v by ``internal/rowcodec``; decoded on reads, written beside k/v in Parquet parts).
 - ``config``: :class:`InlinePolicy` (inline vs blob) and every tunable with its default.
 - ``names``: named shards, a registry of immutable ``name -> shard id`` records in
   consensus (``PersistClient.resolve``, ``shard_names``).
@@ -22,7 +24,8 @@ Module map:
   streams a merge request (or one key range of it) in bounded memory.
 - ``consensus/`` and ``blob/``: backends behind small ABCs, opened by URI scheme.
 - ``internal/``: the state model, pure transitions, the Spine, codecs, the k-way merge
-  of sorted runs (``merge``), streaming part reads and writes (``blobs``), the CaS loop
+  of sorted runs (``merge``), streaming part reads and writes (``blobs``), the typed
+  row codec (``rowcodec``), key lookups for upserts (``lookup``), the CaS loop
   (``machine``: lost replies settled, negative answers confirmed), routine maintenance
   (``maintenance``: rollups), every blob key (``paths``), the injected clock and locks.
 - ``ingest``: reading updates from Parquet, CSV and JSON Lines files.

@@ -217,9 +217,38 @@ class ShardSchema:
         return pa.schema([*self.key, *self.value, pa.field("t", pa.int64()),
                           pa.field("d", pa.int64())])
 
+    def _exact_columns(self, given: pa.Table, with_times: bool
+                       ) -> dict[str, pa.Array | pa.ChunkedArray] | None:
+        """The columns of a table that already has exactly the schema's columns and
+        types (the common case, checked cheaply), else None."""
+        expected = self._times_schema if with_times else self._columns_schema
+        if not given.schema.equals(expected, check_metadata=False) and not (
+                with_times and given.schema.equals(self._t_only_schema, check_metadata=False)):
+            return None
+        columns = dict(zip(given.column_names, given.columns, strict=True))
+        for name in self._required:
+            column = columns.get(name)
+            if column is not None and column.null_count:
+                return None  # the slow path says which column
+        if with_times and "d" not in columns:
+            columns["d"] = pa.chunked_array([pa.array([1] * given.num_rows, pa.int64())])
+        return columns
+
+    @cached_property
+    def _t_only_schema(self) -> pa.Schema:
+        return pa.schema([*self.key, *self.value, pa.field("t", pa.int64())])
+
+    @cached_property
+    def _required(self) -> tuple[str, ...]:
+        """Columns that must hold no nulls (non-nullable ones, t and d)."""
+        return (*(f.name for f in [*self.key, *self.value] if not f.nullable), "t", "d")
+
     def _columns(self, table: object, with_times: bool
                  ) -> tuple[dict[str, pa.Array | pa.ChunkedArray], int]:
         given = _to_table(table, self)
+        fast = self._exact_columns(given, with_times)
+        if fast is not None:
+            return fast, given.num_rows
         names = given.column_names
         if len(set(names)) != len(names):
             raise SchemaMismatch(f"the table repeats a column: {names}")

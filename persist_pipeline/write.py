@@ -81,6 +81,9 @@ class WriteHandle:
                  has_wal: bool, debug: str = "", schema: ShardSchema | None = None) -> None:
         self._machine = machine
         self.schema = schema
+        # Upsert back-off jitter, seeded by the writer id: replays of the deterministic
+        # simulation (seeded ids) back off alike.
+        self._jitter = random.Random(writer_id)  # noqa: S311 - jitter, not a secret
         self.writer_id = writer_id
         self.policy = policy
         self._store: Store = "wal" if has_wal else "main"
@@ -313,8 +316,8 @@ class WriteHandle:
             if attempt:
                 # Lost a race: back off a random while, so that upserters of hot keys
                 # do not keep invalidating each other's reads.
-                clock.sleep(random.uniform(0, min(_REPLACE_BACKOFF_MAX_S,  # noqa: S311
-                                                  0.001 * 2 ** min(attempt, 10))))
+                ceiling = min(_REPLACE_BACKOFF_MAX_S, 0.001 * 2 ** min(attempt, 10))
+                clock.sleep(self._jitter.uniform(0, ceiling))
                 if clock.monotonic() > deadline:
                     current_upper = machine.fetch_latest().upper
                     raise UpperMismatch(expected, current_upper)

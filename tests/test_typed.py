@@ -404,3 +404,40 @@ def _memory_consensus() -> Any:
     from persist_pipeline.consensus.memory import MemoryConsensus
 
     return MemoryConsensus()
+
+
+def test_lookups_in_large_parts_read_only_row_groups_that_can_hold_a_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from persist_pipeline.internal import blobs as blobs_module
+    from persist_pipeline.internal import lookup as lookup_module
+
+    # Small row groups, and no part counts as small: the streaming path with pruning.
+    monkeypatch.setattr(blobs_module, "_ROW_GROUP_BYTES", 8 << 10)
+    monkeypatch.setattr(blobs_module, "WHOLE_FETCH_MAX_BYTES", 256)
+    monkeypatch.setattr(lookup_module, "WHOLE_FETCH_MAX_BYTES", 256)
+    chosen: list[tuple[int, int]] = []
+    original = blobs_module._row_groups_from
+
+    def spy(meta: Any, lower: Any, upper: Any, keys: Any = None) -> list[int]:
+        groups = original(meta, lower, upper, keys)
+        chosen.append((len(groups), meta.num_row_groups))
+        return groups
+
+    monkeypatch.setattr(blobs_module, "_row_groups_from", spy)
+    client = PersistClient(_memory_consensus(), MemoryBlob(), config=PersistConfig(
+        inline_policy=InlinePolicy(0, 0), background_maintenance=False))
+    shard = ShardId.new()
+    schema = ShardSchema([("id", pa.int64())], [("val", pa.string())])
+    writer = client.open_writer(shard, schema=schema)
+    n = 20_000
+    writer.compare_and_append(pa.table({"id": range(n), "val": [f"v{i:08d}" for i in range(n)],
+                                        "t": [0] * n}), 0, 1)
+    state = client.machine(shard).fetch_latest()
+    [part] = [p for b in state.batches.values() for p in b.parts]
+    keys = sorted(schema.encode_keys(pa.table({"id": [17, 12_345]})).to_pylist())
+    found = current_rows(client.machine(shard).blobs, state, keys)
+    assert sorted(schema.decode(found).column("id").to_pylist()) == [17, 12_345]
+    assert isinstance(part, HollowPart)
+    [(read, total)] = chosen
+    assert total > 20 and read <= 2, (read, total)
+    client.close()

@@ -9,10 +9,11 @@ parts of about a target size, recording each part's time and key bounds.
 
 from __future__ import annotations
 
+import bisect
 import io
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -114,12 +115,14 @@ class ShardBlobs:
 
     def stream_part(self, part: Part, where: str, batch_rows: int,
                     key_lower: bytes | None = None,
-                    key_upper: bytes | None = None) -> Iterator[pa.Table]:
+                    key_upper: bytes | None = None,
+                    keys: Sequence[bytes] | None = None) -> Iterator[pa.Table]:
         """A part's updates in order, as tables of at most ``batch_rows`` rows.
 
         Large hollow parts are read row group by row group with ranged reads; row groups
         whose keys all lie outside ``[key_lower, key_upper)`` are skipped (their
-        statistics say so). Rows outside the range may still be returned.
+        statistics say so), as are those that hold none of ``keys`` (sorted), if
+        given. Rows outside the range may still be returned.
         """
         if isinstance(part, InlinePart) or part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
             table = self.fetch_part(part, where)
@@ -131,7 +134,7 @@ class ShardBlobs:
         try:
             reader = pq.ParquetFile(source)
             # One row group at a time: asked for several, pyarrow pre-buffers them all.
-            for group in _row_groups_from(reader.metadata, key_lower, key_upper):
+            for group in _row_groups_from(reader.metadata, key_lower, key_upper, keys):
                 for batch in reader.iter_batches(batch_size=batch_rows, row_groups=[group],
                                                  columns=SCHEMA.names, use_threads=False):
                     yield pa.Table.from_batches([batch]).cast(SCHEMA)
@@ -166,10 +169,13 @@ def key_starts(blobs: ShardBlobs, part: HollowPart, where: str) -> list[tuple[by
 
 
 def _row_groups_from(meta: pq.FileMetaData, key_lower: bytes | None,
-                     key_upper: bytes | None) -> list[int]:
-    """The row groups that may hold a key in ``[key_lower, key_upper)``."""
+                     key_upper: bytes | None,
+                     keys: Sequence[bytes] | None = None) -> list[int]:
+    """The row groups that may hold a key in ``[key_lower, key_upper)`` (and, if
+    ``keys`` is given, sorted, one of them)."""
     groups = list(range(meta.num_row_groups))
-    if (key_lower is None and key_upper is None) or "k" not in meta.schema.names:
+    if (key_lower is None and key_upper is None and keys is None) or \
+            "k" not in meta.schema.names:
         return groups
     k = meta.schema.names.index("k")
     keep = []
@@ -180,6 +186,10 @@ def _row_groups_from(meta: pq.FileMetaData, key_lower: bytes | None,
                 continue
             if key_upper is not None and stats.min >= key_upper:
                 break  # the row groups of a part are in key order
+            if keys is not None:
+                i = bisect.bisect_left(keys, stats.min)
+                if i == len(keys) or keys[i] > stats.max:
+                    continue
         keep.append(g)
     return keep
 

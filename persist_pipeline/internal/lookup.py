@@ -1,7 +1,8 @@
 """Point lookups by key: the current rows of some keys, for upserts and deletes.
 
-Only parts whose recorded key bounds can hold one of the keys are read, and of those only
-the row groups whose key statistics span one of them (:meth:`ShardBlobs.stream_part`).
+Only parts whose recorded key bounds can hold one of the keys are read: small ones whole
+(decoded once, then kept in the client's LRU of decoded parts), large ones only in the
+row groups whose key statistics span one of the keys (:meth:`ShardBlobs.stream_part`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _part_rows(blobs: ShardBlobs, part: Part, keys: Sequence[bytes], key_set: pa
     out = []
     # The upper bound is exclusive: the greatest key plus a zero byte follows it.
     for chunk in blobs.stream_part(part, where, rows, key_lower=span[0],
-                                   key_upper=span[1] + b"\x00"):
+                                   key_upper=span[1] + b"\x00", keys=keys):
         found = chunk.filter(pc.is_in(chunk.column("k"), value_set=key_set))
         if found.num_rows:
             out.append(found)

@@ -291,9 +291,7 @@ def _fixed_values(type_: pa.DataType, w: int, values: list[Any]) -> list[bytes]:
             out.append(b"\x01" + bits.to_bytes(w, "big"))
         return out
     offset = 0 if pa.types.is_unsigned_integer(type_) else 1 << (8 * w - 1)
-    for v in values:
-        out.append(null if v is None else b"\x01" + (v + offset).to_bytes(w, "big"))
-    return out
+    return [null if v is None else b"\x01" + (v + offset).to_bytes(w, "big") for v in values]
 
 
 def _varwidth_list(arr: pa.Array) -> list[bytes]:
