@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 
 from persist_pipeline.exceptions import InvalidInput, InvalidUpdates, SchemaMismatch
@@ -198,7 +199,8 @@ class ShardSchema:
         v = rowcodec.encode_rows_list([columns[c] for c in self.value.names], n,
                                       strip_trailing_nulls=True)
         t = columns["t"].to_pylist()
-        d = columns["d"].to_pylist()
+        d_column = columns["d"]
+        d = [1] * n if d_column is _ONES.get(n) else d_column.to_pylist()
         return Updates.coerce(list(zip(k, v, t, d, strict=True)))
 
     def conform(self, table: object, *, with_times: bool = True) -> pa.Table:
@@ -221,17 +223,21 @@ class ShardSchema:
                        ) -> dict[str, pa.Array | pa.ChunkedArray] | None:
         """The columns of a table that already has exactly the schema's columns and
         types (the common case, checked cheaply), else None."""
+        schema = given.schema
         expected = self._times_schema if with_times else self._columns_schema
-        if not given.schema.equals(expected, check_metadata=False) and not (
-                with_times and given.schema.equals(self._t_only_schema, check_metadata=False)):
+        if schema.equals(expected, check_metadata=False):
+            names = expected.names
+        elif with_times and schema.equals(self._t_only_schema, check_metadata=False):
+            names = self._t_only_schema.names
+        else:
             return None
-        columns = dict(zip(given.column_names, given.columns, strict=True))
+        columns = {name: given.column(i) for i, name in enumerate(names)}
         for name in self._required:
             column = columns.get(name)
             if column is not None and column.null_count:
                 return None  # the slow path says which column
         if with_times and "d" not in columns:
-            columns["d"] = pa.chunked_array([pa.array([1] * given.num_rows, pa.int64())])
+            columns["d"] = _ones(given.num_rows)
         return columns
 
     @cached_property
@@ -285,8 +291,7 @@ class ShardSchema:
             if "t" not in names:
                 raise InvalidUpdates("a typed write needs a t column (the update times)")
             out["t"] = _int64_column(given, "t")
-            out["d"] = (_int64_column(given, "d") if "d" in names
-                        else pa.array([1] * n, pa.int64()))
+            out["d"] = _int64_column(given, "d") if "d" in names else _ones(n)
         return out, n
 
     def decode(self, updates: pa.Table, where: str = "a read") -> pa.Table:
@@ -314,6 +319,19 @@ class ShardSchema:
         conformed = keys_only.conform(given, with_times=False)
         return rowcodec.encode_rows([conformed.column(c) for c in self.key.names],
                                     conformed.num_rows, strip_trailing_nulls=False)
+
+
+#: Diff columns of all ones by length (a typed write without ``d``), built once each.
+_ONES: dict[int, pa.Array] = {}
+
+
+def _ones(n: int) -> pa.Array:
+    ones = _ONES.get(n)
+    if ones is None:
+        ones = pa.array(np.ones(n, dtype=np.int64))
+        if n <= 4096 and len(_ONES) < 4096:
+            _ONES[n] = ones
+    return ones
 
 
 def _int64_column(table: pa.Table, name: str) -> pa.ChunkedArray:

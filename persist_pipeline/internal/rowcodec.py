@@ -48,8 +48,21 @@ def _validity(arr: pa.Array) -> np.ndarray:
     return np.asarray(pc.is_valid(arr).to_numpy(zero_copy_only=False), dtype=bool)
 
 
+_WIDTHS: dict[pa.DataType, int | None] = {}
+
+
 def _fixed_width(type_: pa.DataType) -> int | None:
     """The byte width of a fixed-width type this codec stores as such, else None."""
+    try:
+        return _WIDTHS[type_]
+    except KeyError:
+        width = _compute_fixed_width(type_)
+        if len(_WIDTHS) < 1024:
+            _WIDTHS[type_] = width
+        return width
+
+
+def _compute_fixed_width(type_: pa.DataType) -> int | None:
     if pa.types.is_boolean(type_):
         return 1
     if pa.types.is_fixed_size_binary(type_) or pa.types.is_decimal(type_):
@@ -252,7 +265,11 @@ def _python_values(arr: pa.Array, w: int) -> list[Any] | None:
         dtype = np.dtype(f"<u{w}")
     else:
         dtype = np.dtype(f"<i{w}")
-    values: list[Any] = _raw_le(arr, w).view(dtype).reshape(-1).tolist()
+    data = arr.buffers()[1]
+    if data is None:
+        return None
+    values: list[Any] = np.frombuffer(data, dtype=dtype, count=len(arr),
+                                      offset=arr.offset * w).tolist()
     if arr.null_count:
         valid = _validity(arr)
         values = [v if ok else None for v, ok in zip(values, valid, strict=True)]
@@ -329,6 +346,8 @@ def encode_rows_list(columns: Sequence[pa.Array | pa.ChunkedArray], num_rows: in
     encoded = [_column_list(c) for c in columns]
     if not encoded:
         return [b""] * num_rows
+    if len(encoded) == 1 and not (strip_trailing_nulls and columns[0].null_count):
+        return encoded[0]
     if strip_trailing_nulls and any(c.null_count for c in columns):
         valid = [_validity(c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c)
                  for c in columns]
