@@ -441,3 +441,59 @@ def test_lookups_in_large_parts_read_only_row_groups_that_can_hold_a_key(
     [(read, total)] = chosen
     assert total > 20 and read <= 2, (read, total)
     client.close()
+
+
+def test_upsert_reading_parts_that_compaction_replaced_and_gc_deleted_rereads(
+        durable_location: Location) -> None:
+    schema = ShardSchema([("id", pa.int64())], [("val", pa.int64())])
+    shard = ShardId.new()
+    maintainer = durable_location.client(InlinePolicy(0, 0))
+    writer0 = maintainer.open_writer(shard, schema=schema)
+    writer0.compare_and_append(pa.table({"id": [1, 2], "val": [10, 20], "t": [0, 0]}), 0, 1)
+    writer0.compare_and_append(pa.table({"id": [3], "val": [30], "t": [1]}), 1, 2)
+    for t in range(2, 6):  # more batches: the Spine asks for merges
+        writer0.compare_and_append(pa.table({"id": [100 + t], "val": [t], "t": [t]}), t,
+                                   t + 1)
+    client = durable_location.client(InlinePolicy(0, 0))  # caches nothing yet
+    writer = client.open_writer(shard)
+    machine = writer._machine
+    stale = machine.fetch_latest()
+    compacted = maintainer.compact(shard)
+    assert compacted["applied"] >= 1, compacted
+    # What GC does once no live version references them: the merges' inputs go.
+    live = {p for b in maintainer.machine(shard).fetch_latest().batches.values()
+            for p in b.parts}
+    replaced = [p for b in stale.batches.values() for p in b.parts if p not in live]
+    assert len(replaced) >= 2 and all(isinstance(p, HollowPart) for p in replaced)
+    for p in replaced:
+        maintainer.blobs.main.delete(p.key)
+    real = machine.fetch_latest
+    calls = {"n": 0}
+
+    def first_stale() -> Any:
+        calls["n"] += 1
+        return stale if calls["n"] == 1 else real()
+
+    machine.fetch_latest = first_stale  # type: ignore[method-assign]
+    writer.upsert(pa.table({"id": [1], "val": [11]}))
+    machine.fetch_latest = real  # type: ignore[method-assign]
+    assert calls["n"] >= 2
+    upper = writer.fetch_recent_upper()
+    rows = client.open_reader(shard).snapshot(upper - 1).to_pylist()
+    assert sorted((r["id"], r["val"], r["d"]) for r in rows) == [
+        (1, 11, 1), (2, 20, 1), (3, 30, 1), *((100 + t, t, 1) for t in range(2, 6))]
+    # A part missing while the state did not move is reported, not retried forever.
+    holding = [p for b in machine.fetch_latest().batches.values() for p in b.parts
+               if isinstance(p, HollowPart) and p.may_hold_keys(None, None)]
+    for part in holding:
+        machine.blobs.main.delete(part.key)
+    from persist_pipeline.exceptions import CorruptPart
+
+    fresh = durable_location.client(InlinePolicy(0, 0))  # no decoded parts cached
+    seqno = fresh.inspect(shard)["seqno"]
+    with pytest.raises(CorruptPart, match="missing"):
+        fresh.open_writer(shard).upsert(pa.table({"id": [2], "val": [21]}))
+    assert fresh.inspect(shard)["upper"] == upper  # nothing written
+    assert fresh.inspect(shard)["seqno"] == seqno + 1  # (the writer's registration)
+    for c in (maintainer, client, fresh):
+        c.close()

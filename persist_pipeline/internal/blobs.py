@@ -48,32 +48,79 @@ LOOKUP_CACHE_BYTES = 64 << 20
 
 
 class DecodedParts:
-    """An LRU of decoded small parts by blob key, bounded by Arrow bytes; thread-safe."""
+    """An LRU of decoded parts and row groups (and parts' footers) by blob key, bounded
+    by Arrow bytes; thread-safe. Parts never change, so nothing cached goes stale; only
+    what was read is cached (a missing part is never remembered)."""
 
     def __init__(self, max_bytes: int = LOOKUP_CACHE_BYTES) -> None:
         self._max = max_bytes
-        self._tables: OrderedDict[tuple[str, str], pa.Table] = OrderedDict()
+        self._tables: OrderedDict[tuple[str, str, int], pa.Table] = OrderedDict()
+        self._footers: OrderedDict[tuple[str, str], pq.FileMetaData] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, blobs: ShardBlobs, part: HollowPart, where: str) -> pa.Table:
-        """The part decoded (:meth:`ShardBlobs.fetch_part`), from the LRU if there."""
-        key = (part.store, part.key)
+    def _cached(self, key: tuple[str, str, int]) -> pa.Table | None:
         with self._lock:
             table = self._tables.get(key)
             if table is not None:
                 self._tables.move_to_end(key)
-                return table
-        table = blobs.fetch_part(part, where)
-        if table.nbytes <= self._max // 4:
-            with self._lock:
-                if key not in self._tables:
-                    self._tables[key] = table
-                    self._bytes += table.nbytes
-                while self._bytes > self._max:
-                    _, old = self._tables.popitem(last=False)
-                    self._bytes -= old.nbytes
+            return table
+
+    def _keep(self, key: tuple[str, str, int], table: pa.Table) -> None:
+        if table.nbytes > self._max // 4:
+            return
+        with self._lock:
+            if key not in self._tables:
+                self._tables[key] = table
+                self._bytes += table.nbytes
+            while self._bytes > self._max:
+                _, old = self._tables.popitem(last=False)
+                self._bytes -= old.nbytes
+
+    def get(self, blobs: ShardBlobs, part: HollowPart, where: str) -> pa.Table:
+        """The part decoded (:meth:`ShardBlobs.fetch_part`), from the LRU if there."""
+        key = (part.store, part.key, -1)
+        table = self._cached(key)
+        if table is None:
+            table = blobs.fetch_part(part, where)
+            self._keep(key, table)
         return table
+
+    def row_groups(self, blobs: ShardBlobs, part: HollowPart, where: str,
+                   keys: Sequence[bytes]) -> Iterator[pa.Table]:
+        """The row groups of a large part whose key statistics span one of ``keys``
+        (sorted), decoded (k/v/t/d), each from the LRU if there."""
+        described = f"{part.key!r} in the {part.store} blob store"
+        try:
+            with self._lock:
+                meta = self._footers.get((part.store, part.key))
+            source = _BlobFile(blobs.store(part.store, cached=True), part, where)
+            if meta is None:
+                meta = pq.ParquetFile(source).metadata
+                with self._lock:
+                    self._footers[(part.store, part.key)] = meta
+                    while len(self._footers) > _FOOTERS_CACHED:
+                        self._footers.popitem(last=False)
+            for group in _row_groups_from(meta, None, None, keys):
+                key = (part.store, part.key, group)
+                table = self._cached(key)
+                if table is None:
+                    reader = pq.ParquetFile(source, metadata=meta)
+                    table = reader.read_row_group(group, columns=SCHEMA.names,
+                                                  use_threads=False).cast(SCHEMA)
+                    self._keep(key, table)
+                yield table
+        except (CorruptPart, ResourceExhausted):
+            raise
+        except (pa.ArrowMemoryError, MemoryError) as e:
+            raise ResourceExhausted(f"out of memory reading Parquet part {described}: "
+                                    f"{e}") from None
+        except (pa.ArrowException, KeyError, ValueError, OSError) as e:
+            raise CorruptPart(f"corrupt Parquet part {described}: {e}") from None
+
+
+#: Parts' footers kept by :class:`DecodedParts`.
+_FOOTERS_CACHED = 1024
 
 
 @dataclass
@@ -115,14 +162,12 @@ class ShardBlobs:
 
     def stream_part(self, part: Part, where: str, batch_rows: int,
                     key_lower: bytes | None = None,
-                    key_upper: bytes | None = None,
-                    keys: Sequence[bytes] | None = None) -> Iterator[pa.Table]:
+                    key_upper: bytes | None = None) -> Iterator[pa.Table]:
         """A part's updates in order, as tables of at most ``batch_rows`` rows.
 
         Large hollow parts are read row group by row group with ranged reads; row groups
         whose keys all lie outside ``[key_lower, key_upper)`` are skipped (their
-        statistics say so), as are those that hold none of ``keys`` (sorted), if
-        given. Rows outside the range may still be returned.
+        statistics say so). Rows outside the range may still be returned.
         """
         if isinstance(part, InlinePart) or part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
             table = self.fetch_part(part, where)
@@ -134,7 +179,7 @@ class ShardBlobs:
         try:
             reader = pq.ParquetFile(source)
             # One row group at a time: asked for several, pyarrow pre-buffers them all.
-            for group in _row_groups_from(reader.metadata, key_lower, key_upper, keys):
+            for group in _row_groups_from(reader.metadata, key_lower, key_upper):
                 for batch in reader.iter_batches(batch_size=batch_rows, row_groups=[group],
                                                  columns=SCHEMA.names, use_threads=False):
                     yield pa.Table.from_batches([batch]).cast(SCHEMA)

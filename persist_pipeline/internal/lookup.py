@@ -1,26 +1,25 @@
 """Point lookups by key: the current rows of some keys, for upserts and deletes.
 
-Only parts whose recorded key bounds can hold one of the keys are read: small ones whole
-(decoded once, then kept in the client's LRU of decoded parts), large ones only in the
-row groups whose key statistics span one of the keys (:meth:`ShardBlobs.stream_part`).
+Only parts whose recorded key bounds can hold one of the keys are read: small ones whole,
+large ones only in the row groups whose key statistics span one of the keys; both are
+kept decoded in the client's bounded LRU (:class:`~persist_pipeline.internal.blobs.
+DecodedParts`), so repeated upserts do not decode the same Parquet again.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, ShardBlobs
-from persist_pipeline.internal.merge import batch_rows
 from persist_pipeline.internal.state import HollowPart, InlinePart, Part, State
 from persist_pipeline.updates import SCHEMA, consolidate, empty_table
 
-#: Rows per streamed chunk of a part scanned by a lookup.
-_LOOKUP_CHUNK_BYTES = 8 << 20
+
 def _holds_one_of(part: HollowPart, keys: Sequence[bytes]) -> tuple[bytes, bytes] | None:
     """The least and greatest of ``keys`` within the part's key bounds, or None."""
     lo = 0 if part.min_key is None else bisect.bisect_left(keys, part.min_key)
@@ -39,14 +38,12 @@ def _part_rows(blobs: ShardBlobs, part: Part, keys: Sequence[bytes], key_set: pa
     if span is None:
         return []
     if part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
-        table = blobs.decoded.get(blobs, part, where)
-        return [table.filter(pc.is_in(table.column("k"), value_set=key_set))]
-    rows = batch_rows(_LOOKUP_CHUNK_BYTES, part.encoded_size, part.num_updates)
+        tables: Iterable[pa.Table] = [blobs.decoded.get(blobs, part, where)]
+    else:
+        tables = blobs.decoded.row_groups(blobs, part, where, keys)
     out = []
-    # The upper bound is exclusive: the greatest key plus a zero byte follows it.
-    for chunk in blobs.stream_part(part, where, rows, key_lower=span[0],
-                                   key_upper=span[1] + b"\x00", keys=keys):
-        found = chunk.filter(pc.is_in(chunk.column("k"), value_set=key_set))
+    for table in tables:
+        found = table.filter(pc.is_in(table.column("k"), value_set=key_set))
         if found.num_rows:
             out.append(found)
     return out
