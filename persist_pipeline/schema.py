@@ -174,10 +174,8 @@ class ShardSchema:
         """
         conformed = self.conform(table, with_times=with_times)
         n = conformed.num_rows
-        k = rowcodec.encode_rows([conformed.column(c) for c in self.key.names], n,
-                                 strip_trailing_nulls=False)
-        v = rowcodec.encode_rows([conformed.column(c) for c in self.value.names], n,
-                                 strip_trailing_nulls=True)
+        k = _encoded([conformed.column(c) for c in self.key.names], n, strip=False)
+        v = _encoded([conformed.column(c) for c in self.value.names], n, strip=True)
         if with_times:
             t, d = conformed.column("t"), conformed.column("d")
         else:
@@ -317,8 +315,15 @@ class ShardSchema:
                                  f"{self.key.names}; got also {extra}")
         keys_only = ShardSchema(self.key, [])
         conformed = keys_only.conform(given, with_times=False)
-        return rowcodec.encode_rows([conformed.column(c) for c in self.key.names],
-                                    conformed.num_rows, strip_trailing_nulls=False)
+        return _encoded([conformed.column(c) for c in self.key.names], conformed.num_rows,
+                        strip=False)
+
+
+def _encoded(columns: list[pa.ChunkedArray], n: int, *, strip: bool) -> pa.Array:
+    if n <= rowcodec.SMALL_ROWS:
+        return pa.array(rowcodec.encode_rows_list(columns, n, strip_trailing_nulls=strip),
+                        pa.binary())
+    return rowcodec.encode_rows(columns, n, strip_trailing_nulls=strip)
 
 
 #: Diff columns of all ones by length (a typed write without ``d``), built once each.

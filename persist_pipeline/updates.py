@@ -61,7 +61,7 @@ def _from_rows(rows: Iterable[Any]) -> tuple[list[bytes], list[bytes], list[int]
         if type(v) is not bytes:
             raise _bad(i, f"val must be bytes, got {type(v).__name__}")
         if type(t) is not int or not 0 <= t <= MAX_TIME:
-            raise _bad(i, f"ts must be an int in [0, 2**63-1], got {t!r}")
+            raise _bad(i, f"ts must be a non-negative int in [0, 2**63-1], got {t!r}")
         if type(d) is not int or not _MIN_DIFF <= d <= _MAX_DIFF:
             raise _bad(i, f"diff must be a signed 64-bit int, got {d!r}")
         key = (k, v, t)
@@ -104,13 +104,13 @@ def _check_table(table: pa.Table) -> pa.Table:
     for name in SCHEMA.names:
         if table.column(name).null_count:
             raise InvalidUpdates(f"column {name} contains nulls")
+    if table.schema.equals(SCHEMA, check_metadata=False):
+        return table  # already k, v, t, d in order and type (t >= 0 is checked later)
     try:
         table = table.select(["k", "v", "t", "d"]).cast(SCHEMA, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, ValueError) as e:
         raise InvalidUpdates(f"updates table has wrong column types (want k, v binary; "
                              f"t, d int64): {e}") from None
-    if table.num_rows and pc.min(table.column("t")).as_py() < 0:
-        raise InvalidUpdates("ts must be non-negative")
     return table
 
 
@@ -166,7 +166,13 @@ class Updates:
         elif not isinstance(updates, pa.Table):
             updates = frame_to_table(updates)
         if isinstance(updates, pa.Table):
-            return cls(None, consolidate(_check_table(updates)))
+            table = _check_table(updates)
+            if table.num_rows <= _SMALL_WRITE_ROWS:  # as for tuples: plain Python is faster
+                return cls(_from_rows(zip(*(table.column(c).to_pylist() for c in SCHEMA.names),
+                                          strict=True)), None)
+            if pc.min(table.column("t")).as_py() < 0:
+                raise InvalidUpdates("ts must be non-negative")
+            return cls(None, consolidate(table))
         if isinstance(updates, str | bytes | dict) or not isinstance(updates, Iterable):
             raise InvalidUpdates("updates must be an iterable of (key, val, ts, diff) tuples "
                                  f"or a pyarrow Table with columns k, v, t, d; got "

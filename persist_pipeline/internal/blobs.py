@@ -86,6 +86,15 @@ class DecodedParts:
             self._keep(key, table)
         return table
 
+    def inline(self, part: InlinePart, where: str) -> pa.Table:
+        """An inline part decoded, from the LRU if there."""
+        key = ("inline", part.part_id, hash(part.updates))
+        table = self._cached(key)
+        if table is None:
+            table = decode_inline(part.updates, f"{part.part_id} ({where})")
+            self._keep(key, table)
+        return table
+
     def row_groups(self, blobs: ShardBlobs, part: HollowPart, where: str,
                    keys: Sequence[bytes]) -> Iterator[pa.Table]:
         """The row groups of a large part whose key statistics span one of ``keys``

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, ShardBlobs
-from persist_pipeline.internal.state import HollowPart, InlinePart, Part, State
+from persist_pipeline.internal.state import HollowPart, InlinePart, State
 from persist_pipeline.updates import SCHEMA, consolidate, empty_table
 
 
@@ -29,11 +29,8 @@ def _holds_one_of(part: HollowPart, keys: Sequence[bytes]) -> tuple[bytes, bytes
     return keys[lo], keys[hi - 1]
 
 
-def _part_rows(blobs: ShardBlobs, part: Part, keys: Sequence[bytes], key_set: pa.Array,
-               where: str) -> list[pa.Table]:
-    if isinstance(part, InlinePart):
-        table = blobs.fetch_part(part, where)
-        return [table.filter(pc.is_in(table.column("k"), value_set=key_set))]
+def _part_rows(blobs: ShardBlobs, part: HollowPart, keys: Sequence[bytes],
+               key_set: pa.Array, where: str) -> list[pa.Table]:
     span = _holds_one_of(part, keys)
     if span is None:
         return []
@@ -63,9 +60,16 @@ def current_rows(blobs: ShardBlobs, state: State, keys: Sequence[bytes]) -> pa.T
     key_set = pa.array(keys, pa.binary())
     where = f"shard {state.shard_id} key lookup"
     pieces: list[pa.Table] = []
+    inline: list[pa.Table] = []
     for batch in state.ordered_batches:
         for part in batch.parts:
-            pieces.extend(_part_rows(blobs, part, keys, key_set, where))
+            if isinstance(part, InlinePart):
+                inline.append(blobs.decoded.inline(part, where))
+            else:
+                pieces.extend(_part_rows(blobs, part, keys, key_set, where))
+    if inline:  # many small tables: one filter over all of them
+        table = pa.concat_tables(inline)
+        pieces.append(table.filter(pc.is_in(table.column("k"), value_set=key_set)))
     if not pieces:
         return empty_table()
     # All times advanced to one: the sums are the multiplicities at upper - 1.
