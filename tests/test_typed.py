@@ -497,3 +497,51 @@ def test_upsert_reading_parts_that_compaction_replaced_and_gc_deleted_rereads(
     assert fresh.inspect(shard)["seqno"] == seqno + 1  # (the writer's registration)
     for c in (maintainer, client, fresh):
         c.close()
+
+
+def _process_upserter(consensus: str, blob: str, shard: str, seed: int, out: Any) -> None:
+    client = PersistClient.open(consensus, blob, inline_policy=InlinePolicy(4096, 1 << 20))
+    log: list[tuple[int, str, dict[int, int | None]]] = []
+    try:
+        rng = random.Random(seed)
+        writer = client.open_writer(shard)
+        for step in range(8):
+            keys = rng.sample(range(6), rng.randint(1, 3))
+            if rng.random() < 0.25:
+                result = writer.delete(pa.table({"id": keys}))
+                changes: dict[int, int | None] = dict.fromkeys(keys)
+            else:
+                values = [seed * 1000 + step * 10 + i for i in range(len(keys))]
+                result = writer.upsert(pa.table({"id": keys, "val": values}))
+                changes = dict(zip(keys, values, strict=True))
+            log.append((int(result.upper) - 1, "op", changes))
+        out.put(("ok", log))
+    except BaseException as e:
+        out.put(("error", repr(e)))
+    finally:
+        client.close()
+
+
+def test_upserts_from_several_processes_match_a_model(durable_location: Location) -> None:
+    import multiprocessing as mp
+
+    client = durable_location.client(InlinePolicy(4096, 1 << 20))
+    shard = ShardId.new()
+    client.open_writer(shard, schema=ShardSchema([("id", pa.int64())], [("val", pa.int64())]))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_process_upserter,
+                         args=(durable_location.consensus_uri, durable_location.blob_uri,
+                               str(shard), seed, out)) for seed in range(3)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    errors = [r[1] for r in results if r[0] != "ok"]
+    assert not errors, errors
+    log = [entry for _, entries in results for entry in entries]
+    assert len(log) == 24
+    _model_check(client, shard, log)
+    client.close()
