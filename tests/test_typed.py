@@ -545,3 +545,50 @@ def test_upserts_from_several_processes_match_a_model(durable_location: Location
     assert len(log) == 24
     _model_check(client, shard, log)
     client.close()
+
+
+@pytest.mark.parametrize("between", ["compaction", "same-key upsert", "delete"])
+def test_a_write_or_merge_landing_between_an_upserts_read_and_its_commit(
+        location: Location, between: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deterministic interleaving: another client acts after the upsert read the key's
+    current rows and before its compare-and-set. The upsert must still leave exactly its
+    own row (a moved upper makes it read again; a merge changes no content)."""
+    import persist_pipeline.write as write_module
+
+    schema = ShardSchema([("id", pa.int64())], [("val", pa.int64())])
+    shard = ShardId.new()
+    other = location.client(InlinePolicy(0, 0))
+    ours = location.client(InlinePolicy(0, 0))
+    seed = other.open_writer(shard, schema=schema)
+    for t in range(6):  # several blob batches: something to merge
+        seed.compare_and_append(pa.table({"id": [t % 3], "val": [t], "t": [t]}), t, t + 1)
+    writer = ours.open_writer(shard)
+    real = write_module.current_rows
+    reads = {"n": 0}
+
+    def read_then_interfere(blobs: Any, state: Any, keys: Any) -> pa.Table:
+        found = real(blobs, state, keys)
+        if blobs is not ours.blobs:
+            return found  # the other client's own upsert or delete
+        reads["n"] += 1
+        if reads["n"] == 1:
+            if between == "compaction":
+                assert other.compact(shard)["applied"] >= 1
+            elif between == "same-key upsert":
+                other.open_writer(shard).upsert(pa.table({"id": [0], "val": [999]}))
+            else:
+                other.open_writer(shard).delete(pa.table({"id": [0, 1]}))
+        return found
+
+    monkeypatch.setattr(write_module, "current_rows", read_then_interfere)
+    result = writer.upsert(pa.table({"id": [0], "val": [42]}))
+    monkeypatch.setattr(write_module, "current_rows", real)
+    assert reads["n"] == (1 if between == "compaction" else 2)
+    rows = other.open_reader(shard).snapshot(int(result.upper) - 1).to_pylist()
+    got = sorted((r["id"], r["val"], r["d"]) for r in rows)
+    expected = {"compaction": [(0, 42, 1), (1, 1, 1), (1, 4, 1), (2, 2, 1), (2, 5, 1)],
+                "same-key upsert": [(0, 42, 1), (1, 1, 1), (1, 4, 1), (2, 2, 1), (2, 5, 1)],
+                "delete": [(0, 42, 1), (2, 2, 1), (2, 5, 1)]}[between]
+    assert got == expected
+    other.close()
+    ours.close()
