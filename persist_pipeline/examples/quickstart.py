@@ -3,7 +3,8 @@
 Writes small and large batches into a shard, shows where each went (inline in
 consensus, or a Parquet part), fills the inline budget so a write falls through to
 blob, compacts (flushing inline data out), snapshots, collects garbage and prints a
-summary. Run with ``make run`` or ``python -m persist_pipeline.examples.quickstart``.
+summary; then a named, typed shard with an upsert and a delete. Run with ``make run``
+or ``python -m persist_pipeline.examples.quickstart``.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from decimal import Decimal
 from pathlib import Path
 
-from persist_pipeline import InlinePolicy, PersistClient, ShardId
+import pyarrow as pa
+
+from persist_pipeline import InlinePolicy, PersistClient, ShardId, ShardSchema
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,8 +73,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"placements: {counts}; S3 PUTs avoided by inlining: {counts.get('inline', 0)}")
     reader.expire()
     writer.expire()
+    _typed(client)
     client.close()
     return 0
+
+
+def _typed(client: PersistClient) -> None:
+    """A named, typed shard: columns instead of bytes, upsert and delete by key."""
+    schema = ShardSchema(key=[("id", pa.int64())],
+                         value=[("name", pa.string()), ("balance", pa.decimal128(12, 2))])
+    customers = client.resolve("quickstart/customers", create=True)
+    writer = client.open_writer(customers, schema=schema, debug="quickstart")
+    writer.compare_and_append(
+        pa.table({"id": [1, 2, 3], "name": ["ada", "bob", "cy"],
+                  "balance": [Decimal("10.00"), Decimal("0.50"), Decimal("7.25")],
+                  "t": [0, 0, 0]}), expected_upper=0, new_upper=1)
+    writer.upsert(pa.table({"id": [2], "name": ["bob"], "balance": [Decimal("99.99")]}))
+    result = writer.delete(pa.table({"id": [3]}))
+    snapshot = client.open_reader(customers).snapshot(as_of=result.upper - 1)
+    print(f"\ntyped shard 'quickstart/customers' ({customers}) after an upsert and a delete:")
+    for row in sorted(snapshot.to_pylist(), key=lambda r: r["id"]):
+        print(f"  id={row['id']} name={row['name']} balance={row['balance']} d={row['d']}")
+    writer.expire()
 
 
 if __name__ == "__main__":
