@@ -3,7 +3,7 @@
 Writes small and large batches into a shard, shows where each went (inline in
 consensus, or a Parquet part), fills the inline budget so a write falls through to
 blob, compacts (flushing inline data out), snapshots, collects garbage and prints a
-summary; then a named, typed shard with an upsert and a delete. Run with ``make run``
+summary; then a named, typed shard with an upsert and a delete. Run with ``make quickstart``
 or ``python -m persist_pipeline.examples.quickstart``.
 """
 
