@@ -41,7 +41,6 @@ import pyarrow.compute as pc
 
 from persist_pipeline.blob.base import Blob
 from persist_pipeline.blob.local import LocalBlob
-from persist_pipeline.blob.s3 import S3Blob
 from persist_pipeline.exceptions import InvalidConfig, NotYetAvailable
 from persist_pipeline.frontier import MAX_TIME, Frontier
 from persist_pipeline.internal.state import HollowPart, Store
@@ -125,6 +124,8 @@ def file_uri(blob: Blob, key: str) -> tuple[str, str]:
     if isinstance(base, LocalBlob):
         path = str(base.root.joinpath(*key.split("/")))
         return "file://" + quote(path), path
+    from persist_pipeline.blob.s3 import S3Blob
+
     if isinstance(base, S3Blob):
         full = f"{base.prefix}/{key}" if base.prefix else key
         return f"s3://{base.bucket}/{quote(full)}", f"{base.bucket}/{full}"
@@ -148,6 +149,8 @@ def blob_filesystem(blob: Blob) -> pafs.FileSystem:
     base = base_blob(blob)
     if isinstance(base, LocalBlob):
         return pafs.LocalFileSystem()
+    from persist_pipeline.blob.s3 import S3Blob
+
     if not isinstance(base, S3Blob):
         file_uri(base, "x")  # raises the in-memory error
         raise AssertionError("unreachable")

@@ -41,8 +41,15 @@ _MAX_DIFF = (1 << 63) - 1
 _SMALL_WRITE_ROWS = 256
 
 
+_EMPTY: pa.Table | None = None
+
+
 def empty_table() -> pa.Table:
-    return SCHEMA.empty_table()
+    """An empty k/v/t/d table (built once, on first use: building one imports pandas)."""
+    global _EMPTY
+    if _EMPTY is None:
+        _EMPTY = SCHEMA.empty_table()
+    return _EMPTY
 
 
 def _bad(index: int, what: str) -> InvalidUpdates:

@@ -275,7 +275,8 @@ def test_typed_shard_reads_and_writes_real_spark_types(spark_session: Any,
     upper = writer.fetch_recent_upper()
     assert upper is not None
     df = (spark_session.read.format("persist")
-          .options(**_options(spark_location, str(shard), partition_bytes=2048)).load())
+          .options(**_options(spark_location, str(shard), partition_bytes=2048,
+                              partitions=3)).load())
     assert df.columns == [*schema.columns, "t", "d"]
     assert dict(df.dtypes) == {"id": "bigint", "name": "string", "amount": "decimal(10,2)",
                                "at": "timestamp", "day": "date", "ok": "boolean",

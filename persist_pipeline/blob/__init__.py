@@ -12,6 +12,8 @@ fault injection for tests).
 
 from __future__ import annotations
 
+from typing import Any
+
 from persist_pipeline.blob._uri import redact_uri
 from persist_pipeline.blob.base import (
     Blob,
@@ -24,7 +26,6 @@ from persist_pipeline.blob.cache import CachingBlob
 from persist_pipeline.blob.faults import FaultConfig, FaultyBlob
 from persist_pipeline.blob.local import LocalBlob
 from persist_pipeline.blob.memory import MemoryBlob
-from persist_pipeline.blob.s3 import S3Blob
 from persist_pipeline.exceptions import InvalidConfig, InvalidUri
 
 __all__ = [
@@ -89,5 +90,16 @@ def open_blob(uri: str, *, cache_bytes: int = 0) -> Blob:
     elif scheme == "file":
         blob = LocalBlob.from_uri(text)
     else:
+        from persist_pipeline.blob.s3 import S3Blob
+
         blob = S3Blob.from_uri(text)
     return CachingBlob(blob, cache_bytes) if cache_bytes else blob
+
+
+def __getattr__(name: str) -> Any:
+    # S3Blob is imported on first use: boto3 is slow to import.
+    if name == "S3Blob":
+        from persist_pipeline.blob.s3 import S3Blob
+
+        return S3Blob
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,10 +5,11 @@ Open one from a URI with :func:`open_consensus`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from persist_pipeline.consensus.base import Consensus, VersionedData
 from persist_pipeline.consensus.memory import MemoryConsensus
-from persist_pipeline.consensus.sql import SCHEMES as _SQL_SCHEMES
-from persist_pipeline.consensus.sql import SqlConsensus
+from persist_pipeline.consensus.schemes import SCHEMES as _SQL_SCHEMES
 from persist_pipeline.exceptions import InvalidUri
 
 __all__ = [
@@ -65,6 +66,8 @@ def open_consensus(uri: str) -> Consensus:
         raise InvalidUri(f"unsupported consensus URI scheme {scheme!r}; supported: {_EXAMPLES}")
     if _SQL_SCHEMES[scheme] != "sqlite":
         check_userinfo(scheme, rest)
+    from persist_pipeline.consensus.sql import SqlConsensus
+
     return SqlConsensus(uri.strip())
 
 
@@ -102,3 +105,12 @@ def _quote(uri: str) -> str:
     authority that could be a password."""
     shown = uri if len(uri) <= 80 else uri[:77] + "..."
     return repr(shown.split("@", 1)[-1]) if "@" in shown else repr(shown)
+
+
+def __getattr__(name: str) -> Any:
+    # SqlConsensus is imported on first use: SQLAlchemy is slow to import.
+    if name == "SqlConsensus":
+        from persist_pipeline.consensus.sql import SqlConsensus
+
+        return SqlConsensus
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

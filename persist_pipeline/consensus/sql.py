@@ -46,18 +46,12 @@ from persist_pipeline.consensus._checks import check_cas, check_int, check_limit
 from persist_pipeline.consensus._sql_errors import map_error, redact_url
 from persist_pipeline.consensus._sql_statements import Rendered, compile_all, metadata
 from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus.schemes import SCHEMES
 from persist_pipeline.exceptions import ConsensusError, InvalidInput, InvalidUri
 
 T = TypeVar("T")
 
-#: URI scheme -> backend kind.
-SCHEMES: Mapping[str, str] = {
-    "postgresql": "postgresql",
-    "postgres": "postgresql",
-    "postgresql+psycopg2": "postgresql",
-    "cockroachdb": "cockroachdb",
-    "sqlite": "sqlite",
-}
+
 _DRIVERS = {
     "postgresql": "postgresql+psycopg2",
     "cockroachdb": "pp_cockroachdb",

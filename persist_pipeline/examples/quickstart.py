@@ -90,6 +90,7 @@ def _typed(client: PersistClient) -> None:
                   "t": [0, 0, 0]}), expected_upper=0, new_upper=1)
     writer.upsert(pa.table({"id": [2], "name": ["bob"], "balance": [Decimal("99.99")]}))
     result = writer.delete(pa.table({"id": [3]}))
+    assert result.upper is not None
     snapshot = client.open_reader(customers).snapshot(as_of=result.upper - 1)
     print(f"\ntyped shard 'quickstart/customers' ({customers}) after an upsert and a delete:")
     for row in sorted(snapshot.to_pylist(), key=lambda r: r["id"]):

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist_pipeline.exceptions import CorruptPart
-from persist_pipeline.updates import consolidate, consolidate_sorted
+from persist_pipeline.updates import consolidate, consolidate_sorted, empty_table
 
 #: The least bytes of updates a run reads at a time (smaller chunks cost more rounds).
 MIN_CHUNK_BYTES = 256 << 10
@@ -72,9 +72,9 @@ class _Cursor:
 
     def __init__(self, chunks: Iterator[pa.Table]) -> None:
         self._chunks = chunks
-        self.buf = _EMPTY
+        self.buf = empty_table()
         self.done = False
-        self._set(_EMPTY)
+        self._set(empty_table())
 
     def _set(self, table: pa.Table) -> None:
         self.buf = table.combine_chunks() if table.column("k").num_chunks > 1 else table
@@ -95,7 +95,7 @@ class _Cursor:
             if chunk.num_rows:
                 tables.append(chunk)
                 have += chunk.nbytes
-        self._set(pa.concat_tables(tables) if tables else _EMPTY)
+        self._set(pa.concat_tables(tables) if tables else empty_table())
 
     def row(self, i: int) -> tuple[bytes, bytes, int]:
         return self._k[i].as_py(), self._v[i].as_py(), self._t[i].as_py()
@@ -113,8 +113,6 @@ class _Cursor:
         return head
 
 
-_EMPTY = consolidate(pa.table({"k": pa.array([], pa.binary()), "v": pa.array([], pa.binary()),
-                               "t": pa.array([], pa.int64()), "d": pa.array([], pa.int64())}))
 
 
 def merge_runs(runs: Iterable[tuple[Iterator[pa.Table], str]], chunk_bytes: int,

@@ -39,7 +39,10 @@ import pyarrow.compute as pc
 from persist_pipeline.exceptions import CorruptPart, InvalidUpdates
 
 _U8 = np.uint8
-_SEP = pa.scalar(b"", pa.large_binary())
+# The empty separator of binary_join_element_wise, built from buffers: converting a
+# Python object (pa.scalar) would import pandas, a third of a second at every start.
+_SEP = pa.Array.from_buffers(pa.large_binary(), 1, [None, pa.py_buffer(bytes(16)),
+                                                    pa.py_buffer(b"")])[0]
 
 
 def _validity(arr: pa.Array) -> np.ndarray:
