@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import pyarrow as pa
 
 from persist_pipeline import PersistClient
+from persist_pipeline.consensus.base import Consensus, VersionedData
 from persist_pipeline.internal import state_codec
 from persist_pipeline.internal.state import State
 
@@ -55,3 +56,32 @@ def state_history(client: PersistClient, shard: str) -> Iterator[State]:
         where = f"seqno {rec.seqno}"
         state = state_codec.apply_diff(state, state_codec.decode_diff(rec.data, where), where)
         yield state
+
+
+class ForwardingConsensus(Consensus):
+    """A consensus wrapper that passes every call to ``inner``; test wrappers override
+    the calls they interfere with."""
+
+    def __init__(self, inner: Consensus) -> None:
+        self.inner = inner
+
+    def head(self, shard: str) -> VersionedData | None:
+        return self.inner.head(shard)
+
+    def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
+        return self.inner.compare_and_set(shard, expected, new)
+
+    def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
+        return self.inner.scan(shard, from_seqno, limit)
+
+    def truncate(self, shard: str, seqno: int) -> int:
+        return self.inner.truncate(shard, seqno)
+
+    def list_shards(self) -> list[str]:
+        return self.inner.list_shards()
+
+    def list_heads(self) -> Mapping[str, VersionedData]:
+        return self.inner.list_heads()
+
+    def close(self) -> None:
+        self.inner.close()

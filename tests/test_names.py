@@ -13,11 +13,9 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ from persist_pipeline.exceptions import (
     ShardNameNotFound,
 )
 from persist_pipeline.names import KEY_PREFIX, NameRegistry, registry_key
+from tests.helpers import ForwardingConsensus
 from tests.pipeline_support import (
     SYNTHETIC,
     Pipeline,
@@ -47,8 +46,9 @@ from tests.pipeline_support import (
     failure_messages,
     make_pipeline,
 )
+from tests.test_cli import cli, env
 
-__all__ = ["make_pipeline"]  # the fixture, imported for pytest
+__all__ = ["env", "make_pipeline"]  # fixtures, imported for pytest
 
 ROWS = [(b"k", b"v", 0, 1)]
 
@@ -265,7 +265,7 @@ def test_control_unchecked_creation_hands_out_different_ids(consensus_uri: str) 
 # --- lost replies -------------------------------------------------------------------------
 
 
-class LostReply(Consensus):
+class LostReply(ForwardingConsensus):
     """Passes calls through; on chosen ``compare_and_set`` calls, first runs ``rival``
     (another creator's write reaching the database first), then runs the call or not
     (``commit``), and reports ConsensusUnavailable either way (the reply was lost)."""
@@ -277,9 +277,6 @@ class LostReply(Consensus):
         self.commit = True
         self.rival: Callable[[], None] | None = None
         self.cas_calls = 0
-
-    def head(self, shard: str) -> VersionedData | None:
-        return self.inner.head(shard)
 
     def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
         self.cas_calls += 1
@@ -293,18 +290,6 @@ class LostReply(Consensus):
         if self.commit:
             self.inner.compare_and_set(shard, expected, new)
         raise ConsensusUnavailable("injected: the compare-and-set reply was lost")
-
-    def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
-        return self.inner.scan(shard, from_seqno, limit)
-
-    def truncate(self, shard: str, seqno: int) -> int:
-        return self.inner.truncate(shard, seqno)
-
-    def list_shards(self) -> list[str]:
-        return self.inner.list_shards()
-
-    def list_heads(self) -> Mapping[str, VersionedData]:
-        return self.inner.list_heads()
 
     def close(self) -> None:
         self.inner.close()
@@ -450,15 +435,7 @@ def test_listings_summaries_inspect_and_gc_skip_name_records(consensus_uri: str,
 # --- the CLI ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
-    return {**os.environ, "PERSIST_CONSENSUS_URI": f"sqlite:///{tmp_path / 'c.db'}",
-            "PERSIST_BLOB_URI": f"file://{tmp_path / 'blobs'}"}
-
-
-def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "persist_pipeline", *args], env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+# ``env`` (a fixture) and ``cli`` come from tests.test_cli.
 
 
 def test_cli_takes_names_wherever_it_takes_shard_ids(env: dict[str, str],

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,7 +44,7 @@ from persist_pipeline.read import fetch_batches
 from persist_pipeline.sim import controls
 from persist_pipeline.updates import consolidate
 from tests.fixtures.location import Location
-from tests.helpers import expected_snapshot, rows, state_history
+from tests.helpers import ForwardingConsensus, expected_snapshot, rows, state_history
 
 Update = tuple[bytes, bytes, int, int]
 
@@ -86,7 +86,7 @@ class ManualClock:
         self._mono += seconds
 
 
-class LoseNextReply(Consensus):
+class LoseNextReply(ForwardingConsensus):
     """Raw consensus whose next successful compare_and_set, once armed, commits, runs a
     hook, and then reports ``ConsensusUnavailable`` (the reply was lost)."""
 
@@ -112,21 +112,6 @@ class LoseNextReply(Consensus):
             self.lost_seqno = new.seqno
             raise ConsensusUnavailable("test: the commit landed but its reply was lost")
         return ok
-
-    def head(self, shard: str) -> VersionedData | None:
-        return self.inner.head(shard)
-
-    def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
-        return self.inner.scan(shard, from_seqno, limit)
-
-    def truncate(self, shard: str, seqno: int) -> int:
-        return self.inner.truncate(shard, seqno)
-
-    def list_shards(self) -> list[str]:
-        return self.inner.list_shards()
-
-    def list_heads(self) -> Mapping[str, VersionedData]:
-        return self.inner.list_heads()
 
     def close(self) -> None:
         self.inner.close()

@@ -14,7 +14,7 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,7 +43,7 @@ from persist_pipeline.internal.state import State
 from persist_pipeline.read import Listen, ListenEvent, ReadHandle
 from persist_pipeline.sim import controls
 from tests.fixtures.location import Location, make_location
-from tests.helpers import expected_snapshot, rows, state_history
+from tests.helpers import ForwardingConsensus, expected_snapshot, rows, state_history
 
 BLOB_ONLY = InlinePolicy(0, 0)
 #: How long any wait for another thread may take before the test fails (never a sleep).
@@ -81,7 +81,7 @@ class HandClock:
 Hook = Callable[..., None]
 
 
-class HookedConsensus(Consensus):
+class HookedConsensus(ForwardingConsensus):
     """A raw consensus whose calls run ``before[op](*args)`` / ``after[op](*args)``."""
 
     def __init__(self, inner: Consensus) -> None:
@@ -110,12 +110,6 @@ class HookedConsensus(Consensus):
 
     def truncate(self, shard: str, seqno: int) -> int:
         return self._call("truncate", (shard, seqno), lambda: self.inner.truncate(shard, seqno))
-
-    def list_shards(self) -> list[str]:
-        return self.inner.list_shards()
-
-    def list_heads(self) -> Mapping[str, VersionedData]:
-        return self.inner.list_heads()
 
     def close(self) -> None:
         self.inner.close()

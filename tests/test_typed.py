@@ -10,7 +10,7 @@ import datetime
 import decimal
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -277,6 +277,23 @@ def test_upsert_and_delete_bad_input_changes_nothing(location: Location) -> None
     client.close()
 
 
+def _random_ops(writer: Any, seed: int, *, steps: int, key_space: int
+                ) -> Iterator[tuple[int, str, dict[int, int | None]]]:
+    """Random upserts (3 in 4) and deletes of 1-3 keys; yields each committed one as
+    ``(time, "op", {key: new value or None})``."""
+    rng = random.Random(seed)
+    for step in range(steps):
+        keys = rng.sample(range(key_space), rng.randint(1, 3))
+        if rng.random() < 0.25:
+            result = writer.delete(pa.table({"id": keys}))
+            changes: dict[int, int | None] = dict.fromkeys(keys)
+        else:
+            values = [seed * 1000 + step * 10 + i for i in range(len(keys))]
+            result = writer.upsert(pa.table({"id": keys, "val": values}))
+            changes = dict(zip(keys, values, strict=True))
+        yield int(result.upper) - 1, "op", changes
+
+
 def _model_check(client: PersistClient, shard: ShardId,
                  log: list[tuple[int, str, dict[int, int | None]]]) -> None:
     """Replays committed operations in upper order; the snapshot must equal it."""
@@ -308,20 +325,11 @@ def test_concurrent_upserts_and_deletes_match_a_model(
     errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
-        rng = random.Random(seed)
         writer = client.open_writer(shard)
         try:
-            for step in range(12):
-                keys = rng.sample(range(8), rng.randint(1, 3))
-                if rng.random() < 0.25:
-                    result = writer.delete(pa.table({"id": keys}))
-                    changes: dict[int, int | None] = dict.fromkeys(keys)
-                else:
-                    values = [seed * 1000 + step * 10 + i for i in range(len(keys))]
-                    result = writer.upsert(pa.table({"id": keys, "val": values}))
-                    changes = dict(zip(keys, values, strict=True))
+            for entry in _random_ops(writer, seed, steps=12, key_space=8):
                 with lock:
-                    log.append((int(result.upper) - 1, "op", changes))
+                    log.append(entry)
         except BaseException as e:
             errors.append(e)
 
@@ -503,18 +511,8 @@ def _process_upserter(consensus: str, blob: str, shard: str, seed: int, out: Any
     client = PersistClient.open(consensus, blob, inline_policy=InlinePolicy(4096, 1 << 20))
     log: list[tuple[int, str, dict[int, int | None]]] = []
     try:
-        rng = random.Random(seed)
         writer = client.open_writer(shard)
-        for step in range(8):
-            keys = rng.sample(range(6), rng.randint(1, 3))
-            if rng.random() < 0.25:
-                result = writer.delete(pa.table({"id": keys}))
-                changes: dict[int, int | None] = dict.fromkeys(keys)
-            else:
-                values = [seed * 1000 + step * 10 + i for i in range(len(keys))]
-                result = writer.upsert(pa.table({"id": keys, "val": values}))
-                changes = dict(zip(keys, values, strict=True))
-            log.append((int(result.upper) - 1, "op", changes))
+        log.extend(_random_ops(writer, seed, steps=8, key_space=6))
         out.put(("ok", log))
     except BaseException as e:
         out.put(("error", repr(e)))

@@ -119,13 +119,21 @@ class DecodedParts:
                                                   use_threads=False).cast(SCHEMA)
                     self._keep(key, table)
                 yield table
-        except (CorruptPart, ResourceExhausted):
-            raise
-        except (pa.ArrowMemoryError, MemoryError) as e:
-            raise ResourceExhausted(f"out of memory reading Parquet part {described}: "
-                                    f"{e}") from None
-        except (pa.ArrowException, KeyError, ValueError, OSError) as e:
-            raise CorruptPart(f"corrupt Parquet part {described}: {e}") from None
+        except Exception as e:
+            raise _part_error(e, described) from None
+
+
+def _part_error(error: Exception, described: str) -> Exception:
+    """What reading a Parquet part raises for ``error``: our own errors as they are, a
+    memory error as :class:`ResourceExhausted`, a decoding error as :class:`CorruptPart`
+    (anything else, unchanged)."""
+    if isinstance(error, CorruptPart | ResourceExhausted):
+        return error
+    if isinstance(error, pa.ArrowMemoryError | MemoryError):
+        return ResourceExhausted(f"out of memory reading Parquet part {described}: {error}")
+    if isinstance(error, pa.ArrowException | KeyError | ValueError | OSError):
+        return CorruptPart(f"corrupt Parquet part {described}: {error}")
+    return error
 
 
 #: Parts' footers kept by :class:`DecodedParts`.
@@ -192,13 +200,8 @@ class ShardBlobs:
                 for batch in reader.iter_batches(batch_size=batch_rows, row_groups=[group],
                                                  columns=SCHEMA.names, use_threads=False):
                     yield pa.Table.from_batches([batch]).cast(SCHEMA)
-        except (CorruptPart, ResourceExhausted):
-            raise
-        except (pa.ArrowMemoryError, MemoryError) as e:
-            raise ResourceExhausted(f"out of memory reading Parquet part {described} "
-                                    f"({part.encoded_size} bytes): {e}") from None
-        except (pa.ArrowException, KeyError, ValueError, OSError) as e:
-            raise CorruptPart(f"corrupt Parquet part {described}: {e}") from None
+        except Exception as e:
+            raise _part_error(e, f"{described} ({part.encoded_size} bytes)") from None
 
 
 def key_starts(blobs: ShardBlobs, part: HollowPart, where: str) -> list[tuple[bytes, int]]:

@@ -422,6 +422,15 @@ class _Reader:
             raise self.corrupt("a row ends inside a column")
         return self.data[pos[:, None] + np.arange(width, dtype=np.int64)]
 
+    def header(self, pos: np.ndarray, ends: np.ndarray, what: str
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """The validity flags and 4-byte big-endian counts at ``pos`` (a null has 0)."""
+        valid = self.flags(pos, ends)
+        counts = self.take(pos + 1, ends, 4).copy().view(">u4").reshape(-1).astype(np.int64)
+        if bool(np.any(counts[~valid])):
+            raise self.corrupt(f"a null {what} is not empty")
+        return valid, counts
+
     def flags(self, pos: np.ndarray, ends: np.ndarray) -> np.ndarray:
         flags = self.take(pos, ends, 1)[:, 0]
         if len(flags) and int(flags.max()) > 1:
@@ -466,10 +475,7 @@ def _decode_fixed(r: _Reader, type_: pa.DataType, w: int, pos: np.ndarray,
 
 def _decode_varwidth(r: _Reader, type_: pa.DataType, pos: np.ndarray,
                      ends: np.ndarray) -> tuple[pa.Array, np.ndarray]:
-    valid = r.flags(pos, ends)
-    lengths = r.take(pos + 1, ends, 4).copy().view(">u4").reshape(-1).astype(np.int64)
-    if bool(np.any(lengths[~valid])):
-        raise r.corrupt("a null string has a length")
+    valid, lengths = r.header(pos, ends, "string")
     starts = pos + 5
     if len(pos) and bool(np.any(starts + lengths > ends)):
         raise r.corrupt("a value runs past the end of its row")
@@ -506,10 +512,7 @@ def _decode_struct(r: _Reader, type_: pa.StructType, pos: np.ndarray,
 
 def _decode_list(r: _Reader, type_: pa.DataType, pos: np.ndarray,
                  ends: np.ndarray) -> tuple[pa.Array, np.ndarray]:
-    valid = r.flags(pos, ends)
-    counts = r.take(pos + 1, ends, 4).copy().view(">u4").reshape(-1).astype(np.int64)
-    if bool(np.any(counts[~valid])):
-        raise r.corrupt("a null list has elements")
+    valid, counts = r.header(pos, ends, "list")
     offsets = np.zeros(len(pos) + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
     cursor = pos + 5
