@@ -198,12 +198,20 @@ def _stream_parquet(reader: ReadHandle, as_of: int, out: Path) -> None:
     """Write the snapshot to Parquet as it streams, in bounded memory whatever its size;
     a failed read leaves no partial file."""
     partial = out.with_name(out.name + ".partial")
-    typed = reader.schema()
-    schema = SCHEMA if typed is None else typed.arrow_schema()
     try:
-        with pq.ParquetWriter(partial, schema) as writer:
+        writer: pq.ParquetWriter | None = None
+        try:
             for batch in reader.snapshot_batches(as_of):
-                writer.write_batch(batch.cast(schema))
+                # The batches' own schema: a typed shard's as of this read.
+                writer = writer or pq.ParquetWriter(partial, batch.schema)
+                writer.write_batch(batch)
+            if writer is None:  # an empty snapshot still gets its columns
+                typed = reader.schema()
+                empty = SCHEMA if typed is None else typed.arrow_schema()
+                writer = pq.ParquetWriter(partial, empty)
+        finally:
+            if writer is not None:
+                writer.close()
         partial.replace(out)
     finally:
         partial.unlink(missing_ok=True)

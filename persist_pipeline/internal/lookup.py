@@ -20,19 +20,16 @@ from persist_pipeline.internal.state import HollowPart, InlinePart, State
 from persist_pipeline.updates import SCHEMA, consolidate, empty_table
 
 
-def _holds_one_of(part: HollowPart, keys: Sequence[bytes]) -> tuple[bytes, bytes] | None:
-    """The least and greatest of ``keys`` within the part's key bounds, or None."""
+def _may_hold_one_of(part: HollowPart, keys: Sequence[bytes]) -> bool:
+    """Whether one of ``keys`` (sorted) lies within the part's recorded key bounds."""
     lo = 0 if part.min_key is None else bisect.bisect_left(keys, part.min_key)
     hi = len(keys) if part.max_key is None else bisect.bisect_right(keys, part.max_key)
-    if lo >= hi:
-        return None
-    return keys[lo], keys[hi - 1]
+    return lo < hi
 
 
 def _part_rows(blobs: ShardBlobs, part: HollowPart, keys: Sequence[bytes],
                key_set: pa.Array, where: str) -> list[pa.Table]:
-    span = _holds_one_of(part, keys)
-    if span is None:
+    if not _may_hold_one_of(part, keys):
         return []
     if part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
         tables: Iterable[pa.Table] = [blobs.decoded.get(blobs, part, where)]
