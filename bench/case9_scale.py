@@ -180,8 +180,8 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
     consensus, blob = f"sqlite:///{root}/consensus.db", f"file://{root}/blob"
     # Merges over 64 MiB of input split (the default is 256 MiB): the quick run's
     # 2M-update merge splits too. Tasks per merge: at most twice Spark's parallelism.
-    client = PersistClient.open(consensus, blob, inline_policy=InlinePolicy(0, 0),
-                                config=PersistConfig(compaction_split_bytes=64 << 20))
+    client = PersistClient.open(consensus, blob, config=PersistConfig(
+        inline_policy=InlinePolicy(0, 0), compaction_split_bytes=64 << 20))
     table = Table(f"One merge of {si(n)} updates: one process beside Spark key-range tasks",
                   ["what", "seconds", "rows/s", "vs one process", "detail"])
     try:

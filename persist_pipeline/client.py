@@ -68,6 +68,30 @@ def _probe(blob: Blob, what: str) -> None:
                       f"opened): {e}") from None
 
 
+def effective_config(config: PersistConfig | None, inline_policy: InlinePolicy | None,
+                     env: Mapping[str, str]) -> PersistConfig:
+    """The one config a client runs with, however it was given.
+
+    The inline policy comes from ``inline_policy``, else from ``config`` when one is
+    given (a config carries its policy), else from the environment. A keyword that
+    contradicts ``config`` is refused rather than silently preferred.
+
+    Raises:
+        InvalidConfig: ``inline_policy`` differs from ``config.inline_policy``.
+    """
+    if config is not None and not isinstance(config, PersistConfig):
+        raise InvalidConfig(f"config must be a PersistConfig, got {type(config).__name__}")
+    if inline_policy is not None and not isinstance(inline_policy, InlinePolicy):
+        raise InvalidConfig(f"inline_policy must be an InlinePolicy, got "
+                            f"{type(inline_policy).__name__}")
+    if config is None:
+        return PersistConfig(inline_policy=inline_policy or InlinePolicy.from_env(env))
+    if inline_policy is not None and inline_policy != config.inline_policy:
+        raise InvalidConfig(f"inline_policy={inline_policy} contradicts config.inline_policy="
+                            f"{config.inline_policy}: give the policy in one place")
+    return config
+
+
 class PersistClient:
     """A handle on one persist location: a consensus store plus blob store(s).
 
@@ -114,15 +138,17 @@ class PersistClient:
                 ``mem://`` (``PERSIST_BLOB_URI``).
             wal_blob_uri: optional low-latency store for fresh write parts
                 (``PERSIST_WAL_BLOB_URI``).
-            inline_policy: where writes go (``PERSIST_INLINE_UPDATE_*_BYTES``).
-            config: other tunables.
+            inline_policy: where writes go. Without it, ``config.inline_policy`` when
+                ``config`` is given, else ``PERSIST_INLINE_UPDATE_*_BYTES``.
+            config: every other tunable (and the inline policy).
             env: the environment to read (default ``os.environ``).
             probe: read one (absent) key from each blob store now, so that an
                 unreachable endpoint, a missing bucket or bad credentials are reported
                 here rather than by the first write or compaction.
 
         Raises:
-            InvalidUri / InvalidConfig: a malformed URI or a missing setting.
+            InvalidUri / InvalidConfig: a malformed URI, a missing setting, or an
+                ``inline_policy`` that differs from ``config.inline_policy``.
             BlobUnavailable / BlobLocationNotFound / BlobAuthError: the probe failed.
         """
         env = os.environ if env is None else env
@@ -135,11 +161,7 @@ class PersistClient:
         if not blob_uri:
             raise InvalidConfig("no blob URI: pass blob_uri or set PERSIST_BLOB_URI "
                                 "(e.g. file:///var/lib/persist)")
-        policy = inline_policy or InlinePolicy.from_env(env)
-        base = config or PersistConfig()
-        from dataclasses import replace
-
-        cfg = replace(base, inline_policy=policy)
+        cfg = effective_config(config, inline_policy, env)
         consensus = open_consensus(consensus_uri)
         try:
             blob = open_blob(blob_uri)

@@ -454,9 +454,11 @@ class Listen:
 
     def __init__(self, reader: ReadHandle, as_of: int) -> None:
         self._reader = reader
-        # Nothing comes after the largest time: such a listen is over at once.
-        self.frontier: Frontier = as_of + 1 if as_of < MAX_TIME else None
-        self._done = self.frontier is None
+        # After the largest time (``as_of == MAX_TIME``) no update can come, but the
+        # shard can still close: that listen waits for the close and reports it, as a
+        # listen at any other time does. Its frontier is then past every time.
+        self.frontier: Frontier = as_of + 1
+        self._done = False
 
     def close(self) -> None:
         """Stop listening; the reader's since is no longer held back for this listen."""
@@ -483,6 +485,11 @@ class Listen:
         lo = self.frontier
         assert lo is not None
         hi = state.upper
+        if lo > MAX_TIME:
+            # Past every time: only the close is left to report (``hi`` is None here).
+            self.frontier = hi
+            self.close()
+            return [ListenEvent("progress", upper=hi)]
         batches = [b for b in state.ordered_batches
                    if less_than(lo, b.desc.upper) and less_than(b.desc.lower, hi)]
         self._check_batches(batches, lo, state)

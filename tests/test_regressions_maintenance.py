@@ -884,7 +884,8 @@ def _drain(listen: Listen) -> list[ListenEvent]:
 
 
 def test_listen_at_max_time_on_a_closed_shard(location: Location, nodes: Nodes):
-    """Defect 9d: listen(2**63 - 1) on a closed shard works and is done at once."""
+    """listen(2**63 - 1) on a closed shard reports the shard closed at once (no updates
+    can follow the largest time), like a listen at any other time does."""
     client = nodes(location).client
     shard = str(ShardId.new())
     writer = client.open_writer(shard)
@@ -892,9 +893,10 @@ def test_listen_at_max_time_on_a_closed_shard(location: Location, nodes: Nodes):
     writer.compare_and_append(updates, 0, None)
     reader = client.open_reader(shard)
     listen = reader.listen(MAX_TIME)
-    assert listen.poll() == []
-    assert _drain(listen) == []
+    assert listen.poll() == [ListenEvent("progress", upper=None)]
     assert listen.frontier is None
+    assert listen.poll() == [] and _drain(listen) == []
+    assert _drain(reader.listen(MAX_TIME)) == [ListenEvent("progress", upper=None)]
     assert rows(reader.snapshot(MAX_TIME), MAX_TIME) == expected_snapshot(updates, MAX_TIME)
     # A listen from an earlier time ends with the closed frontier.
     events = _drain(reader.listen(4))
@@ -904,6 +906,23 @@ def test_listen_at_max_time_on_a_closed_shard(location: Location, nodes: Nodes):
     assert sorted(got) == [(b"b", b"2", 5, 1), (b"c", b"3", MAX_TIME, 1)]
     reader.downgrade_since(MAX_TIME)
     assert reader.since == MAX_TIME
+
+
+def test_listen_at_max_time_waits_for_the_close_and_reports_it(location: Location,
+                                                                nodes: Nodes):
+    """A listen after the largest time on an open shard reports nothing while the shard
+    is open (no update can come), then the close."""
+    client = nodes(location).client
+    shard = str(ShardId.new())
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 3)
+    listen = client.open_reader(shard).listen(MAX_TIME)
+    assert listen.poll() == []
+    writer.compare_and_append([(b"b", b"1", 7, 1)], 3, 9)
+    assert listen.poll() == []
+    writer.compare_and_append([], 9, None)
+    assert listen.poll() == [ListenEvent("progress", upper=None)]
+    assert listen.poll() == []
 
 
 def test_rollup_every_seqno_with_foreground_maintenance(location: Location, nodes: Nodes):
