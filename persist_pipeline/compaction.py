@@ -109,7 +109,7 @@ def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
                     continue
                 writer = PartWriter(shard_id, f"{batch_id}-pass", main, "main", plan.part_bytes)
                 for table in merge_runs(_sources(blobs, group, plan, since, keys),
-                                        plan.chunk_bytes):
+                                        plan.chunk_bytes, overflow="split"):
                     writer.write(table)
                 parts = writer.finish()
                 temporary.extend(parts)
@@ -119,7 +119,8 @@ def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
         schema = ShardSchema.from_bytes(req.schema) if req.schema else None
         writer = PartWriter(shard_id, batch_id, main, "main",
                             min(target_size_bytes, plan.part_bytes), schema)
-        for table in merge_runs(_sources(blobs, runs, plan, since, keys), plan.chunk_bytes):
+        for table in merge_runs(_sources(blobs, runs, plan, since, keys), plan.chunk_bytes,
+                                overflow="split"):
             writer.write(table)
         parts = writer.finish()
     finally:
@@ -153,7 +154,8 @@ def _input_runs(blobs: ShardBlobs, req: MergeReq, keys: KeyRange, where: str) ->
                 runs.append(_Run(parts, f"batch {batch.id} (run {n}) of {where}"))
     if inline:
         runs.append(_Run((), f"inline parts of {where}",
-                         consolidate(pa.concat_tables(inline), since=req.desc.since)))
+                         consolidate(pa.concat_tables(inline), since=req.desc.since,
+                                     overflow="split")))
     return runs
 
 

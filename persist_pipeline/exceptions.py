@@ -161,6 +161,37 @@ class Indeterminate(BackendError):
     """An operation could not be confirmed as applied or not after retries ran out."""
 
 
+class DiffOverflow(PersistError, ArithmeticError):
+    """Diffs of equal ``(k, v, t)`` sum beyond a signed 64-bit count.
+
+    Diffs never wrap: a write whose own sums leave 64 bits is refused (as
+    :class:`InvalidUpdates`); a read, listen or merge that meets such a sum, from
+    individually valid writes, raises this instead of returning a wrong count. Writing
+    a compensating update at a later time makes reads at and after it exact again, and
+    lets compaction proceed once since passes it.
+
+    Attributes:
+        key, val, time: the update whose sum overflowed.
+        total: its exact sum.
+    """
+
+    def __init__(self, key: bytes, val: bytes, time: int, total: int,
+                 shard: str | None = None) -> None:
+        self.key, self.val, self.time, self.total, self.shard = key, val, time, total, shard
+        where = f"shard {shard}: " if shard else ""
+        super().__init__(f"{where}{self.what}")
+
+    @property
+    def what(self) -> str:
+        return (f"diffs of key {self.key[:32]!r} value {self.val[:32]!r} at time "
+                f"{self.time} sum to {self.total}, beyond 64 bits (a diff is a signed 64-bit "
+                f"count)")
+
+    def in_shard(self, shard: str) -> DiffOverflow:
+        """The same error, naming the shard it was met in."""
+        return DiffOverflow(self.key, self.val, self.time, self.total, shard)
+
+
 class ResourceExhausted(PersistError, MemoryError):
     """The process ran out of memory (or another local resource) handling data that is
     itself fine: not corruption. Lower the batch or part size, or give it more memory."""

@@ -44,7 +44,7 @@ from persist_pipeline.blob.local import LocalBlob
 from persist_pipeline.exceptions import InvalidConfig, NotYetAvailable
 from persist_pipeline.frontier import MAX_TIME, Frontier
 from persist_pipeline.internal.state import HollowPart, Store
-from persist_pipeline.updates import SCHEMA, consolidate
+from persist_pipeline.updates import SCHEMA, consolidate, naming_shard
 
 if TYPE_CHECKING:
     import pyarrow.dataset as pads
@@ -286,7 +286,8 @@ class SnapshotPlan:
 
         table = self.to_dataset().to_table(columns=SCHEMA.names,
                                            filter=pads.field("t") <= pa.scalar(self.as_of))
-        table = consolidate(table, as_of=self.as_of)
+        with naming_shard(self.shard_id):
+            table = consolidate(table, as_of=self.as_of)
         if self.schema is not None:
             return self.schema.decode(table, f"shard {self.shard_id}")
         return table

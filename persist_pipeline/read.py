@@ -34,7 +34,13 @@ from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, Part,
 from persist_pipeline.internal.sync import new_lock
 from persist_pipeline.plan import PlanFile, SnapshotPlan, file_uri, latest_complete_time
 from persist_pipeline.schema import ShardSchema
-from persist_pipeline.updates import advance_times, consolidate, decode_inline, empty_table
+from persist_pipeline.updates import (
+    advance_times,
+    consolidate,
+    decode_inline,
+    empty_table,
+    naming_shard,
+)
 
 #: The most rows in one record batch of :meth:`ReadHandle.snapshot_batches`.
 SNAPSHOT_BATCH_ROWS = 64 * 1024
@@ -258,10 +264,11 @@ class ReadHandle:
                                       f"{state.upper}")
             batches = [b for b in state.ordered_batches if b.desc.lower <= t]
             try:
-                for table in stream_snapshot(self._machine, batches, t):
-                    if schema is not None:
-                        table = schema.decode(table, f"shard {self.shard_id}")
-                    yield from table.to_batches(max_chunksize=max_rows)
+                with naming_shard(self.shard_id):
+                    for table in stream_snapshot(self._machine, batches, t):
+                        if schema is not None:
+                            table = schema.decode(table, f"shard {self.shard_id}")
+                        yield from table.to_batches(max_chunksize=max_rows)
             except CorruptPart as e:
                 self._raise_if_expired(e)
                 raise
@@ -502,7 +509,8 @@ class Listen:
         mask = pc.greater_equal(table.column("t"), lo)
         if hi is not None:
             mask = pc.and_(mask, pc.less(table.column("t"), hi))
-        table = consolidate(table.filter(mask))
+        with naming_shard(state.shard_id):
+            table = consolidate(table.filter(mask))
         if table.num_rows:
             if state.schema:
                 table = ShardSchema.from_bytes(state.schema).decode(

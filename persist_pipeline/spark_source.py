@@ -96,7 +96,7 @@ from persist_pipeline.internal.merge import batch_rows, memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Part, Store
 from persist_pipeline.plan import PlanFile, SnapshotPlan
 from persist_pipeline.schema import ShardSchema
-from persist_pipeline.updates import Updates, advance_times, consolidate
+from persist_pipeline.updates import Updates, advance_times, consolidate, naming_shard
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -293,8 +293,9 @@ def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
         by_batch.setdefault(f.batch_id, []).append(f)
     runs: list[tuple[Iterator[pa.Table], str]] = []
     if partition.inline.num_rows:
-        runs.append((iter([consolidate(partition.inline, as_of=as_of)]),
-                     f"inline rows of {where}"))
+        with naming_shard(location.shard_id):
+            inline = consolidate(partition.inline, as_of=as_of)
+        runs.append((iter([inline]), f"inline rows of {where}"))
     for batch_id, files in by_batch.items():
         files.sort(key=lambda f: f.index)
         batch = Batch(batch_id, Description(0, None, 0),
@@ -305,10 +306,11 @@ def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
     typed = ShardSchema.from_bytes(schema) if schema else None
     out_schema = _ARROW_SCHEMA if typed is None else spark_arrow_schema(typed)
     try:
-        for table in merge_runs(runs, plan.chunk_bytes):
-            if typed is not None:
-                table = _to_spark_types(typed.decode(table, where), out_schema)
-            yield from table.cast(out_schema).to_batches(max_chunksize=_ROWS_PER_BATCH)
+        with naming_shard(location.shard_id):
+            for table in merge_runs(runs, plan.chunk_bytes):
+                if typed is not None:
+                    table = _to_spark_types(typed.decode(table, where), out_schema)
+                yield from table.cast(out_schema).to_batches(max_chunksize=_ROWS_PER_BATCH)
     except CorruptPart as e:
         if "is missing" not in str(e):
             raise

@@ -11,8 +11,9 @@ and the Spark executor both call it.
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -20,7 +21,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from google.protobuf.message import DecodeError
 
-from persist_pipeline.exceptions import CorruptPart, InvalidUpdates, ResourceExhausted
+from persist_pipeline.exceptions import (
+    CorruptPart,
+    DiffOverflow,
+    InvalidUpdates,
+    ResourceExhausted,
+)
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.proto import persist_pb2 as pb
 
@@ -80,7 +86,7 @@ def _from_rows(rows: Iterable[Any]) -> tuple[list[bytes], list[bytes], list[int]
     for (k, v, t), d in sorted(sums.items()):
         if d != 0:
             if not _MIN_DIFF <= d <= _MAX_DIFF:
-                raise InvalidUpdates(f"diffs of {(k[:32], v[:32], t)} sum beyond 64 bits")
+                raise InvalidUpdates(f"the write's {DiffOverflow(k, v, t, d).what}")
             ks.append(k)
             vs.append(v)
             ts.append(t)
@@ -179,7 +185,10 @@ class Updates:
                                           strict=True)), None)
             if pc.min(table.column("t")).as_py() < 0:
                 raise InvalidUpdates("ts must be non-negative")
-            return cls(None, consolidate(table))
+            try:
+                return cls(None, consolidate(table))
+            except DiffOverflow as e:  # the same refusal as the tuple path's
+                raise InvalidUpdates(f"the write's {e.what}") from None
         if isinstance(updates, str | bytes | dict) or not isinstance(updates, Iterable):
             raise InvalidUpdates("updates must be an iterable of (key, val, ts, diff) tuples "
                                  f"or a pyarrow Table with columns k, v, t, d; got "
@@ -304,7 +313,15 @@ def decode_parquet(data: bytes, where: str) -> pa.Table:
         raise CorruptPart(f"corrupt Parquet part {where}: {e}") from None
 
 
-def consolidate(table: pa.Table, since: int | None = None, as_of: int | None = None) -> pa.Table:
+#: What consolidation does with a ``(k, v, t)`` whose diffs sum beyond 64 bits:
+#: ``"raise"`` :class:`DiffOverflow` (reads: the count cannot be returned), or
+#: ``"split"`` it into several rows whose diffs add up to the exact sum (compaction:
+#: nothing is lost, and a later compensating update still cancels it).
+OverflowMode = Literal["raise", "split"]
+
+
+def consolidate(table: pa.Table, since: int | None = None, as_of: int | None = None,
+                overflow: OverflowMode = "raise") -> pa.Table:
     """Sum the diffs of equal ``(k, v, t)``, drop zeros, sort by ``(k, v, t)``.
 
     Args:
@@ -312,13 +329,14 @@ def consolidate(table: pa.Table, since: int | None = None, as_of: int | None = N
         since: if given, times below it are first advanced to it (compaction).
         as_of: if given, updates with ``t > as_of`` are dropped and the rest are
             advanced to ``as_of`` (a snapshot at ``as_of``).
+        overflow: see :data:`OverflowMode`.
     """
     table = advance_times(table, since=since, as_of=as_of)
     if table.num_rows == 0:
         return empty_table()
     if table.num_rows > 1:
         table = table.take(pc.sort_indices(table, sort_keys=_SORT_KEYS))
-    return consolidate_sorted(table)
+    return consolidate_sorted(table, overflow)
 
 
 def advance_times(table: pa.Table, since: int | None = None,
@@ -335,9 +353,10 @@ def advance_times(table: pa.Table, since: int | None = None,
     return table
 
 
-def consolidate_sorted(table: pa.Table) -> pa.Table:
+def consolidate_sorted(table: pa.Table, overflow: OverflowMode = "raise") -> pa.Table:
     """Consolidate a table already sorted by ``(k, v, t)``: sum the diffs of adjacent
-    equal rows and drop zeros, in one vectorized pass (no hashing, no re-sort)."""
+    equal rows and drop zeros, in one vectorized pass (no hashing, no re-sort). Sums
+    never wrap (see :data:`OverflowMode`)."""
     n = table.num_rows
     if n == 0:
         return empty_table()
@@ -353,12 +372,79 @@ def consolidate_sorted(table: pa.Table) -> pa.Table:
             out = table
         else:
             starts = np.concatenate([np.zeros(1, np.int64), starts])
-            diffs = table.column("d").to_numpy()
-            sums = np.add.reduceat(diffs, starts)
+            sums, beyond = exact_segment_sums(table.column("d").to_numpy(), starts)
+            if beyond and overflow == "raise":
+                segment, total = beyond[0]
+                row = int(starts[segment])
+                key, val, time = (table.column(c)[row].as_py() for c in ("k", "v", "t"))
+                raise DiffOverflow(key, val, time, total)
+            if beyond:
+                starts, sums = _split_beyond(starts, sums, beyond)
             out = table.take(pa.array(starts)).set_column(3, "d", pa.array(sums, pa.int64()))
     if pc.any(pc.equal(out.column("d"), 0)).as_py():
         out = out.filter(pc.not_equal(out.column("d"), 0))
     return out.cast(SCHEMA)
+
+
+def _split_beyond(starts: np.ndarray, sums: np.ndarray, beyond: list[tuple[int, int]]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Each segment of ``beyond`` as several rows (its first row repeated) whose diffs
+    lie in 64 bits and add up to its exact total; order is kept."""
+    pieces: dict[int, list[int]] = {}
+    for segment, total in beyond:
+        parts = []
+        step = _MAX_DIFF if total > 0 else _MIN_DIFF
+        while not _MIN_DIFF <= total <= _MAX_DIFF:
+            parts.append(step)
+            total -= step
+        pieces[segment] = [*parts, total] if total else parts
+    counts = np.ones(len(starts), np.int64)
+    for segment, parts in pieces.items():
+        counts[segment] = len(parts)
+    out_sums = np.repeat(sums, counts)
+    positions = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)[:-1]])
+    for segment, parts in pieces.items():
+        at = int(positions[segment])
+        out_sums[at:at + len(parts)] = parts
+    return np.repeat(starts, counts), out_sums
+
+
+@contextmanager
+def naming_shard(shard_id: str) -> Iterator[None]:
+    """Re-raise a :class:`DiffOverflow` met inside with the shard it was met in."""
+    try:
+        yield
+    except DiffOverflow as e:
+        if e.shard is not None:
+            raise
+        raise e.in_shard(shard_id) from None
+
+
+def exact_segment_sums(diffs: np.ndarray, starts: np.ndarray
+                       ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """The sums of ``diffs`` over the segments beginning at ``starts``, never wrapped.
+
+    numpy's int64 sums wrap silently (guarantee: diffs never wrap). When no segment can
+    overflow (the usual ``d = +-1``: the largest ``|d|`` times the longest segment
+    fits), the plain sums are exact. Otherwise each diff is split into a high and a low
+    32-bit half, whose segment sums cannot overflow; the exact sum fits in 64 bits iff
+    its normalized high half does, and then equals the wrapped sum.
+
+    Returns:
+        The sums (wrapped where they do not fit), and ``(segment, exact total)`` of each
+        segment whose total leaves ``[-2**63, 2**63)``, in order.
+    """
+    sums = np.add.reduceat(diffs, starts)
+    largest = max(-int(diffs.min()), int(diffs.max()))
+    longest = int(np.diff(np.append(starts, len(diffs))).max())
+    if largest * longest <= _MAX_DIFF:
+        return sums, []
+    high = np.add.reduceat(diffs >> 32, starts)
+    low = np.add.reduceat(diffs & 0xFFFFFFFF, starts)
+    high = high + (low >> 32)
+    outside = np.flatnonzero((high < -(1 << 31)) | (high >= (1 << 31)))
+    beyond = [(int(i), (int(high[i]) << 32) + int(low[i] & 0xFFFFFFFF)) for i in outside]
+    return sums, beyond
 
 
 def split_by_size(table: pa.Table, target_bytes: int) -> list[pa.Table]:

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, ShardBlobs
 from persist_pipeline.internal.state import HollowPart, InlinePart, State
-from persist_pipeline.updates import SCHEMA, consolidate, empty_table
+from persist_pipeline.updates import SCHEMA, consolidate, empty_table, naming_shard
 
 
 def _may_hold_one_of(part: HollowPart, keys: Sequence[bytes]) -> bool:
@@ -70,4 +70,5 @@ def current_rows(blobs: ShardBlobs, state: State, keys: Sequence[bytes]) -> pa.T
     if not pieces:
         return empty_table()
     # All times advanced to one: the sums are the multiplicities at upper - 1.
-    return consolidate(pa.concat_tables(pieces).cast(SCHEMA), since=MAX_TIME)
+    with naming_shard(state.shard_id):
+        return consolidate(pa.concat_tables(pieces).cast(SCHEMA), since=MAX_TIME)

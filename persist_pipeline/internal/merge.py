@@ -23,7 +23,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist_pipeline.exceptions import CorruptPart
-from persist_pipeline.updates import consolidate, consolidate_sorted, empty_table
+from persist_pipeline.updates import (
+    OverflowMode,
+    consolidate,
+    consolidate_sorted,
+    empty_table,
+)
 
 #: The least bytes of updates a run reads at a time (smaller chunks cost more rounds).
 MIN_CHUNK_BYTES = 256 << 10
@@ -116,7 +121,8 @@ class _Cursor:
 
 
 def merge_runs(runs: Iterable[tuple[Iterator[pa.Table], str]], chunk_bytes: int,
-               check_order: bool = True) -> Iterator[pa.Table]:
+               check_order: bool = True, overflow: OverflowMode = "raise"
+               ) -> Iterator[pa.Table]:
     """Merge sorted runs into consolidated, sorted tables, in order.
 
     Args:
@@ -125,6 +131,7 @@ def merge_runs(runs: Iterable[tuple[Iterator[pa.Table], str]], chunk_bytes: int,
         chunk_bytes: bytes of updates a run buffers at a time.
         check_order: verify each run really is sorted (a corrupt or foreign part that is
             not would otherwise be merged wrongly, silently).
+        overflow: what to do with a sum beyond 64 bits (reads raise, merges split).
 
     Raises:
         CorruptPart: a run is not sorted.
@@ -152,8 +159,8 @@ def merge_runs(runs: Iterable[tuple[Iterator[pa.Table], str]], chunk_bytes: int,
                 if c.last() == bound:
                     c.fill(c.buf.nbytes + chunk_bytes)
             continue
-        out = consolidate_sorted(pieces[0]) if len(pieces) == 1 else \
-            consolidate(pa.concat_tables(pieces))
+        out = consolidate_sorted(pieces[0], overflow) if len(pieces) == 1 else \
+            consolidate(pa.concat_tables(pieces), overflow=overflow)
         if out.num_rows:
             yield out
 
