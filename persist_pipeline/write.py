@@ -425,7 +425,15 @@ class WriteHandle:
                 inline_max_bytes=policy.max_bytes, fell_back=fell_back,
                 commit_deadline_ms=commit_deadline_ms, typed=self.schema is not None)
 
-        result, state = machine.apply(transition)
+        try:
+            result, state = machine.apply(transition, proves_done=_already_appended)
+        except Indeterminate:
+            # The record that would settle a lost reply may be gone (GC truncated it,
+            # perhaps after expiring this writer and its token); the batch's id, derived
+            # from the token, may still be found in the state's kept history.
+            if batch is None or not self._found_in_history(batch.id, expected):
+                raise
+            result, state = transitions.Appended(already_committed=True), machine.state
         if isinstance(result, transitions.SchemaChanged):
             raise SchemaMismatch(
                 f"shard {self.shard_id} is {'typed' if result.typed else 'untyped'} but this "
@@ -445,6 +453,14 @@ class WriteHandle:
         n = batch.num_updates if batch is not None else 0
         return WriteResult(placement, encoded, state.seqno, state.upper, n, num_parts,
                            fell_back=fell_back, already_committed=result.already_committed)
+
+    def _found_in_history(self, batch_id: str, lower: int) -> bool:
+        try:
+            return self._machine.batch_committed(batch_id, lower) is True
+        except PersistError as e:  # consensus still away: the outcome stays unknown
+            log.warning("shard %s: could not look for batch %s in history: %s",
+                        self.shard_id, batch_id, e)
+            return False
 
     def _check_open(self) -> None:
         if self._closed:
@@ -470,6 +486,10 @@ class WriteHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.expire()
+
+
+def _already_appended(result: transitions.AppendResult) -> bool:
+    return isinstance(result, transitions.Appended) and result.already_committed
 
 
 def _check_times(data: Updates, lower: int, upper: Frontier) -> None:

@@ -36,7 +36,7 @@ from persist_pipeline.exceptions import (
     InvalidInput,
 )
 from persist_pipeline.ids import new_token
-from persist_pipeline.internal import transitions
+from persist_pipeline.internal import paths, transitions
 from persist_pipeline.internal.blobs import write_parts
 from persist_pipeline.internal.state import Batch, HollowPart, State
 from persist_pipeline.internal.trace import MergeRes
@@ -187,6 +187,13 @@ def missing_blobs(client: PersistClient, shard: ShardId) -> list[tuple[int, str]
             if client.blobs.store(store).get(key) is None:
                 missing.append((state.seqno, key))
     return missing
+
+
+def missing_parts(client: PersistClient, shard: ShardId) -> list[tuple[int, str]]:
+    """As :func:`missing_blobs`, for parts only: versions below a GC cut still list
+    rollups GC removed and deleted, which nothing reads again."""
+    return [(seqno, key) for seqno, key in missing_blobs(client, shard)
+            if not paths.is_rollup_key(key)]
 
 
 # --- defect 1: a stale cache gives a false negative ----------------------------------------
@@ -350,15 +357,17 @@ def test_control_guessing_lost_replies_denies_a_committed_write(clients: Clients
             clients.snapshot(lost.shard, 1)
 
 
-def test_lost_reply_whose_record_gc_truncated_is_indeterminate_and_keeps_parts(
-        clients: Clients):
-    """Defect 2 (record truncated by GC): the write is Indeterminate, never a negative
-    answer, and its committed parts stay."""
-    lost = _lost_write_with_expired_lease(clients, NO_INLINE, reader_hold=False)
-    with pytest.raises(Indeterminate):
-        lost.writer.compare_and_append(LATE, 1, 2)
+@pytest.mark.parametrize("policy", [INLINE_ON, NO_INLINE], ids=["inline", "blob"])
+def test_lost_reply_whose_record_gc_truncated_is_settled_by_the_batch_in_the_head(
+        clients: Clients, policy: InlinePolicy):
+    """GC expired the writer (and its token) and truncated the record of the commit, but
+    the batch, whose id derives from the write's token, is in the head state: the write
+    is reported committed, never Indeterminate, and its parts stay."""
+    lost = _lost_write_with_expired_lease(clients, policy, reader_hold=False)
+    result = lost.writer.compare_and_append(LATE, 1, 2)
+    assert result.already_committed and result.upper == 2 and result.num_updates == 2
     assert lost.lossy.lost == 1 and lost.expired_in_hook == [True]
-    # GC did truncate the record of the lost commit (that is what left it undecidable).
+    # GC did truncate the record of the lost commit (that is what made it hard to tell).
     assert lost.lossy.lost_seqno is not None
     earliest = lost.gc.consensus.scan(str(lost.shard), 0, limit=1)[0].seqno
     assert earliest > lost.lossy.lost_seqno
@@ -366,6 +375,62 @@ def test_lost_reply_whose_record_gc_truncated_is_indeterminate_and_keeps_parts(
     batch = batch_with(state, LATE[0])
     assert all(blob_exists(lost.gc, p) for p in batch.hollow_parts())
     assert missing_blobs(lost.gc, lost.shard) == []
+    assert clients.snapshot(lost.shard, 1) == expected_snapshot(BASE + LATE, 1)
+
+
+def _lost_write_then_merged(clients: Clients, *, truncate_merge: bool) -> LostWrite:
+    """As :func:`_lost_write_with_expired_lease`, but before the reply is lost the batch
+    is also compacted away (merged with BASE), so the head no longer holds it; GC then
+    truncates up to a rollup taken before the merge (``truncate_merge=False``: the
+    merge's record, which deletes the batch, stays) or after it (nothing kept names
+    the batch)."""
+    shard = ShardId.new()
+    client, lossy = clients.lossy(NO_INLINE, reader_lease_duration_s=SHORT_LEASE_S)
+    writer = client.open_writer(shard)
+    writer.compare_and_append(BASE, 0, 1)
+    gc_client = clients.plain()
+    lost = LostWrite(shard, writer, lossy, gc_client)
+
+    def pause_merge_gc() -> None:
+        clients.clock.advance(PAUSE_S)
+        machine = gc_client.machine(shard)
+        if not truncate_merge:
+            # A rollup after the lost commit, and a reader holding it: GC truncates the
+            # commit's record but keeps the merge's.
+            gc_client.open_reader(shard)
+            machine.write_rollup(machine.fetch_latest())
+        gc_client.compact(shard)
+        gc_client.gc(shard)
+        latest = machine.fetch_latest()
+        lost.expired_in_hook.append(writer.writer_id not in latest.writers)
+
+    lossy.arm(pause_merge_gc)
+    return lost
+
+
+def test_lost_reply_of_a_batch_compacted_away_is_settled_by_the_kept_merge_record(
+        clients: Clients):
+    lost = _lost_write_then_merged(clients, truncate_merge=False)
+    result = lost.writer.compare_and_append(LATE, 1, 2)
+    assert result.already_committed and lost.expired_in_hook == [True]
+    assert lost.lossy.lost_seqno is not None  # the commit's own record is truncated
+    earliest = lost.gc.consensus.scan(str(lost.shard), 0, limit=1)[0].seqno
+    assert earliest > lost.lossy.lost_seqno
+    state = lost.gc.machine(lost.shard).fetch_latest()
+    assert len(state.batches) == 1  # BASE and LATE merged: the head does not name it
+    assert missing_parts(lost.gc, lost.shard) == []
+    assert clients.snapshot(lost.shard, 1) == expected_snapshot(BASE + LATE, 1)
+
+
+def test_lost_reply_that_no_kept_history_can_settle_is_indeterminate_and_keeps_parts(
+        clients: Clients):
+    """Compacted away and every record naming it truncated: only then Indeterminate,
+    never a negative answer, and nothing is deleted."""
+    lost = _lost_write_then_merged(clients, truncate_merge=True)
+    with pytest.raises(Indeterminate):
+        lost.writer.compare_and_append(LATE, 1, 2)
+    assert lost.expired_in_hook == [True]
+    assert missing_parts(lost.gc, lost.shard) == []
     assert clients.snapshot(lost.shard, 1) == expected_snapshot(BASE + LATE, 1)
 
 

@@ -35,6 +35,7 @@ from persist_pipeline.exceptions import (
     ShardNotFound,
     Unavailable,
 )
+from persist_pipeline.frontier import Frontier
 from persist_pipeline.internal import state_codec, transitions
 from persist_pipeline.internal.blobs import ShardBlobs
 from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
@@ -213,13 +214,17 @@ class Machine:
     # --- writing ---------------------------------------------------------------------------
 
     def apply(self, transition: Callable[[State], tuple[State, R]], *,
-              routine: bool = True) -> tuple[R, State]:
+              routine: bool = True,
+              proves_done: Callable[[R], bool] | None = None) -> tuple[R, State]:
         """Run ``transition`` against the latest state and commit it, retrying races.
 
         Returns the transition's result and the state it committed (or, when it changed
         nothing, the state it saw, which was fetched from consensus during this call).
         Errors raised by the transition propagate, also only once confirmed against
         consensus. ``routine`` runs routine maintenance (rollups) after a commit.
+        ``proves_done``: whether a result that changes nothing shows, from consensus,
+        that this call's effect is already in the state (a write finding its own batch):
+        lost-reply attempts need no settling then, since the outcome is known.
 
         Raises:
             Indeterminate: a CaS reply was lost and whether it committed cannot be told,
@@ -245,7 +250,8 @@ class Machine:
                         self.metrics.negative_answers_confirmed += 1
                         state, confirmed = self._refresh(), True
                         continue
-                    _require_settled(attempts, self.shard_id)
+                    if not (attempts and proves_done is not None and proves_done(result)):
+                        _require_settled(attempts, self.shard_id)
                     return result, state
                 new = self.maintenance.fold_ready(self._bump(new, state))
                 record = VersionedData(new.seqno, state_codec.encode_diff(state, new),
@@ -278,9 +284,12 @@ class Machine:
     def batch_committed(self, batch_id: str, lower: int) -> bool | None:
         """Whether a batch starting at ``lower`` was ever committed, from state history.
 
-        True if the latest state holds it or a kept record added it; False if no kept
-        record added it and the kept history reaches back to when the shard's upper was
-        still ``lower`` (so that is where it would be); None when GC truncated that far.
+        A batch id derives from its write's token, so finding it settles a write whose
+        reply was lost even after GC expired the writer and truncated the record of the
+        commit. True if the latest state, a kept record (adding it, or a merge removing
+        it) or a kept rollup holds it; False if none does and the kept history reaches
+        back to when the shard's upper was still ``lower`` (where it would be); None
+        when GC truncated that far.
         """
         latest = self.fetch_latest()
         if batch_id in latest.batches:
@@ -288,18 +297,26 @@ class Machine:
         records = self.consensus.scan(self.shard_id, 0)
         for rec in records:
             diff = state_codec.decode_diff(rec.data, f"shard {self.shard_id} seqno {rec.seqno}")
-            if any(b.id == batch_id for b in diff.batch_upserts):
+            if batch_id in diff.batch_deletes or any(b.id == batch_id
+                                                     for b in diff.batch_upserts):
                 return True
         if not records or records[0].seqno <= 1:
             return False
         first = records[0].seqno
-        rollup = latest.rollups.get(first)
-        data = self.blobs.main.get(rollup.key) if rollup is not None else None
-        if data is None:
-            return None
-        base = state_codec.decode_state(data, f"rollup {rollup.key if rollup else ''}")
-        upper = base.upper
-        return False if upper is not None and upper <= lower else None
+        base_upper: Frontier | None = None
+        known = False
+        for seqno, rollup in sorted(latest.rollups.items()):
+            data = self.blobs.main.get(rollup.key)
+            if data is None:
+                continue  # replaced by a concurrent GC: the others still tell
+            rolled = state_codec.decode_state(data, f"rollup {rollup.key}")
+            if batch_id in rolled.batches:
+                return True
+            if seqno == first:
+                base_upper, known = rolled.upper, True
+        if known and base_upper is not None and base_upper <= lower:
+            return False
+        return None
 
     def _resolve(self, attempts: list[_Attempt[R]]) -> _Attempt[R] | None:
         """Settle lost-reply attempts by the record each would have written."""
