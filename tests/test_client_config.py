@@ -51,7 +51,7 @@ def test_keyword_policy_without_config_keeps_other_defaults(tmp_path: Path):
 
 
 def test_keyword_that_contradicts_config_is_refused(tmp_path: Path):
-    with pytest.raises(InvalidConfig, match="contradicts config.inline_policy"):
+    with pytest.raises(InvalidConfig, match=r"contradicts config\.inline_policy"):
         _open(tmp_path, config=PersistConfig(inline_policy=OFF),
               inline_policy=InlinePolicy(4096, 1 << 20), env={})
     assert not (tmp_path / "b").exists()  # refused before anything was opened
