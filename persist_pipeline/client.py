@@ -8,7 +8,7 @@ import os
 import threading
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from persist_pipeline.blob import open_blob
@@ -72,24 +72,27 @@ def effective_config(config: PersistConfig | None, inline_policy: InlinePolicy |
                      env: Mapping[str, str]) -> PersistConfig:
     """The one config a client runs with, however it was given.
 
-    The inline policy comes from ``inline_policy``, else from ``config`` when one is
-    given (a config carries its policy), else from the environment. A keyword that
-    contradicts ``config`` is refused rather than silently preferred.
+    The inline policy comes from ``inline_policy``, else from ``config`` if it was
+    built with one, else from the environment (``PERSIST_INLINE_UPDATE_*_BYTES``), else
+    the default. A keyword that contradicts a policy given in ``config`` is refused
+    rather than one of them silently preferred.
 
     Raises:
-        InvalidConfig: ``inline_policy`` differs from ``config.inline_policy``.
+        InvalidConfig: ``inline_policy`` differs from the policy given in ``config``.
     """
     if config is not None and not isinstance(config, PersistConfig):
         raise InvalidConfig(f"config must be a PersistConfig, got {type(config).__name__}")
     if inline_policy is not None and not isinstance(inline_policy, InlinePolicy):
         raise InvalidConfig(f"inline_policy must be an InlinePolicy, got "
                             f"{type(inline_policy).__name__}")
-    if config is None:
-        return PersistConfig(inline_policy=inline_policy or InlinePolicy.from_env(env))
-    if inline_policy is not None and inline_policy != config.inline_policy:
-        raise InvalidConfig(f"inline_policy={inline_policy} contradicts config.inline_policy="
-                            f"{config.inline_policy}: give the policy in one place")
-    return config
+    base = config or PersistConfig()
+    if base.inline_policy_given:
+        if inline_policy is not None and inline_policy != base.inline_policy:
+            raise InvalidConfig(f"inline_policy={inline_policy} contradicts config."
+                                f"inline_policy={base.inline_policy}: give the policy in one "
+                                f"place")
+        return base
+    return replace(base, inline_policy=inline_policy or InlinePolicy.from_env(env))
 
 
 class PersistClient:
@@ -216,9 +219,10 @@ class PersistClient:
         state = m.open(create=True)
         recorded = ShardSchema.from_bytes(state.schema) if state.schema else None
         if schema is not None:
-            recorded, _ = m.apply(lambda s: transitions.record_schema(s, schema, m.now_ms()))
+            recorded, state = m.apply(lambda s: transitions.record_schema(s, schema,
+                                                                          m.now_ms()))
         handle = WriteHandle(m, new_writer_id(), self.inline_policy,
-                             self.blobs.wal is not None, debug, recorded)
+                             self.blobs.wal is not None, debug, recorded, state.schema)
         self._handles.add(handle)
         return handle
 

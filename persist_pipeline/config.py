@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Literal
 
 from persist_pipeline.exceptions import InvalidConfig
@@ -96,11 +96,21 @@ class InlinePolicy:
         )
 
 
+#: The policy of a config built without one (identity tells "not given" from an explicit
+#: ``InlinePolicy()``, so a client may take the policy from elsewhere).
+_UNSET_INLINE_POLICY = InlinePolicy()
+
+
 @dataclass(frozen=True, slots=True)
 class PersistConfig:
-    """Tunables other than the inline policy; defaults are the constants above."""
+    """Every tunable; defaults are the constants above.
 
-    inline_policy: InlinePolicy = field(default_factory=InlinePolicy)
+    ``inline_policy`` left out means the default policy unless the client is told
+    otherwise (``PersistClient.open``'s keyword or the environment); given, it wins over
+    the environment, and a contradicting keyword is refused.
+    """
+
+    inline_policy: InlinePolicy = _UNSET_INLINE_POLICY
     blob_target_size_bytes: int = BLOB_TARGET_SIZE_BYTES
     rollup_threshold: int = ROLLUP_THRESHOLD
     reader_lease_duration_s: float = READER_LEASE_DURATION_S
@@ -114,7 +124,15 @@ class PersistConfig:
     compaction_memory_bound_bytes: int = COMPACTION_MEMORY_BOUND_BYTES
     compaction_split_bytes: int = COMPACTION_SPLIT_BYTES
 
+    @property
+    def inline_policy_given(self) -> bool:
+        """Whether this config was built with an explicit inline policy."""
+        return self.inline_policy is not _UNSET_INLINE_POLICY
+
     def __post_init__(self) -> None:
+        if not isinstance(self.inline_policy, InlinePolicy):
+            raise InvalidConfig(f"PersistConfig.inline_policy must be an InlinePolicy, got "
+                                f"{type(self.inline_policy).__name__}")
         for f in fields(self):
             if f.name in ("inline_policy", "background_maintenance"):
                 continue

@@ -373,6 +373,31 @@ def _to_table(obj: object, schema: ShardSchema) -> pa.Table:
     return table
 
 
+def encoded_with_fits(recorded: bytes, encoded_with: bytes) -> bool:
+    """Whether updates encoded with the schema ``encoded_with`` (empty: untyped) may be
+    committed into a shard whose recorded schema is ``recorded`` (empty: untyped).
+
+    Untyped fits untyped only; a typed encoding fits the recorded schema or any
+    evolution of it (nullable value columns appended: an older row encoding is also a
+    row of the newer schema, byte for byte). Pure and cached: it runs inside the append
+    transition, where the recorded schema is known for sure.
+    """
+    if recorded == encoded_with:
+        return True
+    if not recorded or not encoded_with:
+        return False
+    return _evolves_from(recorded, encoded_with)
+
+
+@lru_cache(maxsize=256)
+def _evolves_from(recorded: bytes, encoded_with: bytes) -> bool:
+    stored = _decode_schema(recorded)
+    try:
+        return stored.evolve(_decode_schema(encoded_with)) is stored
+    except SchemaMismatch:
+        return False
+
+
 @lru_cache(maxsize=256)
 def _decode_schema(data: bytes) -> ShardSchema:
     both = pa.ipc.read_schema(pa.py_buffer(data))

@@ -518,9 +518,12 @@ def _commit(job: _WriteJob, messages: Sequence[Any]) -> None:
     client = job.location.client()
     try:
         with client.open_writer(job.location.shard_id, debug="spark write") as writer:
+            # The schema the tasks encoded with, fixed when the write was planned: a
+            # schema recorded since (another client typing the shard) refuses the commit.
             result = writer.compare_and_append_parts(
                 parts, updates, job.expected_upper, job.new_upper,
-                idempotency_token=job.token, uploaded_at_ms=started)
+                idempotency_token=job.token, uploaded_at_ms=started,
+                schema=ShardSchema.from_bytes(job.schema) if job.schema else None)
         log.info("persist spark write: %d update(s) in %d part(s) committed at seqno %d",
                  updates, len(parts), result.seqno)
     finally:

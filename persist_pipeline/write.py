@@ -48,6 +48,29 @@ _REPLACE_BACKOFF_MAX_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
+class Encoding:
+    """The schema a write's updates were encoded with (None: untyped), and its recorded
+    bytes. It travels with the batch into the append transition, which refuses it if it
+    does not fit the shard's recorded schema: a handle never re-derives it later."""
+
+    schema: ShardSchema | None = None
+    recorded: bytes = b""
+
+    @classmethod
+    def of(cls, schema: ShardSchema | None) -> Encoding:
+        return cls(schema, schema.to_bytes() if schema is not None else b"")
+
+    @classmethod
+    def recorded_in(cls, state: State) -> Encoding:
+        """The encoding of the schema ``state`` records (what rows read there carry)."""
+        return cls(ShardSchema.from_bytes(state.schema) if state.schema else None,
+                   state.schema)
+
+
+UNTYPED = Encoding()
+
+
+@dataclass(frozen=True, slots=True)
 class WriteResult:
     """What a successful write did.
 
@@ -78,9 +101,12 @@ class WriteHandle:
     """Appends to one shard. Obtain one with :meth:`PersistClient.open_writer`."""
 
     def __init__(self, machine: Machine, writer_id: str, policy: InlinePolicy,
-                 has_wal: bool, debug: str = "", schema: ShardSchema | None = None) -> None:
+                 has_wal: bool, debug: str = "", schema: ShardSchema | None = None,
+                 recorded: bytes = b"") -> None:
         self._machine = machine
         self.schema = schema
+        #: What this handle encodes typed tables with: the schema recorded when it opened.
+        self._encoding = Encoding(schema, recorded) if recorded else Encoding.of(schema)
         # Upsert back-off jitter, seeded by the writer id: replays of the deterministic
         # simulation (seeded ids) back off alike.
         self._jitter = random.Random(writer_id)  # noqa: S311 - jitter, not a secret
@@ -151,9 +177,14 @@ class WriteHandle:
                                   f"({expected})")
         data = self._coerce(updates)
         _check_times(data, expected, upper)
+        return self._compare_and_append(data, expected, upper, idempotency_token,
+                                        self._encoding)
+
+    def _compare_and_append(self, data: Updates, expected: int, upper: Frontier,
+                            idempotency_token: str | None, encoding: Encoding) -> WriteResult:
         token = idempotency_token or new_token()
         try:
-            return self._commit(data, expected, upper, token)
+            return self._commit(data, expected, upper, token, encoding)
         except UpperMismatch:
             if idempotency_token is None:
                 raise
@@ -173,6 +204,7 @@ class WriteHandle:
     def compare_and_append_parts(
         self, parts: tuple[HollowPart, ...], num_updates: int, expected_upper: int,
         new_upper: Frontier, *, idempotency_token: str, uploaded_at_ms: int,
+        schema: ShardSchema | None,
     ) -> WriteResult:
         """Commit Parquet parts uploaded elsewhere (Spark tasks) as ONE batch, atomically.
 
@@ -180,7 +212,9 @@ class WriteHandle:
         (:func:`~persist_pipeline.internal.blobs.write_parts`), written for batch
         ``b<idempotency_token>``, with times in ``[expected_upper, new_upper)``.
         ``uploaded_at_ms`` is when the first upload started: later than GC's commit
-        deadline after it, nothing is committed.
+        deadline after it, nothing is committed. ``schema`` is the schema the parts were
+        encoded with (None: untyped), as known where they were written: the commit is
+        refused (``SchemaMismatch``, parts deleted) unless it fits the shard's schema.
 
         When nothing was committed for certain (upper mismatch, deadline, bad parts) the
         parts are deleted; an indeterminate outcome leaves them to GC.
@@ -217,7 +251,7 @@ class WriteHandle:
         try:
             result = self._apply(batch, expected, upper, idempotency_token, placement,
                                  sum(p.encoded_size for p in parts), len(parts),
-                                 fell_back=False,
+                                 Encoding.of(schema), fell_back=False,
                                  commit_deadline_ms=machine.commit_deadline_ms(uploaded_at_ms))
         except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates, SchemaMismatch):
             # Certainly not committed (the CaS loop settled every lost reply first).
@@ -247,7 +281,7 @@ class WriteHandle:
         token = new_token()
         while True:
             try:
-                return self._commit(data, lo, hi, token)
+                return self._commit(data, lo, hi, token, self._encoding)
             except UpperMismatch as mismatch:
                 current = mismatch.current
                 if less_than(current, lo):
@@ -328,6 +362,9 @@ class WriteHandle:
             time = expected if wanted is None else wanted
             if time < expected:
                 raise UpperMismatch(time, expected)
+            # The rows read here carry the state's schema (perhaps evolved since this
+            # handle opened): the batch is written and committed with that schema.
+            encoding = Encoding.recorded_in(state)
             try:
                 current = current_rows(machine.blobs, state, sorted_keys)
             except CorruptPart:
@@ -345,8 +382,8 @@ class WriteHandle:
                 pieces.append(rows.set_column(2, "t", pa.array([time] * rows.num_rows,
                                                                pa.int64())).cast(SCHEMA))
             try:
-                return self.compare_and_append(Updates.coerce(pa.concat_tables(pieces)),
-                                               expected, time + 1)
+                return self._compare_and_append(Updates.coerce(pa.concat_tables(pieces)),
+                                                expected, time + 1, None, encoding)
             except UpperMismatch:
                 continue  # another write landed: read the keys again
         raise AssertionError("unreachable")
@@ -356,15 +393,23 @@ class WriteHandle:
         if self.schema is None:
             return Updates.coerce(updates)
         if isinstance(updates, Updates):
+            # Already encoded: committed only if they really are rows of this schema.
+            try:
+                self.schema.decode(updates.table(), f"a write to shard {self.shard_id}")
+            except CorruptPart as e:
+                raise SchemaMismatch(f"the encoded updates are not rows of the shard's "
+                                     f"schema {self.schema!r}: {e}") from None
             return updates
         return self.schema.to_updates(updates)
 
-    def _commit(self, data: Updates, expected: int, upper: Frontier, token: str) -> WriteResult:
+    def _commit(self, data: Updates, expected: int, upper: Frontier, token: str,
+                encoding: Encoding) -> WriteResult:
         batch_id = f"b{token}"
         desc_since = self._machine.state.since
         desc = Description(expected, upper, desc_since if desc_since is not None else 0)
         if len(data) == 0:
-            empty = self._apply(None, expected, upper, token, "none", 0, 0, fell_back=False)
+            empty = self._apply(None, expected, upper, token, "none", 0, 0, encoding,
+                                fell_back=False)
             assert empty is not None  # only inline batches can exceed the budget
             return empty
         encoded_inline: bytes | None = None
@@ -375,26 +420,31 @@ class WriteHandle:
             inline = Batch(batch_id, desc, (InlinePart(token, encoded_inline, len(data)),),
                            len(data))
             result = self._apply(inline, expected, upper, token, "inline", len(encoded_inline),
-                                 0, fell_back=False)
+                                 0, encoding, fell_back=False)
             if result is not None:
                 return result
             # The shard's inline budget is full: this write falls through to blob.
-            return self._write_blob(data, batch_id, desc, expected, upper, token, fell_back=True)
-        return self._write_blob(data, batch_id, desc, expected, upper, token, fell_back=False)
+            return self._write_blob(data, batch_id, desc, expected, upper, token, encoding,
+                                    fell_back=True)
+        return self._write_blob(data, batch_id, desc, expected, upper, token, encoding,
+                                fell_back=False)
 
     def _write_blob(self, data: Updates, batch_id: str, desc: Description, expected: int,
-                    upper: Frontier, token: str, *, fell_back: bool) -> WriteResult:
+                    upper: Frontier, token: str, encoding: Encoding, *,
+                    fell_back: bool) -> WriteResult:
         machine = self._machine
         started_ms = machine.now_ms()
+        # Typed columns are decoded with the schema the rows were encoded with, never
+        # with an older one this handle may hold (it would misread newer rows).
         parts = write_parts(data.table(), self.shard_id, batch_id,
                             machine.blobs.store(self._store), self._store,
-                            machine.config.blob_target_size_bytes, schema=self.schema)
+                            machine.config.blob_target_size_bytes, schema=encoding.schema)
         try:
             batch = Batch(batch_id, desc, parts, len(data))
             placement: Placement = "wal" if self._store == "wal" else "blob"
             size = sum(p.encoded_size for p in parts)
             result = self._apply(batch, expected, upper, token, placement, size, len(parts),
-                                 fell_back=fell_back,
+                                 encoding, fell_back=fell_back,
                                  commit_deadline_ms=machine.commit_deadline_ms(started_ms))
             assert result is not None
             return result
@@ -412,8 +462,8 @@ class WriteHandle:
                 log.warning("could not delete uncommitted part %s: %s", part.key, e)
 
     def _apply(self, batch: Batch | None, expected: int, upper: Frontier, token: str,
-               placement: Placement, encoded: int, num_parts: int, *, fell_back: bool,
-               commit_deadline_ms: int | None = None) -> WriteResult | None:
+               placement: Placement, encoded: int, num_parts: int, encoding: Encoding, *,
+               fell_back: bool, commit_deadline_ms: int | None = None) -> WriteResult | None:
         machine = self._machine
         policy = self.policy
         lease = self._lease_ms()
@@ -423,7 +473,7 @@ class WriteHandle:
                 state, batch, writer_id=self.writer_id, token=token, expected_upper=expected,
                 new_upper=upper, now_ms=machine.now_ms(), lease_ms=lease,
                 inline_max_bytes=policy.max_bytes, fell_back=fell_back,
-                commit_deadline_ms=commit_deadline_ms, typed=self.schema is not None)
+                commit_deadline_ms=commit_deadline_ms, encoded_with=encoding.recorded)
 
         try:
             result, state = machine.apply(transition, proves_done=_already_appended)
@@ -435,11 +485,7 @@ class WriteHandle:
                 raise
             result, state = transitions.Appended(already_committed=True), machine.state
         if isinstance(result, transitions.SchemaChanged):
-            raise SchemaMismatch(
-                f"shard {self.shard_id} is {'typed' if result.typed else 'untyped'} but this "
-                f"writer was opened {'without' if result.typed else 'with'} a schema (the "
-                f"shard's schema was recorded after it opened): reopen the writer; nothing "
-                f"was written")
+            raise SchemaMismatch(_schema_changed(self.shard_id, result.recorded, encoding))
         if isinstance(result, transitions.DeadlineExceeded):
             raise CommitDeadlineExceeded(
                 f"shard {self.shard_id}: parts uploaded too long ago to commit safely (GC "
@@ -486,6 +532,16 @@ class WriteHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.expire()
+
+
+def _schema_changed(shard_id: str, recorded: bytes, encoding: Encoding) -> str:
+    shard = (f"shard {shard_id} is typed ({ShardSchema.from_bytes(recorded)!r})" if recorded
+             else f"shard {shard_id} is untyped")
+    written = (f"encoded with {encoding.schema!r}" if encoding.schema is not None
+               else "untyped")
+    return (f"{shard} but this write's updates are {written}: its schema was recorded or "
+            f"changed after the write was planned (reopen the writer, or plan the write "
+            f"again); nothing was written")
 
 
 def _already_appended(result: transitions.AppendResult) -> bool:

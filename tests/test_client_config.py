@@ -45,6 +45,24 @@ def test_keyword_policy_applies_when_it_agrees_with_config(tmp_path: Path):
         assert client.config == cfg
 
 
+def test_keyword_policy_with_a_config_that_gives_none(tmp_path: Path):
+    cfg = PersistConfig(rollup_threshold=7)
+    with _open(tmp_path, config=cfg, inline_policy=OFF, env=ENV_POLICY) as client:
+        assert client.config == PersistConfig(inline_policy=OFF, rollup_threshold=7)
+
+
+def test_environment_policy_with_a_config_that_gives_none(tmp_path: Path):
+    with _open(tmp_path, config=PersistConfig(rollup_threshold=7), env=ENV_POLICY) as client:
+        assert client.config == PersistConfig(inline_policy=InlinePolicy(100, 200),
+                                              rollup_threshold=7)
+
+
+def test_an_explicit_default_policy_in_config_is_a_policy_given(tmp_path: Path):
+    with pytest.raises(InvalidConfig):
+        _open(tmp_path, config=PersistConfig(inline_policy=InlinePolicy()),
+              inline_policy=OFF, env={})
+
+
 def test_keyword_policy_without_config_keeps_other_defaults(tmp_path: Path):
     with _open(tmp_path, inline_policy=OFF, env=ENV_POLICY) as client:
         assert client.config == PersistConfig(inline_policy=OFF)

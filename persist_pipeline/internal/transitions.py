@@ -26,7 +26,7 @@ from persist_pipeline.internal.state import (
     Writer,
 )
 from persist_pipeline.internal.trace import ApplyMergeOutcome, MergeRes, apply_merge_res, push_batch
-from persist_pipeline.schema import ShardSchema
+from persist_pipeline.schema import ShardSchema, encoded_with_fits
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +57,11 @@ class InlineBudgetExceeded:
 
 @dataclass(frozen=True, slots=True)
 class SchemaChanged:
-    """The shard became typed (or is typed) and this write's updates are not encoded for
-    it: an untyped writer opened before the shard's schema was recorded."""
+    """The write's updates were encoded with a schema (or none) that does not fit the
+    one the shard has recorded: e.g. an untyped writer or Spark write planned before the
+    shard's schema was recorded. ``recorded`` is the shard's encoded schema."""
 
-    typed: bool
+    recorded: bytes
 
 
 AppendResult = (Appended | UpperMismatchResult | InlineBudgetExceeded | DeadlineExceeded
@@ -106,7 +107,7 @@ def compare_and_append(
     inline_max_bytes: int,
     fell_back: bool,
     commit_deadline_ms: int | None = None,
-    typed: bool = False,
+    encoded_with: bytes = b"",
 ) -> tuple[State, AppendResult]:
     """Append ``batch`` (None: no updates) iff the shard's upper is ``expected_upper``.
 
@@ -114,8 +115,11 @@ def compare_and_append(
     recent committed write carried ``token`` and reached ``new_upper``, the append is
     reported as already committed. ``fell_back`` counts an inline candidate that went to
     blob because the budget was full. Idempotency is checked before ``commit_deadline_ms``:
-    a write that committed is reported as such however late the retry. ``typed`` says
-    whether the updates are encoded rows of the shard's schema; it must match the state.
+    a write that committed is reported as such however late the retry. ``encoded_with``
+    is the encoded schema the batch's updates (and its parts' typed columns) were
+    written with, empty for untyped updates: it travels with the batch from where it was
+    encoded, and must fit the schema recorded in this state
+    (:func:`~persist_pipeline.schema.encoded_with_fits`), or nothing is appended.
     """
     writer = state.writers.get(writer_id)
     if (writer is not None and writer.most_recent_write_token == token
@@ -126,8 +130,8 @@ def compare_and_append(
         return state, Appended(already_committed=True)
     if commit_deadline_ms is not None and now_ms > commit_deadline_ms:
         return state, DeadlineExceeded(commit_deadline_ms)
-    if bool(state.schema) != typed:
-        return state, SchemaChanged(bool(state.schema))
+    if not encoded_with_fits(state.schema, encoded_with):
+        return state, SchemaChanged(state.schema)
     if state.upper != expected_upper:
         return state, UpperMismatchResult(state.upper)
     inline = batch.inline_bytes if batch is not None else 0
