@@ -186,15 +186,16 @@ def _delete_temporary(main: Blob, parts: list[HollowPart]) -> None:
             log.warning("could not delete intermediate merge part %s: %s", part.key, e)
 
 
-def apply_merge_result(machine: Machine, res: MergeRes, started_ms: int) -> ApplyMergeOutcome:
+def apply_merge_result(machine: Machine, res: MergeRes, started_s: float) -> ApplyMergeOutcome:
     """Commit a merge result from the driver; deletes its outputs if it cannot apply.
 
     Args:
         machine: the shard's machine.
         res: the result to commit.
-        started_ms: when the merge began (before any output was uploaded), on the
-            machine's clock: the result commits only within the commit deadline of that
-            moment, so GC's orphan sweep can never have deleted its outputs.
+        started_s: when the merge began (before any output was uploaded), on the
+            machine's monotonic clock (:meth:`Machine.monotonic`): the result commits
+            only within the commit deadline of that moment, so GC's orphan sweep can
+            never have deleted its outputs.
 
     Returns:
         ``"applied"``, ``"already_applied"`` (an earlier attempt whose reply was lost),
@@ -208,10 +209,9 @@ def apply_merge_result(machine: Machine, res: MergeRes, started_ms: int) -> Appl
     Outputs are deleted only when the result certainly did not commit: the CaS loop
     settles every lost reply before it gives a negative answer.
     """
-    deadline = machine.commit_deadline_ms(started_ms)
     try:
         outcome, _ = machine.apply(lambda s: transitions.apply_merge(
-            s, res, machine.now_ms(), deadline))
+            s, res, machine.now_ms(), machine.commit_deadline(started_s)))
     except InvalidInput:
         _delete_outputs(machine, res)
         raise
@@ -291,7 +291,7 @@ def compact_shard(
             one). The Spark executor plugs in here.
     """
     started = time.monotonic()
-    started_ms = machine.now_ms()
+    started_s = machine.monotonic()  # before any output exists: their commit deadline
     state = machine.fetch_latest()
     metrics = CompactionMetrics(inline_bytes_before=state.inline_bytes)
     reqs = merge_requests(state)
@@ -311,7 +311,7 @@ def compact_shard(
 
     by_inputs = {r.input_ids: r for r in reqs}
     for res in (executor or local)(reqs):
-        outcome = apply_merge_result(machine, res, started_ms)
+        outcome = apply_merge_result(machine, res, started_s)
         metrics.record(by_inputs[res.input_ids], res, outcome)
     metrics.inline_bytes_after = machine.fetch_latest().inline_bytes
     metrics.duration_s = time.monotonic() - started

@@ -153,6 +153,11 @@ class BlobAuthError(BlobError, AuthError):
     """The object store rejected the credentials or denied access."""
 
 
+class ClockProbeLost(BlobError):
+    """A probe written to read the blob store's clock was gone before it could be read:
+    this process paused longer than the orphan age and a GC swept it. Probe again."""
+
+
 class BlobLocationNotFound(BlobError):
     """The bucket or directory of a blob URI does not exist."""
 
@@ -190,6 +195,17 @@ class DiffOverflow(PersistError, ArithmeticError):
     def in_shard(self, shard: str) -> DiffOverflow:
         """The same error, naming the shard it was met in."""
         return DiffOverflow(self.key, self.val, self.time, self.total, shard)
+
+
+class UnsettledCommit(Indeterminate):
+    """A commit whose reply was lost could not be settled: the record that would tell
+    was truncated by GC, and no state or kept history names what it wrote.
+
+    Attributes:
+        batch_id: the batch a write tried to commit (None for other commits).
+    """
+
+    batch_id: str | None = None
 
 
 class ResourceExhausted(PersistError, MemoryError):

@@ -15,14 +15,17 @@ cut C, and:
 4. optionally sweeps orphans: blobs under the shard's prefix that no kept version
    references (for rollups: that the head does not list) and that are older than
    ``gc_orphan_min_age_s`` (uploads whose commit failed, rollups a killed GC dropped).
-   Writes, merge results and rollups only commit references to blobs uploaded less
-   than half that age before their transition ran (:meth:`Machine.commit_deadline_ms`).
-   The sweep first notes the time T0 and commits a *fence* (a state change): a commit
-   computed on an older state then loses its CaS and runs its transition again, after
-   T0, where the deadline refuses any blob older than ``T0 - gc_orphan_min_age_s``. So
-   every reference to such a blob is in a version the sweep reads, however long either
-   side pauses. (Clocks of writers and the blob store
-   must agree within half the age.)
+   Writes, merge results and rollups only commit references to blobs whose upload
+   started less than half that age before their transition ran, measured on the
+   committer's monotonic clock (:meth:`Machine.commit_deadline`). The sweep first reads
+   the store's own time T0 (:meth:`Blob.clock_now`), then commits a *fence* (a state
+   change): a commit computed on an older state then loses its CaS and runs its
+   transition again, after T0, where the deadline refuses any blob uploaded before
+   ``T0 - gc_orphan_min_age_s / 2``, while the sweep only deletes blobs the store
+   stamped before ``T0 - gc_orphan_min_age_s``. So every reference to such a blob is
+   in a version the sweep reads, however long either side pauses. No clock is compared
+   with another machine's: wall-clock skew between writers, GC and the store does not
+   matter; clock *rates* must agree within a factor of two.
 
 Any number of GCs may run at once, or die anywhere. A GC that finds another one got
 ahead of it (the rollup it starts from is gone, or records it needs were truncated)
@@ -35,7 +38,7 @@ import logging
 import time
 from typing import Any
 
-from persist_pipeline.exceptions import BackendError, PersistError
+from persist_pipeline.exceptions import BackendError, ClockProbeLost, PersistError
 from persist_pipeline.internal import paths, state_codec, transitions
 from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.state import State, Store
@@ -172,12 +175,16 @@ def _collect(machine: Machine, state: State, earliest: int, cut: int,
 
 
 def _sweep_orphans(machine: Machine) -> int:
-    min_age_ms = int(machine.config.gc_orphan_min_age_s * 1000)
-    fenced_at_ms, _ = machine.apply(lambda s: transitions.fence_orphan_sweep(
-        s, machine.now_ms()))
-    cutoff_s = (fenced_at_ms - min_age_ms) / 1000
-    listed: list[tuple[Store, str, float]] = []
     stores: list[Store] = ["main", "wal"] if machine.blobs.wal is not None else ["main"]
+    # Each store's own time, read before the fence commits: an age is its clock minus
+    # its own stamp, never GC's clock minus the store's (guarantee: safe under skew).
+    min_age_s = machine.config.gc_orphan_min_age_s
+    cutoffs = {}
+    for store in stores:
+        blob = machine.blobs.store(store)
+        cutoffs[store] = _store_now(machine, store) - min_age_s - blob.stamp_resolution_s
+    machine.apply(lambda s: transitions.fence_orphan_sweep(s, machine.now_ms()))
+    listed: list[tuple[Store, str, float]] = []
     for store in stores:
         for meta in machine.blobs.store(store).list_keys(paths.shard_prefix(machine.shard_id)):
             listed.append((store, meta.key, meta.last_modified))
@@ -191,11 +198,28 @@ def _sweep_orphans(machine: Machine) -> int:
     live = parts | head.referenced_blobs()
     deleted = 0
     for store, key, modified in listed:
-        if (store, key) in live or modified > cutoff_s:
+        if (store, key) in live or modified > cutoffs[store]:
             continue
         _delete(machine, store, key)
         deleted += 1
     return deleted
+
+
+#: How many fresh probes GC writes before it gives up reading a store's clock (a probe
+#: is only lost when this process paused past the orphan age right after writing it).
+_CLOCK_PROBES = 3
+
+
+def _store_now(machine: Machine, store: Store) -> float:
+    """The blob store's own time (seconds), on the clock that stamps its objects."""
+    blob = machine.blobs.store(store)
+    for attempt in range(_CLOCK_PROBES):
+        try:
+            return blob.clock_now(paths.clock_probe_key(machine.shard_id))
+        except ClockProbeLost:
+            if attempt == _CLOCK_PROBES - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _delete(machine: Machine, store: str, key: str) -> int:

@@ -382,7 +382,8 @@ def drive_compaction(
     whose tasks failed commits nothing, and its other tasks' outputs are deleted.
     """
     started = time.monotonic()
-    started_ms = client.clock.now_ms()  # before any output exists: their commit deadline
+    # On the driver's monotonic clock, before any output exists: their commit deadline.
+    started_s = client.clock.monotonic()
     target = client.config.blob_target_size_bytes
     metrics: dict[str, CompactionMetrics] = {}
     extra: dict[str, dict[str, Any]] = {}
@@ -447,7 +448,7 @@ def drive_compaction(
             continue
         res = _combine(req, outputs)
         try:
-            outcome = apply_merge_result(client.machine(shard_id), res, started_ms)
+            outcome = apply_merge_result(client.machine(shard_id), res, started_s)
         except PersistError as e:  # this result only; the other shards' still commit
             failures.setdefault(shard_id, []).append(f"{type(e).__name__}: {e}")
             continue

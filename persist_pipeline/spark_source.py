@@ -59,7 +59,6 @@ import logging
 import math
 import os
 import tempfile
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -81,6 +80,7 @@ from persist_pipeline.blob import redact_uri
 from persist_pipeline.compaction import KeyRange
 from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import (
+    CommitDeadlineExceeded,
     CorruptPart,
     InvalidConfig,
     InvalidFrontier,
@@ -440,7 +440,15 @@ class _WriteJob:
     new_upper: Frontier
     token: str
     target_size_bytes: int
+    #: The shard's encoded schema when the write was planned: tasks encode with it and
+    #: the commit carries it (a schema recorded since refuses the commit).
     schema: bytes = b""
+    #: The driver's monotonic clock when the write was planned, before any task could
+    #: upload: the commit deadline starts here (a task's own clock is never compared).
+    planned_s: float = 0.0
+    #: Which boot of which host that clock belongs to (a monotonic clock means nothing
+    #: elsewhere): a commit on another host is refused.
+    planned_on: str = ""
 
     @property
     def store(self) -> Store:
@@ -462,28 +470,48 @@ def _write_job(options: Mapping[str, str], overwrite: bool) -> _WriteJob:
         raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
     if upper is not None and upper <= expected:
         raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper ({expected})")
-    from persist_pipeline.config import PersistConfig
+    client = location.client()
+    try:
+        return plan_write(location, client, expected, upper)
+    finally:
+        client.close()
 
-    typed = _shard_schema(location)
+
+def plan_write(location: _Location, client: PersistClient, expected: int,
+               upper: Frontier) -> _WriteJob:
+    """The driver's plan of one write: the token, and the schema its tasks encode with."""
+    try:
+        typed = client.schema(location.shard_id)
+    except ShardNotFound:
+        typed = None
     return _WriteJob(location, expected, upper, new_token(),
-                     PersistConfig().blob_target_size_bytes,
-                     typed.to_bytes() if typed is not None else b"")
+                     client.config.blob_target_size_bytes,
+                     typed.to_bytes() if typed is not None else b"",
+                     planned_s=client.clock.monotonic(), planned_on=_this_boot())
+
+
+def _this_boot() -> str:
+    """This host's current boot (the domain of its monotonic clock)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        import socket
+
+        return socket.gethostname()
 
 
 def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
-        tuple[HollowPart, ...], int, int]:
+        tuple[HollowPart, ...], int]:
     """Run on an executor: validate, consolidate and upload this task's rows.
 
-    Returns ``(parts, updates, started_ms)``; ``started_ms`` is taken before the first
-    upload (it bounds when the parts may still be committed).
+    Returns ``(parts, updates)``.
     """
     from persist_pipeline.internal.blobs import write_parts
     from persist_pipeline.spark import _blob
 
-    started_ms = int(time.time() * 1000)
     collected = list(batches)
     if not collected:
-        return (), 0, started_ms
+        return (), 0
     typed = ShardSchema.from_bytes(job.schema) if job.schema else None
     table = pa.Table.from_batches(collected)
     data = Updates.coerce(table if typed is None else typed.encode(table))
@@ -494,12 +522,12 @@ def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
             raise InvalidUpdates(f"update times must lie in [{job.expected_upper}, "
                                  f"{job.new_upper}); this task got times {lo}..{hi}")
     if not len(data):
-        return (), 0, started_ms
+        return (), 0
     uri = job.location.wal_blob_uri if job.store == "wal" else job.location.blob_uri
     assert uri is not None
     parts = write_parts(data.table(), job.location.shard_id, job.batch_id, _blob(uri),
                         job.store, job.target_size_bytes, schema=typed)
-    return parts, len(data), started_ms
+    return parts, len(data)
 
 
 def _commit_marker(job: _WriteJob) -> Path:
@@ -508,26 +536,35 @@ def _commit_marker(job: _WriteJob) -> Path:
     return Path(tempfile.gettempdir()) / f"persist-spark-commit-{job.token}"
 
 
-def _commit(job: _WriteJob, messages: Sequence[Any]) -> None:
-    """Run on the driver: commit every task's parts as one batch, atomically."""
+def _commit(job: _WriteJob, messages: Sequence[Any],
+            client: PersistClient | None = None) -> None:
+    """Run on the driver: commit every task's parts as one batch, atomically (with
+    ``client``, or one opened on the job's location)."""
+    if job.planned_on and job.planned_on != _this_boot():
+        # Raised before the commit marker exists: the abort that follows deletes parts.
+        raise CommitDeadlineExceeded(
+            "this write was planned on another host (or before a reboot), so its commit "
+            "deadline cannot be measured here; nothing was written")
     marker = _commit_marker(job)
     marker.touch()
     parts = tuple(p for m in messages for p in m.parts)
     updates = sum(m.num_updates for m in messages)
-    started = min((m.started_ms for m in messages), default=int(time.time() * 1000))
-    client = job.location.client()
+    own = client is None
+    if client is None:
+        client = job.location.client()
     try:
         with client.open_writer(job.location.shard_id, debug="spark write") as writer:
             # The schema the tasks encoded with, fixed when the write was planned: a
             # schema recorded since (another client typing the shard) refuses the commit.
             result = writer.compare_and_append_parts(
                 parts, updates, job.expected_upper, job.new_upper,
-                idempotency_token=job.token, uploaded_at_ms=started,
+                idempotency_token=job.token, upload_started_s=job.planned_s,
                 schema=ShardSchema.from_bytes(job.schema) if job.schema else None)
         log.info("persist spark write: %d update(s) in %d part(s) committed at seqno %d",
                  updates, len(parts), result.seqno)
     finally:
-        client.close()
+        if own:
+            client.close()
     marker.unlink(missing_ok=True)
 
 
@@ -584,7 +621,6 @@ class PersistCommitMessage(WriterCommitMessage):
 
     parts: tuple[HollowPart, ...]
     num_updates: int
-    started_ms: int
 
 
 class PersistWriter(DataSourceArrowWriter):
@@ -594,8 +630,8 @@ class PersistWriter(DataSourceArrowWriter):
         self.job = job
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
-        parts, updates, started = _write_task(self.job, iterator)
-        return PersistCommitMessage(parts, updates, started)
+        parts, updates = _write_task(self.job, iterator)
+        return PersistCommitMessage(parts, updates)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         _commit(self.job, [m for m in messages if isinstance(m, PersistCommitMessage)])

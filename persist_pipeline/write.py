@@ -21,6 +21,7 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     PersistError,
     SchemaMismatch,
+    UnsettledCommit,
     UpperMismatch,
 )
 from persist_pipeline.frontier import Frontier, check_frontier, less_equal, less_than
@@ -203,7 +204,7 @@ class WriteHandle:
 
     def compare_and_append_parts(
         self, parts: tuple[HollowPart, ...], num_updates: int, expected_upper: int,
-        new_upper: Frontier, *, idempotency_token: str, uploaded_at_ms: int,
+        new_upper: Frontier, *, idempotency_token: str, upload_started_s: float,
         schema: ShardSchema | None,
     ) -> WriteResult:
         """Commit Parquet parts uploaded elsewhere (Spark tasks) as ONE batch, atomically.
@@ -211,8 +212,10 @@ class WriteHandle:
         Each part must be a consolidated k/v/t/d Parquet file under this shard's prefix
         (:func:`~persist_pipeline.internal.blobs.write_parts`), written for batch
         ``b<idempotency_token>``, with times in ``[expected_upper, new_upper)``.
-        ``uploaded_at_ms`` is when the first upload started: later than GC's commit
-        deadline after it, nothing is committed. ``schema`` is the schema the parts were
+        ``upload_started_s`` is a moment before the first upload started, on this
+        client's monotonic clock (a Spark driver takes it when it plans the write, on
+        the host that commits): later than GC's commit deadline after it, nothing is
+        committed. ``schema`` is the schema the parts were
         encoded with (None: untyped), as known where they were written: the commit is
         refused (``SchemaMismatch``, parts deleted) unless it fits the shard's schema.
 
@@ -252,7 +255,7 @@ class WriteHandle:
             result = self._apply(batch, expected, upper, idempotency_token, placement,
                                  sum(p.encoded_size for p in parts), len(parts),
                                  Encoding.of(schema), fell_back=False,
-                                 commit_deadline_ms=machine.commit_deadline_ms(uploaded_at_ms))
+                                 upload_started_s=upload_started_s)
         except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates, SchemaMismatch):
             # Certainly not committed (the CaS loop settled every lost reply first).
             self._delete_uncommitted(parts)
@@ -362,9 +365,7 @@ class WriteHandle:
             time = expected if wanted is None else wanted
             if time < expected:
                 raise UpperMismatch(time, expected)
-            # The rows read here carry the state's schema (perhaps evolved since this
-            # handle opened): the batch is written and committed with that schema.
-            encoding = Encoding.recorded_in(state)
+            encoding = self._attempt_encoding(state)
             try:
                 current = current_rows(machine.blobs, state, sorted_keys)
             except CorruptPart:
@@ -387,6 +388,12 @@ class WriteHandle:
             except UpperMismatch:
                 continue  # another write landed: read the keys again
         raise AssertionError("unreachable")
+
+    def _attempt_encoding(self, state: State) -> Encoding:
+        """How an upsert or delete attempt against ``state`` writes its batch: the rows
+        it retracts carry the state's schema (perhaps evolved since this handle opened),
+        so its parts are written and committed with that schema, never this handle's."""
+        return Encoding.recorded_in(state)
 
     def _coerce(self, updates: object) -> Updates:
         """Validated, consolidated updates: typed tables encoded for a typed shard."""
@@ -433,7 +440,7 @@ class WriteHandle:
                     upper: Frontier, token: str, encoding: Encoding, *,
                     fell_back: bool) -> WriteResult:
         machine = self._machine
-        started_ms = machine.now_ms()
+        started_s = machine.monotonic()
         # Typed columns are decoded with the schema the rows were encoded with, never
         # with an older one this handle may hold (it would misread newer rows).
         parts = write_parts(data.table(), self.shard_id, batch_id,
@@ -444,8 +451,7 @@ class WriteHandle:
             placement: Placement = "wal" if self._store == "wal" else "blob"
             size = sum(p.encoded_size for p in parts)
             result = self._apply(batch, expected, upper, token, placement, size, len(parts),
-                                 encoding, fell_back=fell_back,
-                                 commit_deadline_ms=machine.commit_deadline_ms(started_ms))
+                                 encoding, fell_back=fell_back, upload_started_s=started_s)
             assert result is not None
             return result
         except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates, SchemaMismatch):
@@ -463,7 +469,7 @@ class WriteHandle:
 
     def _apply(self, batch: Batch | None, expected: int, upper: Frontier, token: str,
                placement: Placement, encoded: int, num_parts: int, encoding: Encoding, *,
-               fell_back: bool, commit_deadline_ms: int | None = None) -> WriteResult | None:
+               fell_back: bool, upload_started_s: float | None = None) -> WriteResult | None:
         machine = self._machine
         policy = self.policy
         lease = self._lease_ms()
@@ -473,15 +479,19 @@ class WriteHandle:
                 state, batch, writer_id=self.writer_id, token=token, expected_upper=expected,
                 new_upper=upper, now_ms=machine.now_ms(), lease_ms=lease,
                 inline_max_bytes=policy.max_bytes, fell_back=fell_back,
-                commit_deadline_ms=commit_deadline_ms, encoded_with=encoding.recorded)
+                commit_deadline=None if upload_started_s is None
+                else machine.commit_deadline(upload_started_s),
+                encoded_with=encoding.recorded)
 
         try:
             result, state = machine.apply(transition, proves_done=_already_appended)
-        except Indeterminate:
+        except Indeterminate as e:
             # The record that would settle a lost reply may be gone (GC truncated it,
             # perhaps after expiring this writer and its token); the batch's id, derived
             # from the token, may still be found in the state's kept history.
             if batch is None or not self._found_in_history(batch.id, expected):
+                if isinstance(e, UnsettledCommit) and batch is not None:
+                    e.batch_id = batch.id
                 raise
             result, state = transitions.Appended(already_committed=True), machine.state
         if isinstance(result, transitions.SchemaChanged):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, ClassVar
 
 import pyarrow as pa
 
 from persist_pipeline import PersistClient
+from persist_pipeline.blob.base import Blob, BlobMeta
 from persist_pipeline.consensus.base import Consensus, VersionedData
 from persist_pipeline.internal import state_codec
 from persist_pipeline.internal.state import State
@@ -85,3 +88,74 @@ class ForwardingConsensus(Consensus):
 
     def close(self) -> None:
         self.inner.close()
+
+
+class StoreOnClock(Blob):
+    """A blob store whose clock is a test clock's: it stamps each object with the clock's
+    offset from real time when it is written, and tells the time (``clock_now``, what GC
+    measures blob ages with) with the offset now. So a test that advances its clock ages
+    the objects as a real store's clock would, without sleeping. Stamps of one clock are
+    shared by every wrapper on it (several clients, one store)."""
+
+    _stamps: ClassVar[dict[int, dict[str, float]]] = {}
+
+    def __init__(self, inner: Blob, clock: Any) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+        self.stamp_resolution_s = inner.stamp_resolution_s
+        self._clock = clock
+        self._offsets = StoreOnClock._stamps.setdefault(id(clock), {})
+
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes | None:
+        return self.inner.get_range(key, start, length)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._offsets[key] = self._clock.offset_s
+        self.inner.set(key, value)
+
+    def delete(self, key: str) -> int | None:
+        return self.inner.delete(key)
+
+    def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
+        for meta in self.inner.list_keys(prefix):
+            yield BlobMeta(meta.key, meta.size,
+                           meta.last_modified + self._offsets.get(meta.key, 0.0))
+
+    def clock_now(self, probe_key: str) -> float:
+        return self.inner.clock_now(probe_key) + self._clock.offset_s
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+
+class SkewedClock:
+    """Another machine's clocks: the wall clock ``wall_offset_s`` away from real time, and
+    a monotonic clock with its own origin (monotonic values of two machines are never
+    comparable); ``advance`` moves both, as time passing (a pause) does."""
+
+    def __init__(self, wall_offset_s: float = 0.0, mono_origin_s: float = 1e6) -> None:
+        self.wall_offset_s = wall_offset_s
+        self._mono = mono_origin_s
+        self._passed = 0.0
+
+    def now_ms(self) -> int:
+        return int((time.time() + self.wall_offset_s + self._passed) * 1000)
+
+    def monotonic(self) -> float:
+        return self._mono + self._passed
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+
+    def advance(self, seconds: float) -> None:
+        self._passed += seconds
+
+    def step_wall(self, seconds: float) -> None:
+        """A wall-clock step (NTP): the wall clock jumps, the monotonic one does not."""
+        self.wall_offset_s += seconds

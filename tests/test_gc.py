@@ -61,7 +61,8 @@ def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Locat
     writer.compare_and_append([(b"a", b"b", 0, 1)], 0, 1)
     orphan = f"{shard}/p/b-crashed-writer-0000.parquet"
     client.blobs.main.set(orphan, b"left behind by a writer that died before its CaS")
-    time.sleep(3.1)
+    # Older than the orphan age on the store's clock, whose stamps may be rounded down.
+    time.sleep(3.1 + client.blobs.main.stamp_resolution_s)
     metrics = client.gc(shard)
     assert metrics["orphans_deleted"] == 1
     assert client.blobs.main.get(orphan) is None
@@ -70,9 +71,9 @@ def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Locat
     slow = client.open_writer(shard)
     real_apply = slow._machine.apply
 
-    def stalled_apply(transition):
+    def stalled_apply(transition, **kwargs):
         time.sleep(1.6)  # past half the orphan age
-        return real_apply(transition)
+        return real_apply(transition, **kwargs)
 
     slow._machine.apply = stalled_apply  # type: ignore[method-assign]
     with pytest.raises(CommitDeadlineExceeded):

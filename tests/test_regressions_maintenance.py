@@ -43,7 +43,13 @@ from persist_pipeline.internal.state import State
 from persist_pipeline.read import Listen, ListenEvent, ReadHandle
 from persist_pipeline.sim import controls
 from tests.fixtures.location import Location, make_location
-from tests.helpers import ForwardingConsensus, expected_snapshot, rows, state_history
+from tests.helpers import (
+    ForwardingConsensus,
+    StoreOnClock,
+    expected_snapshot,
+    rows,
+    state_history,
+)
 
 BLOB_ONLY = InlinePolicy(0, 0)
 #: How long any wait for another thread may take before the test fails (never a sleep).
@@ -56,19 +62,25 @@ Update = tuple[bytes, bytes, int, int]
 
 
 class HandClock:
-    """Real wall time plus an offset the test advances (so blob ``last_modified``, which
-    is the store's real time, stays comparable); monotonic time and sleeps are real."""
+    """Real time plus an offset the test advances, for the wall and monotonic clocks of
+    the clients that use it and, through :class:`~tests.helpers.StoreOnClock`, for the
+    clock of their blob stores; sleeps are real."""
 
     def __init__(self) -> None:
         self._offset_ms = 0
         self._lock = threading.Lock()
+
+    @property
+    def offset_s(self) -> float:
+        with self._lock:
+            return self._offset_ms / 1000
 
     def now_ms(self) -> int:
         with self._lock:
             return int(time.time() * 1000) + self._offset_ms
 
     def monotonic(self) -> float:
-        return time.monotonic()
+        return time.monotonic() + self.offset_s
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -121,6 +133,7 @@ class HookedBlob(Blob):
     def __init__(self, inner: Blob) -> None:
         self.inner = inner
         self.kind = inner.kind
+        self.stamp_resolution_s = inner.stamp_resolution_s
         self.before: dict[str, Hook] = {}
 
     def _hook(self, op: str, *args: Any) -> None:
@@ -213,7 +226,12 @@ class Nodes:
         consensus = HookedConsensus(open_consensus(loc.consensus_uri))
         blob = HookedBlob(open_blob(loc.blob_uri))
         wal = open_blob(loc.wal_blob_uri) if loc.wal_blob_uri else None
-        client = PersistClient(consensus, blob, wal, cfg, clock)
+        if isinstance(clock, HandClock):  # the stores' time passes with the test's too
+            store_blob: Blob = StoreOnClock(blob, clock)
+            wal = StoreOnClock(wal, clock) if wal is not None else None
+        else:
+            store_blob = blob
+        client = PersistClient(consensus, store_blob, wal, cfg, clock)
         self.made.append(client)
         return Node(client, consensus, blob)
 
@@ -286,15 +304,16 @@ def fresh_snapshot(loc: Location, shard: str, as_of: int) -> list[tuple[bytes, b
 ORPHAN_CFG = PersistConfig(gc_orphan_min_age_s=10, heartbeat_interval_s=0, blob_cache_bytes=0)
 
 
-def _pending_merges(node: Node, shard: str, clock: HandClock) -> tuple[int, list[Any]]:
-    """Run every pending merge of ``shard`` (not applied); returns (started_ms, results)."""
+def _pending_merges(node: Node, shard: str, clock: HandClock) -> tuple[float, list[Any]]:
+    """Run every pending merge of ``shard`` (not applied); returns (started_s, results),
+    ``started_s`` on the committing client's monotonic clock."""
     client = node.client
     reqs = merge_requests(client.machine(shard).fetch_latest())
     assert reqs, "the setup left no merge request"
-    started_ms = clock.now_ms()
+    started_s = clock.monotonic()
     results = [run_merge(r, shard, client.blobs.main, client.blobs.wal,
                          client.config.blob_target_size_bytes) for r in reqs]
-    return started_ms, results
+    return started_s, results
 
 
 def _output_keys(results: list[Any]) -> list[str]:
@@ -310,7 +329,7 @@ def test_merge_result_whose_outputs_gc_swept_is_refused(location: Location, node
     client = node.client
     shard = str(ShardId.new())
     written = write_batches(client, shard, range(4), rows_per_batch=2)
-    started_ms, results = _pending_merges(node, shard, clock)
+    started_s, results = _pending_merges(node, shard, clock)
     outputs = _output_keys(results)
     assert all(client.blobs.main.get(k) is not None for k in outputs)
 
@@ -322,7 +341,7 @@ def test_merge_result_whose_outputs_gc_swept_is_refused(location: Location, node
 
     before = client.machine(shard).fetch_latest()
     for res in results:
-        assert apply_merge_result(client.machine(shard), res, started_ms) == "deadline_exceeded"
+        assert apply_merge_result(client.machine(shard), res, started_s) == "deadline_exceeded"
     after = client.machine(shard).fetch_latest()
     assert after.seqno == before.seqno and dict(after.batches) == dict(before.batches)
     assert rows(client.open_reader(shard).snapshot(3), 3) == expected_snapshot(written, 3)
@@ -339,24 +358,24 @@ def test_merge_result_past_deadline_deletes_its_outputs_and_a_timely_one_applies
     shard = str(ShardId.new())
     machine = client.machine(shard)
     written = write_batches(client, shard, range(4), rows_per_batch=2)
-    started_ms, late = _pending_merges(node, shard, clock)
+    started_s, late = _pending_merges(node, shard, clock)
     late_outputs = _output_keys(late)
     clock.advance(ORPHAN_CFG.gc_orphan_min_age_s / 2 + 1)  # past the deadline, no GC
     before = machine.fetch_latest()
     for res in late:
-        assert apply_merge_result(machine, res, started_ms) == "deadline_exceeded"
+        assert apply_merge_result(machine, res, started_s) == "deadline_exceeded"
     assert all(client.blobs.main.get(k) is None for k in late_outputs)
     after = machine.fetch_latest()
     assert after.seqno == before.seqno and dict(after.batches) == dict(before.batches)
 
-    started_ms, timely = _pending_merges(node, shard, clock)
+    started_s, timely = _pending_merges(node, shard, clock)
     for res in timely:
-        assert apply_merge_result(machine, res, started_ms) == "applied"
+        assert apply_merge_result(machine, res, started_s) == "applied"
     # A retry of an applied result (its reply lost) long after the deadline is still
     # recognised, and its outputs, now referenced, are kept.
     clock.advance(ORPHAN_CFG.gc_orphan_min_age_s)
     for res in timely:
-        assert apply_merge_result(machine, res, started_ms) == "already_applied"
+        assert apply_merge_result(machine, res, started_s) == "already_applied"
     assert all(client.blobs.main.get(k) is not None for k in _output_keys(timely))
     assert rows(client.open_reader(shard).snapshot(3), 3) == expected_snapshot(written, 3)
     assert_history_intact(client, shard)
@@ -370,11 +389,11 @@ def test_merge_without_deadline_control_commits_swept_outputs(location: Location
     client = node.client
     shard = str(ShardId.new())
     write_batches(client, shard, range(4), rows_per_batch=2)
-    started_ms, results = _pending_merges(node, shard, clock)
+    started_s, results = _pending_merges(node, shard, clock)
     clock.advance(ORPHAN_CFG.gc_orphan_min_age_s + 5)
     nodes(location, ORPHAN_CFG, clock=clock).client.gc(shard)
     with controls.merge_without_deadline():
-        outcomes = [apply_merge_result(client.machine(shard), r, started_ms) for r in results]
+        outcomes = [apply_merge_result(client.machine(shard), r, started_s) for r in results]
     assert "applied" in outcomes
     with pytest.raises(CorruptPart):
         client.open_reader(shard).snapshot(3)

@@ -230,9 +230,9 @@ def test_abort_deletes_parts_only_when_no_commit_was_attempted(tmp_path: Path) -
     batch = pa.RecordBatch.from_pylist([{"k": b"a", "v": b"b", "t": 1, "d": 1}])
 
     def uploaded(job: Any) -> PersistCommitMessage:
-        parts, n, started = _write_task(job, iter([batch]))
+        parts, n = _write_task(job, iter([batch]))
         assert len(parts) == 1 and open_blob(blob).get(parts[0].key) is not None
-        return PersistCommitMessage(parts, n, started)
+        return PersistCommitMessage(parts, n)
 
     failed_task = _write_job(opts, overwrite=False)
     message = uploaded(failed_task)

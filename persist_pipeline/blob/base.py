@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from persist_pipeline.exceptions import InvalidInput
+from persist_pipeline.exceptions import BlobError, ClockProbeLost, InvalidInput
 
 #: Characters no key or listing prefix may contain.
 _FORBIDDEN_CHARS = ("\x00", "\\")
@@ -105,6 +106,9 @@ class Blob(ABC):
 
     #: "s3", "file", "mem", ... for metrics and messages.
     kind: str = "blob"
+    #: How coarsely the store stamps ``last_modified`` (rounded down): an object may be
+    #: up to this much younger than its stamp says. S3's listings give whole seconds.
+    stamp_resolution_s: float = 0.0
 
     @abstractmethod
     def get(self, key: str) -> bytes | None:
@@ -132,6 +136,33 @@ class Blob(ABC):
     @abstractmethod
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
         """Every object whose key starts with ``prefix``."""
+
+    def clock_now(self, probe_key: str) -> float:
+        """The store's current time, on the clock that stamps ``last_modified``.
+
+        GC measures blob ages with it, so that an age never mixes the store's clock
+        with the caller's (guarantee: the orphan sweep is safe under clock skew). This
+        writes an empty probe object at ``probe_key`` (fresh; where an orphan sweep
+        finds it if this process dies before deleting it), reads its stamp from a
+        listing and deletes it: ``last_modified`` is whatever the store stamps on a
+        write, so this is exactly the clock it is compared with. Stamps may be rounded
+        down (:attr:`stamp_resolution_s`); callers allow for that.
+
+        Raises:
+            ClockProbeLost: the probe was swept before it was listed (a long pause).
+            BlobError: the probe could not be written or listed.
+        """
+        key = probe_key
+        self.set(key, b"")
+        try:
+            stamps = [m.last_modified for m in self.list_keys(key) if m.key == key]
+        finally:
+            with contextlib.suppress(BlobError):
+                self.delete(key)
+        if not stamps:
+            raise ClockProbeLost(f"{self.describe()}: the clock probe written at {key} was "
+                                 f"gone before it was listed")
+        return stamps[0]
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release clients. Idempotent."""

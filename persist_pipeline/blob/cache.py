@@ -51,6 +51,7 @@ class CachingBlob(Blob):
             raise InvalidConfig(f"cache max_bytes must be a non-negative int, got {max_bytes!r}")
         self.inner = inner
         self.kind = inner.kind
+        self.stamp_resolution_s = inner.stamp_resolution_s
         self.max_bytes = max_bytes
         self.cache_on_set = cache_on_set
         self.hits = 0

@@ -40,6 +40,7 @@ class FaultyBlob(Blob):
     def __init__(self, inner: Blob, config: FaultConfig) -> None:
         self.inner = inner
         self.kind = inner.kind
+        self.stamp_resolution_s = inner.stamp_resolution_s
         self.config = config
         self.faults = FaultInjector(config, OPERATIONS, BlobUnavailable)
 

@@ -26,6 +26,7 @@ class RetryingBlob(Blob):
         self.inner = inner
         self.clock = clock
         self.kind = inner.kind
+        self.stamp_resolution_s = inner.stamp_resolution_s
         self.deadline_s = deadline_s
         self.retries = 0
 

@@ -247,6 +247,7 @@ class S3Blob(Blob):
     """
 
     kind = "s3"
+    stamp_resolution_s = 1.0
 
     def __init__(
         self,

@@ -30,10 +30,10 @@ from persist_pipeline.config import PersistConfig
 from persist_pipeline.consensus.base import Consensus, VersionedData
 from persist_pipeline.exceptions import (
     CorruptState,
-    Indeterminate,
     PersistError,
     ShardNotFound,
     Unavailable,
+    UnsettledCommit,
 )
 from persist_pipeline.frontier import Frontier
 from persist_pipeline.internal import state_codec, transitions
@@ -104,14 +104,22 @@ class Machine:
     def now_ms(self) -> int:
         return self.clock.now_ms()
 
-    def commit_deadline_ms(self, started_ms: int) -> int:
-        """The last moment blobs uploaded from ``started_ms`` on may still be committed.
+    def monotonic(self) -> float:
+        """Seconds on this process's monotonic clock: what commit deadlines start from."""
+        return self.clock.monotonic()
 
-        GC's orphan sweep deletes unreferenced blobs older than ``gc_orphan_min_age_s``;
-        anything that references fresh blobs (a write, a merge result, a rollup) commits
-        within half that age of starting to upload them, or not at all.
+    def commit_deadline(self, started_s: float) -> transitions.CommitDeadline:
+        """The deadline, as of now, of a commit referencing blobs whose upload started at
+        ``started_s`` (:meth:`monotonic`, taken before the first upload).
+
+        GC's orphan sweep deletes unreferenced blobs older than ``gc_orphan_min_age_s``,
+        measured on the blob store's own clock; anything that references fresh blobs (a
+        write, a merge result, a rollup) commits within half that age of starting to
+        upload them, measured on the committer's monotonic clock, or not at all. Neither
+        side compares its clock with another machine's, so skew cannot break this.
         """
-        return started_ms + int(self.config.gc_orphan_min_age_s * 500)
+        at_ms = int(started_s * 1000) + int(self.config.gc_orphan_min_age_s * 500)
+        return transitions.CommitDeadline(at_ms, int(self.monotonic() * 1000))
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -370,5 +378,5 @@ def _require_settled(attempts: list[_Attempt[R]], shard_id: str) -> None:
     open_attempts = [a for a in attempts if a.resolution in ("pending", "unknown")]
     if open_attempts:
         seqnos = ", ".join(str(a.expected_seqno + 1) for a in open_attempts)
-        raise Indeterminate(f"shard {shard_id}: a commit whose reply was lost may or may not "
+        raise UnsettledCommit(f"shard {shard_id}: a commit whose reply was lost may or may not "
                             f"have landed at seqno {seqnos}; read the shard to find out")

@@ -35,7 +35,8 @@ class _Ready:
     never deleted by this process (that attempt's outcome may be unknown): GC owns it."""
 
     rollup: Rollup
-    deadline_ms: int
+    #: When its upload started (the machine's monotonic seconds): its commit deadline.
+    started_s: float
     folded: bool = False
 
 
@@ -84,12 +85,12 @@ class RollupMaintenance:
 
     def _store(self, state: State) -> _Ready:
         machine = self._machine
-        started_ms = machine.now_ms()
+        started_s = machine.monotonic()
         key = paths.rollup_key(machine.shard_id, state.seqno)
         data = state_codec.encode_state(state)
         machine.blobs.main.set(key, data)
         machine.metrics.rollups_written += 1
-        return _Ready(Rollup(state.seqno, key, len(data)), machine.commit_deadline_ms(started_ms))
+        return _Ready(Rollup(state.seqno, key, len(data)), started_s)
 
     def fold_ready(self, new: State) -> State:
         """Record a rollup stored in the background in the commit about to be made."""
@@ -101,7 +102,7 @@ class RollupMaintenance:
             ready.folded = True  # this very commit records it
             return new
         latest = new.latest_rollup()
-        stale = (self._machine.now_ms() > ready.deadline_ms
+        stale = (self._machine.commit_deadline(ready.started_s).passed
                  or (latest is not None and latest.seqno >= ready.rollup.seqno)
                  or ready.rollup.seqno > new.seqno)
         if stale:
@@ -154,7 +155,8 @@ class RollupMaintenance:
     def _record(self, ready: _Ready) -> bool:
         machine = self._machine
         added, _ = machine.apply(lambda s: transitions.add_rollup(
-            s, ready.rollup, machine.now_ms(), ready.deadline_ms), routine=False)
+            s, ready.rollup, machine.now_ms(), machine.commit_deadline(ready.started_s)),
+            routine=False)
         return added
 
 

@@ -7,7 +7,10 @@ have listed, judged unreferenced and be about to delete.
 Layout under a shard's prefix ``<shard_id>/``:
 
 - ``p/<batch_id>/<nonce>-<n>.parquet``: the parts of one batch (writes and compaction);
-- ``rollup/<seqno>-<nonce>.pb``: a full copy of the state at ``seqno``.
+- ``rollup/<seqno>-<nonce>.pb``: a full copy of the state at ``seqno``;
+- ``clock/<nonce>``: an empty probe GC writes to read the store's clock
+  (:meth:`~persist_pipeline.blob.base.Blob.clock_now`), deleted at once, or swept as
+  an orphan if its writer died first.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ def part_key(shard_id: str, batch_id: str, nonce: str, index: int) -> str:
 def rollup_key(shard_id: str, seqno: int) -> str:
     """A fresh key for a rollup of the state at ``seqno``."""
     return f"{shard_id}/rollup/{seqno:020d}-{new_nonce()}.pb"
+
+
+def clock_probe_key(shard_id: str) -> str:
+    """A fresh key for a probe of the store's clock under the shard's prefix."""
+    return f"{shard_id}/clock/{new_nonce()}"
 
 
 def is_rollup_key(key: str) -> bool:

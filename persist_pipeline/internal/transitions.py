@@ -42,10 +42,24 @@ class UpperMismatchResult:
 
 
 @dataclass(frozen=True, slots=True)
+class CommitDeadline:
+    """When a commit that references freshly uploaded blobs must land by, and the time
+    now, both in milliseconds of the committing process's monotonic clock (never a wall
+    clock, so neither skew between machines nor a wall-clock step can stretch it)."""
+
+    at_ms: int
+    now_ms: int
+
+    @property
+    def passed(self) -> bool:
+        return self.now_ms > self.at_ms
+
+
+@dataclass(frozen=True, slots=True)
 class DeadlineExceeded:
     """The blobs this commit references were uploaded too long ago: GC may have swept them."""
 
-    deadline_ms: int
+    deadline: CommitDeadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +120,7 @@ def compare_and_append(
     lease_ms: int,
     inline_max_bytes: int,
     fell_back: bool,
-    commit_deadline_ms: int | None = None,
+    commit_deadline: CommitDeadline | None = None,
     encoded_with: bytes = b"",
 ) -> tuple[State, AppendResult]:
     """Append ``batch`` (None: no updates) iff the shard's upper is ``expected_upper``.
@@ -114,7 +128,7 @@ def compare_and_append(
     The writer's idempotency token makes a retried commit a no-op: if this writer's most
     recent committed write carried ``token`` and reached ``new_upper``, the append is
     reported as already committed. ``fell_back`` counts an inline candidate that went to
-    blob because the budget was full. Idempotency is checked before ``commit_deadline_ms``:
+    blob because the budget was full. Idempotency is checked before ``commit_deadline``:
     a write that committed is reported as such however late the retry. ``encoded_with``
     is the encoded schema the batch's updates (and its parts' typed columns) were
     written with, empty for untyped updates: it travels with the batch from where it was
@@ -128,8 +142,8 @@ def compare_and_append(
     if batch_in_state(state, batch):
         # Committed, even if the writer (and its token) expired meanwhile.
         return state, Appended(already_committed=True)
-    if commit_deadline_ms is not None and now_ms > commit_deadline_ms:
-        return state, DeadlineExceeded(commit_deadline_ms)
+    if commit_deadline is not None and commit_deadline.passed:
+        return state, DeadlineExceeded(commit_deadline)
     if not encoded_with_fits(state.schema, encoded_with):
         return state, SchemaChanged(state.schema)
     if state.upper != expected_upper:
@@ -180,7 +194,8 @@ def batch_in_state(state: State, batch: Batch | None) -> bool:
 
 
 def apply_merge(state: State, res: MergeRes, now_ms: int,
-                commit_deadline_ms: int | None = None) -> tuple[State, ApplyMergeOutcome]:
+                commit_deadline: CommitDeadline | None = None
+                ) -> tuple[State, ApplyMergeOutcome]:
     """Replace a merge result's inputs with its output (see :func:`trace.apply_merge_res`).
 
     Returns ``"deadline_exceeded"`` (nothing changed) when the result's outputs were
@@ -198,7 +213,7 @@ def apply_merge(state: State, res: MergeRes, now_ms: int,
     inputs = [state.batches[i] for i in res.input_ids if i in state.batches]
     if len(inputs) == len(res.input_ids):
         _check_merge_result(res, inputs)
-    if commit_deadline_ms is not None and now_ms > commit_deadline_ms:
+    if commit_deadline is not None and commit_deadline.passed:
         return state, "deadline_exceeded"
     batches = dict(state.batches)
     spine = dict(state.spine)
@@ -345,7 +360,7 @@ def expire_critical_reader(state: State, reader_id: str, now_ms: int) -> tuple[S
 
 
 def add_rollup(state: State, rollup: Rollup, now_ms: int,
-               commit_deadline_ms: int | None = None) -> tuple[State, bool]:
+               commit_deadline: CommitDeadline | None = None) -> tuple[State, bool]:
     """Record a stored rollup; False (nothing changed) if it is not newer than the latest
     rollup, or was stored too long ago to be referenced safely."""
     latest = state.latest_rollup()
@@ -353,7 +368,7 @@ def add_rollup(state: State, rollup: Rollup, now_ms: int,
         return state, False
     if rollup.seqno > state.seqno:
         return state, False
-    if commit_deadline_ms is not None and now_ms > commit_deadline_ms:
+    if commit_deadline is not None and commit_deadline.passed:
         return state, False
     rollups = dict(state.rollups)
     rollups[rollup.seqno] = rollup

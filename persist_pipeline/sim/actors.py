@@ -21,6 +21,7 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     PersistError,
     SinceViolation,
+    UnsettledCommit,
     UpperMismatch,
 )
 from persist_pipeline.frontier import Frontier, less_than
@@ -53,7 +54,7 @@ def _unexpected(run: SimRun, what: str, e: BaseException) -> None:
 
 
 def writer(run: SimRun, proc: Process) -> None:
-    client = run.client()
+    client = run.client(proc)
     handle = run.retry_open(lambda: client.open_writer(run.shard))
     if handle is None:
         return
@@ -86,7 +87,7 @@ def writer(run: SimRun, proc: Process) -> None:
             rows.append((b"ctr", b"x", expected, 1))
             write = run.model.new_write(wid, expected, rows)
         floor = run.monitor.upper
-        started_ms = run.clock.now_ms()
+        started_s = run.clock.monotonic()
         try:
             handle.compare_and_append(rows, expected, new_upper)
             status = "acked"
@@ -97,9 +98,14 @@ def writer(run: SimRun, proc: Process) -> None:
                               f"{expected}) when consensus already had {floor}")
         except CommitDeadlineExceeded:
             status = "failed"
-            deadline = started_ms + run.config.gc_orphan_min_age_s * 500
-            if run.clock.now_ms() <= deadline:
+            deadline = started_s + run.config.gc_orphan_min_age_s / 2
+            if run.clock.monotonic() <= deadline:
                 run.violation("CommitDeadlineExceeded before the deadline passed")
+        except UnsettledCommit as e:
+            status = "unknown"
+            if e.batch_id is not None and run.monitor.kept_history_holds(e.batch_id):
+                run.violation(f"Indeterminate for a write whose batch {e.batch_id} a kept "
+                              f"state version holds (the head, or a record naming it)")
         except Indeterminate:
             status = "unknown"
         except PersistError as e:
@@ -112,7 +118,7 @@ def writer(run: SimRun, proc: Process) -> None:
 
 def appender(run: SimRun, proc: Process) -> None:
     """Writes definite data with ``append``: racing appenders write each time once."""
-    client = run.client()
+    client = run.client(proc)
     handle = run.retry_open(lambda: client.open_writer(run.shard))
     if handle is None:
         return
@@ -188,7 +194,7 @@ def _check_expired(run: SimRun, reader_id: str, what: str) -> None:
 def reader(run: SimRun, proc: Process) -> None:
     """Two snapshot threads and a heartbeat thread sharing one leased reader, and a
     compaction thread sharing their client (so the cached state moves under them)."""
-    client = run.client()
+    client = run.client(proc)
     holder = Holder()
     if _open_reader(run, client, holder) is None:
         return
@@ -200,7 +206,7 @@ def reader(run: SimRun, proc: Process) -> None:
 
 
 def _compact_loop(run: SimRun, client: PersistClient) -> None:
-    _loop(run, "compact", lambda: client.compact(run.shard), scale=2.0)
+    _loop(run, "compact", lambda: client.compact(run.rng.choice(run.shards())), scale=2.0)
 
 
 def _loop(run: SimRun, what: str, op: Callable[[], object], scale: float,
@@ -261,7 +267,7 @@ def _rows(table: Any) -> list[tuple[bytes, bytes, int, int]]:
 def listener(run: SimRun, proc: Process) -> None:
     """A snapshot followed by a listen, checked at every progress frontier; it also
     releases since past its own frontier now and then."""
-    client = run.client()
+    client = run.client(proc)
     holder = Holder()
     reader = _open_reader(run, client, holder)
     if reader is None:
@@ -320,7 +326,7 @@ def _acc_rows(acc: dict[tuple[bytes, bytes], int], at: int) -> list[tuple[bytes,
 
 def controller(run: SimRun, proc: Process) -> None:
     """One of two controllers sharing a critical reader, fencing each other by token."""
-    client = run.client()
+    client = run.client(proc)
     handle = run.retry_open(lambda: client.open_critical_reader(run.shard, run.critical_id))
     if handle is None:
         return
@@ -361,31 +367,31 @@ def controller(run: SimRun, proc: Process) -> None:
 
 
 def compactor(run: SimRun, proc: Process) -> None:
-    _compact_loop(run, run.client())
+    _compact_loop(run, run.client(proc))
 
 
 def spark_compactor(run: SimRun, proc: Process) -> None:
     """The Spark driver's code, with the executor's task function run in this process."""
-    client = run.client()
+    client = run.client(proc)
 
     def run_tasks(tasks: list[Any]) -> tuple[list[Any], str]:
         return [spark_driver._run_task(t) for t in tasks], "sim"
 
     _loop(run, "spark compaction", lambda: spark_driver.drive_compaction(
-        run_tasks, client, [run.shard], blob_uri=run.spark_blob_uri,
+        run_tasks, client, run.shards(), blob_uri=run.spark_blob_uri,
         wal_blob_uri=run.spark_wal_uri, max_splits=3), scale=4.0,
         tolerated=(Indeterminate, spark_driver.SparkCompactionFailed))
 
 
 def collector(run: SimRun, proc: Process) -> None:
-    client = run.client()
-    _loop(run, "gc", lambda: client.gc(run.shard), scale=4.0)
+    client = run.client(proc)
+    _loop(run, "gc", lambda: client.gc(run.rng.choice(run.shards())), scale=4.0)
 
 
 def opener(run: SimRun, proc: Process) -> None:
     """A new process looking at the shard (a CLI ``inspect``), over and over: it reads the
     head, then the rollup it names, while GCs replace rollups."""
-    _loop(run, "opening a shard", lambda: run.client().inspect(run.shard), scale=2.0)
+    _loop(run, "opening a shard", lambda: run.client(proc).inspect(run.shard), scale=2.0)
 
 
 ROLES: dict[str, Callable[[SimRun, Process], None]] = {

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
-from persist_pipeline import gc, read
+import numpy as np
+
+from persist_pipeline import client as client_module
+from persist_pipeline import gc, read, updates, write
 from persist_pipeline.exceptions import CorruptState, LeaseExpired
+from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.internal import machine, transitions
 
 
@@ -55,8 +60,8 @@ def deadline_before_token() -> Iterator[None]:
     original = transitions.compare_and_append
 
     def reordered(state: Any, batch: Any, **kw: Any) -> Any:
-        deadline = kw.get("commit_deadline_ms")
-        if deadline is not None and kw["now_ms"] > deadline:
+        deadline = kw.get("commit_deadline")
+        if deadline is not None and deadline.passed:
             return state, transitions.DeadlineExceeded(deadline)
         return original(state, batch, **kw)
 
@@ -69,8 +74,7 @@ def merge_without_deadline() -> Iterator[None]:
     """Defect 5: a merge result commits however long ago its outputs were uploaded."""
     original = transitions.apply_merge
 
-    def no_deadline(state: Any, res: Any, now_ms: int,
-                    commit_deadline_ms: int | None = None) -> Any:
+    def no_deadline(state: Any, res: Any, now_ms: int, commit_deadline: Any = None) -> Any:
         return original(state, res, now_ms, None)
 
     with _patched(transitions, "apply_merge", no_deadline):
@@ -148,6 +152,87 @@ def expired_read_reports_corruption() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def gc_sweeps_on_its_own_clock() -> Iterator[None]:
+    """GC's orphan sweep measures blob ages with its own wall clock instead of the blob
+    store's: a GC whose clock runs ahead deletes fresh uploads a writer then commits."""
+    with _patched(gc, "_store_now", lambda m, store: m.now_ms() / 1000):
+        yield
+
+
+@contextmanager
+def spark_commit_rederives_schema() -> Iterator[None]:
+    """A Spark write's commit takes the schema of the writer it opens (re-derived from the
+    shard as it is now) instead of the one its tasks encoded with: an untyped write
+    planned before the shard was typed commits raw bytes into the typed shard."""
+    original = write.WriteHandle.compare_and_append_parts
+
+    def rederived(self: write.WriteHandle, *args: Any, **kw: Any) -> Any:
+        kw["schema"] = self.schema
+        return original(self, *args, **kw)
+
+    with _patched(write.WriteHandle, "compare_and_append_parts", rederived):
+        yield
+
+
+@contextmanager
+def upsert_decodes_with_writer_schema() -> Iterator[None]:
+    """An upsert or delete writes its batch with the schema its handle opened with, not
+    the state's: rows of a newer shape it retracts are decoded with the old schema."""
+    with _patched(write.WriteHandle, "_attempt_encoding",
+                  lambda self, state: self._encoding):
+        yield
+
+
+@contextmanager
+def wrapping_diff_sums() -> Iterator[None]:
+    """Diff sums wrap silently in 64 bits (numpy's behaviour), on writes, reads and
+    merges alike."""
+    def wrapped(diffs: Any, starts: Any) -> Any:
+        return np.add.reduceat(diffs, starts), []
+
+    with _patched(updates, "exact_segment_sums", wrapped):
+        yield
+
+
+@contextmanager
+def settle_by_token_only() -> Iterator[None]:
+    """A lost reply whose settling record GC truncated is Indeterminate even when the
+    write's batch is in the head state (the batch id, derived from the token, is not
+    looked for once the writer's token expired)."""
+    with _patched(write, "_already_appended", lambda result: False), \
+            _patched(write.WriteHandle, "_found_in_history", lambda self, b, lower: False):
+        yield
+
+
+@contextmanager
+def listen_at_max_time_never_reports() -> Iterator[None]:
+    """A listen after the largest time is over at once and never reports the close."""
+    original = read.Listen.__init__
+
+    def init(self: read.Listen, reader: Any, as_of: int) -> None:
+        original(self, reader, as_of)
+        if as_of >= MAX_TIME:
+            self.frontier, self._done = None, True
+
+    with _patched(read.Listen, "__init__", init):
+        yield
+
+
+@contextmanager
+def environment_overrides_config() -> Iterator[None]:
+    """A config's inline policy is replaced by the environment's (or the default), so
+    a client whose config turned inlining off still inlines."""
+    from persist_pipeline.config import InlinePolicy, PersistConfig
+
+    def old(config: Any, inline_policy: Any, env: Any) -> Any:
+        base = config or PersistConfig()
+        return replace(base, inline_policy=inline_policy or InlinePolicy.from_env(env))
+
+    with _patched(client_module, "effective_config", old):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -158,4 +243,11 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "listen_without_hold": listen_without_hold,
     "open_fails_on_replaced_rollup": open_fails_on_replaced_rollup,
     "expired_read_reports_corruption": expired_read_reports_corruption,
+    "gc_sweeps_on_its_own_clock": gc_sweeps_on_its_own_clock,
+    "spark_commit_rederives_schema": spark_commit_rederives_schema,
+    "upsert_decodes_with_writer_schema": upsert_decodes_with_writer_schema,
+    "wrapping_diff_sums": wrapping_diff_sums,
+    "settle_by_token_only": settle_by_token_only,
+    "listen_at_max_time_never_reports": listen_at_max_time_never_reports,
+    "environment_overrides_config": environment_overrides_config,
 }

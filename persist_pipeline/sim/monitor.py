@@ -21,6 +21,7 @@ from persist_pipeline.exceptions import CorruptData
 from persist_pipeline.frontier import Frontier, less_than
 from persist_pipeline.internal import paths, state_codec
 from persist_pipeline.internal.state import InlinePart, State
+from persist_pipeline.names import is_registry_key
 
 if TYPE_CHECKING:
     from persist_pipeline.consensus.base import VersionedData
@@ -115,6 +116,13 @@ class Monitor:
         if holds and min(holds) < self.earliest_kept:
             self.violation(f"{where}: a reader holds seqno {min(holds)}, already truncated")
 
+    def kept_history_holds(self, batch_id: str) -> bool:
+        """Whether a state version still in consensus (or the head) holds the batch: then
+        the batch id finds it (in the head, or in a kept record adding or removing it)."""
+        return batch_id in self.head.batches or any(
+            batch_id in state.batches for seqno, state in self.versions.items()
+            if seqno >= self.earliest_kept)
+
     def on_truncate(self, shard: str, seqno: int) -> None:
         holds = [r.seqno for r in self.head.leased_readers.values()]
         if holds and seqno > min(holds):
@@ -141,13 +149,62 @@ class Monitor:
                            f"(live from seqno {live_from}, head {self.head.seqno})")
 
     def leaked(self) -> list[str]:
-        """Blobs left that no version still in consensus references."""
+        """Blobs of this shard left that no version still in consensus references."""
         out = []
         for name, store in self.stores.items():
             for key in store.objects:
+                if not key.startswith(f"{self.shard}/"):
+                    continue
                 span = self.spans.get((name, key))
                 if span is None or (span[1] is not None and span[1] <= self.earliest_kept):
                     out.append(key)
+        return out
+
+
+class Monitors:
+    """One :class:`Monitor` per shard, made on the shard's first commit; the simulated
+    stores report every change here and it goes to the shard's monitor (records of the
+    name registry are not shards)."""
+
+    def __init__(self, policy: InlinePolicy, violations: list[str]) -> None:
+        self.policy = policy
+        self.violations = violations
+        self.by_shard: dict[str, Monitor] = {}
+        self.stores: dict[str, SimBlob] = {}
+
+    def get(self, shard: str) -> Monitor:
+        monitor = self.by_shard.get(shard)
+        if monitor is None:
+            monitor = Monitor(shard, self.policy, self.violations)
+            monitor.stores = self.stores
+            self.by_shard[shard] = monitor
+        return monitor
+
+    def exists(self, shard: str) -> bool:
+        """Whether ``shard`` has been created (committed to at least once)."""
+        monitor = self.by_shard.get(shard)
+        return monitor is not None and monitor.head.seqno > 0
+
+    def on_commit(self, shard: str, record: VersionedData) -> None:
+        if not is_registry_key(shard):
+            self.get(shard).on_commit(shard, record)
+
+    def on_truncate(self, shard: str, seqno: int) -> None:
+        if not is_registry_key(shard):
+            self.get(shard).on_truncate(shard, seqno)
+
+    def on_delete(self, store: str, key: str) -> None:
+        monitor = self.by_shard.get(key.split("/", 1)[0])
+        if monitor is not None:
+            monitor.on_delete(store, key)
+
+    def leaked(self) -> list[str]:
+        """Blobs no version of any shard still in consensus references (and blobs under
+        no shard's prefix at all)."""
+        out = [key for m in self.by_shard.values() for key in m.leaked()]
+        for store in self.stores.values():
+            out += [key for key in store.objects
+                    if key.split("/", 1)[0] not in self.by_shard]
         return out
 
 

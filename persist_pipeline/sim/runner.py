@@ -16,9 +16,10 @@ from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.exceptions import Indeterminate, PersistError
 from persist_pipeline.ids import ShardId, new_critical_reader_id, seeded_ids
 from persist_pipeline.internal.sync import lock_factory
-from persist_pipeline.sim import actors
-from persist_pipeline.sim.monitor import Model, Monitor
+from persist_pipeline.sim import actors, seams
+from persist_pipeline.sim.monitor import Model, Monitor, Monitors
 from persist_pipeline.sim.scheduler import Nemesis, Process, Scheduler, SimClock, SimLock
+from persist_pipeline.sim.seams import SeamState
 from persist_pipeline.sim.stores import SimBlob, SimConsensus
 
 T = TypeVar("T")
@@ -26,6 +27,14 @@ T = TypeVar("T")
 #: The three inline settings every guarantee must hold under: on (with a small budget,
 #: so writes fall through to blob often), off, and permanent backpressure.
 INLINE_SETTINGS = (InlinePolicy(1024, 3000), InlinePolicy(0, 0), InlinePolicy(1024, 0))
+
+#: Every simulated process kind, by role name.
+ROLES = {**actors.ROLES, **seams.ROLES}
+
+#: The share of seeds whose processes (and blob stores) have skewed wall clocks (their
+#: offsets: up to past half the orphan sweep's age, 8 s in ``sim_config``, and near the
+#: reader lease, 6 s, so a clock compared across machines shows).
+SKEW_SEEDS = 0.5
 
 Cast = dict[str, tuple[int, int]]
 
@@ -38,6 +47,17 @@ class Profile:
 
     cast: Cast
     part_cache: bool = True
+    #: Skewed clocks in every seed of the profile (else in a share of seeds), and the
+    #: offsets they draw from.
+    skewed: bool = False
+    skew_choices_s: tuple[float, ...] = (-5.0, -2.0, 0.0, 0.0, 2.0, 5.0)
+    #: Faults of its own (else the default nemesis).
+    nemesis: Nemesis | None = None
+    #: How often simulated heartbeat threads renew leases (one drawn per seed).
+    heartbeat_choices_s: tuple[float, ...] = (0.05, 0.3, 1.5)
+    #: Start a compactor when the cast has none (a shard nobody compacts keeps every
+    #: batch in its head, which is what some races need).
+    compaction: bool = True
 
 
 PROFILES: dict[str, Profile] = {
@@ -55,6 +75,25 @@ PROFILES: dict[str, Profile] = {
     # Writers, appenders and critical readers racing on the upper and the token.
     "writes": Profile({"writer": (2, 3), "appender": (1, 2), "controller": (1, 2),
                        "spark_compactor": (0, 1), "gc": (1, 1)}),
+    # A typed shard: upserts and deletes by writers opened with older schemas while it
+    # evolves, typed Spark appends, typed reads; names raced for; its own maintenance.
+    "typed": Profile({"typed_writer": (2, 3), "evolver": (1, 1), "typed_reader": (1, 2),
+                      "spark_writer": (1, 1), "namer": (0, 1), "compactor": (1, 1),
+                      "spark_compactor": (0, 1), "gc": (1, 2)}),
+    # Where features meet: Spark writes planned before a shard is typed, huge diffs,
+    # listens after the largest time, beside ordinary writers and maintenance.
+    "seams": Profile({"spark_writer": (1, 2), "overflow_writer": (1, 1), "closer": (0, 1),
+                      "configured_writer": (0, 1),
+                      "writer": (1, 2), "reader": (0, 1), "namer": (0, 1),
+                      "compactor": (1, 1), "gc": (1, 2)}),
+    # Clocks and lost replies: blob writes racing GCs whose clocks are off (every
+    # process's wall clock skewed), commits whose replies are lost while the writer
+    # pauses past its lease and GC truncates the record that would settle them.
+    "clocks": Profile({"writer": (2, 3), "appender": (0, 1), "gc": (2, 2)}, skewed=True,
+                      compaction=False,
+                      skew_choices_s=(-8.0, -4.0, 0.0, 4.0, 8.0),
+                      nemesis=Nemesis(pause_at_cas=0.25, pause_choices_s=(1.0, 2.0, 3.5),
+                                      pause_then_lose=0.08)),
 }
 
 
@@ -98,7 +137,7 @@ class SimRun:
         self.profile = PROFILES[profile or profile_for(seed)]
         self.steps = steps
         self.rng = random.Random(seed)
-        self.scheduler = Scheduler(self.rng, nemesis or Nemesis())
+        self.scheduler = Scheduler(self.rng, nemesis or self.profile.nemesis or Nemesis())
         self.clock = SimClock(self.scheduler)
         self.violations: list[str] = []
         self.policy = INLINE_SETTINGS[seed % len(INLINE_SETTINGS)]
@@ -107,19 +146,28 @@ class SimRun:
         self.config = sim_config(self.policy, self.rng.choice(caches))
         self.shard = ""
         self.critical_id = ""
-        self.monitor = Monitor("", self.policy, self.violations)
+        self.monitors = Monitors(self.policy, self.violations)
         self.model = Model(self.violations)
-        self.consensus = SimConsensus(self.scheduler, self.monitor)
-        self.main = SimBlob("main", self.scheduler, self.monitor)
-        self.wal = SimBlob("wal", self.scheduler, self.monitor) if seed % 2 else None
-        self.monitor.stores = {"main": self.main, **({"wal": self.wal} if self.wal else {})}
+        # Clock skew, a fault of its own: in these seeds every process (and each blob
+        # store) has a wall clock off by up to well past half the orphan sweep's age.
+        self.skewed = self.rng.random() < SKEW_SEEDS or self.profile.skewed
+        self.consensus = SimConsensus(self.scheduler, self.monitors)
+        self.main = SimBlob("main", self.scheduler, self.monitors, self._skew())
+        self.wal = (SimBlob("wal", self.scheduler, self.monitors, self._skew())
+                    if seed % 2 else None)
+        self.monitors.stores.update({"main": self.main, **({"wal": self.wal} if self.wal
+                                                           else {})})
+        #: Shards beside the main one that actors made (typed, scratch): maintained and
+        #: checked too.
+        self.other_shards: list[str] = []
+        self.seams = SeamState()
         self.spark_blob_uri = f"sim://{seed}/main"
         self.spark_wal_uri = f"sim://{seed}/wal" if self.wal else None
         self.stopping = False
         self.ops = 0
         # How often simulated heartbeat threads renew leases (the library's own heartbeat
         # threads are off: they would run on OS threads, outside the scheduler).
-        self.heartbeat_interval_s = self.rng.choice((0.05, 0.3, 1.5))
+        self.heartbeat_interval_s = self.rng.choice(self.profile.heartbeat_choices_s)
         self._processes = 0
 
     # --- for the actors ------------------------------------------------------------------
@@ -127,8 +175,28 @@ class SimRun:
     def violation(self, text: str) -> None:
         self.violations.append(text)
 
-    def client(self) -> PersistClient:
-        return PersistClient(self.consensus, self.main, self.wal, self.config, self.clock)
+    @property
+    def monitor(self) -> Monitor:
+        """The main (untyped) shard's monitor."""
+        return self.monitors.get(self.shard)
+
+    def client(self, proc: Process | None = None) -> PersistClient:
+        """A client of process ``proc`` (on its own clocks), or of the driver."""
+        clock = self.clock if proc is None else SimClock(self.scheduler, proc)
+        return PersistClient(self.consensus, self.main, self.wal, self.config, clock)
+
+    def _skew(self) -> float:
+        if not self.skewed:
+            return 0.0
+        return self.rng.choice(self.profile.skew_choices_s)
+
+    def shards(self) -> list[str]:
+        """Every shard of this seed that exists (the main one first)."""
+        return [self.shard, *(s for s in self.other_shards if self.monitors.exists(s))]
+
+    def add_shard(self, shard: str) -> None:
+        if shard != self.shard and shard not in self.other_shards:
+            self.other_shards.append(shard)
 
     def think(self, scale: float = 1.0) -> None:
         self.clock.sleep(self.rng.expovariate(1.0 / (0.05 * scale)))
@@ -159,10 +227,15 @@ class SimRun:
                 return None
         return None
 
+    def new_process(self, name: str) -> Process:
+        """A process with its own clocks (skewed in skewed seeds)."""
+        return Process(name, wall_skew_s=self._skew(),
+                       mono_origin_s=self.rng.uniform(0.0, 1e6))
+
     def start(self, role: str, delay_s: float = 0.0) -> None:
         self._processes += 1
-        proc = Process(f"{role}{self._processes}")
-        body = actors.ROLES[role]
+        proc = self.new_process(f"{role}{self._processes}")
+        body = ROLES[role]
         self.scheduler.spawn(proc.name, proc, self._guarded(proc.name, lambda: body(self, proc)),
                              delay_s)
         self._roles[proc.name] = role
@@ -186,7 +259,6 @@ class SimRun:
 
     def _setup(self) -> None:
         self.shard = str(ShardId.new())
-        self.monitor.shard = self.shard
         self.critical_id = new_critical_reader_id()
         setup = self.client()
         setup.open_writer(self.shard).stop_heartbeats()
@@ -205,7 +277,8 @@ class SimRun:
         for role, (least, most) in self.profile.cast.items():
             for _ in range(self.rng.randint(least, most)):
                 self.start(role, delay_s=self.rng.uniform(0, 0.5))
-        if not any(r in self._roles.values() for r in ("compactor", "spark_compactor")):
+        if self.profile.compaction and not any(
+                r in self._roles.values() for r in ("compactor", "spark_compactor")):
             self.start("compactor")
         done = 0
         while done < self.steps:
@@ -225,7 +298,9 @@ class SimRun:
         s.now += self.config.gc_orphan_min_age_s + self.config.reader_lease_duration_s + 1
         client = self.client()
         try:
-            client.gc(self.shard)
+            for shard in self.shards():
+                client.gc(shard)
+            seams.final_check(self, client)
             upper = client.machine(self.shard).fetch_latest().upper
             if upper:
                 reader = client.open_reader(self.shard)
@@ -237,11 +312,12 @@ class SimRun:
                     w.status = "unknown"
             s.now += self.config.gc_orphan_min_age_s + 1
             for _ in range(2):
-                client.gc(self.shard)
+                for shard in self.shards():
+                    client.gc(shard)
         except PersistError as e:
             self.violation(f"final check: unexpected {type(e).__name__}: {e}")
             return
-        leaked = self.monitor.leaked()
+        leaked = self.monitors.leaked()
         if leaked:
             self.violation(f"{len(leaked)} blobs leaked after the final GC, e.g. {leaked[0]}")
 

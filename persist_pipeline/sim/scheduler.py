@@ -31,6 +31,11 @@ class Process:
     name: str
     crashable: bool = True
     crashed: bool = False
+    #: How far this process's wall clock is from the simulation's true time (a machine
+    #: whose clock is off), and where its monotonic clock starts (monotonic values of two
+    #: processes are never comparable).
+    wall_skew_s: float = 0.0
+    mono_origin_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -57,6 +62,10 @@ class Nemesis:
     pause_at_cas: float = 0.03
     crash: float = 0.002
     pause_choices_s: tuple[float, ...] = (0.5, 2.5, 5.0, 9.0, 20.0)
+    #: A compare-and-set lands, then its process pauses past its leases (GC expires its
+    #: writer and truncates the record that would settle it) and the reply is lost.
+    pause_then_lose: float = 0.0
+    pause_then_lose_s: tuple[float, ...] = (9.0, 20.0)
     #: One thread stalls while the rest of its process runs on (descheduled under load).
     stall: float = 0.01
     stall_choices_s: tuple[float, ...] = (0.1, 0.5, 1.5, 4.0)
@@ -187,6 +196,18 @@ class Scheduler:
                 task.wake_at = self.now + self.rng.choice(self.nemesis.stall_choices_s)
         self._switch_out()
 
+    def pause_process(self, seconds: float) -> None:
+        """Stall the current thread's whole process for ``seconds`` (from a store call)."""
+        task = self.current
+        if task is None:
+            return
+        self.stats.pauses += 1
+        until = self.now + seconds
+        for t in self.tasks:
+            if t.process is task.process:
+                t.wake_at = max(t.wake_at, until)
+        self._switch_out()
+
     def sleep(self, seconds: float) -> None:
         task = self.current
         if task is None:
@@ -207,16 +228,19 @@ class Scheduler:
 
 class SimClock:
     """The library's :class:`~persist_pipeline.internal.clock.Clock`, read from the
-    scheduler."""
+    scheduler: a process's own clocks (skewed wall clock, monotonic clock of its own
+    origin), or the true time (``process`` None: the driver)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, process: Process | None = None) -> None:
         self._s = scheduler
+        self._skew = process.wall_skew_s if process is not None else 0.0
+        self._origin = process.mono_origin_s if process is not None else 0.0
 
     def now_ms(self) -> int:
-        return int(self._s.now * 1000)
+        return int((self._s.now + self._skew) * 1000)
 
     def monotonic(self) -> float:
-        return self._s.now - EPOCH_S
+        return self._s.now - EPOCH_S + self._origin
 
     def sleep(self, seconds: float) -> None:
         self._s.sleep(seconds)

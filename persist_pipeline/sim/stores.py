@@ -18,7 +18,7 @@ from persist_pipeline.exceptions import BlobUnavailable, ConsensusUnavailable
 from persist_pipeline.sim.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from persist_pipeline.sim.monitor import Monitor
+    from persist_pipeline.sim.monitor import Monitors
 
 T = TypeVar("T")
 
@@ -30,6 +30,11 @@ def _call(s: Scheduler, what: str, op: Callable[[], T], error: type[Exception],
         s.stats.failed_calls += 1
         raise error(f"simulated: {what} failed before it took effect")
     result = op()
+    if at_cas and mutates and result and s.roll(s.nemesis.pause_then_lose):
+        s.stats.lost_replies += 1
+        s.pause_process(s.rng.choice(s.nemesis.pause_then_lose_s))
+        raise error(f"simulated: {what} took effect, its process paused, and its reply was "
+                    f"lost")
     s.yield_point(at_cas)  # the reply is on its way: others run now
     if s.roll(s.nemesis.fail_after):
         if mutates:
@@ -43,7 +48,7 @@ def _call(s: Scheduler, what: str, op: Callable[[], T], error: type[Exception],
 class SimConsensus(Consensus):
     """:class:`MemoryConsensus` with yield points, faults and a monitor."""
 
-    def __init__(self, scheduler: Scheduler, monitor: Monitor) -> None:
+    def __init__(self, scheduler: Scheduler, monitor: Monitors) -> None:
         self._s = scheduler
         self._inner = MemoryConsensus()
         self._monitor = monitor
@@ -92,10 +97,13 @@ class SimBlob(Blob):
 
     kind = "sim"
 
-    def __init__(self, name: str, scheduler: Scheduler, monitor: Monitor) -> None:
+    def __init__(self, name: str, scheduler: Scheduler, monitor: Monitors,
+                 skew_s: float = 0.0) -> None:
         self.name = name
         self._s = scheduler
         self._monitor = monitor
+        #: The store's own clock is this far from true time (it stamps objects with it).
+        self.skew_s = skew_s
         self.objects: dict[str, tuple[bytes, float]] = {}
 
     def get(self, key: str) -> bytes | None:
@@ -107,7 +115,7 @@ class SimBlob(Blob):
 
     def set(self, key: str, value: bytes) -> None:
         def op() -> None:
-            self.objects[key] = (bytes(value), self._s.now)
+            self.objects[key] = (bytes(value), self._s.now + self.skew_s)
 
         _call(self._s, f"{self.name} set", op, BlobUnavailable, True)
 

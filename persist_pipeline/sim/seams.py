@@ -1,0 +1,658 @@
+"""Simulated clients of the features that meet at seams: typed writers with schema
+evolution (some opened before an evolution), upserts and deletes, Spark data-source
+writes (the driver's and the executors' functions, with a retried task and a schema
+recorded mid-job), name registration, huge diffs, and a listen after the largest time.
+
+Each runs the library's real code on shards of its own beside the main one, and checks
+what it is told against :class:`TypedModel` or its own exact bookkeeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from persist_pipeline import spark_source
+from persist_pipeline.exceptions import (
+    BackendError,
+    CommitDeadlineExceeded,
+    CorruptData,
+    DiffOverflow,
+    Indeterminate,
+    InvalidFrontier,
+    InvalidUpdates,
+    LeaseExpired,
+    PersistError,
+    SchemaMismatch,
+    ShardNotFound,
+    SinceViolation,
+    UnsettledCommit,
+    UpperMismatch,
+)
+from persist_pipeline.frontier import MAX_TIME
+from persist_pipeline.ids import ShardId
+from persist_pipeline.schema import ShardSchema
+from persist_pipeline.sim.scheduler import Process
+
+if TYPE_CHECKING:
+    from persist_pipeline.client import PersistClient
+    from persist_pipeline.sim.runner import SimRun
+
+#: The typed shard's schema as it evolves: nullable value columns appended.
+VERSIONS = (
+    ShardSchema({"id": pa.int64()}, {"a": pa.string()}),
+    ShardSchema({"id": pa.int64()}, {"a": pa.string(), "b": pa.int64()}),
+    ShardSchema({"id": pa.int64()}, {"a": pa.string(), "b": pa.int64(), "c": pa.string()}),
+)
+#: The name every typed client resolves (racing to create it).
+TYPED_NAME = "sim/typed"
+#: Keys that upserts and deletes fight over; Spark appends use ids from APPEND_BASE up.
+UPSERT_KEYS = 10
+APPEND_BASE = 1000
+Value = tuple[Any, ...]  # (a, b, c): None where a column is null or absent
+MAX_DIFF = (1 << 63) - 1
+MIN_DIFF = -(1 << 63)
+
+
+@dataclass
+class KeyOp:
+    """One upsert or delete as it touched one key."""
+
+    time: int
+    value: Value | None  # None: deleted
+    status: str = "pending"  # pending | acked | failed | unknown
+
+
+@dataclass
+class Append:
+    """One typed Spark write: rows of fresh ids at one time, all or nothing."""
+
+    time: int
+    rows: dict[int, Value]
+    status: str = "pending"
+
+
+@dataclass
+class TypedModel:
+    """What typed clients were told, and the check of each typed snapshot."""
+
+    violations: list[str]
+    ops: dict[int, list[KeyOp]] = field(default_factory=dict)
+    appends: dict[int, Append] = field(default_factory=dict)
+
+    def allowed(self, key: int, as_of: int) -> list[Value | None]:
+        """The values ``key`` may have at ``as_of``: the latest op that certainly
+        committed decides, and any op after it whose outcome is unknown may."""
+        out: list[Value | None] = []
+        for op in sorted((o for o in self.ops.get(key, []) if o.time <= as_of),
+                         key=lambda o: o.time, reverse=True):
+            if op.status == "acked":
+                out.append(op.value)
+                return out
+            if op.status in ("unknown", "pending"):
+                out.append(op.value)
+        out.append(None)
+        return out
+
+    def check(self, as_of: int, table: pa.Table, where: str) -> None:
+        seen: dict[int, Value] = {}
+        for row in table.to_pylist():
+            key = row["id"]
+            if row["d"] != 1 or row["t"] != as_of or key in seen:
+                self.violations.append(f"{where}: key {key} has diff {row['d']} at "
+                                       f"{row['t']} (DUPLICATED or wrong time)")
+            seen[key] = (row.get("a"), row.get("b"), row.get("c"))
+        for key in range(UPSERT_KEYS):
+            got = seen.get(key)
+            if got not in self.allowed(key, as_of):
+                self.violations.append(f"{where}: key {key} reads {got}, the model allows "
+                                       f"{self.allowed(key, as_of)} at {as_of}")
+        for n, append in self.appends.items():
+            present = [seen.get(i) == v for i, v in append.rows.items()]
+            if append.time > as_of:
+                present = [seen.get(i) is not None for i in append.rows]
+                if any(present):
+                    self.violations.append(f"{where}: PHANTOM Spark write {n} before its time")
+                continue
+            if all(present):
+                if append.status == "failed":
+                    self.violations.append(f"{where}: Spark write {n} was refused but is "
+                                           f"visible")
+            elif any(present) or any(seen.get(i) is not None for i in append.rows):
+                self.violations.append(f"{where}: Spark write {n} is partly visible")
+            elif append.status == "acked":
+                self.violations.append(f"{where}: LOST acknowledged Spark write {n}")
+        known = {i for a in self.appends.values() for i in a.rows}
+        for key in seen:
+            if key >= UPSERT_KEYS and key not in known:
+                self.violations.append(f"{where}: PHANTOM row id {key}")
+
+
+@dataclass
+class SeamState:
+    """What the seam actors of one seed share."""
+
+    typed_shard: str = ""
+    names: dict[str, str] = field(default_factory=dict)
+    model: TypedModel | None = None
+    versions_recorded: int = 0
+    appends: int = 0
+
+
+def _model(run: SimRun) -> TypedModel:
+    if run.seams.model is None:
+        run.seams.model = TypedModel(run.violations)
+    return run.seams.model
+
+
+def resolve(run: SimRun, client: PersistClient, name: str) -> str | None:
+    """Resolve ``name`` (creating it), checking every resolver of a name gets one id."""
+    while not run.stopping:
+        try:
+            shard = str(client.resolve(name, create=True))
+        except Indeterminate:
+            run.think()
+            continue
+        except PersistError as e:
+            run.violation(f"resolve {name!r}: unexpected {type(e).__name__}: {e}")
+            return None
+        first = run.seams.names.setdefault(name, shard)
+        if first != shard:
+            run.violation(f"name {name!r} resolved to {shard}, earlier to {first}")
+        return shard
+    return None
+
+
+def _typed_shard(run: SimRun, client: PersistClient) -> str | None:
+    shard = resolve(run, client, TYPED_NAME)
+    if shard is not None:
+        run.seams.typed_shard = shard
+        run.add_shard(shard)
+    return shard
+
+
+def _attempt(run: SimRun, what: str, op: Callable[..., object],
+             *args: object) -> tuple[str, object]:
+    """Run ``op(*args)``; its outcome as ``acked`` / ``failed`` / ``unknown``, and the
+    result."""
+    try:
+        return "acked", op(*args)
+    except (UpperMismatch, CommitDeadlineExceeded):
+        return "failed", None
+    except UnsettledCommit as e:
+        return "unknown", e
+    except Indeterminate:
+        return "unknown", None
+    except PersistError as e:
+        run.violation(f"{what}: unexpected {type(e).__name__}: {e}")
+        return "unknown", None
+
+
+# --- typed writers ----------------------------------------------------------------------
+
+
+def _value(run: SimRun, version: int) -> Value:
+    rng = run.rng
+    a = rng.choice(["x", "yy", "", None, "zzz"])
+    b = rng.choice([None, 0, 7, -(1 << 62)]) if version >= 1 else None
+    c = rng.choice([None, "c", "cc"]) if version >= 2 else None
+    return (a, b, c)
+
+
+def typed_writer(run: SimRun, proc: Process) -> None:
+    """Upserts and deletes by key at explicit times, with a schema version drawn at open:
+    a writer opened with an older one keeps writing after the shard evolves."""
+    client = run.client(proc)
+    shard = _typed_shard(run, client)
+    version = run.rng.randrange(len(VERSIONS))
+    if shard is None:
+        return
+    handle = run.retry_open(lambda: client.open_writer(shard, schema=VERSIONS[version]))
+    if handle is None:
+        return
+    model = _model(run)
+    while not run.stopping:
+        run.think()
+        upper = run.monitors.get(shard).upper
+        if upper is None:
+            return
+        ts = upper + run.rng.randint(0, 1)
+        keys = run.rng.sample(range(UPSERT_KEYS), run.rng.randint(1, 3))
+        delete = run.rng.random() < 0.3
+        values: dict[int, Value | None] = {
+            k: None if delete else _value(run, version) for k in keys}
+        ops = {k: KeyOp(ts, v) for k, v in values.items()}
+        for k, op in ops.items():
+            model.ops.setdefault(k, []).append(op)
+        schema = VERSIONS[version]
+        if delete:
+            table = pa.table({"id": pa.array(keys, pa.int64())})
+            status, _ = _attempt(run, "typed delete", handle.delete, table, ts)
+        else:
+            columns: dict[str, list[Any]] = {"id": keys}
+            for i, name in enumerate(schema.value.names):
+                columns[name] = [values[k][i] for k in keys]  # type: ignore[index]
+            table = pa.Table.from_pydict(columns, schema=pa.schema([*schema.key,
+                                                                     *schema.value]))
+            status, _ = _attempt(run, "typed upsert", handle.upsert, table, ts)
+        for op in ops.values():
+            op.status = status
+        run.ops += 1
+
+
+def evolver(run: SimRun, proc: Process) -> None:
+    """Appends nullable value columns to the typed shard's schema, one version at a
+    time, while writers opened with older versions go on."""
+    client = run.client(proc)
+    shard = _typed_shard(run, client)
+    if shard is None:
+        return
+    for version in range(1, len(VERSIONS)):
+        run.think(scale=40.0)
+        if run.stopping:
+            return
+        handle = run.retry_open(lambda v=version: client.open_writer(shard,  # type: ignore[misc]
+                                                                     schema=VERSIONS[v]))
+        if handle is None:
+            return
+        run.seams.versions_recorded = max(run.seams.versions_recorded, version)
+        handle.stop_heartbeats()
+        run.ops += 1
+
+
+def typed_reader(run: SimRun, proc: Process) -> None:
+    """Typed snapshots at random times, each checked against the typed model."""
+    client = run.client(proc)
+    shard = _typed_shard(run, client)
+    if shard is None:
+        return
+    reader = None
+    while not run.stopping:
+        run.think()
+        upper = run.monitors.get(shard).upper
+        if not upper:
+            continue
+        try:
+            if reader is None:
+                reader = client.open_reader(shard)
+            since = int(reader.since or 0)
+            if since > upper - 1:
+                continue
+            as_of = run.rng.randint(since, upper - 1)
+            if run.rng.random() < 0.2:
+                reader.downgrade_since(as_of)
+                continue
+            _model(run).check(as_of, reader.snapshot(as_of), f"typed snapshot at {as_of}")
+        except LeaseExpired:
+            reader = None
+        except (Indeterminate, SinceViolation, InvalidFrontier):
+            pass
+        except PersistError as e:
+            run.violation(f"typed snapshot: unexpected {type(e).__name__}: {e}")
+        run.ops += 1
+
+
+# --- Spark data-source writes -----------------------------------------------------------
+
+
+def _spark_location(run: SimRun, shard: str) -> Any:
+    return spark_source._Location("sim://consensus", run.spark_blob_uri, run.spark_wal_uri,
+                                  shard)
+
+
+def _run_tasks(run: SimRun, job: Any, tables: list[pa.Table], messages: list[Any]) -> None:
+    """The executors: one task per table, each adding its message to ``messages``; a
+    task may be retried (its first attempt's parts are then never committed, and left
+    to GC's orphan sweep)."""
+    for table in tables:
+        if run.rng.random() < 0.2:
+            spark_source._write_task(job, iter(table.to_batches()))  # a lost attempt
+            run.scheduler.count("spark_task_retries")
+        parts, updates = spark_source._write_task(job, iter(table.to_batches()))
+        messages.append(spark_source.PersistCommitMessage(parts, updates))
+
+
+def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table]) -> str:
+    """Tasks, then the driver's commit (or abort): the outcome."""
+    messages: list[Any] = []
+    try:
+        _run_tasks(run, job, tables, messages)
+    except BackendError:
+        # A task failed for good: Spark aborts the job; nothing was committed.
+        spark_source._abort(job, messages)
+        return "failed"
+    except PersistError as e:
+        run.violation(f"Spark write task: unexpected {type(e).__name__}: {e}")
+        return "failed"
+    try:
+        spark_source._commit(job, messages, client)
+        return "acked"
+    except (UpperMismatch, CommitDeadlineExceeded, SchemaMismatch):
+        status = "failed"
+    except Indeterminate:
+        status = "unknown"
+    except PersistError as e:
+        run.violation(f"Spark write commit: unexpected {type(e).__name__}: {e}")
+        status = "unknown"
+    with contextlib.suppress(PersistError):  # its parts are then left to GC
+        spark_source._abort(job, messages)
+    return status
+
+
+def spark_writer(run: SimRun, proc: Process) -> None:
+    """Spark data-source writes: typed appends of fresh ids to the typed shard, and
+    untyped writes planned on a fresh shard that another process types mid-job."""
+    client = run.client(proc)
+    while not run.stopping:
+        run.think(scale=3.0)
+        if run.rng.random() < 0.5:
+            _typed_append(run, client)
+        else:
+            _untyped_write_typed_mid_job(run, client)
+        run.ops += 1
+
+
+def _typed_append(run: SimRun, client: PersistClient) -> None:
+    shard = run.seams.typed_shard
+    if not shard:
+        return
+    upper = run.monitors.get(shard).upper
+    if upper is None:
+        return
+    try:
+        job = spark_source.plan_write(_spark_location(run, shard), client, upper, upper + 1)
+    except Indeterminate:
+        return
+    if not job.schema:
+        return  # not typed yet: typed appends only (an untyped one would stay forever)
+    schema = ShardSchema.from_bytes(job.schema)
+    version = len(schema.value) - 1
+    run.seams.appends += 1
+    n = run.seams.appends
+    ids = [APPEND_BASE + 100 * n + i for i in range(run.rng.randint(1, 4))]
+    rows = {i: _value(run, version) for i in ids}
+    append = Append(upper, rows)
+    _model(run).appends[n] = append
+    columns: dict[str, list[Any]] = {"id": ids}
+    for j, name in enumerate(schema.value.names):
+        columns[name] = [rows[i][j] for i in ids]
+    columns["t"] = [upper] * len(ids)
+    table = pa.table(columns)
+    cut = run.rng.randint(1, len(ids))
+    append.status = _drive(run, client, job, [table.slice(0, cut), table.slice(cut)])
+
+
+def _untyped_write_typed_mid_job(run: SimRun, client: PersistClient) -> None:
+    shard = str(ShardId.new())
+    run.add_shard(shard)
+    try:
+        job = spark_source.plan_write(_spark_location(run, shard), client, 0, 1)
+    except Indeterminate:
+        return
+    typer = run.new_process(f"typer-of-{shard[:9]}")
+    typed: list[bool] = []
+
+    def type_it() -> None:
+        run.think(scale=0.3)
+        other = run.client(typer)
+        try:
+            other.open_writer(shard, schema=VERSIONS[0]).stop_heartbeats()
+            typed.append(True)
+        except SchemaMismatch:
+            typed.append(False)  # the Spark write committed first: the shard is untyped
+        except Indeterminate:
+            typed.append(False)
+        except PersistError as e:
+            run.violation(f"typing a fresh shard: unexpected {type(e).__name__}: {e}")
+
+    run.spawn(typer.name, typer, type_it)
+    raw = pa.table({"k": [b"raw-0", b"raw-1"], "v": [b"v", b"v"], "t": [0, 0], "d": [1, 1]})
+    status = _drive(run, client, job, [raw])
+    while not typed and not run.stopping:
+        run.think()
+    _check_scratch(run, client, shard, status, raw)
+
+
+def _check_scratch(run: SimRun, client: PersistClient, shard: str, status: str,
+                   raw: pa.Table) -> None:
+    """Whoever won, the shard reads: typed and empty, or untyped with the raw rows."""
+    try:
+        state = client.inspect(shard)
+        if not state["upper"]:
+            return
+        schema = client.schema(shard)
+        reader = client.open_reader(shard)
+        try:
+            got = reader.snapshot(0)
+        finally:
+            reader.expire()
+    except (Indeterminate, LeaseExpired, SinceViolation, ShardNotFound):
+        return
+    except CorruptData as e:
+        run.violation(f"shard {shard} (typed mid-job) does not read: {e}")
+        return
+    except PersistError as e:
+        run.violation(f"reading shard {shard}: unexpected {type(e).__name__}: {e}")
+        return
+    if schema is not None and got.num_rows:
+        run.violation(f"typed shard {shard} holds rows of an untyped Spark write")
+    if schema is None and status == "failed" and got.num_rows:
+        run.violation(f"refused Spark write is visible in {shard}")
+
+
+# --- names, diffs, listens after the largest time ------------------------------------------
+
+
+def namer(run: SimRun, proc: Process) -> None:
+    """Races to create names (the typed shard's among them): all resolvers agree."""
+    client = run.client(proc)
+    while not run.stopping:
+        run.think(scale=2.0)
+        name = run.rng.choice([TYPED_NAME, "sim/a", "sim/b", "sim/c"])
+        resolve(run, client, name)
+        run.ops += 1
+
+
+@dataclass
+class _DiffWrite:
+    time: int
+    diffs: dict[bytes, int]
+    status: str = "pending"
+
+
+@dataclass
+class _DiffLedger:
+    """Exact totals per key by write time, of writes whose outcome is known."""
+
+    writes: list[_DiffWrite] = field(default_factory=list)
+
+    def total(self, key: bytes, as_of: int) -> int | None:
+        """The exact total at ``as_of``, or None when an unknown write makes it unsure."""
+        total = 0
+        for w in self.writes:
+            if w.time > as_of or key not in w.diffs or w.status == "failed":
+                continue
+            if w.status != "acked":
+                return None
+            total += w.diffs[key]
+        return total
+
+
+def _updates(rows: list[tuple[bytes, bytes, int, int]]) -> pa.Table:
+    return pa.table({"k": pa.array([r[0] for r in rows], pa.binary()),
+                     "v": pa.array([r[1] for r in rows], pa.binary()),
+                     "t": pa.array([r[2] for r in rows], pa.int64()),
+                     "d": pa.array([r[3] for r in rows], pa.int64())})
+
+
+def overflow_writer(run: SimRun, proc: Process) -> None:
+    """Diffs near 64 bits on a shard of its own: a write whose own sums leave 64 bits
+    must be refused; reads must be exact or raise DiffOverflow; merges must not fail."""
+    client = run.client(proc)
+    shard = str(ShardId.new())
+    run.add_shard(shard)
+    writer = run.retry_open(lambda: client.open_writer(shard))
+    reader = run.retry_open(lambda: client.open_reader(shard, create=True))
+    if writer is None or reader is None:
+        return
+    ledger = _DiffLedger()
+    keys = [b"h0", b"h1"]
+    while not run.stopping:
+        run.think()
+        upper = run.monitors.get(shard).upper
+        if upper is None:
+            return
+        roll = run.rng.random()
+        try:
+            if roll < 0.25:
+                _refused_wrapping_write(run, writer, upper)
+            elif roll < 0.6:
+                diffs = {k: run.rng.choice([MAX_DIFF, MIN_DIFF, 1, -1, 1 << 62])
+                         for k in run.rng.sample(keys, run.rng.randint(1, 2))}
+                # Over 256 rows: the vectorized path, where sums once wrapped.
+                table = _updates([(k, b"", upper, d) for k, d in diffs.items()]
+                                 + [(b"f%d-%d" % (upper, i), b"", upper, 1)
+                                    for i in range(300)])
+                entry = _DiffWrite(upper, diffs)
+                ledger.writes.append(entry)
+                entry.status, _ = _attempt(run, "diff write", writer.compare_and_append,
+                                           table, upper, upper + 1)
+            elif roll < 0.8 and upper:
+                _check_diff_read(run, reader, ledger, keys, upper - 1)
+            elif upper:
+                reader.downgrade_since(upper - 1)
+                client.compact(shard)
+        except (Indeterminate, LeaseExpired, SinceViolation, InvalidFrontier):
+            pass
+        except PersistError as e:
+            run.violation(f"diff writer: unexpected {type(e).__name__}: {e}")
+        run.ops += 1
+
+
+def _refused_wrapping_write(run: SimRun, writer: Any, upper: int) -> None:
+    table = _updates([(b"wrap", b"", upper, 1 << 62)] * 4
+                     + [(b"w%d" % i, b"", upper, 1) for i in range(300)])
+    try:
+        writer.compare_and_append(table, upper, upper + 1)
+    except InvalidUpdates:
+        return
+    except (UpperMismatch, Indeterminate):
+        run.violation("a write whose diffs sum to 2**64 got past validation")
+        return
+    run.violation("a write whose diffs sum to 2**64 was accepted (wrapped to 0)")
+
+
+def _check_diff_read(run: SimRun, reader: Any, ledger: _DiffLedger, keys: list[bytes],
+                     as_of: int) -> None:
+    expect = {k: ledger.total(k, as_of) for k in keys}
+    if any(v is None for v in expect.values()) or as_of < int(reader.since or 0):
+        return
+    beyond = [k for k, v in expect.items() if v is not None and not MIN_DIFF <= v <= MAX_DIFF]
+    try:
+        got = {r["k"]: r["d"] for r in reader.snapshot(as_of).to_pylist() if r["k"] in keys}
+    except DiffOverflow as e:
+        if e.key not in beyond:
+            run.violation(f"DiffOverflow for key {e.key!r} whose total at {as_of} is "
+                          f"{expect.get(e.key)}")
+        return
+    if beyond:
+        run.violation(f"a read at {as_of} returned {got} where totals leave 64 bits: "
+                      f"{expect}")
+        return
+    want = {k: v for k, v in expect.items() if v}
+    if got != want:
+        run.violation(f"diff totals at {as_of} read {got}, exactly {want}")
+
+
+def closer(run: SimRun, proc: Process) -> None:
+    """A listen after the largest time reports the shard's close, like any listen."""
+    client = run.client(proc)
+    while not run.stopping:
+        run.think(scale=10.0)
+        shard = str(ShardId.new())
+        run.add_shard(shard)
+        try:
+            writer = client.open_writer(shard)
+            listen = client.open_reader(shard).listen(MAX_TIME)
+            writer.compare_and_append([(b"k", b"v", 0, 1)], 0, 2)
+            if listen.poll():
+                run.violation("a listen after the largest time reported progress while "
+                              "the shard was open")
+            writer.compare_and_append([], 2, None)
+            events = listen.poll(timeout_s=5.0)
+            if [(e.kind, e.upper) for e in events] != [("progress", None)]:
+                run.violation(f"a listen after the largest time on a closed shard "
+                              f"reported {events}, not the close")
+        except (Indeterminate, LeaseExpired, UpperMismatch, CommitDeadlineExceeded):
+            pass
+        except PersistError as e:
+            run.violation(f"closer: unexpected {type(e).__name__}: {e}")
+        run.ops += 1
+
+
+#: The environment of a process that asks for inlining, while its config turns it off.
+_INLINING_ENV = {"PERSIST_INLINE_UPDATE_THRESHOLD_BYTES": "4096",
+                 "PERSIST_INLINE_UPDATE_MAX_BYTES": str(1 << 20)}
+
+
+def configured_writer(run: SimRun, proc: Process) -> None:
+    """A client configured with inlining off (in its config, beside an environment that
+    asks for it) never inlines: every way of configuring a client is one config."""
+    from persist_pipeline import client as client_module
+    from persist_pipeline.client import PersistClient
+    from persist_pipeline.config import InlinePolicy
+    from persist_pipeline.sim.scheduler import SimClock
+
+    config = client_module.effective_config(
+        replace(run.config, inline_policy=InlinePolicy(0, 0)), None, _INLINING_ENV)
+    client = PersistClient(run.consensus, run.main, run.wal, config,
+                           SimClock(run.scheduler, proc))
+    shard = str(ShardId.new())
+    run.add_shard(shard)
+    writer = run.retry_open(lambda: client.open_writer(shard))
+    if writer is None:
+        return
+    while not run.stopping:
+        run.think(scale=5.0)
+        upper = writer.upper
+        if upper is None:
+            return
+        status, result = _attempt(run, "configured write", writer.compare_and_append,
+                                  [(b"k%d" % upper, b"v", upper, 1)], upper, upper + 1)
+        if status == "acked" and getattr(result, "placement", None) == "inline":
+            run.violation("a client whose config turned inlining off inlined a write")
+        if status != "acked":
+            with contextlib.suppress(PersistError):
+                writer.fetch_recent_upper()
+        run.ops += 1
+
+
+ROLES: dict[str, Callable[[SimRun, Process], None]] = {
+    "typed_writer": typed_writer,
+    "evolver": evolver,
+    "typed_reader": typed_reader,
+    "spark_writer": spark_writer,
+    "namer": namer,
+    "overflow_writer": overflow_writer,
+    "closer": closer,
+    "configured_writer": configured_writer,
+}
+
+
+def final_check(run: SimRun, client: PersistClient) -> None:
+    """The typed shard's last complete time against the model."""
+    shard = run.seams.typed_shard
+    if not shard or run.seams.model is None:
+        return
+    upper = client.inspect(shard)["upper"]
+    if not upper:
+        return
+    reader = client.open_reader(shard)
+    try:
+        run.seams.model.check(upper - 1, reader.snapshot(upper - 1), "final typed snapshot")
+    finally:
+        reader.expire()
