@@ -530,10 +530,15 @@ def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
     return parts, len(data)
 
 
+#: Where commit markers live (None: the driver host's temporary directory).
+MARKER_DIR: Path | None = None
+
+
 def _commit_marker(job: _WriteJob) -> Path:
     """A file on the driver's host that says a commit of this write was attempted (commit
     and abort run in separate Python workers of the driver; abort must know)."""
-    return Path(tempfile.gettempdir()) / f"persist-spark-commit-{job.token}"
+    folder = MARKER_DIR if MARKER_DIR is not None else Path(tempfile.gettempdir())
+    return folder / f"persist-spark-commit-{job.token}"
 
 
 def _commit(job: _WriteJob, messages: Sequence[Any],

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from persist_pipeline import retry
@@ -250,6 +252,7 @@ class SimRun:
                                                                         reentrant)))
             stack.enter_context(_seeded_jitter(self.seed))
             stack.enter_context(_spark_blobs(self))
+            stack.enter_context(_spark_markers())
             self._setup()
             self._workload()
             self._final_checks()
@@ -330,6 +333,21 @@ def _seeded_jitter(seed: int) -> Iterator[None]:
         yield
     finally:
         retry.JITTER.setstate(state)
+
+
+@contextmanager
+def _spark_markers() -> Iterator[None]:
+    """Spark writes' commit markers in a folder of this seed's, removed after it (a
+    simulated driver that crashes mid-commit leaves its marker, as a real one would)."""
+    from persist_pipeline import spark_source
+
+    previous = spark_source.MARKER_DIR
+    with tempfile.TemporaryDirectory(prefix="persist-sim-") as folder:
+        spark_source.MARKER_DIR = Path(folder)
+        try:
+            yield
+        finally:
+            spark_source.MARKER_DIR = previous
 
 
 @contextmanager
