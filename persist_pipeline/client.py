@@ -226,6 +226,15 @@ class PersistClient:
         self._handles.add(handle)
         return handle
 
+    def create_shard(self, shard: ShardLike) -> None:
+        """Create the shard (``since = upper = 0``) unless it exists. Idempotent.
+
+        A shard is also created by its first :meth:`open_writer`; a job that uploads
+        parts for a shard before committing them creates it first, so that GC sweeps the
+        uploads of attempts that never commit (GC only visits shards that exist).
+        """
+        self.machine(shard).open(create=True)
+
     def schema(self, shard: ShardLike) -> ShardSchema | None:
         """The shard's recorded schema (None: an untyped shard).
 

@@ -59,6 +59,8 @@ class ShardSchema:
     Args:
         key: the key columns (at least one). Rows with equal keys are the same key.
         value: the value columns (may be empty: a set of keys).
+        metadata: schema-level metadata kept with the schema (e.g. how a writer maps
+            the columns back to its own types); not part of the row encoding.
 
     Raises:
         InvalidInput: no key column, a repeated or reserved name (``k``, ``v``, ``t``,
@@ -67,11 +69,17 @@ class ShardSchema:
 
     key: pa.Schema
     value: pa.Schema
+    metadata: Mapping[bytes, bytes]
 
     def __init__(self, key: pa.Schema | Iterable[Any] | Mapping[str, Any],
-                 value: pa.Schema | Iterable[Any] | Mapping[str, Any] = ()) -> None:
-        object.__setattr__(self, "key", _as_schema(key, "key"))
-        object.__setattr__(self, "value", _as_schema(value, "value"))
+                 value: pa.Schema | Iterable[Any] | Mapping[str, Any] = (),
+                 metadata: Mapping[bytes, bytes] | Mapping[str, str] | None = None) -> None:
+        object.__setattr__(self, "key", _as_schema(key, "key").remove_metadata())
+        object.__setattr__(self, "value", _as_schema(value, "value").remove_metadata())
+        meta = {_as_bytes(k): _as_bytes(v) for k, v in (metadata or {}).items()}
+        if _KEY_COLUMNS_META in meta:
+            raise InvalidInput(f"schema metadata key {_KEY_COLUMNS_META!r} is reserved")
+        object.__setattr__(self, "metadata", meta)
         if len(self.key) == 0:
             raise InvalidInput("a shard schema needs at least one key column")
         names = self.key.names + self.value.names
@@ -93,7 +101,8 @@ class ShardSchema:
         return (len(self.key) == len(other.key) and len(self.value) == len(other.value)
                 and all(_same_field(a, b) for a, b in zip(self.key, other.key, strict=True))
                 and all(_same_field(a, b) for a, b in zip(self.value, other.value,
-                                                          strict=True)))
+                                                          strict=True))
+                and self.metadata == other.metadata)
 
     def __hash__(self) -> int:
         return hash((tuple(self.key.names), tuple(self.value.names)))
@@ -118,7 +127,8 @@ class ShardSchema:
     def to_bytes(self) -> bytes:
         """The schema as recorded in the shard's state (an Arrow IPC schema message)."""
         both = pa.schema([*self.key, *self.value],
-                         metadata={_KEY_COLUMNS_META: str(len(self.key)).encode()})
+                         metadata={**self.metadata,
+                                   _KEY_COLUMNS_META: str(len(self.key)).encode()})
         return bytes(both.serialize().to_pybytes())
 
     @staticmethod
@@ -401,8 +411,17 @@ def _evolves_from(recorded: bytes, encoded_with: bytes) -> bool:
 @lru_cache(maxsize=256)
 def _decode_schema(data: bytes) -> ShardSchema:
     both = pa.ipc.read_schema(pa.py_buffer(data))
-    meta = both.metadata or {}
-    num_keys = int(meta[_KEY_COLUMNS_META])
+    meta = dict(both.metadata or {})
+    num_keys = int(meta.pop(_KEY_COLUMNS_META))
     fields = list(both)
-    return ShardSchema(pa.schema(fields[:num_keys]), pa.schema(fields[num_keys:]))
+    return ShardSchema(pa.schema(fields[:num_keys]), pa.schema(fields[num_keys:]), meta)
+
+
+def _as_bytes(value: bytes | str) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bytes):
+        return value
+    raise InvalidInput(f"schema metadata keys and values are str or bytes, got "
+                       f"{type(value).__name__}")
 

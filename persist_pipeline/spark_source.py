@@ -479,11 +479,14 @@ def _write_job(options: Mapping[str, str], overwrite: bool) -> _WriteJob:
 
 def plan_write(location: _Location, client: PersistClient, expected: int,
                upper: Frontier) -> _WriteJob:
-    """The driver's plan of one write: the token, and the schema its tasks encode with."""
-    try:
-        typed = client.schema(location.shard_id)
-    except ShardNotFound:
-        typed = None
+    """The driver's plan of one write: the token, and the schema its tasks encode with.
+
+    The shard is created if it does not exist, before any task uploads: the parts of a
+    task attempt that never commits (a retried task, an aborted job) are then swept by
+    GC's orphan sweep of that shard.
+    """
+    client.create_shard(location.shard_id)
+    typed = client.schema(location.shard_id)
     return _WriteJob(location, expected, upper, new_token(),
                      client.config.blob_target_size_bytes,
                      typed.to_bytes() if typed is not None else b"",

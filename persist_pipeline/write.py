@@ -33,7 +33,7 @@ from persist_pipeline.internal.lookup import current_rows
 from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.state import Batch, Description, HollowPart, InlinePart, Store
 from persist_pipeline.schema import ShardSchema
-from persist_pipeline.updates import SCHEMA, Updates
+from persist_pipeline.updates import SCHEMA, Updates, empty_table
 
 if TYPE_CHECKING:
     from persist_pipeline.internal.state import State
@@ -340,10 +340,35 @@ class WriteHandle:
                                  f"ShardSchema); shard {self.shard_id} is untyped")
         return self.schema
 
-    def _replace_keys(self, keys: pa.ChunkedArray | pa.Array, rows: pa.Table | None,
+    def replace_contents(self, table: object, ts: int | None = None) -> WriteResult:
+        """Make the shard hold exactly the rows of ``table`` at ``ts`` (typed shards).
+
+        One compare-and-set append retracts every row no longer in ``table`` and adds
+        every row not yet in the shard; rows in both are left alone. With value columns,
+        each key may appear once (a key's row is replaced, absent keys are deleted);
+        without, the whole row is the key and equal rows keep their multiplicity (a
+        collection, like a SQL table). Retried like :meth:`upsert`: the shard always
+        equals one whole ``table``, never a mix of two writers'.
+
+        Raises:
+            SchemaMismatch: an untyped shard, or the table does not fit the schema.
+            InvalidUpdates: a key appears twice (with value columns).
+            UpperMismatch: the shard's upper is beyond ``ts``.
+        """
+        schema = self._require_schema("replace_contents")
+        rows = schema.encode(table, with_times=False)
+        if len(schema.value) and pc.count_distinct(rows.column("k")).as_py() != rows.num_rows:
+            raise InvalidUpdates("replace_contents: a key appears more than once in the "
+                                 "table (which value would win is undefined)")
+        return self._replace_keys(None, rows, ts, "replace_contents")
+
+    def _replace_keys(self, keys: pa.ChunkedArray | pa.Array | None, rows: pa.Table | None,
                       ts: int | None, what: str) -> WriteResult:
+        """The one loop that makes the shard equal what it is asked: the rows of ``keys``
+        (None: of every key) become ``rows``, in one append at the upper it read, read
+        again and retried when another write lands first."""
         wanted = None if ts is None else check_frontier(ts, "ts")
-        sorted_keys = sorted(set(keys.to_pylist()))
+        sorted_keys = None if keys is None else sorted(set(keys.to_pylist()))
         machine = self._machine
         clock = machine.clock
         deadline = clock.monotonic() + machine.config.retry_deadline_s
@@ -367,7 +392,8 @@ class WriteHandle:
                 raise UpperMismatch(time, expected)
             encoding = self._attempt_encoding(state)
             try:
-                current = current_rows(machine.blobs, state, sorted_keys)
+                current = (current_rows(machine.blobs, state, sorted_keys)
+                           if sorted_keys is not None else self._contents(state))
             except CorruptPart:
                 # A part collected after compaction replaced it: read a newer state.
                 missing_parts += 1
@@ -388,6 +414,16 @@ class WriteHandle:
             except UpperMismatch:
                 continue  # another write landed: read the keys again
         raise AssertionError("unreachable")
+
+    def _contents(self, state: State) -> pa.Table:
+        """Every row of ``state`` at its upper - 1 (k/v/t/d, consolidated)."""
+        from persist_pipeline.read import stream_snapshot
+
+        if not state.upper:
+            return empty_table()
+        tables = list(stream_snapshot(self._machine, list(state.ordered_batches),
+                                      state.upper - 1))
+        return pa.concat_tables(tables) if tables else empty_table()
 
     def _attempt_encoding(self, state: State) -> Encoding:
         """How an upsert or delete attempt against ``state`` writes its batch: the rows

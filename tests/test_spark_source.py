@@ -17,6 +17,7 @@ import pytest
 
 from persist_pipeline import InlinePolicy, PersistClient, ShardId
 from persist_pipeline.blob import open_blob
+from persist_pipeline.consensus import open_consensus
 from persist_pipeline.spark import register
 from tests.fixtures.location import Location, make_location
 from tests.helpers import expected_snapshot, rows
@@ -245,6 +246,40 @@ def test_abort_deletes_parts_only_when_no_commit_was_attempted(tmp_path: Path) -
     _abort(failed_commit, [message])
     assert open_blob(blob).get(message.parts[0].key) is not None
     assert not _commit_marker(failed_commit).exists()
+
+
+def test_a_lost_task_attempt_of_a_write_to_a_new_shard_is_swept(tmp_path: Path) -> None:
+    """Planning creates the shard, so the parts of a task attempt nobody commits (Spark
+    retried the task; the job then aborted) are swept by GC like any orphan, even
+    though no write ever committed to the shard."""
+    import pyarrow as pa
+
+    from persist_pipeline import PersistConfig
+    from persist_pipeline.spark_source import _abort, _write_job, _write_task
+    from tests.helpers import StoreOnClock
+
+    class Clock:
+        offset_s = 0.0
+
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    shard = str(ShardId.new())
+    job = _write_job({"consensus": consensus, "blob": blob, "shard": shard,
+                      "expected_upper": "0", "new_upper": "1"}, overwrite=False)
+    batch = pa.RecordBatch.from_pylist([{"k": b"a", "v": b"b", "t": 0, "d": 1}])
+    lost, _ = _write_task(job, iter([batch]))  # its executor died: no message
+    _abort(job, [])  # the retries failed too: Spark aborts the job
+    clock = Clock()
+    store = StoreOnClock(open_blob(blob), clock)
+    client = PersistClient(open_consensus(consensus), store, None,
+                           PersistConfig(gc_orphan_min_age_s=60.0))
+    try:
+        assert shard in client.list_shards()
+        assert store.get(lost[0].key) is not None
+        clock.offset_s = 61.0  # the store's clock: the orphan is old now
+        assert client.gc(shard)["orphans_deleted"] == 1
+        assert store.get(lost[0].key) is None
+    finally:
+        client.close()
 
 
 def test_typed_shard_reads_and_writes_real_spark_types(spark_session: Any,

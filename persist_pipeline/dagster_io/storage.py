@@ -1,0 +1,249 @@
+"""How an asset's table is stored as a typed shard, named, and read back exactly.
+
+No Dagster here: the IO manager (and the CLI's migration) use these.
+
+**Schema.** A table's Arrow schema becomes a :class:`~persist_pipeline.ShardSchema` whose
+columns have *storage* types the row codec stores natively, kept beside the original
+schema (in the shard schema's metadata), so a load returns exactly the types, field
+metadata and schema metadata (pandas' index and dtypes) that were stored:
+
+- dictionary columns (pandas categoricals) are stored as their values, and
+  dictionary-encoded again on load;
+- maps are stored as lists of ``key``/``value`` structs (top-level map columns);
+- ``float16`` is stored as ``float32`` (exactly);
+- every other type the codec supports is stored as it is (integers, floats, booleans,
+  decimals, strings, binary, dates, times, timestamps with their time zone, durations,
+  lists and structs of these). Anything else is refused with a clear error.
+
+Column names the storage format reserves (``k``, ``v``, ``t``, ``d``) are stored under
+another name and renamed back on load.
+
+**Keys.** With declared key columns (output metadata ``{"primary_key": [...]}``) the
+shard is keyed: each key has one row, a materialization replaces changed rows and
+deletes absent keys, and nullable value columns may be appended later. Without, the
+whole row is the key and equal rows keep their multiplicity (a collection, like a SQL
+table). Rows come back sorted by their encoding, not in the order they were stored.
+
+**Names.** An asset's shard is named after its key (``sales/orders``); a partition's
+after the key and the partition (``sales/orders/_partitions/2026-11-25``; a segment
+with other characters than ``A-Z a-z 0-9 . _ -`` is written as ``-`` plus its UTF-8
+bytes in hex; too long a name ends in a hash instead). A
+materialization whose schema no longer fits the shard's starts the asset's next
+*generation*, a new shard named with a ``/_v<N>`` suffix (``sales/orders/_v2``); loads
+read the newest generation, and every materialization reports the name it wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from persist_pipeline.exceptions import InvalidInput, InvalidUpdates
+from persist_pipeline.internal import rowcodec
+from persist_pipeline.schema import RESERVED_COLUMNS, ShardSchema
+
+#: The original Arrow schema of the stored table (an IPC schema message).
+ARROW_SCHEMA_META = b"persist_pipeline.arrow_schema"
+#: The storage name of each original column, in the original order (JSON).
+COLUMNS_META = b"persist_pipeline.columns"
+#: Where a name's generations live, and its partitions.
+_GENERATION = "/_v"
+_PARTITIONS = "/_partitions/"
+_PLAIN = re.compile(r"[A-Za-z0-9._-]+")
+#: Names are at most this long (see :func:`persist_pipeline.names.check_name`).
+_NAME_MAX = 200
+
+
+class UnsupportedTable(InvalidInput):
+    """A table the IO manager cannot store (a type the shard codec has no encoding for,
+    e.g. a union, or a map nested inside another column)."""
+
+
+# --- names -------------------------------------------------------------------------------
+
+
+def _segment(text: str, *, reserved_start: str = "-") -> str:
+    """``text`` as one name segment: itself when plain, else ``-`` and its UTF-8 hex."""
+    if _PLAIN.fullmatch(text) and not text.startswith(tuple(reserved_start)):
+        return text
+    return "-" + text.encode("utf-8").hex()
+
+
+def asset_shard_name(path: Sequence[str], partition: str | None = None) -> str:
+    """The shard name of an asset key's ``path`` (and a partition): see the module.
+
+    A path segment that is not plain (``A-Z a-z 0-9 . _ -``), or starts with ``_``
+    (reserved for ``_partitions`` and generations) or ``-`` (the escape), is written as
+    ``-`` plus its UTF-8 bytes in hex; so is such a partition key.
+    """
+    name = "/".join(_segment(p, reserved_start="_-") for p in path)
+    if partition is not None:
+        name += _PARTITIONS + _segment(partition)
+    if len(name) > _NAME_MAX - 12:  # room for a generation suffix
+        digest = hashlib.sha256(name.encode()).hexdigest()[:32]
+        name = f"{name[:_NAME_MAX - 12 - 34]}/h{digest}"
+    return name
+
+
+def generation_name(base: str, generation: int) -> str:
+    """The name of ``base``'s generation ``generation`` (1 is ``base`` itself)."""
+    return base if generation == 1 else f"{base}{_GENERATION}{generation}"
+
+
+def generations(base: str, names: Mapping[str, object]) -> list[int]:
+    """The generations of ``base`` registered in ``names``, in order."""
+    found = [1] if base in names else []
+    prefix = base + _GENERATION
+    for name in names:
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            found.append(int(name[len(prefix):]))
+    return sorted(found)
+
+
+# --- schemas -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoragePlan:
+    """How one table schema is stored: the shard schema, and the table's original one."""
+
+    shard_schema: ShardSchema
+    original: pa.Schema
+    storage_names: tuple[str, ...]
+
+
+def _storage_type(type_: pa.DataType, where: str, top: bool) -> pa.DataType:
+    if pa.types.is_dictionary(type_):
+        return _storage_type(type_.value_type, where, top)
+    if pa.types.is_map(type_):
+        if not top:
+            raise UnsupportedTable(f"{where}: a map inside another column cannot be stored "
+                                   f"(only top-level map columns)")
+        return pa.list_(pa.struct([
+            pa.field("key", _storage_type(type_.key_type, f"{where}.key", False), False),
+            pa.field("value", _storage_type(type_.item_type, f"{where}.value", False))]))
+    if pa.types.is_float16(type_):
+        return pa.float32()
+    if pa.types.is_struct(type_):
+        return pa.struct([pa.field(f.name, _storage_type(f.type, f"{where}.{f.name}", False),
+                                   f.nullable) for f in type_])
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        item = _storage_type(type_.value_type, f"{where}[]", False)
+        return pa.list_(item) if pa.types.is_list(type_) else pa.large_list(item)
+    return type_
+
+
+def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None) -> StoragePlan:
+    """The shard schema that stores tables of ``schema`` (keyed by ``primary_key``).
+
+    Raises:
+        UnsupportedTable: a column type cannot be stored.
+        InvalidInput: a primary key column is not in the table, or repeated, or there
+            is no column at all.
+    """
+    if not len(schema):
+        raise UnsupportedTable("a table without columns cannot be stored")
+    names = schema.names
+    if len(set(names)) != len(names):
+        raise UnsupportedTable(f"the table repeats a column name: {names}")
+    keys = list(primary_key or [])
+    unknown = [k for k in keys if k not in names]
+    if unknown or len(set(keys)) != len(keys):
+        raise InvalidInput(f"primary_key {keys} must name distinct columns of the table "
+                           f"{names}")
+    storage_names = tuple(_storage_name(i, n, names) for i, n in enumerate(names))
+    fields = []
+    for field, stored in zip(schema, storage_names, strict=True):
+        type_ = _storage_type(field.type, f"column {field.name!r}", True)
+        try:
+            rowcodec.check_type(type_, f"column {field.name!r}")
+        except InvalidUpdates as e:
+            raise UnsupportedTable(str(e)) from None
+        fields.append(pa.field(stored, type_, field.nullable))
+    by_name = dict(zip(names, fields, strict=True))
+    key_fields = [by_name[k] for k in keys] if keys else fields
+    value_fields = [f for n, f in zip(names, fields, strict=True) if n not in keys] \
+        if keys else []
+    metadata = {ARROW_SCHEMA_META: bytes(schema.serialize().to_pybytes()),
+                COLUMNS_META: json.dumps(list(storage_names)).encode()}
+    return StoragePlan(ShardSchema(key_fields, value_fields, metadata), schema, storage_names)
+
+
+def _storage_name(index: int, name: str, names: Sequence[str]) -> str:
+    if name not in RESERVED_COLUMNS:
+        return name
+    candidate = f"{name}_col{index}"
+    while candidate in names:
+        candidate += "_"
+    return candidate
+
+
+def original_schema(shard_schema: ShardSchema) -> tuple[pa.Schema, list[str]] | None:
+    """The original table schema a shard schema stores, and its columns' storage names
+    (None: the shard was not written by the IO manager)."""
+    raw = shard_schema.metadata.get(ARROW_SCHEMA_META)
+    names = shard_schema.metadata.get(COLUMNS_META)
+    if raw is None or names is None:
+        return None
+    return pa.ipc.read_schema(pa.py_buffer(raw)), json.loads(names)
+
+
+def to_storage(table: pa.Table, plan: StoragePlan) -> pa.Table:
+    """``table`` with its columns renamed and cast to their storage types."""
+    fields = {f.name: f for f in [*plan.shard_schema.key, *plan.shard_schema.value]}
+    columns = []
+    for name, stored in zip(table.column_names, plan.storage_names, strict=True):
+        column = table.column(name)
+        target = fields[stored].type
+        try:
+            columns.append(column if column.type.equals(target) else column.cast(target))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+            raise UnsupportedTable(f"column {name!r} ({column.type}) cannot be stored as "
+                                   f"{target}: {e}") from None
+    return pa.Table.from_arrays(columns, names=list(plan.storage_names))
+
+
+def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
+    """A typed snapshot (storage columns plus ``t`` and ``d``) as the stored table:
+    original names, types and metadata, each row repeated ``d`` times."""
+    found = original_schema(shard_schema)
+    if found is None:
+        raise InvalidInput("this shard was not written by the IO manager (its schema keeps "
+                           "no original table schema)")
+    schema, storage_names = found
+    counts = typed.column("d").to_numpy()
+    if len(counts) and (counts.min() < 1):
+        raise InvalidInput("the shard holds retractions without rows (a negative count): "
+                           "it was not written as a table")
+    if len(counts) and counts.max() > 1:
+        typed = typed.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
+    columns = []
+    for field, stored in zip(schema, storage_names, strict=True):
+        columns.append(_cast_back(typed.column(stored), field.type))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _cast_back(column: pa.ChunkedArray, type_: pa.DataType) -> pa.ChunkedArray:
+    if column.type.equals(type_):
+        return column
+    if pa.types.is_map(type_):
+        return pa.chunked_array([_as_map(chunk, type_) for chunk in column.chunks], type_)
+    return column.cast(type_)
+
+
+def _as_map(chunk: pa.Array, type_: pa.MapType) -> pa.Array:
+    entries = chunk.flatten()
+    keys = entries.field("key").cast(type_.key_type)
+    items = entries.field("value").cast(type_.item_type)
+    offsets = chunk.offsets
+    if chunk.null_count:
+        return pa.MapArray.from_arrays(offsets, keys, items, type=type_,
+                                       mask=pc.is_null(chunk))
+    return pa.MapArray.from_arrays(offsets, keys, items, type=type_)
