@@ -60,10 +60,10 @@ def _time(text: str) -> int:
     return value
 
 
-def _as_of(text: str) -> int | None:
-    """A time, or ``latest`` (None): the shard's latest complete time, upper - 1."""
+def _as_of(text: str) -> int | str:
+    """A time, or ``latest``: the shard's latest complete time, upper - 1."""
     if text.strip().lower() == "latest":
-        return None
+        return "latest"
     return _time(text)
 
 
@@ -253,11 +253,6 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "snapshot":
             with client.open_reader(shard, debug="cli") as reader:
                 as_of = args.as_of
-                if as_of is None:
-                    from persist_pipeline.plan import latest_complete_time
-
-                    state = client.machine(shard).fetch_latest()
-                    as_of = latest_complete_time(state.shard_id, state.upper)
                 if args.out is not None and args.out.suffix == ".parquet":
                     _stream_parquet(reader, as_of, args.out)
                 else:  # CSV decides text or hex per column, so it needs the whole table

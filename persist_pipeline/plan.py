@@ -52,8 +52,16 @@ if TYPE_CHECKING:
 
     from persist_pipeline.schema import ShardSchema
 
-__all__ = ["PlanFile", "SnapshotPlan", "base_blob", "blob_filesystem", "file_uri",
-           "latest_complete_time", "text_or_hex"]
+__all__ = [
+    "LATEST",
+    "PlanFile",
+    "SnapshotPlan",
+    "base_blob",
+    "blob_filesystem",
+    "file_uri",
+    "latest_complete_time",
+    "text_or_hex",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +99,10 @@ class PlanFile:
         """The state's description of this part (what the streaming reader takes)."""
         return HollowPart(self.key, self.store, self.size, self.num_updates, self.min_time,
                           self.max_time, self.min_key, self.max_key)
+
+
+#: The ``as_of`` of every read that means the latest complete time (``upper - 1``).
+LATEST = "latest"
 
 
 def latest_complete_time(shard_id: str, upper: Frontier) -> int:

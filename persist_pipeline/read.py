@@ -32,7 +32,13 @@ from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.merge import batch_rows, memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, Part, State
 from persist_pipeline.internal.sync import new_lock
-from persist_pipeline.plan import PlanFile, SnapshotPlan, file_uri, latest_complete_time
+from persist_pipeline.plan import (
+    LATEST,
+    PlanFile,
+    SnapshotPlan,
+    file_uri,
+    latest_complete_time,
+)
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import (
     advance_times,
@@ -203,16 +209,21 @@ class ReadHandle:
         self._since = reader.since
 
     def _check_as_of(self, as_of: object, state: State) -> int:
+        """``as_of`` as a time: an int, or ``"latest"`` (the shard's ``upper - 1``); the
+        one convention of every read (Python, the CLI, read plans, Spark)."""
+        if as_of == LATEST:
+            as_of = latest_complete_time(state.shard_id, state.upper)
+        if as_of is None:
+            raise InvalidFrontier("as_of must be a time or 'latest', not None")
         t = check_frontier(as_of, "as_of")
-        if t is None:
-            raise InvalidFrontier("as_of must be a time, not None")
+        assert t is not None
         reader = state.leased_readers[self.reader_id]
         if less_than(t, reader.since) or less_than(t, state.since):
             raise SinceViolation(f"as_of {t} is below since {reader.since}: times before it "
                                  f"may have been compacted together")
         return t
 
-    def snapshot(self, as_of: int) -> pa.Table:
+    def snapshot(self, as_of: int | str) -> pa.Table:
         """The collection at ``as_of``: a consolidated k/v/t/d table, every ``t == as_of``,
         sorted by ``(k, v)`` (the concatenation of :meth:`snapshot_batches`). A typed
         shard's snapshot has its key and value columns instead of ``k`` and ``v``.
@@ -233,7 +244,7 @@ class ReadHandle:
         data = self._machine.state.schema
         return ShardSchema.from_bytes(data) if data else None
 
-    def snapshot_batches(self, as_of: int,
+    def snapshot_batches(self, as_of: int | str,
                          max_rows: int = SNAPSHOT_BATCH_ROWS) -> Iterator[pa.RecordBatch]:
         """The collection at ``as_of`` as consolidated record batches in ``(k, v)`` order,
         read in bounded memory (about ``compaction_memory_bound_bytes``, whatever the
@@ -252,7 +263,7 @@ class ReadHandle:
         """
         return self._snapshot_batches(as_of, max_rows, typed=True)
 
-    def _snapshot_batches(self, as_of: int, max_rows: int,
+    def _snapshot_batches(self, as_of: int | str, max_rows: int,
                           typed: bool) -> Iterator[pa.RecordBatch]:
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
             raise InvalidInput(f"max_rows must be a positive int, got {max_rows!r}")
@@ -273,14 +284,14 @@ class ReadHandle:
                 self._raise_if_expired(e)
                 raise
 
-    def snapshot_fingerprint(self, as_of: int) -> SnapshotFingerprint:
+    def snapshot_fingerprint(self, as_of: int | str) -> SnapshotFingerprint:
         """A digest of the collection at ``as_of``, computed from
         :meth:`snapshot_batches` in bounded memory: equal collections, and only those
         (up to BLAKE2b collisions), have equal fingerprints."""
         return fingerprint_batches(self._snapshot_batches(as_of, SNAPSHOT_BATCH_ROWS,
                                                           typed=False))
 
-    def listen(self, as_of: int) -> Listen:
+    def listen(self, as_of: int | str) -> Listen:
         """Every update with ``t > as_of``, in time order, with progress frontiers.
 
         ``snapshot(as_of)`` followed by this listen reproduces the whole collection.
@@ -291,7 +302,7 @@ class ReadHandle:
         self._listens.add(listen)
         return listen
 
-    def snapshot_plan(self, as_of: int | None = None) -> SnapshotPlan:
+    def snapshot_plan(self, as_of: int | str = "latest") -> SnapshotPlan:
         """The live Parquet files and inline rows of the snapshot at ``as_of``, for
         other engines (DuckDB, polars, Spark); see :mod:`persist_pipeline.plan`.
 
@@ -300,18 +311,17 @@ class ReadHandle:
         lease runs out. Heartbeats meanwhile keep the lease without releasing the hold.
 
         Args:
-            as_of: the time to read; None for the latest complete time (upper - 1).
+            as_of: the time to read, or ``"latest"`` (the latest complete time,
+                ``upper - 1``; the default).
 
         Raises:
             SinceViolation: ``as_of`` is below this reader's since.
             NotYetAvailable: the shard's upper is not yet beyond ``as_of`` (or, with
-                ``as_of=None``, nothing is complete yet).
+                ``as_of="latest"``, nothing is complete yet).
             InvalidConfig: a part lives in an in-memory blob store.
         """
         state = self._start_reading()
         try:
-            if as_of is None:
-                as_of = latest_complete_time(self.shard_id, state.upper)
             t = self._check_as_of(as_of, state)
             if not less_than(t, state.upper):
                 raise NotYetAvailable(f"as_of {t} is not complete yet: the shard's upper is "

@@ -47,9 +47,11 @@ deletes them only if no state references them. Only ``mode("append")`` is accept
 
 Options: ``consensus``, ``blob``, ``wal_blob`` (default to ``PERSIST_CONSENSUS_URI``,
 ``PERSIST_BLOB_URI``, ``PERSIST_WAL_BLOB_URI`` of the Spark driver's environment),
-``shard``; reads: ``as_of`` (a time or ``latest``), ``partitions``,
+``shard`` (a shard id or a registered name; a write creates a name that has no shard
+yet); reads: ``as_of`` (a time or ``latest``, the default), ``partitions``,
 ``partition_bytes``, ``lease_seconds``; writes: ``expected_upper``, ``new_upper`` (a
-time or ``closed``). ``mem://`` stores are refused: executors are other processes.
+time or ``closed``). Any other option is refused (``InvalidConfig`` listing the valid
+ones), never ignored. ``mem://`` stores are refused: executors are other processes.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ from persist_pipeline.exceptions import (
     CorruptPart,
     InvalidConfig,
     InvalidFrontier,
+    InvalidShardId,
     InvalidUpdates,
     LeaseExpired,
     PersistError,
@@ -94,7 +97,7 @@ from persist_pipeline.ids import ShardId, new_token
 from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, ShardBlobs
 from persist_pipeline.internal.merge import batch_rows, memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Part, Store
-from persist_pipeline.plan import PlanFile, SnapshotPlan
+from persist_pipeline.plan import LATEST, PlanFile, SnapshotPlan
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import Updates, advance_times, consolidate, naming_shard
 
@@ -121,9 +124,24 @@ _ROWS_PER_BATCH = 65536
 _SAMPLES_PER_SMALL_PART = 64
 
 
-def register(spark: SparkSession) -> None:
-    """Register the ``persist`` format on ``spark`` (idempotent)."""
+#: The Spark setting that makes a Python data source's error one line (the exception's
+#: type and message) rather than a Python traceback after Spark's own preamble.
+HIDE_TRACEBACK_CONF = "spark.sql.execution.pyspark.udf.hideTraceback.enabled"
+
+
+def register(spark: SparkSession, *, one_line_errors: bool = True) -> None:
+    """Register the ``persist`` format on ``spark`` (idempotent).
+
+    Args:
+        one_line_errors: set ``spark.sql.execution.pyspark.udf.hideTraceback.enabled``
+            so that the first line of a failed read or write carries persist's message
+            (e.g. ``InvalidConfig: unknown option(s) ['asof'] ...``) instead of a
+            Python traceback. It applies to the session's Python UDFs too; pass False
+            to keep their tracebacks.
+    """
     spark.dataSource.register(PersistDataSource)
+    if one_line_errors:
+        spark.conf.set(HIDE_TRACEBACK_CONF, "true")
 
 
 # --- options -----------------------------------------------------------------------------
@@ -145,7 +163,16 @@ class _Location:
                 f"blob={redact_uri(self.blob_uri)!r}{wal}, shard={self.shard_id})")
 
     @classmethod
-    def from_options(cls, options: Mapping[str, str]) -> _Location:
+    def from_options(cls, options: Mapping[str, str], *, writing: bool = False) -> _Location:
+        """The location and shard the options name. ``shard`` is a shard id or a
+        registered name (resolved here; a write creates a name that has no shard yet).
+
+        Raises:
+            InvalidConfig: an option this data source does not take (the message lists
+                the valid ones), or a missing or in-memory store.
+            ShardNameNotFound: a read of a name that no shard has.
+        """
+        check_options(options, writing=writing)
         opts = {k.lower(): v for k, v in options.items()}
         consensus = opts.get("consensus") or os.environ.get("PERSIST_CONSENSUS_URI")
         blob = opts.get("blob") or os.environ.get("PERSIST_BLOB_URI")
@@ -160,8 +187,19 @@ class _Location:
                                     "file:///absolute/dir or s3://bucket/prefix")
         shard = opts.get("shard")
         if not shard:
-            raise InvalidConfig("the persist data source needs option shard (a shard id)")
-        return cls(consensus, blob, wal, str(ShardId.parse(shard)))
+            raise InvalidConfig("the persist data source needs option shard (a shard id or "
+                                "a registered name)")
+        try:
+            return cls(consensus, blob, wal, str(ShardId.parse(shard)))
+        except InvalidShardId:
+            pass
+        location = cls(consensus, blob, wal, "")
+        client = location.client()
+        try:
+            shard_id = client.resolve(shard, create=writing)
+        finally:
+            client.close()
+        return cls(consensus, blob, wal, str(shard_id))
 
     def client(self, lease_s: float | None = None) -> PersistClient:
         from persist_pipeline.client import PersistClient
@@ -175,6 +213,29 @@ class _Location:
         config = replace(config, heartbeat_interval_s=0)
         return PersistClient.open(self.consensus_uri, self.blob_uri, self.wal_blob_uri,
                                   config=config)
+
+
+#: Every option a read and a write take (Spark passes option names lower-cased or not).
+_COMMON_OPTIONS = ("consensus", "blob", "wal_blob", "shard")
+READ_OPTIONS = (*_COMMON_OPTIONS, "as_of", "partitions", "partition_bytes", "lease_seconds")
+WRITE_OPTIONS = (*_COMMON_OPTIONS, "expected_upper", "new_upper")
+
+
+def check_options(options: Mapping[str, str], *, writing: bool) -> None:
+    """Refuse options this data source does not take, rather than ignore them (``asof``
+    for ``as_of`` would otherwise read the latest time silently).
+
+    Raises:
+        InvalidConfig: naming the unknown options and listing the valid ones.
+    """
+    valid = WRITE_OPTIONS if writing else READ_OPTIONS
+    unknown = sorted(k for k in options if k.lower() not in valid)
+    if unknown:
+        what = "write" if writing else "read"
+        hint = (" (a path: use option shard with a shard id or name)" if "path" in
+                [k.lower() for k in unknown] else "")
+        raise InvalidConfig(f"unknown option(s) {unknown} for a persist {what}{hint}; the "
+                            f"valid ones are: {', '.join(valid)}")
 
 
 def _int_option(options: Mapping[str, str], name: str, default: int, low: int = 1) -> int:
@@ -332,10 +393,12 @@ def _run_chunks(blobs: ShardBlobs, run: tuple[Part, ...], keys: KeyRange, as_of:
             yield advance_times(keys.filter(chunk), as_of=as_of)
 
 
-def _as_of_option(options: Mapping[str, str]) -> int | None:
+def _as_of_option(options: Mapping[str, str]) -> int | str:
+    """Option ``as_of``: a time, or ``latest`` (upper - 1; also when the option is not
+    given)."""
     text = {k.lower(): v for k, v in options.items()}.get("as_of")
-    if text is None or text.strip().lower() == "latest":
-        return None
+    if text is None or text.strip().lower() == LATEST:
+        return LATEST
     try:
         value = int(text)
     except ValueError:
@@ -463,7 +526,7 @@ def _write_job(options: Mapping[str, str], overwrite: bool) -> _WriteJob:
     if overwrite:
         raise InvalidConfig("persist shards are append-only: write with mode('append') "
                             "and options expected_upper / new_upper")
-    location = _Location.from_options(options)
+    location = _Location.from_options(options, writing=True)
     expected = _frontier_option(options, "expected_upper")
     upper = _frontier_option(options, "new_upper")
     if expected is None:
@@ -656,7 +719,8 @@ class PersistDataSource(DataSource):
         return FORMAT
 
     def schema(self) -> str | StructType:
-        typed = _shard_schema(_Location.from_options(self.options))
+        writing = any(k.lower() in ("expected_upper", "new_upper") for k in self.options)
+        typed = _shard_schema(_Location.from_options(self.options, writing=writing))
         return SPARK_SCHEMA if typed is None else spark_struct(typed)
 
     def reader(self, schema: StructType) -> DataSourceReader:

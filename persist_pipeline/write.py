@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -86,6 +86,9 @@ class WriteResult:
         num_parts: blob parts written (0 when inline).
         fell_back: an inline candidate went to blob because the shard's budget was full.
         already_committed: a retry found this write already committed (idempotency).
+        rows_added / rows_retracted: for :meth:`WriteHandle.replace_contents`,
+            :meth:`~WriteHandle.upsert` and :meth:`~WriteHandle.delete`, the rows the
+            write added and removed (sums of its positive and negative diffs).
     """
 
     placement: Placement
@@ -96,6 +99,8 @@ class WriteResult:
     num_parts: int = 0
     fell_back: bool = False
     already_committed: bool = False
+    rows_added: int = 0
+    rows_retracted: int = 0
 
 
 class WriteHandle:
@@ -408,11 +413,15 @@ class WriteHandle:
             if rows is not None:
                 pieces.append(rows.set_column(2, "t", pa.array([time] * rows.num_rows,
                                                                pa.int64())).cast(SCHEMA))
+            data = Updates.coerce(pa.concat_tables(pieces))
             try:
-                return self._compare_and_append(Updates.coerce(pa.concat_tables(pieces)),
-                                                expected, time + 1, None, encoding)
+                result = self._compare_and_append(data, expected, time + 1, None, encoding)
             except UpperMismatch:
                 continue  # another write landed: read the keys again
+            diffs = data.table().column("d")
+            added = pc.sum(pc.filter(diffs, pc.greater(diffs, 0))).as_py() or 0
+            removed = pc.sum(pc.filter(diffs, pc.less(diffs, 0))).as_py() or 0
+            return replace(result, rows_added=added, rows_retracted=-removed)
         raise AssertionError("unreachable")
 
     def _contents(self, state: State) -> pa.Table:

@@ -30,8 +30,9 @@ from persist_pipeline.dagster_io import (
     PersistIOManager,
     UnsupportedOutput,
     asset_shard_id,
+    asset_shard_name,
 )
-from persist_pipeline.dagster_io.encoding import SCHEMA_KEY, contents_for, table_from_contents
+from persist_pipeline.dagster_io.encoding import contents_for, table_from_contents
 
 ORDERS_V1 = pa.table({
     "order_id": pa.array([1, 2, 3, 4], pa.int32()),
@@ -132,14 +133,14 @@ def _meta(result: dg.ExecuteInProcessResult, key: str) -> dict[str, Any]:
     return {k: getattr(v, "value", v) for k, v in metadata.items()}
 
 
-def _stored(manager: PersistIOManager, shard_id: str, as_of: int) -> dict[bytes, int]:
+def _stored(manager: PersistIOManager, name: str, as_of: int) -> pa.Table:
+    """The shard's typed snapshot, as any other client reads it by name."""
     client = manager.client()
-    reader = client.open_reader(shard_id)
+    reader = client.open_reader(client.resolve(name))
     try:
-        snap = reader.snapshot(as_of)
+        return reader.snapshot(as_of)
     finally:
         reader.expire()
-    return dict(zip(snap.column("k").to_pylist(), snap.column("d").to_pylist(), strict=True))
 
 
 def test_store_load_overwrite_and_load_an_earlier_upper(io_manager: PersistIOManager) -> None:
@@ -156,15 +157,17 @@ def test_store_load_overwrite_and_load_an_earlier_upper(io_manager: PersistIOMan
                                                 "ordered=0>"),
             ("amount", "decimal128(9, 2)"), ("placed", "timestamp[ns, tz=UTC]"),
             ("tags", "list<item: string>"), ("day", "date32[day]")]
-        assert meta["shard_upper"] == 1 and meta["rows_added"] == 4
-        assert meta["rows_retracted"] == 0 and meta["placement"] == "inline"
-        shard = asset_shard_id(dg.AssetKey("orders"))
-        assert meta["shard_id"] == shard
+        assert meta["persist/upper"] == 1 and meta["persist/rows_added"] == 4
+        assert meta["persist/rows_retracted"] == 0 and meta["persist/placement"] == "inline"
+        assert meta["dagster/table_name"] == "orders"
+        shard = io_manager.client().resolve("orders")
+        assert meta["persist/shard_id"] == str(shard)
+        assert str(shard) in meta["dagster/uri"]
         summary = first.output_for_node("order_summary")
         assert summary.to_pylist() == [{"orders": 4, "total": decimal.Decimal("20.75")}]
 
         # What a downstream asset loads: the same rows, the same types (dictionary too).
-        loaded = io_manager.load(shard)
+        loaded = io_manager.load("orders")
         assert loaded.schema == ORDERS_V1.schema
         assert _sorted(loaded) == _sorted(ORDERS_V1)
 
@@ -173,11 +176,13 @@ def test_store_load_overwrite_and_load_an_earlier_upper(io_manager: PersistIOMan
                                 run_config=dg.RunConfig(ops={"orders": Version(version=2)}))
         assert second.success
         meta = _meta(second, "orders")
-        assert (meta["shard_upper"], meta["rows_added"], meta["rows_retracted"]) == (2, 2, 2)
-        assert _sorted(io_manager.load(shard)) == _sorted(ORDERS_V2)
-        # The shard holds exactly v2: the schema record and one record per row.
-        stored = _stored(io_manager, shard, 1)
-        assert len(stored) == 5 and set(stored.values()) == {1} and SCHEMA_KEY in stored
+        assert (meta["persist/upper"], meta["persist/rows_added"],
+                meta["persist/rows_retracted"]) == (2, 2, 2)
+        assert _sorted(io_manager.load("orders")) == _sorted(ORDERS_V2)
+        # The shard holds exactly v2, typed: one row per order, diff 1.
+        stored = _stored(io_manager, "orders", 1)
+        assert sorted(stored.column("order_id").to_pylist()) == [1, 3, 4, 5]
+        assert set(stored.column("d").to_pylist()) == {1}
 
         # An earlier version through input metadata; the latest one otherwise.
         earlier = dg.materialize([orders, first_orders], resources=resources,
@@ -189,10 +194,11 @@ def test_store_load_overwrite_and_load_an_earlier_upper(io_manager: PersistIOMan
         third = dg.materialize([orders], resources=resources, instance=instance,
                                run_config=dg.RunConfig(ops={"orders": Version(version=2)}))
         meta = _meta(third, "orders")
-        assert (meta["shard_upper"], meta["rows_added"], meta["rows_retracted"]) == (3, 0, 0)
-        assert _sorted(io_manager.load(shard, upper=1)) == _sorted(ORDERS_V1)
+        assert (meta["persist/upper"], meta["persist/rows_added"],
+                meta["persist/rows_retracted"]) == (3, 0, 0)
+        assert _sorted(io_manager.load("orders", upper=1)) == _sorted(ORDERS_V1)
         with pytest.raises(Exception, match=r"upper=9 must be an integer in \[1, 3\]"):
-            io_manager.load(shard, upper=9)
+            io_manager.load("orders", upper=9)
 
 
 def test_partitions_have_their_own_shards(io_manager: PersistIOManager) -> None:
@@ -205,8 +211,9 @@ def test_partitions_have_their_own_shards(io_manager: PersistIOManager) -> None:
                                     selection=[visits, visits_polars])
             assert result.success
             assert _meta(result, "visits")["dagster/row_count"] == (3 if region == "eu" else 2)
-        eu = io_manager.load(asset_shard_id(dg.AssetKey("visits"), "eu"))
-        us = io_manager.load(asset_shard_id(dg.AssetKey("visits"), "us"))
+        assert asset_shard_name(["visits"], "eu") == "visits/_partitions/eu"
+        eu = io_manager.load("visits/_partitions/eu")
+        us = io_manager.load("visits/_partitions/us")
         assert sorted(eu.column("visits").to_pylist()) == [0, 1, 2]
         assert us.column("region").to_pylist() == ["us", "us"]
         # pandas' index and dtypes round-trip through the stored schema metadata.
@@ -221,16 +228,15 @@ def test_partitions_have_their_own_shards(io_manager: PersistIOManager) -> None:
         # Re-materializing one partition leaves the other's shard alone.
         again = dg.materialize(assets, resources=resources, instance=instance,
                                partition_key="us", selection=[visits])
-        assert _meta(again, "visits")["shard_upper"] == 2
+        assert _meta(again, "visits")["persist/upper"] == 2
         client = io_manager.client()
-        eu_id = asset_shard_id(dg.AssetKey("visits"), "eu")
+        eu_id = str(client.resolve("visits/_partitions/eu"))
         assert client.shard_summaries()[eu_id].upper == 1
 
 
 def test_concurrent_first_writes_agree_on_the_shard(location: tuple[str, str]) -> None:
-    shard = asset_shard_id(dg.AssetKey(["team", "scores"]))
-    assert shard == asset_shard_id(dg.AssetKey(["team", "scores"]))  # deterministic
-    assert shard != asset_shard_id(dg.AssetKey(["team", "scores"]), "p")
+    name = asset_shard_name(["team", "scores"])
+    assert name == "team/scores" != asset_shard_name(["team", "scores"], "p")
     tables = [pa.table({"who": ["a", "b"], "score": [i, i + 1]}) for i in range(4)]
     managers = [PersistIOManager(consensus_uri=location[0], blob_uri=location[1])
                 for _ in tables]
@@ -238,7 +244,7 @@ def test_concurrent_first_writes_agree_on_the_shard(location: tuple[str, str]) -
 
     def write(manager: PersistIOManager, table: pa.Table) -> None:
         try:
-            manager.store(shard, table)
+            manager.store(name, table)
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -251,11 +257,13 @@ def test_concurrent_first_writes_agree_on_the_shard(location: tuple[str, str]) -
     try:
         assert errors == []
         client = managers[0].client()
+        shard = str(client.resolve(name))
         assert client.shard_summaries()[shard].upper == 4  # four writes, one shard
         # Each version is exactly one of the outputs, never a mix.
         for upper in range(1, 5):
-            version = managers[0].load(shard, upper=upper)
-            assert any(version.to_pylist() == t.to_pylist() for t in tables), upper
+            version = managers[0].load(name, upper=upper)
+            assert any(sorted(version.to_pylist(), key=repr) == t.to_pylist()
+                       for t in tables), upper
     finally:
         for m in managers:
             m.teardown_after_execution(None)  # type: ignore[arg-type]

@@ -1,19 +1,24 @@
 """Dagster integration that ships with the library (needs the ``pipeline`` extra).
 
-- :class:`PersistIOManager`: store asset outputs (pyarrow, pandas, polars) in shards and
-  load them as inputs; add it to any Dagster project's ``Definitions``.
-- :mod:`~persist_pipeline.dagster_io.encoding`: how a table is laid out in a shard.
+- :class:`PersistIOManager`: store asset outputs (pyarrow, pandas, polars) in typed,
+  named shards and load them as inputs; add it to any Dagster project's ``Definitions``.
+- :func:`compaction_definitions`: a sensor and a Spark job that compact IO-managed
+  shards, for projects that run ``PersistIOManager(maintenance="external")``.
+- :mod:`~persist_pipeline.dagster_io.storage`: how a table is stored in a typed shard,
+  named, and read back (no Dagster import).
 
 Importing ``persist_pipeline`` never imports Dagster; importing this package does.
 """
 
 from __future__ import annotations
 
+from persist_pipeline.dagster_io.compaction import compaction_definitions
 from persist_pipeline.dagster_io.io_manager import (
     AssetNotStored,
     PersistIOManager,
-    UnsupportedOutput,
     asset_shard_id,
 )
+from persist_pipeline.dagster_io.storage import UnsupportedOutput, asset_shard_name
 
-__all__ = ["AssetNotStored", "PersistIOManager", "UnsupportedOutput", "asset_shard_id"]
+__all__ = ["AssetNotStored", "PersistIOManager", "UnsupportedOutput", "asset_shard_id",
+           "asset_shard_name", "compaction_definitions"]

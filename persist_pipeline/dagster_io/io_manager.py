@@ -1,16 +1,25 @@
-"""``PersistIOManager``: Dagster assets stored in persist shards.
+"""``PersistIOManager``: Dagster assets stored in typed, named persist shards.
 
 An asset's output (a pyarrow ``Table``, a pandas or a polars ``DataFrame``) is stored in
-a shard named after the asset key; each partition of a partitioned asset has a shard of
-its own. Each materialization is ONE ``compare_and_append`` that makes the shard's
-contents equal to the output: rows no longer there are retracted (diff -1), new rows
-added, unchanged rows left alone, at one new time; the shard's upper advances by one.
-Concurrent materializations of the same shard serialize on the upper (the loser re-reads
-and re-diffs), so the shard always equals one of the outputs, never a mix.
+a typed shard named after the asset key (``sales/orders``); each partition of a
+partitioned asset has a shard of its own (``sales/orders/_partitions/eu``). What is
+stored is an ordinary shard that every other entry point reads by that name: the CLI,
+read plans in DuckDB and polars, Spark's ``format("persist")``. How tables map to
+shards, names, keys and schema generations: :mod:`persist_pipeline.dagster_io.storage`.
 
-Downstream inputs load the latest snapshot, or the contents as of a given ``upper``
-(input metadata ``{"upper": N}``: what the materialization that reported
-``shard_upper == N`` stored). How rows are encoded: :mod:`persist_pipeline.dagster_io.encoding`.
+Each materialization is ONE ``compare_and_append``
+(:meth:`~persist_pipeline.WriteHandle.replace_contents`) that makes the shard's contents
+equal to the output: rows no longer there are retracted, new rows added, unchanged rows
+left alone, at one new time; the shard's upper advances by one. Output metadata
+``{"primary_key": ["id"]}`` makes it a keyed shard (a row per key). Concurrent
+materializations of one shard serialize on the upper, so the shard always equals one
+of the outputs, never a mix. After a write the IO manager keeps the shard compacted
+itself (or leaves it to a Spark job: :func:`compaction_definitions`).
+
+Downstream inputs load the latest version, or the one a materialization reported as
+``persist/upper == N`` (input metadata ``{"upper": N}``); input metadata ``{"columns":
+[...]}`` loads only those columns. Shards written by versions of the library before
+typed shards (:func:`asset_shard_id`) are read until the asset is stored again.
 """
 
 from __future__ import annotations
@@ -18,23 +27,33 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import Counter
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import dagster as dg
 import pyarrow as pa
 from pydantic import Field, PrivateAttr
 
+from persist_pipeline.blob import redact_uri
 from persist_pipeline.client import PersistClient
 from persist_pipeline.config import (
     INLINE_UPDATE_MAX_BYTES,
     INLINE_UPDATE_THRESHOLD_BYTES,
     InlinePolicy,
 )
-from persist_pipeline.dagster_io import encoding
+from persist_pipeline.dagster_io import encoding, storage
+from persist_pipeline.dagster_io.storage import (
+    StoragePlan,
+    UnsupportedOutput,
+    asset_shard_name,
+    from_storage,
+    storage_plan,
+    to_storage,
+)
 from persist_pipeline.dagster_io.templates import expand_env
-from persist_pipeline.exceptions import InvalidInput, PersistError, ShardNotFound, UpperMismatch
+from persist_pipeline.exceptions import InvalidInput, PersistError, SchemaMismatch
 from persist_pipeline.ids import ShardId
+from persist_pipeline.write import WriteHandle
 
 #: Shard ids of IO-managed assets live in this UUID namespace: the same asset key (and
 #: partition) maps to the same shard on every machine, so concurrent first writes agree.
@@ -48,12 +67,11 @@ class AssetNotStored(PersistError, LookupError):
     """An input asset (or partition) has never been stored by the IO manager."""
 
 
-class UnsupportedOutput(InvalidInput, TypeError):
-    """An output the IO manager cannot store (not a table or data frame)."""
-
-
 def asset_shard_id(asset_key: dg.AssetKey, partition_key: str | None = None) -> str:
-    """The shard of ``asset_key`` (and ``partition_key``): a UUIDv5 of both, stable."""
+    """Where versions of the library before typed shards stored ``asset_key`` (and
+    ``partition_key``): a UUIDv5 of both. Read until the asset is stored again (or
+    :meth:`PersistIOManager.migrate`); new writes go to the shard named by
+    :func:`~persist_pipeline.dagster_io.storage.asset_shard_name`."""
     name = json.dumps(list(asset_key.path))
     if partition_key is not None:
         name += "\n" + partition_key  # a partition key never contains a newline
@@ -125,6 +143,13 @@ class PersistIOManager(dg.ConfigurableIOManager):
     persist_inline_update_max_bytes: int = Field(
         default=INLINE_UPDATE_MAX_BYTES, ge=0,
         description="The most inline bytes one shard may hold.")
+    maintenance: Literal["inline", "external"] = Field(
+        default="inline",
+        description="inline: after a write, compact the shard in this process when it has "
+                    "pending merges (bounded memory) and run GC every gc_every writes. "
+                    "external: leave it to a compaction job (compaction_definitions).")
+    gc_every: int = Field(default=16, ge=1, description="With inline maintenance, run GC "
+                                                        "on a shard every this many writes.")
 
     _client: PersistClient | None = PrivateAttr(default=None)
 
@@ -166,79 +191,118 @@ class PersistIOManager(dg.ConfigurableIOManager):
                     "partitions; PersistIOManager stores one partition per run (launch a "
                     "backfill with one run per partition)")
             partition = keys[0]
-        shard_id = asset_shard_id(context.asset_key, partition)
-        metadata = self.store(shard_id, table, debug=f"dagster run {context.run_id}")
+        declared = (context.definition_metadata or {}).get("primary_key")
+        name = asset_shard_name(context.asset_key.path, partition)
+        metadata = self.store(name, table, primary_key=_key_columns(declared),
+                              debug=f"dagster run {context.run_id}")
         context.add_output_metadata(metadata)
 
-    def store(self, shard_id: str, table: pa.Table, *, debug: str = "") -> dict[str, Any]:
-        """Make ``shard_id`` hold exactly ``table``, in one write; returns its metadata."""
-        desired = encoding.contents_for(table)
+    def store(self, name: str, table: pa.Table, *, primary_key: Sequence[str] | None = None,
+              debug: str = "") -> dict[str, Any]:
+        """Make the shard named ``name`` hold exactly ``table`` (see :mod:`.storage`), in
+        one write; then keep it compacted (unless ``maintenance`` is ``"external"``).
+        Returns the materialization's metadata.
+
+        Raises:
+            UnsupportedOutput: a column type cannot be stored.
+            InvalidInput: ``primary_key`` does not name columns of the table, or a key
+                appears twice.
+        """
+        plan = storage_plan(table.schema, primary_key)
         client = self.client()
-        writer = client.open_writer(shard_id, debug=debug)
+        writer, generation_of = self._open_generation(client, name, plan, debug)
+        shard = ShardId.parse(writer.shard_id)
         try:
-            upper = writer.fetch_recent_upper()
-            for _ in range(MAX_ATTEMPTS):
-                if upper is None:
-                    raise InvalidInput(f"shard {shard_id} is closed: it takes no more writes")
-                current = self._contents(client, shard_id, upper)
-                updates = list(encoding.diff(current, desired))
-                data = pa.table({
-                    "k": pa.array([u[0] for u in updates], pa.binary()),
-                    "v": pa.array([u[1] for u in updates], pa.binary()),
-                    "t": pa.array([upper] * len(updates), pa.int64()),
-                    "d": pa.array([u[2] for u in updates], pa.int64())})
-                started = time.perf_counter()
-                try:
-                    result = writer.compare_and_append(data, upper, upper + 1)
-                except UpperMismatch as mismatch:
-                    upper = mismatch.current
-                    continue
-                latency_ms = (time.perf_counter() - started) * 1000
-                break
-            else:
-                raise PersistError(f"shard {shard_id}: the upper kept moving; gave up after "
-                                   f"{MAX_ATTEMPTS} attempts")
+            started = time.perf_counter()
+            result = writer.replace_contents(to_storage(table, plan))
+            latency_ms = (time.perf_counter() - started) * 1000
         finally:
             writer.expire()
-        added = sum(d for k, _, d in updates if d > 0 and k != encoding.SCHEMA_KEY)
-        retracted = -sum(d for k, _, d in updates if d < 0 and k != encoding.SCHEMA_KEY)
+        maintenance = self._maintain(client, shard, result.upper)
+        upper = result.upper if result.upper is not None else -1
         return {
+            "dagster/table_name": generation_of,
+            "dagster/uri": f"{redact_uri(client.blobs.main.describe())}/{shard}",
             "dagster/row_count": table.num_rows,
             "dagster/column_schema": column_schema(table.schema),
-            "shard_upper": result.upper if result.upper is not None else -1,
-            "rows_added": added,
-            "rows_retracted": retracted,
-            "placement": result.placement,
-            "encoded_bytes": result.encoded_bytes,
-            "write_latency_ms": round(latency_ms, 3),
-            "shard_id": shard_id,
+            "persist/shard_id": str(shard),
+            "persist/upper": upper,
+            "persist/primary_key": list(primary_key or []),
+            "persist/rows_added": result.rows_added,
+            "persist/rows_retracted": result.rows_retracted,
+            "persist/placement": result.placement,
+            "persist/stored_bytes": result.encoded_bytes,
+            "persist/write_latency_ms": round(latency_ms, 3),
+            **maintenance,
         }
 
-    @staticmethod
-    def _contents(client: PersistClient, shard_id: str, upper: int
-                  ) -> Counter[tuple[bytes, bytes]]:
-        if upper == 0:
-            return Counter()
-        snap = _snapshot(client, shard_id, upper - 1)
-        return Counter({(k, v): d for k, v, d in zip(
-            snap.column("k").to_pylist(), snap.column("v").to_pylist(),
-            snap.column("d").to_pylist(), strict=True)})
+    def _open_generation(self, client: PersistClient, name: str, plan: StoragePlan,
+                         debug: str) -> tuple[WriteHandle, str]:
+        """A writer on the newest generation of ``name`` if its recorded schema is
+        exactly ``plan``'s (or evolves to it), and that generation's name; a table whose
+        schema no longer fits starts the next generation (a new shard). Never an older
+        generation: loads read the newest."""
+        found = storage.generations(name, client.shard_names())
+        generation = found[-1] if found else 1
+        for _ in range(MAX_ATTEMPTS):
+            gen_name = storage.generation_name(name, generation)
+            shard = client.resolve(gen_name, create=True)
+            try:
+                writer = client.open_writer(shard, schema=plan.shard_schema, debug=debug)
+            except SchemaMismatch:
+                generation += 1  # keys or types changed: a new generation, a new shard
+                continue
+            if writer.schema == plan.shard_schema:
+                return writer, gen_name
+            writer.expire()  # same columns, other metadata or fewer columns: exactness
+            generation += 1
+        raise PersistError(f"{name}: could not settle on a generation for this table's "
+                           f"schema in {MAX_ATTEMPTS} attempts")
+
+    def _maintain(self, client: PersistClient, shard: ShardId,
+                  upper: int | None) -> dict[str, Any]:
+        """Compact the shard in this process when it has pending merges (bounded memory),
+        and run GC every ``gc_every`` writes (also right after a compaction that merged);
+        nothing when maintenance is external (a Spark compaction sensor does it)."""
+        if self.maintenance == "external":
+            return {}
+        out: dict[str, Any] = {"persist/merges_applied": 0}
+        state = client.inspect(shard)
+        # Merges of several batches keep the part count logarithmic; inline data alone is
+        # flushed only as the shard's inline budget fills (small writes stay one SQL
+        # round trip, without a synchronous flush after each).
+        merging = any(entry["batches"] > 1 for entry in state["spine"])
+        if merging or state["inline_bytes"] * 2 >= max(1, state["inline_max_bytes"]):
+            metrics = client.compact(shard)
+            out["persist/merges_applied"] = metrics["applied"]
+        if out["persist/merges_applied"] or (upper is not None and upper % self.gc_every == 0):
+            out["persist/blobs_deleted"] = client.gc(shard)["blobs_deleted"]
+        return out
 
     # --- inputs --------------------------------------------------------------------------
 
     def load_input(self, context: dg.InputContext) -> Any:
         key = context.asset_key
         wanted = (context.definition_metadata or {}).get("upper")
+        columns = (context.definition_metadata or {}).get("columns")
         partitions: list[str | None] = (list(context.asset_partition_keys)
                                         if context.has_asset_partitions else [None])
-        tables = [self.load(asset_shard_id(key, p), upper=wanted,
-                            what=key.to_user_string() + (f" partition {p}" if p else ""))
+        tables = [self.load(asset_shard_name(key.path, p), upper=wanted,
+                            what=key.to_user_string() + (f" partition {p}" if p else ""),
+                            legacy_shard=asset_shard_id(key, p))
                   for p in partitions]
         table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        if columns is not None:
+            table = _project(table, columns, key.to_user_string())
         return from_arrow(table, context.dagster_type.typing_type)
 
-    def load(self, shard_id: str, *, upper: int | None = None, what: str = "") -> pa.Table:
-        """The table stored in ``shard_id``: its latest version, or as of ``upper``.
+    def load(self, name: str, *, upper: int | None = None, what: str = "",
+             legacy_shard: str | None = None) -> pa.Table:
+        """The table stored under ``name`` (its newest generation): its latest version,
+        or the one its materialization reported as ``persist/upper == upper``.
+
+        ``legacy_shard``: where a version of the library before typed shards stored it
+        (read when ``name`` has no generation yet; the next materialization moves it).
 
         Raises:
             AssetNotStored: nothing was ever stored there.
@@ -246,24 +310,85 @@ class PersistIOManager(dg.ConfigurableIOManager):
             SinceViolation: ``upper`` is so old that compaction merged it away.
         """
         client = self.client()
-        what = what or shard_id
+        what = what or name
+        found = storage.generations(name, client.shard_names())
+        if not found:
+            if legacy_shard is not None and legacy_shard in client.list_shards():
+                return self._load_legacy(client, legacy_shard, upper, what)
+            raise AssetNotStored(f"{what}: nothing stored yet (no shard is named {name!r}): "
+                                 "materialize it first")
+        shard = client.resolve(storage.generation_name(name, found[-1]))
+        as_of = _as_of(client, shard, upper, what)
+        reader = client.open_reader(shard, debug="PersistIOManager")
         try:
-            current = client.inspect(shard_id)["upper"]
-        except ShardNotFound:
-            raise AssetNotStored(f"{what}: nothing stored yet (shard {shard_id} does not "
-                                 "exist): materialize it first") from None
-        if current in (None, 0):
-            raise AssetNotStored(f"{what}: nothing stored yet (shard {shard_id})")
-        if upper is not None:
-            if isinstance(upper, bool) or not isinstance(upper, int) or upper < 1 \
-                    or upper > current:
-                raise InvalidInput(f"{what}: input metadata upper={upper!r} must be an "
-                                   f"integer in [1, {current}] (the shard's upper)")
-            current = upper
-        snap = _snapshot(client, shard_id, current - 1)
+            typed = reader.snapshot(as_of)
+            schema = reader.schema()
+        finally:
+            reader.expire()
+        if schema is None:
+            raise InvalidInput(f"{what}: shard {shard} ({name}) is untyped: it was not "
+                               f"written by PersistIOManager")
+        return from_storage(typed, schema)
+
+    def _load_legacy(self, client: PersistClient, shard: str, upper: int | None,
+                     what: str) -> pa.Table:
+        snap = _snapshot(client, shard, _as_of(client, shard, upper, what))
         return encoding.table_from_contents(
             zip(snap.column("k").to_pylist(), snap.column("v").to_pylist(),
                 snap.column("d").to_pylist(), strict=True), what)
+
+    def migrate(self, asset_key: dg.AssetKey, partition: str | None = None) -> dict[str, Any]:
+        """Store the latest version of an asset (partition) that an earlier version of
+        the library kept in its UUIDv5 shard, in the typed shard named after the asset.
+        Nothing is deleted; run it once per asset that will not be materialized again
+        soon (the next materialization migrates an asset by itself).
+
+        Raises:
+            AssetNotStored: there is no earlier shard for this asset (partition).
+        """
+        name = asset_shard_name(asset_key.path, partition)
+        legacy = asset_shard_id(asset_key, partition)
+        client = self.client()
+        if legacy not in client.list_shards():
+            raise AssetNotStored(f"{asset_key.to_user_string()}: no shard {legacy} from an "
+                                 f"earlier version of the library")
+        table = self._load_legacy(client, legacy, None, asset_key.to_user_string())
+        return self.store(name, table, debug="PersistIOManager.migrate")
+
+
+def _key_columns(declared: object) -> list[str] | None:
+    if declared is None:
+        return None
+    if isinstance(declared, str):
+        return [declared]
+    if isinstance(declared, list | tuple) and all(isinstance(c, str) for c in declared):
+        return list(declared)
+    raise InvalidInput(f"output metadata primary_key must be a column name or a list of "
+                       f"them, got {declared!r}")
+
+
+def _project(table: pa.Table, columns: object, what: str) -> pa.Table:
+    if not isinstance(columns, list | tuple) or not all(isinstance(c, str) for c in columns):
+        raise InvalidInput(f"{what}: input metadata columns must be a list of column names, "
+                           f"got {columns!r}")
+    unknown = [c for c in columns if c not in table.column_names]
+    if unknown:
+        raise InvalidInput(f"{what}: input metadata columns {unknown} are not columns of the "
+                           f"stored table {table.column_names}")
+    return table.select(list(columns))
+
+
+def _as_of(client: PersistClient, shard: str | ShardId, upper: int | None, what: str) -> int:
+    current = client.inspect(shard)["upper"]
+    if current in (None, 0):
+        raise AssetNotStored(f"{what}: nothing stored yet (shard {shard})")
+    if upper is not None:
+        if isinstance(upper, bool) or not isinstance(upper, int) or upper < 1 \
+                or upper > current:
+            raise InvalidInput(f"{what}: input metadata upper={upper!r} must be an "
+                               f"integer in [1, {current}] (the shard's upper)")
+        current = upper
+    return int(current) - 1
 
 
 def _snapshot(client: PersistClient, shard_id: str, as_of: int) -> pa.Table:

@@ -61,9 +61,9 @@ _PLAIN = re.compile(r"[A-Za-z0-9._-]+")
 _NAME_MAX = 200
 
 
-class UnsupportedTable(InvalidInput):
-    """A table the IO manager cannot store (a type the shard codec has no encoding for,
-    e.g. a union, or a map nested inside another column)."""
+class UnsupportedOutput(InvalidInput, TypeError):
+    """An output the IO manager cannot store: not a table or data frame, or a column
+    type the shard codec has no encoding for (a union, a map inside another column)."""
 
 
 # --- names -------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ def _storage_type(type_: pa.DataType, where: str, top: bool) -> pa.DataType:
         return _storage_type(type_.value_type, where, top)
     if pa.types.is_map(type_):
         if not top:
-            raise UnsupportedTable(f"{where}: a map inside another column cannot be stored "
+            raise UnsupportedOutput(f"{where}: a map inside another column cannot be stored "
                                    f"(only top-level map columns)")
         return pa.list_(pa.struct([
             pa.field("key", _storage_type(type_.key_type, f"{where}.key", False), False),
@@ -144,15 +144,15 @@ def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None) ->
     """The shard schema that stores tables of ``schema`` (keyed by ``primary_key``).
 
     Raises:
-        UnsupportedTable: a column type cannot be stored.
+        UnsupportedOutput: a column type cannot be stored.
         InvalidInput: a primary key column is not in the table, or repeated, or there
             is no column at all.
     """
     if not len(schema):
-        raise UnsupportedTable("a table without columns cannot be stored")
+        raise UnsupportedOutput("a table without columns cannot be stored")
     names = schema.names
     if len(set(names)) != len(names):
-        raise UnsupportedTable(f"the table repeats a column name: {names}")
+        raise UnsupportedOutput(f"the table repeats a column name: {names}")
     keys = list(primary_key or [])
     unknown = [k for k in keys if k not in names]
     if unknown or len(set(keys)) != len(keys):
@@ -165,7 +165,7 @@ def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None) ->
         try:
             rowcodec.check_type(type_, f"column {field.name!r}")
         except InvalidUpdates as e:
-            raise UnsupportedTable(str(e)) from None
+            raise UnsupportedOutput(str(e)) from None
         fields.append(pa.field(stored, type_, field.nullable))
     by_name = dict(zip(names, fields, strict=True))
     key_fields = [by_name[k] for k in keys] if keys else fields
@@ -205,7 +205,7 @@ def to_storage(table: pa.Table, plan: StoragePlan) -> pa.Table:
         try:
             columns.append(column if column.type.equals(target) else column.cast(target))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-            raise UnsupportedTable(f"column {name!r} ({column.type}) cannot be stored as "
+            raise UnsupportedOutput(f"column {name!r} ({column.type}) cannot be stored as "
                                    f"{target}: {e}") from None
     return pa.Table.from_arrays(columns, names=list(plan.storage_names))
 

@@ -1,0 +1,86 @@
+"""Compacting IO-managed shards on Spark, for projects that prefer it to the IO
+manager's own in-process compaction (``PersistIOManager(maintenance="external")``).
+
+:func:`compaction_definitions` returns a sensor and a job: the sensor reads every shard's
+summary in one consensus query and, when shards registered under a name have pending
+merges, requests one run of the job, which compacts them all as the tasks of ONE Spark
+job (:func:`persist_pipeline.spark.compact_shards`) and commits from the driver::
+
+    import dagster as dg
+    from dagster_pyspark import PySparkResource
+    from persist_pipeline.dagster_io import PersistIOManager, compaction_definitions
+
+    io_manager = PersistIOManager(consensus_uri=..., blob_uri=..., maintenance="external")
+    defs = dg.Definitions.merge(
+        dg.Definitions(assets=[...], resources={"io_manager": io_manager,
+                                                "pyspark": PySparkResource(spark_config={})}),
+        compaction_definitions())
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+
+from persist_pipeline.dagster_io.io_manager import PersistIOManager
+from persist_pipeline.dagster_io.templates import expand_env
+
+#: The job and sensor names (prefixed, so they do not clash with a project's own).
+JOB_NAME = "persist_io_compaction"
+SENSOR_NAME = "persist_io_compaction_sensor"
+
+
+def pending_named_shards(io_manager: PersistIOManager) -> dict[str, int]:
+    """Shards registered under a name that have pending merges: ``{shard_id: seqno}``."""
+    client = io_manager.client()
+    named = {str(shard) for shard in client.shard_names().values()}
+    return {shard: summary.seqno for shard, summary in client.shard_summaries().items()
+            if shard in named and summary.pending_merges}
+
+
+def compaction_definitions(*, io_manager_key: str = "io_manager",
+                           spark_resource_key: str = "pyspark",
+                           minimum_interval_seconds: int = 60) -> dg.Definitions:
+    """A sensor and a Spark job that compact the shards a :class:`PersistIOManager`
+    (under ``io_manager_key``) writes, using the ``PySparkResource`` under
+    ``spark_resource_key``. Merge the returned ``Definitions`` into the project's."""
+
+    @dg.op(name=f"{JOB_NAME}_op", required_resource_keys={io_manager_key, spark_resource_key},
+           config_schema={"shards": [str]})
+    def compact(context: dg.OpExecutionContext) -> dict[str, Any]:
+        from persist_pipeline.spark import compact_shards
+
+        io_manager: PersistIOManager = getattr(context.resources, io_manager_key)
+        spark = getattr(context.resources, spark_resource_key).spark_session
+        client = io_manager.client()
+        blob = expand_env(io_manager.blob_uri, what="io_manager.blob_uri").strip()
+        wal = expand_env(io_manager.wal_blob_uri, what="io_manager.wal_blob_uri").strip()
+        results = compact_shards(spark, client, context.op_config["shards"], blob_uri=blob,
+                                 wal_blob_uri=wal or None)
+        applied = sum(int(m.get("applied", 0)) for m in results.values())
+        context.add_output_metadata({"persist/shards": len(results),
+                                     "persist/merges_applied": applied})
+        return {shard: {k: v for k, v in m.items() if isinstance(v, int | float | str)}
+                for shard, m in results.items()}
+
+    @dg.job(name=JOB_NAME, description="Compact IO-managed persist shards on Spark")
+    def job() -> None:
+        compact()
+
+    @dg.sensor(name=SENSOR_NAME, job=job, minimum_interval_seconds=minimum_interval_seconds,
+               required_resource_keys={io_manager_key},
+               description="Requests a Spark compaction of the IO-managed shards with "
+                           "pending merges (one summary query per tick)")
+    def sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult | dg.SkipReason:
+        io_manager: PersistIOManager = getattr(context.resources, io_manager_key)
+        pending = pending_named_shards(io_manager)
+        if not pending:
+            return dg.SkipReason("no IO-managed shard has pending merges")
+        shards = sorted(pending)
+        run_key = ",".join(f"{s}@{pending[s]}" for s in shards)
+        return dg.SensorResult(run_requests=[dg.RunRequest(
+            run_key=run_key, run_config={"ops": {f"{JOB_NAME}_op": {"config": {
+                "shards": shards}}}})])
+
+    return dg.Definitions(jobs=[job], sensors=[sensor])
