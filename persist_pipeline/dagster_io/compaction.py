@@ -17,7 +17,6 @@ job (:func:`persist_pipeline.spark.compact_shards`) and commits from the driver:
         compaction_definitions())
 """
 
-from __future__ import annotations
 
 from typing import Any
 

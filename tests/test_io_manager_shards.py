@@ -1,0 +1,274 @@
+"""What the IO manager stores is an ordinary typed, named shard that every entry point
+reads: the library by name, the CLI, a read plan in DuckDB, Spark's data source; keyed
+materializations; projections; bounded parts under many materializations; schema
+generations; shards of earlier versions read and migrated; the Spark compaction factory.
+"""
+
+# No `from __future__ import annotations`: Dagster reads the asset functions' annotations.
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pyarrow as pa
+import pytest
+
+from persist_pipeline import PersistClient
+from persist_pipeline.dagster_io import (
+    AssetNotStored,
+    PersistIOManager,
+    asset_shard_id,
+    compaction_definitions,
+)
+from persist_pipeline.dagster_io.encoding import contents_for
+from persist_pipeline.exceptions import InvalidFrontier, InvalidInput
+from tests.pipeline_support import spark_session  # noqa: F401 - a fixture
+
+ORDERS = pa.table({
+    "order_id": pa.array([1, 2, 3], pa.int32()),
+    "customer": pa.array(["ann", "bob", "ann"]).dictionary_encode(),
+    "amount": pa.array([10.5, 3.25, 7.0], pa.float64()),
+})
+
+
+@dg.asset(key_prefix=["sales"])
+def orders() -> pa.Table:
+    return ORDERS
+
+
+@pytest.fixture(params=["sqlite+files", pytest.param("postgres+s3", marks=[
+    pytest.mark.postgres, pytest.mark.s3])])
+def location(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    if request.param == "sqlite+files":
+        return f"sqlite:///{tmp_path}/consensus.db", f"file://{tmp_path}/blobs"
+    return request.getfixturevalue("pg_url"), request.getfixturevalue("s3_uri")
+
+
+@pytest.fixture
+def io_manager(location: tuple[str, str]) -> Any:
+    manager = PersistIOManager(consensus_uri=location[0], blob_uri=location[1])
+    yield manager
+    manager.teardown_after_execution(None)  # type: ignore[arg-type]
+
+
+def _materialize(io_manager: PersistIOManager, *assets: Any) -> dg.ExecuteInProcessResult:
+    with dg.instance_for_test() as instance:
+        result = dg.materialize(list(assets), resources={"io_manager": io_manager},
+                                instance=instance)
+    assert result.success
+    return result
+
+
+def _metadata(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
+    [event] = result.get_asset_materialization_events()
+    metadata = event.step_materialization_data.materialization.metadata
+    return {k: getattr(v, "value", v) for k, v in metadata.items()}
+
+
+def test_an_io_managed_asset_is_a_named_typed_shard_every_entry_point_reads(
+        io_manager: PersistIOManager, location: tuple[str, str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import duckdb
+
+    from persist_pipeline import cli
+
+    meta = _metadata(_materialize(io_manager, orders))
+    assert meta["dagster/table_name"] == "sales/orders"
+    client = io_manager.client()
+    shard = client.resolve("sales/orders")
+    assert meta["persist/shard_id"] == str(shard)
+    schema = client.schema(shard)
+    assert schema is not None and schema.columns == ["order_id", "customer", "amount"]
+    # The CLI, by name, prints the columns.
+    env = ["--consensus", location[0], "--blob", location[1]]
+    assert cli.main([*env, "snapshot", "sales/orders", "--as-of", "latest"]) == 0
+    rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
+    assert rows[0][:3] == ["order_id", "customer", "amount"]
+    assert sorted((int(r[0]), r[1], float(r[2])) for r in rows[1:]) == [
+        (1, "ann", 10.5), (2, "bob", 3.25), (3, "ann", 7.0)]
+    # A read plan in DuckDB: the real column types.
+    reader = client.open_reader(shard)
+    with reader.snapshot_plan("latest") as plan:
+        dataset = plan.to_dataset()  # noqa: F841 - DuckDB scans it by name
+        described = duckdb.sql("DESCRIBE SELECT order_id, customer, amount FROM dataset"
+                               ).fetchall()
+        assert [row[:2] for row in described] == [
+            ("order_id", "INTEGER"), ("customer", "VARCHAR"), ("amount", "DOUBLE")]
+        got = duckdb.sql("SELECT order_id, customer, sum(d) FROM dataset "
+                         "GROUP BY ALL ORDER BY order_id").fetchall()
+    assert got == [(1, "ann", 1), (2, "bob", 1), (3, "ann", 1)]
+    reader.expire()
+
+
+@pytest.mark.spark
+def test_spark_reads_an_io_managed_asset_by_name(spark_session: Any,  # noqa: F811
+                                                 tmp_path: Path) -> None:
+    from persist_pipeline.spark import register
+
+    manager = PersistIOManager(consensus_uri=f"sqlite:///{tmp_path}/c.db",
+                               blob_uri=f"file://{tmp_path}/b")
+    _materialize(manager, orders)
+    spark = spark_session
+    try:
+        register(spark)
+        df = (spark.read.format("persist").option("consensus", f"sqlite:///{tmp_path}/c.db")
+              .option("blob", f"file://{tmp_path}/b").option("shard", "sales/orders").load())
+        assert [f.name for f in df.schema.fields] == ["order_id", "customer", "amount", "t",
+                                                      "d"]
+        assert [f.dataType.simpleString() for f in df.schema.fields][:3] == [
+            "int", "string", "double"]
+        assert sorted((r.order_id, r.customer) for r in df.collect()) == [
+            (1, "ann"), (2, "bob"), (3, "ann")]
+        with pytest.raises(Exception) as info:
+            (spark.read.format("persist").option("consensus", f"sqlite:///{tmp_path}/c.db")
+             .option("blob", f"file://{tmp_path}/b").option("shard", "sales/orders")
+             .option("asof", "0").load().collect())
+        first_line = str(info.value).splitlines()[0]
+        assert "InvalidConfig: unknown option(s) ['asof']" in first_line
+        assert "as_of" in first_line
+    finally:
+        manager.teardown_after_execution(None)  # type: ignore[arg-type]
+
+
+def test_declared_keys_replace_rows_by_key(io_manager: PersistIOManager) -> None:
+    first = pa.table({"id": [1, 2, 3], "name": ["a", "b", "c"]})
+    io_manager.store("customers", first, primary_key=["id"])
+    # Key 1 is gone, 2 changed, 3 unchanged (a null in the new column is no change), 4
+    # new, and a nullable column appears.
+    second = pa.table({"id": [2, 3, 4], "name": ["B", "c", "d"],
+                       "tier": pa.array([None, None, 1], pa.int64())})
+    meta = io_manager.store("customers", second, primary_key=["id"])
+    assert meta["dagster/table_name"] == "customers"  # the same shard: a schema evolution
+    assert (meta["persist/rows_added"], meta["persist/rows_retracted"]) == (2, 2)
+    loaded = io_manager.load("customers")
+    assert sorted(loaded.to_pylist(), key=lambda r: r["id"]) == [
+        {"id": 2, "name": "B", "tier": None}, {"id": 3, "name": "c", "tier": None},
+        {"id": 4, "name": "d", "tier": 1}]
+    with pytest.raises(InvalidInput, match="appears more than once"):
+        io_manager.store("customers", pa.table({"id": [5, 5], "name": ["x", "y"],
+                                                "tier": pa.array([1, 2], pa.int64())}),
+                         primary_key=["id"])
+    with pytest.raises(InvalidInput, match="primary_key"):
+        io_manager.store("customers", second, primary_key=["nope"])
+
+
+def test_a_collection_keeps_duplicate_rows(io_manager: PersistIOManager) -> None:
+    table = pa.table({"word": ["a", "a", "b"]})
+    io_manager.store("words", table)
+    assert sorted(io_manager.load("words").column("word").to_pylist()) == ["a", "a", "b"]
+    meta = io_manager.store("words", pa.table({"word": ["a", "b", "b"]}))
+    assert (meta["persist/rows_added"], meta["persist/rows_retracted"]) == (1, 1)
+    assert sorted(io_manager.load("words").column("word").to_pylist()) == ["a", "b", "b"]
+
+
+def test_a_schema_change_starts_a_generation_loads_read_the_newest(
+        io_manager: PersistIOManager) -> None:
+    assert io_manager.store("kpis", pa.table({"x": [1]}))["dagster/table_name"] == "kpis"
+    meta = io_manager.store("kpis", pa.table({"x": ["one"]}))  # a type change
+    assert meta["dagster/table_name"] == "kpis/_v2"
+    assert io_manager.load("kpis").to_pylist() == [{"x": "one"}]
+    again = io_manager.store("kpis", pa.table({"x": ["two"]}))
+    assert again["dagster/table_name"] == "kpis/_v2" and again["persist/upper"] == 2
+    client = io_manager.client()
+    assert client.open_reader(client.resolve("kpis")).snapshot("latest").to_pylist() == [
+        {"x": 1, "t": 0, "d": 1}]  # the first generation is untouched
+
+
+def test_columns_input_metadata_loads_only_those(io_manager: PersistIOManager) -> None:
+    @dg.asset(key_prefix=["sales"], ins={"orders": dg.AssetIn(
+        key=["sales", "orders"], metadata={"columns": ["amount", "order_id"]})})
+    def amounts(orders: pa.Table) -> pa.Table:
+        assert orders.column_names == ["amount", "order_id"]
+        return pa.table({"total": [sum(orders.column("amount").to_pylist())]})
+
+    result = _materialize(io_manager, orders, amounts)
+    assert result.output_for_node("sales__amounts").to_pylist() == [{"total": 20.75}]
+    with pytest.raises(InvalidInput, match="not columns of the stored table"):
+        from persist_pipeline.dagster_io.io_manager import _project
+
+        _project(ORDERS, ["nope"], "sales/orders")
+
+
+def test_sixty_materializations_keep_the_shard_compacted(io_manager: PersistIOManager
+                                                          ) -> None:
+    for i in range(60):
+        table = pa.table({"id": list(range(200)), "v": [f"{i}-{j % 7}" for j in range(200)]})
+        io_manager.store("churn", table, primary_key=["id"])
+    client = io_manager.client()
+    shard = client.resolve("churn")
+    info = client.inspect(shard)
+    assert info["pending_merge_requests"] == 0
+    assert info["batches"] <= 8 and sum(info["parts"].values()) <= 8, info
+    blobs = [m.key for m in client.blobs.main.list_keys(f"{shard}/p/")]
+    assert len(blobs) <= 16, len(blobs)  # superseded parts are collected
+    assert io_manager.load("churn").num_rows == 200
+
+
+def test_a_shard_of_an_earlier_version_is_read_then_migrated(io_manager: PersistIOManager
+                                                              ) -> None:
+    key = dg.AssetKey(["sales", "orders"])
+    legacy = asset_shard_id(key)
+    client = io_manager.client()
+    contents = contents_for(ORDERS)
+    updates = [(k, v, 0, d) for (k, v), d in contents.items()]
+    client.open_writer(legacy).compare_and_append(updates, 0, 1)
+    with dg.instance_for_test() as instance:
+        @dg.asset(key_prefix=["sales"])
+        def order_count(orders: pa.Table) -> int:
+            return orders.num_rows
+
+        result = dg.materialize([orders, order_count], resources={"io_manager": io_manager},
+                                instance=instance, selection=[order_count],
+                                raise_on_error=False)
+    # Read from the earlier shard (the typed one does not exist yet).
+    loaded = io_manager.load("sales/orders", legacy_shard=legacy)
+    assert loaded.schema == ORDERS.schema and loaded.num_rows == 3
+    assert result is not None
+    meta = io_manager.migrate(key)
+    assert meta["dagster/table_name"] == "sales/orders"
+    assert sorted(io_manager.load("sales/orders").to_pylist(), key=json.dumps) == sorted(
+        ORDERS.to_pylist(), key=json.dumps)
+    with pytest.raises(AssetNotStored):
+        io_manager.migrate(dg.AssetKey("never"))
+
+
+def test_reads_take_latest_and_refuse_none(tmp_path: Path) -> None:
+    with PersistClient.open(f"sqlite:///{tmp_path}/c.db", f"file://{tmp_path}/b") as client:
+        writer = client.open_writer("s" + "0" * 8 + "-0000-4000-8000-" + "0" * 12)
+        writer.compare_and_append([(b"a", b"1", 0, 1), (b"b", b"1", 4, 1)], 0, 5)
+        reader = client.open_reader(writer.shard_id)
+        assert reader.snapshot("latest").to_pylist() == reader.snapshot(4).to_pylist()
+        with reader.snapshot_plan() as plan:
+            assert plan.as_of == 4
+        with pytest.raises(InvalidFrontier, match="'latest'"):
+            reader.snapshot(None)  # type: ignore[arg-type]
+        with pytest.raises(InvalidFrontier):
+            reader.snapshot_plan(None)  # type: ignore[arg-type]
+
+
+def test_compaction_definitions_request_a_run_for_pending_shards(tmp_path: Path) -> None:
+    manager = PersistIOManager(consensus_uri=f"sqlite:///{tmp_path}/c.db",
+                               blob_uri=f"file://{tmp_path}/b", maintenance="external")
+    defs = compaction_definitions()
+    sensor = defs.sensors[0]  # type: ignore[index]
+    try:
+        with dg.instance_for_test() as instance:
+            with dg.build_sensor_context(instance=instance,
+                                         resources={"io_manager": manager}) as context:
+                skipped = sensor.evaluate_tick(context)
+            assert skipped.run_requests == [] and "no IO-managed shard" in (
+                skipped.skip_message or "")
+            for i in range(3):
+                manager.store("pending", pa.table({"n": list(range(i + 3))}))
+            with dg.build_sensor_context(instance=instance,
+                                         resources={"io_manager": manager}) as context:
+                result = sensor.evaluate_tick(context)
+            [request] = result.run_requests or []
+            shard = str(manager.client().resolve("pending"))
+            config = request.run_config["ops"]["persist_io_compaction_op"]["config"]
+            assert config == {"shards": [shard]}
+    finally:
+        manager.teardown_after_execution(None)  # type: ignore[arg-type]
