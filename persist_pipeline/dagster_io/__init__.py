@@ -4,8 +4,8 @@
   named shards and load them as inputs; add it to any Dagster project's ``Definitions``.
 - :func:`compaction_definitions`: a sensor and a Spark job that compact IO-managed
   shards, for projects that run ``PersistIOManager(maintenance="external")``.
-- :mod:`~persist_pipeline.dagster_io.storage`: how a table is stored in a typed shard,
-  named, and read back (no Dagster import).
+- :mod:`persist_pipeline.tables` (the core, no Dagster): how a table is stored in a
+  typed shard, named, and read back.
 
 Importing ``persist_pipeline`` never imports Dagster; importing this package does.
 """
@@ -18,7 +18,7 @@ from persist_pipeline.dagster_io.io_manager import (
     PersistIOManager,
     asset_shard_id,
 )
-from persist_pipeline.dagster_io.storage import UnsupportedOutput, asset_shard_name
+from persist_pipeline.tables import UnsupportedOutput, asset_shard_name
 
 __all__ = ["AssetNotStored", "PersistIOManager", "UnsupportedOutput", "asset_shard_id",
            "asset_shard_name", "compaction_definitions"]

@@ -5,7 +5,7 @@ a typed shard named after the asset key (``sales/orders``); each partition of a
 partitioned asset has a shard of its own (``sales/orders/_partitions/eu``). What is
 stored is an ordinary shard that every other entry point reads by that name: the CLI,
 read plans in DuckDB and polars, Spark's ``format("persist")``. How tables map to
-shards, names, keys and schema generations: :mod:`persist_pipeline.dagster_io.storage`.
+shards, names, keys and schema generations: :mod:`persist_pipeline.tables`.
 
 Each materialization is ONE ``compare_and_append``
 (:meth:`~persist_pipeline.WriteHandle.replace_contents`) that makes the shard's contents
@@ -34,6 +34,7 @@ import dagster as dg
 import pyarrow as pa
 from pydantic import Field, PrivateAttr
 
+from persist_pipeline import tables
 from persist_pipeline.blob import redact_uri
 from persist_pipeline.client import PersistClient
 from persist_pipeline.config import (
@@ -41,19 +42,14 @@ from persist_pipeline.config import (
     INLINE_UPDATE_THRESHOLD_BYTES,
     InlinePolicy,
 )
-from persist_pipeline.dagster_io import encoding, storage
-from persist_pipeline.dagster_io.storage import (
-    StoragePlan,
+from persist_pipeline.dagster_io import encoding
+from persist_pipeline.dagster_io.templates import expand_env
+from persist_pipeline.exceptions import InvalidInput, PersistError, ShardNameNotFound
+from persist_pipeline.ids import ShardId
+from persist_pipeline.tables import (
     UnsupportedOutput,
     asset_shard_name,
-    from_storage,
-    storage_plan,
-    to_storage,
 )
-from persist_pipeline.dagster_io.templates import expand_env
-from persist_pipeline.exceptions import InvalidInput, PersistError, SchemaMismatch
-from persist_pipeline.ids import ShardId
-from persist_pipeline.write import WriteHandle
 
 #: Shard ids of IO-managed assets live in this UUID namespace: the same asset key (and
 #: partition) maps to the same shard on every machine, so concurrent first writes agree.
@@ -71,7 +67,7 @@ def asset_shard_id(asset_key: dg.AssetKey, partition_key: str | None = None) -> 
     """Where versions of the library before typed shards stored ``asset_key`` (and
     ``partition_key``): a UUIDv5 of both. Read until the asset is stored again (or
     :meth:`PersistIOManager.migrate`); new writes go to the shard named by
-    :func:`~persist_pipeline.dagster_io.storage.asset_shard_name`."""
+    :func:`~persist_pipeline.tables.asset_shard_name`."""
     name = json.dumps(list(asset_key.path))
     if partition_key is not None:
         name += "\n" + partition_key  # a partition key never contains a newline
@@ -199,8 +195,9 @@ class PersistIOManager(dg.ConfigurableIOManager):
 
     def store(self, name: str, table: pa.Table, *, primary_key: Sequence[str] | None = None,
               debug: str = "") -> dict[str, Any]:
-        """Make the shard named ``name`` hold exactly ``table`` (see :mod:`.storage`), in
-        one write; then keep it compacted (unless ``maintenance`` is ``"external"``).
+        """Make the shard named ``name`` hold exactly ``table``, in one write (see
+        :mod:`persist_pipeline.tables`); then keep it compacted (unless ``maintenance``
+        is ``"external"``).
         Returns the materialization's metadata.
 
         Raises:
@@ -208,16 +205,11 @@ class PersistIOManager(dg.ConfigurableIOManager):
             InvalidInput: ``primary_key`` does not name columns of the table, or a key
                 appears twice.
         """
-        plan = storage_plan(table.schema, primary_key)
         client = self.client()
-        writer, generation_of = self._open_generation(client, name, plan, debug)
-        shard = ShardId.parse(writer.shard_id)
-        try:
-            started = time.perf_counter()
-            result = writer.replace_contents(to_storage(table, plan))
-            latency_ms = (time.perf_counter() - started) * 1000
-        finally:
-            writer.expire()
+        started = time.perf_counter()
+        stored = tables.store_table(client, name, table, primary_key, debug=debug)
+        latency_ms = (time.perf_counter() - started) * 1000
+        result, generation_of, shard = stored.result, stored.name, stored.shard
         maintenance = self._maintain(client, shard, result.upper)
         upper = result.upper if result.upper is not None else -1
         return {
@@ -235,29 +227,6 @@ class PersistIOManager(dg.ConfigurableIOManager):
             "persist/write_latency_ms": round(latency_ms, 3),
             **maintenance,
         }
-
-    def _open_generation(self, client: PersistClient, name: str, plan: StoragePlan,
-                         debug: str) -> tuple[WriteHandle, str]:
-        """A writer on the newest generation of ``name`` if its recorded schema is
-        exactly ``plan``'s (or evolves to it), and that generation's name; a table whose
-        schema no longer fits starts the next generation (a new shard). Never an older
-        generation: loads read the newest."""
-        found = storage.generations(name, client.shard_names())
-        generation = found[-1] if found else 1
-        for _ in range(MAX_ATTEMPTS):
-            gen_name = storage.generation_name(name, generation)
-            shard = client.resolve(gen_name, create=True)
-            try:
-                writer = client.open_writer(shard, schema=plan.shard_schema, debug=debug)
-            except SchemaMismatch:
-                generation += 1  # keys or types changed: a new generation, a new shard
-                continue
-            if writer.schema == plan.shard_schema:
-                return writer, gen_name
-            writer.expire()  # same columns, other metadata or fewer columns: exactness
-            generation += 1
-        raise PersistError(f"{name}: could not settle on a generation for this table's "
-                           f"schema in {MAX_ATTEMPTS} attempts")
 
     def _maintain(self, client: PersistClient, shard: ShardId,
                   upper: int | None) -> dict[str, Any]:
@@ -287,11 +256,11 @@ class PersistIOManager(dg.ConfigurableIOManager):
         columns = (context.definition_metadata or {}).get("columns")
         partitions: list[str | None] = (list(context.asset_partition_keys)
                                         if context.has_asset_partitions else [None])
-        tables = [self.load(asset_shard_name(key.path, p), upper=wanted,
+        loaded = [self.load(asset_shard_name(key.path, p), upper=wanted,
                             what=key.to_user_string() + (f" partition {p}" if p else ""),
                             legacy_shard=asset_shard_id(key, p))
                   for p in partitions]
-        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        table = loaded[0] if len(loaded) == 1 else pa.concat_tables(loaded)
         if columns is not None:
             table = _project(table, columns, key.to_user_string())
         return from_arrow(table, context.dagster_type.typing_type)
@@ -311,28 +280,17 @@ class PersistIOManager(dg.ConfigurableIOManager):
         """
         client = self.client()
         what = what or name
-        found = storage.generations(name, client.shard_names())
-        if not found:
+        try:
+            return tables.load_table(client, name, upper, what=what)
+        except ShardNameNotFound:
             if legacy_shard is not None and legacy_shard in client.list_shards():
                 return self._load_legacy(client, legacy_shard, upper, what)
             raise AssetNotStored(f"{what}: nothing stored yet (no shard is named {name!r}): "
-                                 "materialize it first")
-        shard = client.resolve(storage.generation_name(name, found[-1]))
-        as_of = _as_of(client, shard, upper, what)
-        reader = client.open_reader(shard, debug="PersistIOManager")
-        try:
-            typed = reader.snapshot(as_of)
-            schema = reader.schema()
-        finally:
-            reader.expire()
-        if schema is None:
-            raise InvalidInput(f"{what}: shard {shard} ({name}) is untyped: it was not "
-                               f"written by PersistIOManager")
-        return from_storage(typed, schema)
+                                 "materialize it first") from None
 
     def _load_legacy(self, client: PersistClient, shard: str, upper: int | None,
                      what: str) -> pa.Table:
-        snap = _snapshot(client, shard, _as_of(client, shard, upper, what))
+        snap = _snapshot(client, shard, tables.as_of_upper(client, shard, upper, what))
         return encoding.table_from_contents(
             zip(snap.column("k").to_pylist(), snap.column("v").to_pylist(),
                 snap.column("d").to_pylist(), strict=True), what)
@@ -376,19 +334,6 @@ def _project(table: pa.Table, columns: object, what: str) -> pa.Table:
         raise InvalidInput(f"{what}: input metadata columns {unknown} are not columns of the "
                            f"stored table {table.column_names}")
     return table.select(list(columns))
-
-
-def _as_of(client: PersistClient, shard: str | ShardId, upper: int | None, what: str) -> int:
-    current = client.inspect(shard)["upper"]
-    if current in (None, 0):
-        raise AssetNotStored(f"{what}: nothing stored yet (shard {shard})")
-    if upper is not None:
-        if isinstance(upper, bool) or not isinstance(upper, int) or upper < 1 \
-                or upper > current:
-            raise InvalidInput(f"{what}: input metadata upper={upper!r} must be an "
-                               f"integer in [1, {current}] (the shard's upper)")
-        current = upper
-    return int(current) - 1
 
 
 def _snapshot(client: PersistClient, shard_id: str, as_of: int) -> pa.Table:

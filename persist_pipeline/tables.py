@@ -1,6 +1,8 @@
-"""How an asset's table is stored as a typed shard, named, and read back exactly.
+"""Tables stored as typed shards: how a table is named, stored and read back exactly.
 
-No Dagster here: the IO manager (and the CLI's migration) use these.
+The Dagster IO manager (:mod:`persist_pipeline.dagster_io`) stores assets with these;
+nothing here imports Dagster, so the simulation and any other client store and read
+tables the same way.
 
 **Schema.** A table's Arrow schema becomes a :class:`~persist_pipeline.ShardSchema` whose
 columns have *storage* types the row codec stores natively, kept beside the original
@@ -40,14 +42,27 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist_pipeline.exceptions import InvalidInput, InvalidUpdates
+from persist_pipeline.exceptions import (
+    InvalidInput,
+    InvalidUpdates,
+    NotYetAvailable,
+    PersistError,
+    SchemaMismatch,
+    ShardNameNotFound,
+)
+from persist_pipeline.ids import ShardId
 from persist_pipeline.internal import rowcodec
 from persist_pipeline.schema import RESERVED_COLUMNS, ShardSchema
+
+if TYPE_CHECKING:
+    from persist_pipeline.client import PersistClient
+    from persist_pipeline.write import WriteResult
 
 #: The original Arrow schema of the stored table (an IPC schema message).
 ARROW_SCHEMA_META = b"persist_pipeline.arrow_schema"
@@ -105,6 +120,102 @@ def generations(base: str, names: Mapping[str, object]) -> list[int]:
         if name.startswith(prefix) and name[len(prefix):].isdigit():
             found.append(int(name[len(prefix):]))
     return sorted(found)
+
+
+# --- storing ------------------------------------------------------------------------------
+
+#: How many generations one store tries before giving up (concurrent schema changes).
+MAX_GENERATION_ATTEMPTS = 20
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What :func:`store_table` did: the write, and the generation's name and shard."""
+
+    result: WriteResult
+    name: str
+    shard: ShardId
+
+
+def store_table(client: PersistClient, name: str, table: pa.Table,
+                primary_key: Sequence[str] | None = None, *, debug: str = "") -> Stored:
+    """Make the newest generation of ``name`` hold exactly ``table``, in one write
+    (:meth:`~persist_pipeline.WriteHandle.replace_contents`); a table whose schema no
+    longer fits it starts the next generation. Never an older generation: loads read
+    the newest.
+
+    Raises:
+        UnsupportedOutput: a column type cannot be stored.
+        InvalidInput: ``primary_key`` does not name columns of the table, or a key
+            appears twice.
+    """
+    plan = storage_plan(table.schema, primary_key)
+    found = generations(name, client.shard_names())
+    generation = found[-1] if found else 1
+    for _ in range(MAX_GENERATION_ATTEMPTS):
+        gen_name = generation_name(name, generation)
+        shard = client.resolve(gen_name, create=True)
+        try:
+            writer = client.open_writer(shard, schema=plan.shard_schema, debug=debug)
+        except SchemaMismatch:
+            generation += 1  # keys or types changed: a new generation, a new shard
+            continue
+        try:
+            if writer.schema != plan.shard_schema:
+                # Same columns with other metadata, or fewer value columns: a load must
+                # return exactly this table, so it goes to a generation of its own.
+                generation += 1
+                continue
+            return Stored(writer.replace_contents(to_storage(table, plan)), gen_name, shard)
+        finally:
+            writer.expire()
+    raise PersistError(f"{name}: could not settle on a generation for this table's schema "
+                       f"in {MAX_GENERATION_ATTEMPTS} attempts (its schema keeps changing)")
+
+
+def load_table(client: PersistClient, name: str, upper: int | None = None, *,
+               what: str = "") -> pa.Table:
+    """The table stored under ``name`` (its newest generation): its latest version, or
+    the one whose write left the shard's upper at ``upper``.
+
+    Raises:
+        ShardNameNotFound: no generation of ``name`` exists.
+        NotYetAvailable: nothing was stored yet.
+        InvalidInput: ``upper`` is beyond the shard's upper or not positive, or the
+            shard was not written as a table.
+        SinceViolation: ``upper`` is so old that compaction merged it away.
+    """
+    what = what or name
+    found = generations(name, client.shard_names())
+    if not found:
+        raise ShardNameNotFound(f"{what}: no shard is named {name!r}")
+    shard = client.resolve(generation_name(name, found[-1]))
+    reader = client.open_reader(shard, debug="table load")
+    try:
+        typed = reader.snapshot(as_of_upper(client, shard, upper, what))
+        schema = reader.schema()
+    finally:
+        reader.expire()
+    if schema is None:
+        raise InvalidInput(f"{what}: shard {shard} ({name}) is untyped: it was not "
+                           f"written as a table")
+    return from_storage(typed, schema)
+
+
+def as_of_upper(client: PersistClient, shard: str | ShardId, upper: int | None,
+                what: str) -> int:
+    """The time to read what the write that left the shard's upper at ``upper`` stored
+    (None: the latest)."""
+    current = client.inspect(shard)["upper"]
+    if current in (None, 0):
+        raise NotYetAvailable(f"{what}: nothing stored yet (shard {shard})")
+    if upper is not None:
+        if isinstance(upper, bool) or not isinstance(upper, int) or upper < 1 \
+                or upper > current:
+            raise InvalidInput(f"{what}: input metadata upper={upper!r} must be an "
+                               f"integer in [1, {current}] (the shard's upper)")
+        current = upper
+    return int(current) - 1
 
 
 # --- schemas -------------------------------------------------------------------------------
