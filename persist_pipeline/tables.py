@@ -12,7 +12,8 @@ metadata and schema metadata (pandas' index and dtypes) that were stored:
 - dictionary columns (pandas categoricals) are stored as their values, and
   dictionary-encoded again on load;
 - maps are stored as lists of ``key``/``value`` structs (top-level map columns);
-- ``float16`` is stored as ``float32`` (exactly);
+- ``float16`` is stored as ``float32`` (exactly), and a column of nulls only (Arrow's
+  ``null`` type, e.g. an all-``None`` pandas column) as a nullable ``int8``;
 - every other type the codec supports is stored as it is (integers, floats, booleans,
   decimals, strings, binary, dates, times, timestamps with their time zone, durations,
   lists and structs of these). Anything else is refused with a clear error.
@@ -242,6 +243,8 @@ def _storage_type(type_: pa.DataType, where: str, top: bool) -> pa.DataType:
             pa.field("value", _storage_type(type_.item_type, f"{where}.value", False))]))
     if pa.types.is_float16(type_):
         return pa.float32()
+    if pa.types.is_null(type_):  # a column of nulls only (e.g. all None in pandas)
+        return pa.int8()
     if pa.types.is_struct(type_):
         return pa.struct([pa.field(f.name, _storage_type(f.type, f"{where}.{f.name}", False),
                                    f.nullable) for f in type_])
@@ -344,6 +347,8 @@ def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
 def _cast_back(column: pa.ChunkedArray, type_: pa.DataType) -> pa.ChunkedArray:
     if column.type.equals(type_):
         return column
+    if pa.types.is_null(type_):
+        return pa.chunked_array([pa.nulls(len(column))], pa.null())
     if pa.types.is_map(type_):
         return pa.chunked_array([_as_map(chunk, type_) for chunk in column.chunks], type_)
     return column.cast(type_)

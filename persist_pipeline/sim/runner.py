@@ -80,12 +80,13 @@ PROFILES: dict[str, Profile] = {
     # A typed shard: upserts and deletes by writers opened with older schemas while it
     # evolves, typed Spark appends, typed reads; names raced for; its own maintenance.
     "typed": Profile({"typed_writer": (2, 3), "evolver": (1, 1), "typed_reader": (1, 2),
-                      "spark_writer": (1, 1), "namer": (0, 1), "compactor": (1, 1),
+                      "spark_writer": (1, 1), "namer": (0, 1), "table_writer": (0, 2),
+                      "compactor": (1, 1),
                       "spark_compactor": (0, 1), "gc": (1, 2)}),
     # Where features meet: Spark writes planned before a shard is typed, huge diffs,
     # listens after the largest time, beside ordinary writers and maintenance.
     "seams": Profile({"spark_writer": (1, 2), "overflow_writer": (1, 1), "closer": (0, 1),
-                      "configured_writer": (0, 1),
+                      "configured_writer": (0, 1), "table_writer": (1, 2),
                       "writer": (1, 2), "reader": (0, 1), "namer": (0, 1),
                       "compactor": (1, 1), "gc": (1, 2)}),
     # Clocks and lost replies: blob writes racing GCs whose clocks are off (every
@@ -159,9 +160,6 @@ class SimRun:
                     if seed % 2 else None)
         self.monitors.stores.update({"main": self.main, **({"wal": self.wal} if self.wal
                                                            else {})})
-        #: Shards beside the main one that actors made (typed, scratch): maintained and
-        #: checked too.
-        self.other_shards: list[str] = []
         self.seams = SeamState()
         self.spark_blob_uri = f"sim://{seed}/main"
         self.spark_wal_uri = f"sim://{seed}/wal" if self.wal else None
@@ -193,12 +191,11 @@ class SimRun:
         return self.rng.choice(self.profile.skew_choices_s)
 
     def shards(self) -> list[str]:
-        """Every shard of this seed that exists (the main one first)."""
-        return [self.shard, *(s for s in self.other_shards if self.monitors.exists(s))]
+        """Every shard of this seed that exists (the main one first; the others are
+        the typed, scratch and table shards actors made): maintained and checked."""
+        others = [s for s in self.monitors.by_shard if s != self.shard]
+        return [self.shard, *(s for s in others if self.monitors.exists(s))]
 
-    def add_shard(self, shard: str) -> None:
-        if shard != self.shard and shard not in self.other_shards:
-            self.other_shards.append(shard)
 
     def think(self, scale: float = 1.0) -> None:
         self.clock.sleep(self.rng.expovariate(1.0 / (0.05 * scale)))

@@ -26,6 +26,7 @@ from persist_pipeline.exceptions import (
     InvalidFrontier,
     InvalidUpdates,
     LeaseExpired,
+    NotYetAvailable,
     PersistError,
     SchemaMismatch,
     ShardNotFound,
@@ -141,6 +142,8 @@ class SeamState:
     model: TypedModel | None = None
     versions_recorded: int = 0
     appends: int = 0
+    #: Every table a table writer tried to store (canonical rows).
+    tables: list[list[str]] = field(default_factory=list)
 
 
 def _model(run: SimRun) -> TypedModel:
@@ -171,7 +174,6 @@ def _typed_shard(run: SimRun, client: PersistClient) -> str | None:
     shard = resolve(run, client, TYPED_NAME)
     if shard is not None:
         run.seams.typed_shard = shard
-        run.add_shard(shard)
     return shard
 
 
@@ -388,7 +390,6 @@ def _typed_append(run: SimRun, client: PersistClient) -> None:
 
 def _untyped_write_typed_mid_job(run: SimRun, client: PersistClient) -> None:
     shard = str(ShardId.new())
-    run.add_shard(shard)
     try:
         job = spark_source.plan_write(_spark_location(run, shard), client, 0, 1)
     except Indeterminate:
@@ -494,7 +495,6 @@ def overflow_writer(run: SimRun, proc: Process) -> None:
     must be refused; reads must be exact or raise DiffOverflow; merges must not fail."""
     client = run.client(proc)
     shard = str(ShardId.new())
-    run.add_shard(shard)
     writer = run.retry_open(lambda: client.open_writer(shard))
     reader = run.retry_open(lambda: client.open_reader(shard, create=True))
     if writer is None or reader is None:
@@ -574,7 +574,6 @@ def closer(run: SimRun, proc: Process) -> None:
     while not run.stopping:
         run.think(scale=10.0)
         shard = str(ShardId.new())
-        run.add_shard(shard)
         try:
             writer = client.open_writer(shard)
             listen = client.open_reader(shard).listen(MAX_TIME)
@@ -591,6 +590,68 @@ def closer(run: SimRun, proc: Process) -> None:
             pass
         except PersistError as e:
             run.violation(f"closer: unexpected {type(e).__name__}: {e}")
+        run.ops += 1
+
+
+#: The table name the table writers (the IO manager's code path) store under.
+TABLE_NAME = "sim/table"
+
+
+def _table_version(run: SimRun, n: int) -> tuple[pa.Table, list[str] | None]:
+    """The n-th table a writer stores: keyed or not, and now and then another schema
+    (which starts a new generation)."""
+    rng = run.rng
+    rows = rng.randint(0, 6)
+    ids = rng.sample(range(12), rows)
+    kind = rng.random()
+    if kind < 0.15:  # a schema change: a string id
+        return pa.table({"id": pa.array([str(i) for i in ids], pa.string()),
+                         "v": [f"s{n}"] * rows}), None
+    table = pa.table({"id": pa.array(ids, pa.int64()),
+                      "v": [rng.choice(["a", "b", None]) for _ in ids]})
+    if kind < 0.5:  # a collection: duplicates keep their multiplicity
+        return pa.concat_tables([table, table.slice(0, rows // 2)]), None
+    return table, ["id"]
+
+
+def _canonical(table: pa.Table) -> list[str]:
+    return sorted(repr(sorted(row.items())) for row in table.to_pylist())
+
+
+def table_writer(run: SimRun, proc: Process) -> None:
+    """Stores whole tables under one name, as the Dagster IO manager does
+    (:func:`persist_pipeline.tables.store_table`), racing other table writers and schema
+    changes; loads (:func:`~persist_pipeline.tables.load_table`) must return exactly one
+    table some writer stored, never a mix."""
+    from persist_pipeline import tables
+
+    client = run.client(proc)
+    stored: list[list[str]] = run.seams.tables
+    n = 0
+    while not run.stopping:
+        run.think(scale=2.0)
+        n += 1
+        if run.rng.random() < 0.6:
+            table, keys = _table_version(run, n)
+            stored.append(_canonical(table))
+            try:
+                tables.store_table(client, TABLE_NAME, table, keys, debug=proc.name)
+            except (UpperMismatch, Indeterminate, CommitDeadlineExceeded):
+                pass
+            except PersistError as e:
+                run.violation(f"store_table: unexpected {type(e).__name__}: {e}")
+        else:
+            try:
+                got = tables.load_table(client, TABLE_NAME)
+            except (ShardNotFound, Indeterminate, LeaseExpired, SinceViolation,
+                    NotYetAvailable):
+                pass
+            except PersistError as e:
+                run.violation(f"load_table: unexpected {type(e).__name__}: {e}")
+            else:
+                if _canonical(got) not in stored:
+                    run.violation(f"a loaded table is none of the tables stored: "
+                                  f"{got.to_pylist()[:4]}")
         run.ops += 1
 
 
@@ -612,7 +673,6 @@ def configured_writer(run: SimRun, proc: Process) -> None:
     client = PersistClient(run.consensus, run.main, run.wal, config,
                            SimClock(run.scheduler, proc))
     shard = str(ShardId.new())
-    run.add_shard(shard)
     writer = run.retry_open(lambda: client.open_writer(shard))
     if writer is None:
         return
@@ -640,6 +700,7 @@ ROLES: dict[str, Callable[[SimRun, Process], None]] = {
     "overflow_writer": overflow_writer,
     "closer": closer,
     "configured_writer": configured_writer,
+    "table_writer": table_writer,
 }
 
 
