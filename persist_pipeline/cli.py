@@ -17,21 +17,27 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from persist_pipeline.client import PersistClient
 from persist_pipeline.exceptions import (
+    InvalidFrontier,
     InvalidInput,
     InvalidShardId,
     InvalidShardName,
     InvalidUpdates,
     PersistError,
+    ShardNotFound,
 )
+from persist_pipeline.frontier import Frontier
 from persist_pipeline.ids import ShardId
 from persist_pipeline.ingest import read_typed_file, read_updates_file
 from persist_pipeline.read import ReadHandle
+from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import SCHEMA
+from persist_pipeline.write import WriteHandle
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,6 +66,10 @@ def _time(text: str) -> int:
     return value
 
 
+#: ``--new-upper`` not given (``None`` means ``closed``).
+_UNSET: Any = object()
+
+
 def _as_of(text: str) -> int | str:
     """A time, or ``latest``: the shard's latest complete time, upper - 1."""
     if text.strip().lower() == "latest":
@@ -84,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--id", help="use this shard id instead of a fresh one")
     s.add_argument("--name", help="register this name for the shard; if the name is "
                    "registered already, its shard is the one created (and printed)")
+    s.add_argument("--schema", help="make it a typed shard: a JSON schema (inline, or a "
+                   ".json file), e.g. '{\"key\": {\"id\": \"int64\"}, \"value\": "
+                   "{\"name\": \"string\"}}', or a Parquet file whose columns it takes "
+                   "(with --key)")
+    s.add_argument("--key", action="append", default=[], metavar="COLUMN",
+                   help="with a Parquet --schema: a key column (repeat for several; "
+                        "default: every column is the key)")
     sub.add_parser("names", help="list registered shard names and their ids (JSON)")
     s = sub.add_parser("resolve", help="print the id of the shard registered under a name")
     s.add_argument("name")
@@ -94,9 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("append", help="compare_and_append a file (Parquet, CSV or JSONL)")
     s.add_argument("shard")
     s.add_argument("file", type=Path)
-    s.add_argument("--expected-upper", type=_time, required=True)
-    s.add_argument("--new-upper", type=_frontier, required=True,
-                   help="new upper time, or 'closed'")
+    s.add_argument("--expected-upper", type=_time,
+                   help="the upper the shard must have (default: its current upper)")
+    s.add_argument("--new-upper", type=_frontier, default=_UNSET,
+                   help="new upper time, or 'closed' (default: one past the file's "
+                        "largest time)")
+    s.add_argument("--create", action="store_true",
+                   help="create the shard if it does not exist (else a mistyped id or "
+                        "name is an error)")
     s.add_argument("--format", choices=["parquet", "csv", "jsonl"],
                    help="file format (default: from the extension)")
     s = sub.add_parser("snapshot", help="write the collection at --as-of")
@@ -108,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("plan", help="print the read plan at --as-of as JSON: the live "
                        "Parquet files and the inline rows, for DuckDB, polars, Spark...")
     s.add_argument("shard")
-    s.add_argument("--as-of", type=_as_of, default=None,
+    s.add_argument("--as-of", type=_as_of, default="latest",
                    help="a time, or 'latest' (default)")
     s.add_argument("--hold-seconds", type=float, default=0.0,
                    help="keep the files from GC this long after printing (the reader "
@@ -244,10 +266,14 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "inspect":
             _print_json(client.inspect(shard))
         elif args.command == "append":
+            if not args.create and str(shard) not in client.list_shards():
+                raise ShardNotFound(f"shard {shard} does not exist; pass --create to create "
+                                    f"it")
             with client.open_writer(shard, debug="cli") as writer:
                 updates = (read_updates_file(args.file, args.format) if writer.schema is None
                            else read_typed_file(args.file, writer.schema, args.format))
-                res = writer.compare_and_append(updates, args.expected_upper, args.new_upper)
+                expected, new_upper = _append_bounds(writer, updates, args)
+                res = writer.compare_and_append(updates, expected, new_upper)
             _print_json({"placement": res.placement, "encoded_bytes": res.encoded_bytes,
                          "seqno": res.seqno, "upper": res.upper, "updates": res.num_updates})
         elif args.command == "snapshot":
@@ -274,6 +300,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _new_shard(args: argparse.Namespace) -> int:
     shard = ShardId.parse(args.id) if args.id else ShardId.new()
+    schema = _schema_arg(args.schema, args.key) if args.schema else None
+    if args.key and not args.schema:
+        raise InvalidInput("--key goes with a Parquet --schema")
     with PersistClient.open(args.consensus, args.blob, args.wal_blob) as client:
         if args.name is not None:
             recorded = client.register_name(args.name, shard)
@@ -281,9 +310,54 @@ def _new_shard(args: argparse.Namespace) -> int:
                 raise InvalidInput(f"the name {args.name!r} is registered for shard "
                                    f"{recorded}, not {shard}; names never change")
             shard = recorded
-        client.open_writer(shard).expire()
+        client.open_writer(shard, schema=schema).expire()
     print(shard)
     return 0
+
+
+def _schema_arg(text: str, keys: list[str]) -> ShardSchema:
+    """``new-shard --schema``: JSON (inline or a .json file), or a Parquet file's schema
+    with ``--key`` columns (default: every column is a key)."""
+    path = Path(text)
+    if text.endswith(".parquet"):
+        if not path.is_file():
+            raise InvalidInput(f"--schema {text}: no such file")
+        try:
+            arrow = pq.read_schema(path).remove_metadata()
+        except (pa.ArrowInvalid, OSError) as e:
+            raise InvalidInput(f"--schema {text}: not a Parquet file ({e})") from None
+        unknown = [k for k in keys if k not in arrow.names]
+        if unknown:
+            raise InvalidInput(f"--key {unknown} are not columns of {text}: {arrow.names}")
+        key_names = keys or arrow.names
+        return ShardSchema([arrow.field(k) for k in key_names],
+                           [f for f in arrow if f.name not in key_names])
+    if keys:
+        raise InvalidInput("--key goes with a Parquet --schema (a JSON schema names its "
+                           "key columns itself)")
+    raw = path.read_text() if text.endswith(".json") and path.is_file() else text
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise InvalidInput(f"--schema is neither a Parquet file nor JSON: {e}") from None
+    return ShardSchema.from_json(data)
+
+
+def _append_bounds(writer: WriteHandle, updates: Any,
+                   args: argparse.Namespace) -> tuple[int, Frontier]:
+    """``append``'s ``(expected_upper, new_upper)``: as given, else the shard's current
+    upper and one past the file's largest time (or the upper + 1 for an empty file)."""
+    expected = args.expected_upper
+    if expected is None:
+        current = writer.fetch_recent_upper()
+        if current is None:
+            raise InvalidFrontier(f"shard {writer.shard_id} is closed: it takes no writes")
+        expected = current
+    if args.new_upper is not _UNSET:
+        return expected, args.new_upper
+    times = updates.column("t") if isinstance(updates, pa.Table) else None
+    largest = pc.max(times).as_py() if times is not None and len(times) else None
+    return expected, max(expected, largest if largest is not None else expected) + 1
 
 
 def _shard(client: PersistClient, text: str) -> ShardId:

@@ -313,12 +313,12 @@ class SnapshotPlan:
     def describe(self) -> dict[str, Any]:
         """A JSON-ready description: times, files (no credentials) and inline rows.
 
-        Inline keys (values) are shown as UTF-8 text when every key (value) is valid
-        UTF-8, else all as hex; ``"inline_encoding"`` says which, per column.
+        A typed shard's inline rows are shown with its columns (values as JSON can hold
+        them: dates and times as ISO text, decimals and binary as text or hex). An untyped
+        shard's inline keys (values) are shown as UTF-8 text when every key (value) is
+        valid UTF-8, else all as hex; ``"inline_encoding"`` says which, per column.
         """
-        k_enc, ks = text_or_hex(self.inline.column("k"))
-        v_enc, vs = text_or_hex(self.inline.column("v"))
-        return {
+        out: dict[str, Any] = {
             "shard_id": self.shard_id,
             "as_of": self.as_of,
             "since": self.since,
@@ -327,11 +327,19 @@ class SnapshotPlan:
             "files": [{"uri": f.uri, "store": f.store, "bytes": f.size,
                        "updates": f.num_updates, "min_time": f.min_time,
                        "max_time": f.max_time} for f in self.file_details],
-            "inline_encoding": {"k": k_enc, "v": v_enc},
-            "inline": [{"k": k, "v": v, "t": t, "d": d} for k, v, t, d in zip(
-                ks, vs, self.inline.column("t").to_pylist(),
-                self.inline.column("d").to_pylist(), strict=True)],
         }
+        if self.schema is not None:
+            rows = self.schema.decode(self.inline, f"shard {self.shard_id}").to_pylist()
+            out["schema"] = repr(self.schema)
+            out["inline"] = [{k: _jsonable(v) for k, v in row.items()} for row in rows]
+            return out
+        k_enc, ks = text_or_hex(self.inline.column("k"))
+        v_enc, vs = text_or_hex(self.inline.column("v"))
+        out["inline_encoding"] = {"k": k_enc, "v": v_enc}
+        out["inline"] = [{"k": k, "v": v, "t": t, "d": d} for k, v, t, d in zip(
+            ks, vs, self.inline.column("t").to_pylist(),
+            self.inline.column("d").to_pylist(), strict=True)]
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.describe(), indent=2, sort_keys=True)
@@ -344,6 +352,24 @@ class SnapshotPlan:
 
 def _file_schema(schema: ShardSchema) -> pa.Schema:
     return pa.schema([*SCHEMA, *schema.key, *schema.value])
+
+
+def _jsonable(value: Any) -> Any:
+    """A decoded typed value as JSON can hold it."""
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return value.hex()
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return str(value)
 
 
 def text_or_hex(column: pa.ChunkedArray | pa.Array) -> tuple[str, list[str]]:

@@ -13,6 +13,7 @@ old and new encodings of the same row are identical). Keys never change.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -166,6 +167,29 @@ class ShardSchema:
                 raise SchemaMismatch(f"added value column {f.name!r} must be nullable (rows "
                                      f"written before it read as null)")
         return requested
+
+    @staticmethod
+    def from_json(data: object) -> ShardSchema:
+        """A schema written as JSON: ``{"key": {"id": "int64"}, "value": {"name":
+        "string"}}``. Types are Arrow's names (``int64``, ``float64``, ``string``,
+        ``binary``, ``bool``, ``date32``, ``time64[us]``, ``duration[s]``,
+        ``timestamp[us]``, ``timestamp[us, tz=UTC]``, ``decimal128(10, 2)``), with
+        `` not null`` after one for a column without nulls; nested types: take the
+        schema of a Parquet file instead.
+
+        Raises:
+            InvalidInput: not of that shape, or a type name Arrow does not know.
+        """
+        if not isinstance(data, Mapping) or set(data) - {"key", "value"} or "key" not in data:
+            raise InvalidInput('a schema as JSON is {"key": {column: type, ...}, "value": '
+                               '{column: type, ...}}')
+        parts = []
+        for part in ("key", "value"):
+            columns = data.get(part, {})
+            if not isinstance(columns, Mapping):
+                raise InvalidInput(f'"{part}" must map column names to type names')
+            parts.append([_field_from_text(str(name), text) for name, text in columns.items()])
+        return ShardSchema(parts[0], parts[1])
 
     # --- typed tables <-> updates ---------------------------------------------------------
 
@@ -415,6 +439,32 @@ def _decode_schema(data: bytes) -> ShardSchema:
     num_keys = int(meta.pop(_KEY_COLUMNS_META))
     fields = list(both)
     return ShardSchema(pa.schema(fields[:num_keys]), pa.schema(fields[num_keys:]), meta)
+
+
+_TIMESTAMP = re.compile(r"timestamp\[(s|ms|us|ns)(?:,\s*tz=([^\]]+))?\]")
+_DECIMAL = re.compile(r"decimal(?:128)?\((\d+),\s*(-?\d+)\)")
+
+
+def _field_from_text(name: str, text: object) -> pa.Field:
+    if not isinstance(text, str):
+        raise InvalidInput(f"column {name!r}: the type must be a name such as \"int64\", "
+                           f"got {text!r}")
+    spec = text.strip()
+    nullable = True
+    if spec.lower().endswith(" not null"):
+        spec, nullable = spec[:-len(" not null")].strip(), False
+    stamp = _TIMESTAMP.fullmatch(spec)
+    decimal = _DECIMAL.fullmatch(spec)
+    try:
+        if stamp:
+            type_ = pa.timestamp(stamp.group(1), stamp.group(2))
+        elif decimal:
+            type_ = pa.decimal128(int(decimal.group(1)), int(decimal.group(2)))
+        else:
+            type_ = pa.type_for_alias(spec)
+    except (ValueError, KeyError, pa.ArrowInvalid) as e:
+        raise InvalidInput(f"column {name!r}: unknown type {text!r} ({e})") from None
+    return pa.field(name, type_, nullable)
 
 
 def _as_bytes(value: bytes | str) -> bytes:

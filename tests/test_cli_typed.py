@@ -1,0 +1,106 @@
+"""The CLI on typed shards, in process (``cli.main``): new-shard --schema (JSON or a
+Parquet file's schema), append with the shard's current upper by default, a missing
+shard refused unless --create, typed inline rows in ``plan``, extra columns refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from persist_pipeline import PersistClient, ShardId, ShardSchema, cli
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> list[str]:
+    return ["--consensus", f"sqlite:///{tmp_path / 'c.db'}", "--blob", f"file://{tmp_path / 'b'}"]
+
+
+def _run(env: list[str], capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = cli.main([*env, *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _client(tmp_path: Path) -> PersistClient:
+    return PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}")
+
+
+def test_new_shard_with_a_json_schema_then_appends_at_the_current_upper(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    schema = json.dumps({"key": {"id": "int64 not null"},
+                         "value": {"name": "string", "at": "timestamp[us, tz=UTC]"}})
+    code, out, err = _run(env, capsys, "new-shard", "--name", "people", "--schema", schema)
+    assert code == 0, err
+    shard = out.strip()
+    with _client(tmp_path) as client:
+        assert client.schema(shard) == ShardSchema(
+            [pa.field("id", pa.int64(), False)],
+            [("name", pa.string()), ("at", pa.timestamp("us", "UTC"))])
+    rows = tmp_path / "people.csv"
+    rows.write_text("id,name,at,t\n1,ann,2026-11-25T10:00:00Z,3\n2,bob,,5\n")
+    code, out, err = _run(env, capsys, "append", "people", str(rows))
+    assert code == 0, err
+    assert json.loads(out)["upper"] == 6  # expected 0 (current), new one past t=5
+    rows.write_text("id,name,at,t\n3,cy,,6\n")
+    code, out, err = _run(env, capsys, "append", "people", str(rows))
+    assert code == 0 and json.loads(out)["upper"] == 7, err
+    # plan prints the inline rows with their columns, not hex.
+    code, out, err = _run(env, capsys, "plan", "people")
+    plan = json.loads(out)
+    assert code == 0 and "ShardSchema" in plan["schema"]
+    assert sorted(r["name"] for r in plan["inline"]) == ["ann", "bob", "cy"]
+    assert {r["id"] for r in plan["inline"]} == {1, 2, 3}
+    assert any(r["at"] == "2026-11-25T10:00:00+00:00" for r in plan["inline"])
+
+
+def test_new_shard_takes_a_parquet_files_schema_with_keys(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    sample = tmp_path / "sample.parquet"
+    pq.write_table(pa.table({"sku": ["a"], "qty": pa.array([1], pa.int32()),
+                             "tags": pa.array([["x"]], pa.list_(pa.string()))}), sample)
+    code, out, err = _run(env, capsys, "new-shard", "--schema", str(sample), "--key", "sku")
+    assert code == 0, err
+    with _client(tmp_path) as client:
+        schema = client.schema(out.strip())
+    assert schema is not None and schema.key.names == ["sku"]
+    assert schema.value.names == ["qty", "tags"]
+    code, _, err = _run(env, capsys, "new-shard", "--schema", str(sample), "--key", "nope")
+    assert code == 2 and "not columns" in err
+
+
+@pytest.mark.parametrize("bad", ['{"key": {"id": "int65"}}', '{"value": {}}', "not json",
+                                 '{"key": {"id": 5}}'])
+def test_bad_schemas_are_refused_and_create_nothing(env: list[str], tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str],
+                                                    bad: str):
+    code, _, err = _run(env, capsys, "new-shard", "--schema", bad)
+    assert code == 2 and "invalid input" in err
+    assert not (tmp_path / "c.db").exists() or _client(tmp_path).list_shards() == []
+
+
+def test_append_to_a_shard_that_does_not_exist_needs_create(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    rows = tmp_path / "u.jsonl"
+    rows.write_text('{"k": "a", "v": "b", "t": 0, "d": 1}\n')
+    shard = str(ShardId.new())
+    code, _, err = _run(env, capsys, "append", shard, str(rows))
+    assert code == 1 and "--create" in err
+    code, out, err = _run(env, capsys, "append", shard, str(rows), "--create")
+    assert code == 0 and json.loads(out)["upper"] == 1, err
+
+
+def test_typed_append_refuses_columns_outside_the_schema(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    schema = json.dumps({"key": {"id": "int64"}, "value": {"name": "string"}})
+    code, out, _ = _run(env, capsys, "new-shard", "--schema", schema)
+    shard = out.strip()
+    rows = tmp_path / "extra.csv"
+    rows.write_text("id,name,surprise,t\n1,ann,zzz,0\n")
+    code, _, err = _run(env, capsys, "append", shard, str(rows))
+    assert code == 2 and "surprise" in err
+    with _client(tmp_path) as client:
+        assert client.inspect(shard)["upper"] == 0
