@@ -29,7 +29,6 @@ from persist_pipeline.dagster_io import (
     AssetNotStored,
     PersistIOManager,
     UnsupportedOutput,
-    asset_shard_id,
     asset_shard_name,
 )
 from persist_pipeline.dagster_io.encoding import contents_for, table_from_contents
