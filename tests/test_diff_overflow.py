@@ -159,7 +159,7 @@ def test_spark_write_task_refuses_a_wrapping_sum(tmp_path: Path):
     shard = str(ShardId.new())
     options = {"consensus": uri, "blob": blob, "shard": shard,
                "expected_upper": "0", "new_upper": "1"}
-    assert _Location.from_options(options).shard_id == shard
+    assert _Location.from_options(options, writing=True).shard_id == shard
     job = _write_job(options, overwrite=False)
     batches = _table(_overflowing_write(300)).to_batches()
     with pytest.raises(InvalidUpdates, match="beyond 64 bits"):

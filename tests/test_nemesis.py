@@ -63,7 +63,7 @@ def test_stale_merge_result_cannot_resurrect_parts_gc_deletes(location: Location
     blobs = client.blobs
     stale = run_merge(req, str(shard), blobs.main, blobs.wal, 1 << 20)
     client.compact(shard)  # another compaction replaces the same range first
-    assert apply_merge_result(machine, stale, machine.now_ms()) == "no_match"
+    assert apply_merge_result(machine, stale, machine.monotonic()) == "no_match"
     assert all(blobs.main.get(p.key) is None for p in stale.output.hollow_parts())
     for t in range(2, 8):
         client.open_writer(shard).compare_and_append([], t, t + 1)
@@ -212,7 +212,8 @@ def test_control_gc_without_orphan_sweep_leaks_and_is_caught(location, monkeypat
     client = location.client(InlinePolicy(0, 0), PersistConfig(gc_orphan_min_age_s=3))
     shard = _two_batches(client)
     client.blobs.main.set(f"{shard}/p/b-crashed-0000.parquet", b"orphan of a dead writer")
-    time.sleep(3.1)
+    # Older than the orphan age on the store's clock, whose stamps may be rounded down.
+    time.sleep(3.1 + client.blobs.main.stamp_resolution_s)
     monkeypatch.setattr("persist_pipeline.gc._sweep_orphans", lambda machine: 0)
     result = _check(client, shard, [b"a", b"b"], 0)
     assert result.leaked_blobs == 1

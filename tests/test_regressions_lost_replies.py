@@ -706,7 +706,7 @@ def test_invalid_merge_result_is_refused_deleted_and_changes_nothing(clients: Cl
     with pytest.raises(InvalidInput):
         transitions.apply_merge(before, res, clients.clock.now_ms())
     with pytest.raises(InvalidInput):
-        apply_merge_result(machine, res, clients.clock.now_ms())
+        apply_merge_result(machine, res, clients.clock.monotonic())
     assert not any(blob_exists(client, p) for p in res.output.hollow_parts())
     after = clients.plain().machine(shard).fetch_latest()
     assert after.batches == before.batches and after.since == before.since
@@ -725,7 +725,7 @@ def test_control_unvalidated_merge_result_is_committed(clients: Clients, case: s
     as_of = since + 1
     snapshot_before = clients.snapshot(shard, as_of)
     monkeypatch.setattr(transitions, "_check_merge_result", lambda res, inputs: None)
-    assert apply_merge_result(client.machine(shard), res, clients.clock.now_ms()) == "applied"
+    assert apply_merge_result(client.machine(shard), res, clients.clock.monotonic()) == "applied"
     monkeypatch.undo()
     assert res.output.id in clients.plain().machine(shard).fetch_latest().batches
     if case == "more-updates":
