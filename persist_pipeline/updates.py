@@ -335,9 +335,7 @@ def advance_times(table: pa.Table, since: int | None = None,
     it reads, and Arrow's kernels cost more to call than to run on a chunk."""
     if not table.num_rows or (since is None and as_of is None):
         return table
-    column = table.column(2)
-    # One chunk's numpy view is free; ChunkedArray.to_numpy costs ~70 us even then.
-    times = column.chunk(0).to_numpy() if column.num_chunks == 1 else column.to_numpy()
+    times = numpy_values(table.column(2))
     if as_of is not None:
         if int(times.max()) > as_of:
             table = table.filter(pc.less_equal(table.column("t"), as_of))
@@ -347,6 +345,26 @@ def advance_times(table: pa.Table, since: int | None = None,
     if int(times.min()) >= since:
         return table
     return table.set_column(2, SCHEMA.field("t"), int64_array(np.maximum(times, since)))
+
+
+def numpy_values(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The values of an int64, uint64 or boolean array without nulls as numpy (zero-copy
+    for one chunk of integers), without the pandas import ``to_numpy`` does on first use
+    (a third of a second in every fresh process, e.g. a Spark worker)."""
+    boolean = pa.types.is_boolean(array.type)
+    dtype = bool if boolean else np.uint64 if pa.types.is_uint64(array.type) else np.int64
+    if isinstance(array, pa.ChunkedArray):
+        if array.num_chunks != 1:
+            return np.concatenate([np.zeros(0, dtype), *map(numpy_values, array.chunks)])
+        array = array.chunk(0)
+    n, offset = len(array), array.offset
+    data = array.buffers()[1]
+    if data is None or not n:
+        return np.zeros(n, dtype)
+    if boolean:
+        bits = np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")
+        return bits[offset:offset + n].astype(bool)
+    return np.frombuffer(data, dtype, n, offset * 8)
 
 
 def int64_array(values: np.ndarray) -> pa.Array:
@@ -369,12 +387,12 @@ def consolidate_sorted(table: pa.Table) -> pa.Table:
         k, v, t = (table.column(c).chunk(0) for c in ("k", "v", "t"))
         changed = pc.or_(pc.or_(pc.not_equal(k[1:], k[:-1]), pc.not_equal(v[1:], v[:-1])),
                          pc.not_equal(t[1:], t[:-1]))
-        starts = np.flatnonzero(changed.to_numpy(zero_copy_only=False)) + 1
+        starts = np.flatnonzero(numpy_values(changed)) + 1
         if len(starts) == n - 1:  # nothing to sum: already consolidated
             out = table
         else:
             starts = np.concatenate([np.zeros(1, np.int64), starts])
-            diffs = table.column("d").to_numpy()
+            diffs = numpy_values(table.column("d"))
             sums = np.add.reduceat(diffs, starts)
             out = table.take(pa.array(starts)).set_column(3, "d", pa.array(sums, pa.int64()))
     if pc.any(pc.equal(out.column("d"), 0)).as_py():

@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist_pipeline.exceptions import CorruptPart
-from persist_pipeline.updates import SCHEMA, empty_table, int64_array
+from persist_pipeline.updates import SCHEMA, empty_table, int64_array, numpy_values
 
 #: The least bytes of updates a run buffers at a time (smaller chunks cost more rounds).
 MIN_CHUNK_BYTES = 128 << 10
@@ -284,9 +284,9 @@ def _merge_round(taken: list[tuple[_Cursor, list[pa.Table]]]) -> pa.Table:
             raise _not_sorted(taken[0][0].where)
         assert prefixes is not None
         fixed = _sort_ties(table, order, prefixes, disorder) if attempt == 0 else None
-        order = fixed if fixed is not None else pc.sort_indices(
-            table.select(["k", "v", "t"]), sort_keys=_SORT_KEYS).to_numpy()
-    diffs = d.to_numpy()
+        order = fixed if fixed is not None else numpy_values(pc.sort_indices(
+            table.select(["k", "v", "t"]), sort_keys=_SORT_KEYS)).astype(np.int64)
+    diffs = numpy_values(d)
     if order is not None:
         diffs = diffs[order]
     starts = np.flatnonzero(~same) + 1
@@ -317,8 +317,8 @@ def _neighbours(k: pa.Array, v: pa.Array, t: pa.Array) -> tuple[np.ndarray, np.n
         pc.greater(v0, v1), pc.and_(v_eq, pc.greater(t0, t1)))))
     disorder = np.zeros(0, np.int64)
     if pc.any(below).as_py():
-        disorder = np.flatnonzero(below.to_numpy(zero_copy_only=False))
-    same = pc.and_(pc.and_(k_eq, v_eq), t_eq).to_numpy(zero_copy_only=False)
+        disorder = np.flatnonzero(numpy_values(below))
+    same = numpy_values(pc.and_(pc.and_(k_eq, v_eq), t_eq))
     return same, disorder
 
 
@@ -337,7 +337,7 @@ def _sort_ties(table: pa.Table, order: np.ndarray, prefixes: np.ndarray,
     index = order[rows]
     sub = table.select(["k", "v", "t"]).take(int64_array(index))
     sub = sub.append_column("g", int64_array(group[rows]))
-    within = pc.sort_indices(sub, sort_keys=[("g", "ascending"), *_SORT_KEYS]).to_numpy()
+    within = numpy_values(pc.sort_indices(sub, sort_keys=[("g", "ascending"), *_SORT_KEYS]))
     fixed = order.copy()
     fixed[rows] = index[within]
     return fixed
