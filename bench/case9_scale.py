@@ -106,7 +106,9 @@ def _files(folder: Path) -> list[str]:
 
 
 def _write_shard(client: PersistClient, n: int, seed: int) -> str:
-    """A shard of ``n`` updates in :data:`RUNS` blob batches (as :func:`write_runs`)."""
+    """A shard of ``n`` updates in :data:`RUNS` blob batches (as :func:`write_runs`), its
+    since advanced past them (``RUNS - 1``), so a merge consolidates like the merges
+    beside DuckDB."""
     shard = ShardId.new()
     writer = client.open_writer(shard)
     per_run = n // RUNS
@@ -117,6 +119,9 @@ def _write_shard(client: PersistClient, n: int, seed: int) -> str:
         writer.compare_and_append(table, r, r + 1)
         del table
     writer.expire()
+    reader = client.open_reader(shard)
+    reader.downgrade_since(RUNS - 1)
+    reader.expire()
     return str(shard)
 
 
@@ -290,7 +295,8 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
         job = jobs[name]
         table.add(label, f"{job['seconds']:.2f}", si(rows_in / job["seconds"]),
                   ratio(one_s, job["seconds"]),
-                  f"{job['tasks']} tasks ({job['task_s']:.1f} task-s), 1 commit")
+                  f"{job['tasks']} tasks ({job['task_s']:.1f} task-s, "
+                  f"{job['task_cpu_s']:.1f} CPU-s), 1 commit")
     table.add("snapshot_batches() before compaction, fresh process",
               f"{streamed['seconds']:.2f}", si(streamed["rows"] / streamed["seconds"]), "-",
               f"peak RSS {streamed['peak_rss_bytes'] / GIB:.2f} GiB, "

@@ -41,6 +41,7 @@ def main(argv: list[str]) -> int:
             metrics = compact_shards(spark, client, [shard], blob_uri=blob)[shard]
             jobs.append({"seconds": time.perf_counter() - job_started,
                          "tasks": metrics["spark_tasks"], "task_s": metrics["task_s"],
+                         "task_cpu_s": metrics["task_cpu_s"],
                          "applied": metrics["applied"]})
         finally:
             client.close()

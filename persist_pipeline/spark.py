@@ -253,6 +253,7 @@ class _TaskResult:
     res: MergeRes | None
     error: str | None
     duration_s: float
+    cpu_s: float = 0.0
 
 
 #: Blob stores opened by this (executor) process, by URI; Python workers are reused.
@@ -273,7 +274,7 @@ def _run_task(task: _Task) -> _TaskResult:
     memory, a bug) is returned, not raised, with its type and message, so it fails
     this merge only and the other shards' results still commit.
     """
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     try:
         wal = _blob(task.wal_uri) if task.wal_uri else None
         res = _run_merge(task.req, task.shard_id, _blob(task.main_uri), wal,
@@ -281,8 +282,9 @@ def _run_task(task: _Task) -> _TaskResult:
                          key_range=task.key_range, batch_id=task.batch_id)
     except Exception as e:
         return _TaskResult(task.index, task.shard_id, None, f"{type(e).__name__}: {e}",
-                           time.monotonic() - started)
-    return _TaskResult(task.index, task.shard_id, res, None, time.monotonic() - started)
+                           time.monotonic() - started, time.process_time() - cpu)
+    return _TaskResult(task.index, task.shard_id, res, None, time.monotonic() - started,
+                       time.process_time() - cpu)
 
 
 def split_points(req: MergeReq, splits: int, blobs: ShardBlobs | None = None) -> list[bytes]:
@@ -350,7 +352,8 @@ def compact_shards(
     Returns:
         ``{shard_id: metrics}``, each like :func:`~persist_pipeline.compaction.compact_shard`'s
         dict (``duration_s`` and ``rows_per_s`` are of the whole run) plus
-        ``spark_tasks``, ``task_s`` (seconds spent in this shard's tasks),
+        ``spark_tasks``, ``task_s`` (seconds spent in this shard's tasks), ``task_cpu_s``
+        (the CPU seconds of those tasks' processes meanwhile),
         ``spark_jobs`` (0 or 1, the same for every shard: one job serves them all),
         ``spark_job_group`` (the Spark job group of that job, "" if none),
         ``failed_tasks`` and ``found`` (False for a shard that does not exist).
@@ -468,12 +471,13 @@ def drive_compaction(
             state = client.machine(shard_id).fetch_latest()
         except ShardNotFound:
             metrics[shard_id] = CompactionMetrics()
-            extra[shard_id] = {"found": False, "spark_tasks": 0, "task_s": 0.0}
+            extra[shard_id] = {"found": False, "spark_tasks": 0, "task_s": 0.0,
+                               "task_cpu_s": 0.0}
             continue
         reqs = merge_requests(state)
         metrics[shard_id] = CompactionMetrics(requests=len(reqs),
                                               inline_bytes_before=state.inline_bytes)
-        extra[shard_id] = {"found": True, "spark_tasks": 0, "task_s": 0.0,
+        extra[shard_id] = {"found": True, "spark_tasks": 0, "task_s": 0.0, "task_cpu_s": 0.0,
                            "split_requests": 0}
         for req in reqs:
             request = len(requests)
@@ -499,6 +503,7 @@ def drive_compaction(
     by_request: dict[int, list[_TaskResult]] = {}
     for result in sorted(results, key=lambda r: r.index):
         extra[result.shard_id]["task_s"] += result.duration_s
+        extra[result.shard_id]["task_cpu_s"] += result.cpu_s
         by_request.setdefault(tasks[result.index].request, []).append(result)
     for request, (shard_id, req) in enumerate(requests):
         parts = by_request.get(request, [])
