@@ -38,7 +38,7 @@ from persist_pipeline.internal.blobs import PartWriter
 from persist_pipeline.internal.merge import merge_runs
 from persist_pipeline.internal.state import Batch, Description
 from persist_pipeline.internal.trace import MergeReq
-from persist_pipeline.updates import SCHEMA, consolidate
+from persist_pipeline.updates import SCHEMA, consolidate, decode_parquet
 from tests.fixtures.location import Location
 from tests.helpers import rows, state_history
 from tests.test_regressions_lost_replies import Clients
@@ -231,6 +231,48 @@ def test_a_merge_of_many_runs_goes_in_passes(tiny_memory: None) -> None:
         [blobs_module.ShardBlobs(blob, None, blob, None).fetch_part(p, "t")
          for p in res.output.parts])
     assert as_updates([table]) == model(runs, since=3)
+
+
+def test_the_default_bound_merges_128_runs_in_one_pass() -> None:
+    """At the default ``compaction_memory_bound_bytes`` a merge of 128 runs (many small
+    batches between compactions) needs no intermediate pass."""
+    from persist_pipeline.config import BLOB_TARGET_SIZE_BYTES, COMPACTION_MEMORY_BOUND_BYTES
+
+    plan = merge_module.memory_plan(COMPACTION_MEMORY_BOUND_BYTES, 128, BLOB_TARGET_SIZE_BYTES)
+    assert plan.fan_in >= 128
+    assert plan.chunk_bytes >= merge_module.MIN_CHUNK_BYTES
+    assert plan.read_bytes >= merge_module.MIN_READ_BYTES
+
+
+class _Recording(MemoryBlob):
+    """A memory store that remembers every value written under a key with ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+        self.written: list[bytes] = []
+
+    def set(self, key: str, value: bytes) -> None:
+        if self.marker in key:
+            self.written.append(bytes(value))
+        super().set(key, value)
+
+
+def test_a_pass_merges_only_the_smallest_runs_it_must(tiny_memory: None) -> None:
+    """Four runs and room for three: one pass merges the two smallest runs into one, and
+    the large runs are read once, by the final merge."""
+    sizes = [40, 3, 2, 40]
+    runs = [[(b"%03d" % i, b"v%d" % n, n, 1) for i in range(size)]
+            for n, size in enumerate(sizes)]
+    blob = _Recording("-pass/")
+    req = _request(blob, runs, 1 << 20)
+    blob.written.clear()
+    res = run_merge(req, "s1", blob, None, 1 << 20, THREE_RUNS_A_PASS)
+    reader = blobs_module.ShardBlobs(blob, None, blob, None)
+    assert as_updates([reader.fetch_part(p, "t") for p in res.output.parts]) == \
+        model(runs, since=3)
+    intermediate = sum(decode_parquet(v, "t").num_rows for v in blob.written)
+    assert intermediate == 3 + 2  # the two smallest runs, nothing else
 
 
 # --- snapshot_batches on every backend ----------------------------------------------------
