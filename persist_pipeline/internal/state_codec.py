@@ -247,11 +247,11 @@ def _immutable_map_diff(old: Mapping[K, V], new: Mapping[K, V]) -> tuple[list[V]
     only added and removed keys matter, found by set operations in C."""
     if old is new:
         return [], []
-    if len(new) == len(old) + 1:
+    if isinstance(new, dict) and len(new) == len(old) + 1:
         # The common change, one entry added (an append's batch): maps keep insertion
         # order, so it is the last one; the subset test proves nothing else changed,
         # without building the two key sets.
-        last = next(reversed(new))
+        last: K = next(reversed(new))
         if last not in old and old.keys() <= new.keys():
             return [new[last]], []
     return [new[k] for k in new.keys() - old.keys()], list(old.keys() - new.keys())
