@@ -221,8 +221,8 @@ def case9(result: CaseResult, path: str) -> None:
         bars.set_xticks(range(4), labels, fontsize=8)
         bars.set_ylabel("seconds (lower is better)")
         bars.set_ylim(0, max(seconds) * 1.25)
-        bars.set_title(f"{spark['n'] / 1e6:g}M-update merge: standalone cluster "
-                       "(2 x 1 core) vs one process", fontsize=10)
+        bars.set_title(f"A {spark['n'] / 1e6:.0f}M-update merge: cluster (2 x 1 core) vs one "
+                       "process", fontsize=10)
     for ax in (speed, mem, bars):
         ax.grid(alpha=0.3, axis="y" if ax is bars else "both")
     for ax in (speed, mem):

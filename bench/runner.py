@@ -143,9 +143,9 @@ def closing_note(results: Sequence[CaseResult]) -> list[str]:
             f"`merge.py:_key_prefixes` and numpy's argsort, "
             f"{cum('merge.py:_key_prefixes') + cum('argsort'):.0%}, and checking neighbours, "
             f"`merge.py:_neighbours`, {cum('merge.py:_neighbours'):.0%}), the runs' buffers "
-            f"(`merge.py:take`) {cum('merge.py:take'):.0%}, encoding Parquet "
-            f"(`blobs.py:_encode_pending`) {cum('blobs.py:_encode_pending'):.0%}, writing "
-            f"parts durably (`blob/local.py:set`) {cum('blob/local.py:set'):.0%}.")
+            f"(`merge.py:take`) {cum('merge.py:take'):.0%}, encoding and writing the output "
+            f"(`blobs.py:_encode_pending`) {cum('blobs.py:_encode_pending'):.0%}, of which "
+            f"durable writes of parts (`blob/local.py:set`) {cum('blob/local.py:set'):.0%}.")
         lines.append(
             "- Before issue 21's merge changes (measured on commit 3590e76 with cProfile, "
             "10M updates): in 4 runs, decoding took 28%, the full multi-key sort of every "
