@@ -193,9 +193,12 @@ class Scale:
     compaction_rows_per_part: int
     compaction_reps: int
     spark: bool
-    # case 9
-    scale_sizes: tuple[int, ...]
+    # case 9: (updates, runs) merged beside DuckDB; the run-count curve (updates, runs...)
+    merge_cases: tuple[tuple[int, int], ...]
+    merge_curve: tuple[int, tuple[int, ...]]
     scale_spark_size: int
+    # case 13
+    read_size: int
     # case 6
     sensor_shards: tuple[int, ...]
     sensor_iters: int
@@ -215,7 +218,9 @@ FULL = Scale(
     snap_parts=1000, snap_iters=50,
     compaction_sizes=(1_000_000, 5_000_000), compaction_rows_per_part=5_000,
     compaction_reps=3, spark=True,
-    scale_sizes=(10_000_000, 20_000_000, 40_000_000), scale_spark_size=20_000_000,
+    merge_cases=((10_000_000, 4), (10_000_000, 32), (40_000_000, 32)),
+    merge_curve=(10_000_000, (4, 8, 16, 32, 64, 128)), scale_spark_size=20_000_000,
+    read_size=10_000_000,
     sensor_shards=(100, 1_000, 10_000), sensor_iters=20,
     cost_appends=300, sim_iters=40, profile_appends=600,
 )
@@ -228,7 +233,8 @@ QUICK = Scale(
     snap_parts=300, snap_iters=20,
     compaction_sizes=(250_000,), compaction_rows_per_part=2_500,
     compaction_reps=1, spark=True,
-    scale_sizes=(2_000_000,), scale_spark_size=2_000_000,
+    merge_cases=((2_000_000, 4), (2_000_000, 32)), merge_curve=(2_000_000, (4, 32, 128)),
+    scale_spark_size=2_000_000, read_size=2_000_000,
     sensor_shards=(100, 1_000), sensor_iters=10,
     cost_appends=100, sim_iters=15, profile_appends=300,
 )
@@ -241,7 +247,8 @@ SMOKE = Scale(
     snap_parts=6, snap_iters=2,
     compaction_sizes=(2_000,), compaction_rows_per_part=250,
     compaction_reps=1, spark=True,
-    scale_sizes=(20_000,), scale_spark_size=20_000,
+    merge_cases=((20_000, 4), (20_000, 32)), merge_curve=(20_000, (4, 32)),
+    scale_spark_size=20_000, read_size=20_000,
     sensor_shards=(3,), sensor_iters=2,
     cost_appends=4, sim_iters=2, profile_appends=5,
 )

@@ -185,29 +185,49 @@ def case8(result: CaseResult, path: str) -> None:
 
 
 def case9(result: CaseResult, path: str) -> None:
-    rows = result.data["rows"]
-    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for engine, label, color in (("ours", "ours (bound 256 MiB)", _OURS),
-                                 ("duckdb", "DuckDB (memory_limit 2 GB)", _PEER)):
-        points = sorted((r["n"], r) for r in rows if r["engine"] == engine)
-        xs = [n / 1e6 for n, _ in points]
-        mem.plot(xs, [r["peak_rss"] / (1 << 30) for _, r in points], "o-", color=color,
-                 label=label)
-        speed.plot(xs, [r["rows_per_s"] / 1e6 for _, r in points], "o-", color=color,
-                   label=label)
-    mem.axhline(1.0, color=_REF, linestyle="--", linewidth=1, label="target: 1 GiB")
-    mem.set_ylim(bottom=0)
-    mem.set_xlabel("updates in the merge (millions)")
-    mem.set_ylabel("peak RSS (GiB)")
-    mem.set_title("Memory of one merge vs its size", fontsize=10)
+    curve = result.data["curve"]
+    spark = result.data.get("spark")
+    fig, (speed, mem, bars) = plt.subplots(1, 3, figsize=(15, 4.4))
+    runs = [p["runs"] for p in curve]
+    for key, label, color in (("ours", "ours (1 core, bound 256 MiB)", _OURS),
+                              ("duckdb", "DuckDB (2 threads, memory_limit 2 GB)", _PEER)):
+        speed.plot(runs, [p[key] / 1e6 for p in curve], "o-", color=color, label=label)
+    speed.set_xscale("log", base=2)
+    speed.set_xticks(runs, [str(r) for r in runs])
     speed.set_ylim(bottom=0)
-    speed.set_xlabel("updates in the merge (millions)")
-    speed.set_ylabel("million rows / s")
-    speed.set_title("Throughput of the same merge", fontsize=10)
-    for ax in (mem, speed):
-        ax.grid(alpha=0.3)
+    speed.set_xlabel("sorted runs in the merge")
+    speed.set_ylabel("million input rows / s")
+    speed.set_title(f"One merge of {result.data['curve_n'] / 1e6:g}M updates vs run count",
+                    fontsize=10)
+    mem.plot(runs, [p["ours_rss"] / (1 << 30) for p in curve], "o-", color=_OURS,
+             label="ours, peak RSS")
+    mem.axhline(1.0, color=_REF, linestyle="--", linewidth=1, label="target: 1 GiB")
+    mem.set_xscale("log", base=2)
+    mem.set_xticks(runs, [str(r) for r in runs])
+    mem.set_ylim(0, 1.2)
+    mem.set_xlabel("sorted runs in the merge")
+    mem.set_ylabel("GiB")
+    mem.set_title("Peak RSS of the same merges (fresh process)", fontsize=10)
+    if spark:
+        labels = ["one process", "cluster: first job\n(no prestart)",
+                  "cluster: first job\n(prestarted)", "cluster: second job"]
+        seconds = [spark["one_process_s"], spark["jobs"]["nostart"], spark["jobs"]["first"],
+                   spark["jobs"]["second"]]
+        colors = [_REF, _PEER, _OURS, _OURS]
+        bars.bar(range(4), seconds, color=colors)
+        for i, sec in enumerate(seconds):
+            bars.text(i, sec, f"{sec:.1f} s\n{seconds[0] / sec:.2f}x", ha="center",
+                      va="bottom", fontsize=8)
+        bars.set_xticks(range(4), labels, fontsize=8)
+        bars.set_ylabel("seconds (lower is better)")
+        bars.set_ylim(0, max(seconds) * 1.25)
+        bars.set_title(f"A {spark['n'] / 1e6:.0f}M-update merge: cluster (2 x 1 core) vs one "
+                       "process", fontsize=10)
+    for ax in (speed, mem, bars):
+        ax.grid(alpha=0.3, axis="y" if ax is bars else "both")
+    for ax in (speed, mem):
         ax.legend(fontsize=8)
-    fig.suptitle("Case 9: one large merge in bounded memory", fontsize=11)
+    fig.suptitle("Case 9: one large merge at any run count, and split over Spark", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

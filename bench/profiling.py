@@ -7,7 +7,9 @@ with cProfile (exact per-function totals, for the tables) and again with pyinstr
 - a shard going from empty to about 30% of its inline budget;
 - a shard going from 50% to 95% of its inline budget (where case 2 measures);
 
-and warm snapshots of a shard of ``scale.snap_parts`` inline parts (case 4's slow row).
+warm snapshots of a shard of ``scale.snap_parts`` inline parts (case 4's slow row); and
+one merge (:func:`~persist_pipeline.compaction.run_merge`, bound 256 MiB) of case 9's
+curve size in 32 sorted runs.
 
 A function's share is its cumulative time (itself and what it calls) over the whole
 window; "self" is time spent in the function's own code.
@@ -18,14 +20,20 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
+import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench import peers
-from bench.common import CaseResult, Scale, Table
+from bench.common import CaseResult, Scale, Table, si
 from bench.services import Services
 from persist_pipeline import InlinePolicy, PersistClient, ShardId
+from persist_pipeline.examples import merge_data
+
+#: Runs of the profiled merge (more than the old fan-in of 20, fewer than the new ~140).
+MERGE_RUNS = 32
 
 TITLE = "Profiles of the inline append and of a snapshot (cProfile; pyinstrument in profiles/)"
 
@@ -213,4 +221,28 @@ def run(svc: Services, scale: Scale, out_dir: str,
                                        "top": prof["top"]}
         finally:
             client.close()
+    _merge(svc, scale, out_dir, result, log)
     return result
+
+
+def _merge(svc: Services, scale: Scale, out_dir: str, result: CaseResult,
+           log: Callable[[str], None]) -> None:
+    n = scale.merge_curve[0]
+    log(f"  profiling one merge of {si(n)} updates in {MERGE_RUNS} runs")
+    folder = Path(svc.folder("prof-merge"))
+    merge_data.write_runs(folder, n, MERGE_RUNS)
+
+    def prepare() -> Callable[[], int]:
+        def work() -> int:
+            merge_data.merge(folder, 256 << 20)  # deletes its output parts
+            return 1
+
+        return work
+
+    txt = "merge_32_runs.txt"
+    prof = _profile(prepare, os.path.join(out_dir, "profiles", txt))
+    result.tables.append(_table(f"Profile: one merge of {si(n)} updates in {MERGE_RUNS} "
+                                "sorted runs (run_merge, bound 256 MiB)", "merge", prof, txt))
+    result.data["merge"] = {"n": n, "runs": MERGE_RUNS, "wall": prof["wall"],
+                            "top": prof["top"]}
+    shutil.rmtree(folder, ignore_errors=True)

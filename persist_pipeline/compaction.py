@@ -16,20 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from persist_pipeline.blob.base import Blob
 from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import CorruptPart, InvalidInput, PersistError
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
-from persist_pipeline.internal.blobs import PartWriter, ShardBlobs
+from persist_pipeline.internal.blobs import PartWriter, ShardBlobs, in_key_range
 from persist_pipeline.internal.machine import Machine
-from persist_pipeline.internal.merge import MemoryPlan, batch_rows, memory_plan, merge_runs
+from persist_pipeline.internal.merge import MemoryPlan, memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, Part
 from persist_pipeline.internal.trace import ApplyMergeOutcome, MergeReq, MergeRes, merge_requests
 from persist_pipeline.schema import ShardSchema
-from persist_pipeline.updates import advance_times, consolidate
+from persist_pipeline.updates import consolidate
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +53,7 @@ class KeyRange:
 
     def filter(self, table: pa.Table) -> pa.Table:
         """The rows of ``table`` (sorted by key) whose key lies in this range."""
-        if not table.num_rows or (self.lower is None and self.upper is None):
-            return table
-        keys = table.column("k")
-        first, last = keys[0].as_py(), keys[-1].as_py()
-        if (self.lower is None or first >= self.lower) and \
-                (self.upper is None or last < self.upper):
-            return table
-        mask = None
-        if self.lower is not None:
-            mask = pc.greater_equal(keys, pa.scalar(self.lower, pa.binary()))
-        if self.upper is not None:
-            below = pc.less(keys, pa.scalar(self.upper, pa.binary()))
-            mask = below if mask is None else pc.and_(mask, below)
-        return table.filter(mask)
+        return in_key_range(table, self.lower, self.upper)
 
 
 def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
@@ -101,20 +87,21 @@ def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
     temporary: list[HollowPart] = []
     try:
         while len(runs) > plan.fan_in:
-            merged: list[_Run] = []
-            for n in range(0, len(runs), plan.fan_in):
-                group = runs[n:n + plan.fan_in]
-                if len(group) == 1:
-                    merged.append(group[0])
-                    continue
-                writer = PartWriter(shard_id, f"{batch_id}-pass", main, "main", plan.part_bytes)
-                for table in merge_runs(_sources(blobs, group, plan, since, keys),
-                                        plan.chunk_bytes, overflow="split"):
-                    writer.write(table)
-                parts = writer.finish()
-                temporary.extend(parts)
-                merged.append(_Run(parts, f"intermediate run of {where}"))
-            runs = merged
+            # One pass over everything does not fit: merge the smallest runs into one,
+            # just enough of them that the rest do (the least data written twice).
+            runs.sort(key=_run_bytes)
+            count = min(plan.fan_in, len(runs) - plan.fan_in + 1)
+            group, runs = runs[:count], runs[count:]
+            group_plan = memory_plan(memory_bound_bytes, len(group), target_size_bytes)
+            writer = PartWriter(shard_id, f"{batch_id}-pass", main, "main",
+                                group_plan.part_bytes)
+            for table in merge_runs(_sources(blobs, group, group_plan, since, keys),
+                                    group_plan.chunk_bytes, overflow="split"):
+                writer.write(table)
+            parts = writer.finish()
+            temporary.extend(parts)
+            if parts:
+                runs.append(_Run(parts, f"intermediate run of {where}"))
             plan = memory_plan(memory_bound_bytes, len(runs), target_size_bytes)
         schema = ShardSchema.from_bytes(req.schema) if req.schema else None
         writer = PartWriter(shard_id, batch_id, main, "main",
@@ -159,6 +146,12 @@ def _input_runs(blobs: ShardBlobs, req: MergeReq, keys: KeyRange, where: str) ->
     return runs
 
 
+def _run_bytes(run: _Run) -> int:
+    if run.table is not None:
+        return int(run.table.nbytes)
+    return sum(p.encoded_size for p in run.parts)
+
+
 def _sources(blobs: ShardBlobs, runs: list[_Run], plan: MemoryPlan, since: int,
              keys: KeyRange) -> list[tuple[Iterator[pa.Table], str]]:
     return [(_run_chunks(blobs, run, plan, since, keys), run.where) for run in runs]
@@ -169,13 +162,8 @@ def _run_chunks(blobs: ShardBlobs, run: _Run, plan: MemoryPlan, since: int,
     if run.table is not None:
         yield run.table
         return
-    for part in run.parts:
-        rows = batch_rows(plan.chunk_bytes, part.encoded_size, part.num_updates)
-        for chunk in blobs.stream_part(part, run.where, rows, keys.lower, keys.upper):
-            if keys.upper is not None and chunk.num_rows and \
-                    chunk.column("k")[0].as_py() >= keys.upper:
-                return  # runs are in key order: nothing further is in range
-            yield advance_times(keys.filter(chunk), since=since)
+    yield from blobs.stream_run(run.parts, run.where, plan.chunk_bytes // 2, plan.read_bytes,
+                                key_lower=keys.lower, key_upper=keys.upper, since=since)
 
 
 def _delete_temporary(main: Blob, parts: list[HollowPart]) -> None:

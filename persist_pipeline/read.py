@@ -29,8 +29,8 @@ from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES
 from persist_pipeline.internal.heartbeat import Heartbeater
 from persist_pipeline.internal.machine import Machine
-from persist_pipeline.internal.merge import batch_rows, memory_plan, merge_runs
-from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, Part, State
+from persist_pipeline.internal.merge import memory_plan, merge_runs
+from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, State
 from persist_pipeline.internal.sync import new_lock
 from persist_pipeline.plan import (
     LATEST,
@@ -40,13 +40,7 @@ from persist_pipeline.plan import (
     latest_complete_time,
 )
 from persist_pipeline.schema import ShardSchema
-from persist_pipeline.updates import (
-    advance_times,
-    consolidate,
-    decode_inline,
-    empty_table,
-    naming_shard,
-)
+from persist_pipeline.updates import consolidate, decode_inline, empty_table, naming_shard
 
 #: The most rows in one record batch of :meth:`ReadHandle.snapshot_batches`.
 SNAPSHOT_BATCH_ROWS = 64 * 1024
@@ -99,19 +93,10 @@ def stream_snapshot(machine: Machine, batches: list[Batch], as_of: int) -> Itera
     large_runs = [(b, run) for b in large for run in b.runs()]
     plan = memory_plan(bound, len(runs) + len(large_runs), bound)
     for n, (b, run) in enumerate(large_runs):
-        runs.append((_run_chunks(machine, run, as_of, plan.chunk_bytes, where),
+        runs.append((machine.blobs.stream_run(run, where, plan.chunk_bytes // 2,
+                                              plan.read_bytes, as_of=as_of),
                      f"batch {b.id} (run {n}) of {where}"))
     yield from merge_runs(runs, plan.chunk_bytes)
-
-
-def _run_chunks(machine: Machine, run: tuple[Part, ...], as_of: int, chunk_bytes: int,
-                where: str) -> Iterator[pa.Table]:
-    for part in run:
-        if isinstance(part, HollowPart) and part.min_time > as_of:
-            continue
-        rows = batch_rows(chunk_bytes, part.encoded_size, part.num_updates)
-        for chunk in machine.blobs.stream_part(part, where, rows):
-            yield advance_times(chunk, as_of=as_of)
 
 
 def fetch_batches(machine: Machine, batches: list[Batch], where: str) -> pa.Table:
@@ -249,9 +234,9 @@ class ReadHandle:
         """The collection at ``as_of`` as consolidated record batches in ``(k, v)`` order,
         read in bounded memory (about ``compaction_memory_bound_bytes``, whatever the
         shard's size): every batch of the shard is a sorted run, merged as it streams.
-        A reader does not write, so unlike a merge it cannot go in passes: each large run
-        costs about one Parquet row group beyond the bound, which compaction keeps few
-        (the Spine holds O(log n) batches).
+        A reader does not write, so unlike a merge it cannot go in passes: runs past the
+        fan-in (about 140 at the default bound) each cost a read buffer beyond the bound,
+        which compaction keeps few (the Spine holds O(log n) batches).
 
         The state being read stays held (its parts are not collected) until the
         iterator is exhausted or closed. Errors are raised as for :meth:`snapshot`, when

@@ -95,11 +95,11 @@ from persist_pipeline.exceptions import (
 from persist_pipeline.frontier import Frontier, check_frontier
 from persist_pipeline.ids import ShardId, new_token
 from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, ShardBlobs
-from persist_pipeline.internal.merge import batch_rows, memory_plan, merge_runs
-from persist_pipeline.internal.state import Batch, Description, HollowPart, Part, Store
+from persist_pipeline.internal.merge import memory_plan, merge_runs
+from persist_pipeline.internal.state import Batch, Description, HollowPart, Store
 from persist_pipeline.plan import LATEST, PlanFile, SnapshotPlan
 from persist_pipeline.schema import ShardSchema
-from persist_pipeline.updates import Updates, advance_times, consolidate, naming_shard
+from persist_pipeline.updates import Updates, consolidate, naming_shard
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -357,13 +357,17 @@ def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
         with naming_shard(location.shard_id):
             inline = consolidate(partition.inline, as_of=as_of)
         runs.append((iter([inline]), f"inline rows of {where}"))
+    sorted_runs = []
     for batch_id, files in by_batch.items():
         files.sort(key=lambda f: f.index)
         batch = Batch(batch_id, Description(0, None, 0),
                       tuple(f.hollow_part() for f in files), 0)
-        runs += [(_run_chunks(blobs, run, keys, as_of, where), f"batch {batch_id} of {where}")
-                 for run in batch.runs()]
-    plan = memory_plan(COMPACTION_MEMORY_BOUND_BYTES, len(runs), COMPACTION_MEMORY_BOUND_BYTES)
+        sorted_runs += [(run, f"batch {batch_id} of {where}") for run in batch.runs()]
+    plan = memory_plan(COMPACTION_MEMORY_BOUND_BYTES, len(runs) + len(sorted_runs),
+                       COMPACTION_MEMORY_BOUND_BYTES)
+    runs += [(blobs.stream_run(run, described, plan.chunk_bytes // 2, plan.read_bytes,
+                               key_lower=keys.lower, key_upper=keys.upper, as_of=as_of),
+              described) for run, described in sorted_runs]
     typed = ShardSchema.from_bytes(schema) if schema else None
     out_schema = _ARROW_SCHEMA if typed is None else spark_arrow_schema(typed)
     try:
@@ -379,18 +383,6 @@ def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
             f"a part of shard {location.shard_id} is gone: this Spark read ran longer than "
             f"its reader's lease ({lease_s:g} s) and GC collected it; re-run the read, or "
             f"give it a longer option lease_seconds ({e})") from None
-
-
-def _run_chunks(blobs: ShardBlobs, run: tuple[Part, ...], keys: KeyRange, as_of: int,
-                where: str) -> Iterator[pa.Table]:
-    for part in run:
-        assert isinstance(part, HollowPart)
-        rows = batch_rows(1 << 20, part.encoded_size, part.num_updates)
-        for chunk in blobs.stream_part(part, where, rows, keys.lower, keys.upper):
-            if keys.upper is not None and chunk.num_rows and \
-                    chunk.column("k")[0].as_py() >= keys.upper:
-                return
-            yield advance_times(keys.filter(chunk), as_of=as_of)
 
 
 def _as_of_option(options: Mapping[str, str]) -> int | str:

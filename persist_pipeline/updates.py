@@ -274,20 +274,27 @@ def decode_inline(data: bytes, where: str) -> pa.Table:
 
 
 #: Rows per Parquet row group are chosen so a row group holds about this many bytes of
-#: updates: a streaming merge holds one row group per input run in memory.
+#: updates (a streaming reader holds a read buffer and a page per column, not a row
+#: group; statistics per row group let readers skip key ranges).
 PARQUET_ROW_GROUP_BYTES = 4 << 20
+#: Pages of about this many bytes: a streaming reader holds the page of each column it
+#: is decoding (compressed and decompressed), so a merge of many runs, one reader
+#: each, stays small (pyarrow's default, 1 MiB, costs 4 MiB a run; size and decoding
+#: speed are unchanged, measured).
+PARQUET_PAGE_BYTES = 64 << 10
 _SORT_KEYS = [("k", "ascending"), ("v", "ascending"), ("t", "ascending")]
 
 
 def parquet_write_options(table: pa.Table) -> dict[str, Any]:
     """How every part is encoded: zstd, row groups of about
-    :data:`PARQUET_ROW_GROUP_BYTES`, statistics on ``k`` and ``t`` (key-range and time
-    pruning by other engines) and dictionaries only for ``t`` and ``d``: sorted keys are
-    nearly all distinct, and building a dictionary that is then abandoned cost half of
-    the write time of random values (measured)."""
+    :data:`PARQUET_ROW_GROUP_BYTES` in pages of :data:`PARQUET_PAGE_BYTES`, statistics
+    on ``k`` and ``t`` (key-range and time pruning by other engines) and dictionaries
+    only for ``t`` and ``d``: sorted keys are nearly all distinct, and building a
+    dictionary that is then abandoned cost half of the write time of random values
+    (measured)."""
     per_row = max(1, table.nbytes // max(1, table.num_rows))
     return {"compression": "zstd", "use_dictionary": ["t", "d"],
-            "write_statistics": ["k", "t"],
+            "write_statistics": ["k", "t"], "data_page_size": PARQUET_PAGE_BYTES,
             "row_group_size": max(1024, PARQUET_ROW_GROUP_BYTES // per_row)}
 
 
@@ -342,15 +349,47 @@ def consolidate(table: pa.Table, since: int | None = None, as_of: int | None = N
 def advance_times(table: pa.Table, since: int | None = None,
                   as_of: int | None = None) -> pa.Table:
     """Times advanced as :func:`consolidate` does (the order by ``(k, v, t)`` is kept:
-    both are monotone in ``t``)."""
+    both are monotone in ``t``). Vectorized in numpy: a merge calls it for every chunk
+    it reads, and Arrow's kernels cost more to call than to run on a chunk."""
+    if not table.num_rows or (since is None and as_of is None):
+        return table
+    times = numpy_values(table.column(2))
     if as_of is not None:
-        table = table.filter(pc.less_equal(table.column("t"), as_of))
+        if int(times.max()) > as_of:
+            table = table.filter(pc.less_equal(table.column("t"), as_of))
         return table.set_column(2, SCHEMA.field("t"),
-                                pa.array(np.full(table.num_rows, as_of, np.int64)))
-    if since is not None and table.num_rows:
-        return table.set_column(2, SCHEMA.field("t"),
-                                pc.max_element_wise(table.column("t"), since))
-    return table
+                                int64_array(np.full(table.num_rows, as_of, np.int64)))
+    assert since is not None
+    if int(times.min()) >= since:
+        return table
+    return table.set_column(2, SCHEMA.field("t"), int64_array(np.maximum(times, since)))
+
+
+def numpy_values(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The values of an int64, uint64 or boolean array without nulls as numpy (zero-copy
+    for one chunk of integers), without the pandas import ``to_numpy`` does on first use
+    (a third of a second in every fresh process, e.g. a Spark worker)."""
+    boolean = pa.types.is_boolean(array.type)
+    dtype = bool if boolean else np.uint64 if pa.types.is_uint64(array.type) else np.int64
+    if isinstance(array, pa.ChunkedArray):
+        if array.num_chunks != 1:
+            return np.concatenate([np.zeros(0, dtype), *map(numpy_values, array.chunks)])
+        array = array.chunk(0)
+    n, offset = len(array), array.offset
+    data = array.buffers()[1]
+    if data is None or not n:
+        return np.zeros(n, dtype)
+    if boolean:
+        bits = np.unpackbits(np.frombuffer(data, np.uint8), bitorder="little")
+        return bits[offset:offset + n].astype(bool)
+    return np.frombuffer(data, dtype, n, offset * 8)
+
+
+def int64_array(values: np.ndarray) -> pa.Array:
+    """An Arrow int64 array of ``values``, zero-copy when they are int64 already (and
+    without the pandas import ``pa.array`` does on first use)."""
+    values = np.ascontiguousarray(values, dtype=np.int64)
+    return pa.Array.from_buffers(pa.int64(), len(values), [None, pa.py_buffer(values)])
 
 
 def consolidate_sorted(table: pa.Table, overflow: OverflowMode = "raise") -> pa.Table:
@@ -367,26 +406,26 @@ def consolidate_sorted(table: pa.Table, overflow: OverflowMode = "raise") -> pa.
         k, v, t = (table.column(c).chunk(0) for c in ("k", "v", "t"))
         changed = pc.or_(pc.or_(pc.not_equal(k[1:], k[:-1]), pc.not_equal(v[1:], v[:-1])),
                          pc.not_equal(t[1:], t[:-1]))
-        starts = np.flatnonzero(changed.to_numpy(zero_copy_only=False)) + 1
+        starts = np.flatnonzero(numpy_values(changed)) + 1
         if len(starts) == n - 1:  # nothing to sum: already consolidated
             out = table
         else:
             starts = np.concatenate([np.zeros(1, np.int64), starts])
-            sums, beyond = exact_segment_sums(table.column("d").to_numpy(), starts)
+            sums, beyond = exact_segment_sums(numpy_values(table.column("d")), starts)
             if beyond and overflow == "raise":
                 segment, total = beyond[0]
                 row = int(starts[segment])
                 key, val, time = (table.column(c)[row].as_py() for c in ("k", "v", "t"))
                 raise DiffOverflow(key, val, time, total)
             if beyond:
-                starts, sums = _split_beyond(starts, sums, beyond)
+                starts, sums = split_beyond(starts, sums, beyond)
             out = table.take(pa.array(starts)).set_column(3, "d", pa.array(sums, pa.int64()))
     if pc.any(pc.equal(out.column("d"), 0)).as_py():
         out = out.filter(pc.not_equal(out.column("d"), 0))
     return out.cast(SCHEMA)
 
 
-def _split_beyond(starts: np.ndarray, sums: np.ndarray, beyond: list[tuple[int, int]]
+def split_beyond(starts: np.ndarray, sums: np.ndarray, beyond: list[tuple[int, int]]
                   ) -> tuple[np.ndarray, np.ndarray]:
     """Each segment of ``beyond`` as several rows (its first row repeated) whose diffs
     lie in 64 bits and add up to its exact total; order is kept."""

@@ -31,7 +31,7 @@ def test_every_case_runs_on_tiny_sizes(tmp_path: Path, pg_server: object,
     summary = json.loads((tmp_path / "results.json").read_text())
     assert summary["failures"] == {}
     for key in ("case1", "case2", "case3", "case4", "case5", "case6", "case7", "case8",
-                "case9", "case10", "case11", "case12", "profile"):
+                "case9", "case10", "case11", "case12", "case13", "profile"):
         assert summary["tables"][key], f"{key} produced no table"
     for name, _ in plots.PLOTS.values():
         assert (tmp_path / name).stat().st_size > 0, name

@@ -177,7 +177,7 @@ def test_cli_append_refuses_a_wrapping_sum(tmp_path: Path, capsys: pytest.Captur
     env = ["--consensus", f"sqlite:///{tmp_path / 'c.db'}", "--blob", f"file://{tmp_path / 'b'}"]
     shard = str(ShardId.new())
     code = cli.main([*env, "append", shard, str(data), "--expected-upper", "0",
-                     "--new-upper", "1"])
+                     "--new-upper", "1", "--create"])
     assert code != 0
     assert "beyond 64 bits" in capsys.readouterr().err
 

@@ -21,7 +21,7 @@ from assets.change_stream import ChangeStream
 from assets.runner import Tick
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.exceptions import InvalidConfig
-from persist_pipeline.spark import SparkCompactionFailed, compact_shards
+from persist_pipeline.spark import SparkCompactionFailed, compact_shards, prestart_workers
 from tests.pipeline_support import (
     SYNTHETIC,
     Pipeline,
@@ -176,6 +176,19 @@ def test_spark_executor_compacts_many_shards_in_one_job(tmp_path: Path,
     idle = compact_shards(spark_session, client, shards, blob_uri=blob, wal_blob_uri=wal)
     assert {m["spark_jobs"] for m in idle.values()} == {0}
     client.close()
+
+
+def _loaded(_: int) -> bool:
+    import sys
+    return "persist_pipeline.compaction" in sys.modules
+
+
+def test_the_session_comes_with_its_python_workers_started(spark_session: Any) -> None:
+    """``local_spark_session`` prestarted the workers (with the merge code loaded) once
+    for this SparkContext: asking again does nothing, and tasks run on loaded workers."""
+    assert prestart_workers(spark_session) == 0.0
+    sc = spark_session.sparkContext
+    assert all(sc.parallelize(range(4), 4).map(_loaded).collect())
 
 
 def test_spark_executor_failures_and_bad_uris(tmp_path: Path, spark_session: Any) -> None:

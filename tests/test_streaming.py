@@ -38,7 +38,7 @@ from persist_pipeline.internal.blobs import PartWriter
 from persist_pipeline.internal.merge import merge_runs
 from persist_pipeline.internal.state import Batch, Description
 from persist_pipeline.internal.trace import MergeReq
-from persist_pipeline.updates import SCHEMA, consolidate
+from persist_pipeline.updates import SCHEMA, consolidate, decode_parquet
 from tests.fixtures.location import Location
 from tests.helpers import rows, state_history
 from tests.test_regressions_lost_replies import Clients
@@ -80,7 +80,8 @@ def tiny_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bounds small enough that a few dozen updates take many chunks, rounds and passes."""
     monkeypatch.setattr(merge_module, "MIN_CHUNK_BYTES", 64)
     monkeypatch.setattr(merge_module, "RUN_OVERHEAD_BYTES", 256)
-    monkeypatch.setattr(merge_module, "MIN_BATCH_ROWS", 1)
+    monkeypatch.setattr(merge_module, "MIN_READ_BYTES", 16)
+    monkeypatch.setattr(blobs_module, "MIN_BATCH_ROWS", 1)
     monkeypatch.setattr(blobs_module, "WHOLE_FETCH_MAX_BYTES", 0)  # ranged reads always
 
 
@@ -101,6 +102,65 @@ def test_merge_runs_equals_consolidation_of_everything(runs: list[list[Update]],
     # Rounds come out in order, each consolidated.
     flat = as_updates(out)
     assert flat == sorted(flat) and len({u[:3] for u in flat}) == len(flat)
+
+
+def _chunked(table: pa.Table, data: st.DataObject) -> list[pa.Table]:
+    cuts = sorted(data.draw(st.lists(st.integers(0, table.num_rows), max_size=4)))
+    return [table.slice(a, b - a) for a, b in itertools.pairwise([0, *cuts, table.num_rows])]
+
+
+#: Keys that exercise every way a round is ordered: short keys and keys one zero byte
+#: longer (their 8-byte prefixes tie), keys of one width (the matrix path), and keys
+#: sharing 9 or more bytes past the round's common prefix (their prefixes tie and are
+#: sorted again on the whole key).
+merge_keys = st.one_of(
+    st.binary(max_size=3),
+    st.binary(min_size=10, max_size=10),
+    st.builds(lambda head, tail: head + tail,
+              st.sampled_from([b"", b"k", b"shared-prefix-", b"\x00" * 9, b"\xff" * 12]),
+              st.binary(max_size=3)))
+merge_updates = st.lists(st.tuples(merge_keys, vals, st.integers(0, 6), st.integers(-2, 2)),
+                         max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(merge_updates, min_size=2, max_size=40), st.integers(1, 2000), st.data())
+def test_merge_of_many_runs_equals_consolidation_whatever_the_keys(
+        runs: list[list[Update]], chunk_bytes: int, data: st.DataObject) -> None:
+    sources = [(iter(_chunked(table_of(run), data)), f"run {n}") for n, run in enumerate(runs)]
+    out = list(merge_runs(sources, chunk_bytes))
+    flat = as_updates(out)
+    assert flat == model(runs)
+    assert all(t.schema == SCHEMA for t in out)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(merge_updates, min_size=1, max_size=8), st.integers(1, 500), st.data())
+def test_a_merge_with_an_unsorted_run_is_refused_or_exact(
+        runs: list[list[Update]], chunk_bytes: int, data: st.DataObject) -> None:
+    """A run that is not sorted is reported as corrupt when its rows would come out of
+    order; whenever the merge does not refuse, its result is the exact consolidation."""
+    tables = [table_of(run) for run in runs]
+    bad = data.draw(st.integers(0, len(tables) - 1))
+    rows = tables[bad].to_pylist()
+    data.draw(st.randoms()).shuffle(rows)
+    tables[bad] = pa.Table.from_pylist(rows, schema=SCHEMA)
+    sources = [(iter(_chunked(t, data)), f"run {n}") for n, t in enumerate(tables)]
+    try:
+        out = list(merge_runs(sources, chunk_bytes))
+    except CorruptPart as e:
+        assert "not sorted" in str(e)
+        return
+    assert as_updates(out) == model(runs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(merge_keys, min_size=1, max_size=30), st.integers(0, 12))
+def test_key_prefixes_are_the_eight_bytes_after_the_skipped_ones(keys: list[bytes],
+                                                                 skip: int) -> None:
+    array = pa.array([b"pad", *keys], pa.binary()).slice(1)  # an offset into the buffers
+    got = merge_module._key_prefixes(array, skip).tolist()
+    assert got == [int.from_bytes(k[skip:skip + 8].ljust(8, b"\x00"), "big") for k in keys]
 
 
 def test_merge_runs_refuses_a_run_that_is_not_sorted() -> None:
@@ -130,7 +190,7 @@ def _request(blob: MemoryBlob, runs: list[list[Update]], part_bytes: int,
 
 
 #: With ``tiny_memory``: 64 KiB for the output part, and room for three runs a pass.
-THREE_RUNS_A_PASS = (64 << 10) + 3 * (256 + 64 * 5)
+THREE_RUNS_A_PASS = (64 << 10) + 3 * (256 + 4 * 16 + 64 * 5)
 
 
 @settings(max_examples=60, deadline=None,
@@ -171,6 +231,48 @@ def test_a_merge_of_many_runs_goes_in_passes(tiny_memory: None) -> None:
         [blobs_module.ShardBlobs(blob, None, blob, None).fetch_part(p, "t")
          for p in res.output.parts])
     assert as_updates([table]) == model(runs, since=3)
+
+
+def test_the_default_bound_merges_128_runs_in_one_pass() -> None:
+    """At the default ``compaction_memory_bound_bytes`` a merge of 128 runs (many small
+    batches between compactions) needs no intermediate pass."""
+    from persist_pipeline.config import BLOB_TARGET_SIZE_BYTES, COMPACTION_MEMORY_BOUND_BYTES
+
+    plan = merge_module.memory_plan(COMPACTION_MEMORY_BOUND_BYTES, 128, BLOB_TARGET_SIZE_BYTES)
+    assert plan.fan_in >= 128
+    assert plan.chunk_bytes >= merge_module.MIN_CHUNK_BYTES
+    assert plan.read_bytes >= merge_module.MIN_READ_BYTES
+
+
+class _Recording(MemoryBlob):
+    """A memory store that remembers every value written under a key with ``marker``."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+        self.written: list[bytes] = []
+
+    def set(self, key: str, value: bytes) -> None:
+        if self.marker in key:
+            self.written.append(bytes(value))
+        super().set(key, value)
+
+
+def test_a_pass_merges_only_the_smallest_runs_it_must(tiny_memory: None) -> None:
+    """Four runs and room for three: one pass merges the two smallest runs into one, and
+    the large runs are read once, by the final merge."""
+    sizes = [40, 3, 2, 40]
+    runs = [[(b"%03d" % i, b"v%d" % n, n, 1) for i in range(size)]
+            for n, size in enumerate(sizes)]
+    blob = _Recording("-pass/")
+    req = _request(blob, runs, 1 << 20)
+    blob.written.clear()
+    res = run_merge(req, "s1", blob, None, 1 << 20, THREE_RUNS_A_PASS)
+    reader = blobs_module.ShardBlobs(blob, None, blob, None)
+    assert as_updates([reader.fetch_part(p, "t") for p in res.output.parts]) == \
+        model(runs, since=3)
+    intermediate = sum(decode_parquet(v, "t").num_rows for v in blob.written)
+    assert intermediate == 3 + 2  # the two smallest runs, nothing else
 
 
 # --- snapshot_batches on every backend ----------------------------------------------------

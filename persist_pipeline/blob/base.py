@@ -125,6 +125,15 @@ class Blob(ABC):
         value = self.get(key)
         return None if value is None else value[start:start + length]
 
+    def local_file(self, key: str) -> str | None:
+        """The path of a file on this machine holding the value at ``key``, if the store
+        keeps its values as files (a local folder), else None.
+
+        Streaming reads of a large part open it natively (no Python on the read path);
+        values are immutable, so the file is the value. None does not mean missing.
+        """
+        return None
+
     @abstractmethod
     def set(self, key: str, value: bytes) -> None:
         """Write ``value`` at ``key`` atomically: a reader sees all of it or nothing."""

@@ -112,6 +112,10 @@ class CachingBlob(Blob):
             return value[start:start + length]
         return self.inner.get_range(key, start, length)
 
+    def local_file(self, key: str) -> str | None:
+        """The inner store's file for ``key`` (values are immutable: it is the value)."""
+        return self.inner.local_file(key)
+
     def set(self, key: str, value: bytes) -> None:
         """Write ``value`` through to the inner store (and cache it when enabled)."""
         validate_key(key)

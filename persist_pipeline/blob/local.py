@@ -186,6 +186,10 @@ class LocalBlob(Blob):
         except OSError as exc:
             raise self._fail("get", key, exc) from exc
 
+    def local_file(self, key: str) -> str | None:
+        """The file holding ``key``'s value (it may be missing: opening it then fails)."""
+        return str(self._path(key))
+
     def set(self, key: str, value: bytes) -> None:
         """Write ``value`` at ``key`` atomically and durably (see the module docstring)."""
         path = self._path(key)

@@ -44,6 +44,9 @@ class RetryingBlob(Blob):
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
         return self._retry("get", lambda: self.inner.get_range(key, start, length))
 
+    def local_file(self, key: str) -> str | None:
+        return self.inner.local_file(key)  # a local file: nothing to retry
+
     def set(self, key: str, value: bytes) -> None:
         self._retry("set", lambda: self.inner.set(key, value))
 

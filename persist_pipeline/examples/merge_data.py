@@ -1,8 +1,8 @@
 """Synthetic sorted runs for merge benchmarks and memory tests (no consensus needed).
 
 ``python -m persist_pipeline.examples.merge_data write DIR ROWS RUNS`` writes ``RUNS``
-batches of 16-byte keys and 64-byte values as parts in a local blob folder and a JSON
-manifest; ``... merge DIR BOUND_MIB`` merges them with
+batches (the same updates whatever ``RUNS``) of 16-byte keys and 64-byte values as parts
+in a local blob folder and a JSON manifest; ``... merge DIR BOUND_MIB`` merges them with
 :func:`persist_pipeline.compaction.run_merge` and prints JSON with the peak RSS
 (:func:`peak_rss_bytes`) of that process, which is what the memory tests and
 ``make bench`` measure (each in a fresh process, so the peak is the merge's own).
@@ -30,6 +30,8 @@ from persist_pipeline.internal.trace import MergeReq
 from persist_pipeline.updates import SCHEMA, consolidate_sorted
 
 SHARD = "s00000000-0000-0000-0000-000000000000"
+#: Source runs of :func:`write_runs`: more runs deal the same updates out thinner.
+SOURCES = 4
 _LANES = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
                    0xD6E8FEB86659FD93, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53,
                    0x2545F4914F6CDD1D, 0x94D049BB133111EB], dtype=np.uint64)
@@ -37,32 +39,44 @@ _LANES = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9,
 
 def write_runs(folder: Path, rows: int, runs: int, seed: int = 1,
                chunk_rows: int = 1_000_000) -> dict[str, object]:
-    """Write ``runs`` sorted batches of about ``rows / runs`` updates each.
+    """Write ``runs`` sorted batches holding ``rows`` updates in all.
 
-    Each run holds each key of ``[0, 2 * rows / runs)`` with probability one half (so
-    runs overlap by half and a merge consolidates), generated a slice at a time.
+    The updates are those of :data:`SOURCES` (or fewer, if ``runs`` is smaller) source
+    runs of ``rows / SOURCES`` updates: each holds each key of ``[0, 2 * rows /
+    SOURCES)`` with probability one half, so sources overlap by half and a merge
+    consolidates. Source ``s`` is dealt at random, row by row, to the batches ``r`` with
+    ``r % SOURCES == s``: whatever ``runs``, the merge has the same output, and only the
+    number of runs changes. Generated a slice at a time.
     """
     blob = LocalBlob(folder / "blobs", create=True)
-    per_run = max(1, rows // runs)
-    key_space = 2 * per_run
+    sources = max(1, min(SOURCES, runs))
+    per_source = max(1, rows // sources)
+    key_space = 2 * per_source
     step = 2 * chunk_rows
-    batches = []
-    for r in range(runs):
-        writer = PartWriter(SHARD, f"brun{r}", blob, "main", 64 << 20)
-        written = 0
-        rng = np.random.default_rng(seed * 1000 + r)
+    batches: list[dict[str, object]] = [{} for _ in range(runs)]
+    for s in range(sources):
+        targets = list(range(s, runs, sources))
+        writers = [PartWriter(SHARD, f"brun{r}", blob, "main", 64 << 20) for r in targets]
+        written = [0] * len(targets)
+        rng = np.random.default_rng(seed * 1000 + s)
+        deal = np.random.default_rng(seed * 1000 + s + 500)
         for lo in range(0, key_space, step):
             width = min(step, key_space - lo)
             ids = (np.flatnonzero(rng.random(width) < 0.5) + lo).astype(np.uint64)
             diffs = np.where(rng.random(len(ids)) < 0.7, 1, -1)
-            table = run_table_from_ids(ids, diffs, r)
-            writer.write(table)
-            written += table.num_rows
-        parts = writer.finish()
-        batches.append({"id": f"brun{r}", "rows": written,
-                        "parts": [[p.key, p.encoded_size, p.num_updates, p.min_time,
-                                   p.max_time, (p.min_key or b"").hex(),
-                                   (p.max_key or b"").hex()] for p in parts]})
+            to = deal.integers(0, len(targets), len(ids)) if len(targets) > 1 else \
+                np.zeros(len(ids), np.int64)
+            for j, r in enumerate(targets):
+                mine = to == j
+                table = run_table_from_ids(ids[mine], diffs[mine], r)
+                writers[j].write(table)
+                written[j] += table.num_rows
+        for j, r in enumerate(targets):
+            parts = writers[j].finish()
+            batches[r] = {"id": f"brun{r}", "rows": written[j],
+                          "parts": [[p.key, p.encoded_size, p.num_updates, p.min_time,
+                                     p.max_time, (p.min_key or b"").hex(),
+                                     (p.max_key or b"").hex()] for p in parts]}
     manifest = {"rows": sum(int(str(b["rows"])) for b in batches), "runs": runs,
                 "batches": batches}
     (folder / "manifest.json").write_text(json.dumps(manifest))
@@ -104,14 +118,14 @@ def merge(folder: Path, bound_bytes: int, key_range: KeyRange | None = None) -> 
     """Merge the manifest's runs; the result's numbers and this process's peak RSS."""
     blob = LocalBlob(folder / "blobs")
     req = load_request(folder)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     res = run_merge(req, SHARD, blob, None, 64 << 20, bound_bytes, key_range=key_range)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     for part in res.output.hollow_parts():
         blob.delete(part.key)
     rss = peak_rss_bytes()
     return {"rows_in": req.num_updates, "rows_out": res.output.num_updates,
-            "parts_out": len(res.output.parts), "seconds": seconds,
+            "parts_out": len(res.output.parts), "seconds": seconds, "cpu_seconds": cpu,
             "rows_per_s": req.num_updates / seconds, "peak_rss_bytes": rss}
 
 

@@ -1,10 +1,12 @@
 """One shard location's blob stores (main, optional WAL, the LRU part cache), and the
 streaming reader and writer of Parquet parts.
 
-Parts are read whole when small (through the cache) and row group by row group with
-ranged reads when large, so a merge or a snapshot holds one row group per input run,
-not one part. :class:`PartWriter` writes a stream of sorted, consolidated tables as
-parts of about a target size, recording each part's time and key bounds.
+Parts are read whole when small (through the cache) and, when large, row group by row
+group, each column through a bounded read buffer (natively for a local file, else with
+ranged gets), so a merge or a snapshot holds a buffer and a page per column of each
+input run, not a part or a row group. :class:`PartWriter` writes a stream of sorted,
+consolidated tables as parts of about a target size, recording each part's time and key
+bounds.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from persist_pipeline.updates import (
 )
 from persist_pipeline.updates import (
     SCHEMA,
+    advance_times,
     decode_inline,
     decode_parquet,
     parquet_write_options,
@@ -177,31 +180,105 @@ class ShardBlobs:
                               f"{part.store} blob store")
         return decode_parquet(data, f"{part.key!r} in the {part.store} blob store")
 
-    def stream_part(self, part: Part, where: str, batch_rows: int,
-                    key_lower: bytes | None = None,
-                    key_upper: bytes | None = None) -> Iterator[pa.Table]:
-        """A part's updates in order, as tables of at most ``batch_rows`` rows.
+    def stream_part(self, part: Part, where: str, batch_bytes: int,
+                    key_lower: bytes | None = None, key_upper: bytes | None = None,
+                    read_bytes: int = WHOLE_FETCH_MAX_BYTES) -> Iterator[pa.Table]:
+        """A part's updates in order, as tables of about ``batch_bytes`` of updates.
 
-        Large hollow parts are read row group by row group with ranged reads; row groups
-        whose keys all lie outside ``[key_lower, key_upper)`` are skipped (their
-        statistics say so). Rows outside the range may still be returned.
+        A part up to ``read_bytes`` (and :data:`WHOLE_FETCH_MAX_BYTES`) is fetched
+        whole. A larger one is read row group by row group, each column through a read
+        buffer of ``read_bytes`` (so a reader holds its buffers and the pages being
+        decoded, not a row group), natively when the store keeps it as a local file,
+        else with ranged gets; row groups whose keys all lie outside ``[key_lower,
+        key_upper)`` are skipped (their statistics say so). Rows outside the range may
+        still be returned.
         """
-        if isinstance(part, InlinePart) or part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
+        if isinstance(part, InlinePart) or \
+                part.encoded_size <= min(read_bytes, WHOLE_FETCH_MAX_BYTES):
             table = self.fetch_part(part, where)
-            for start in range(0, table.num_rows, batch_rows):
-                yield table.slice(start, batch_rows)
+            rows = _batch_rows(batch_bytes, table.nbytes, table.num_rows)
+            for start in range(0, table.num_rows, rows):
+                yield table.slice(start, rows)
             return
         described = f"{part.key!r} in the {part.store} blob store"
-        source = _BlobFile(self.store(part.store, cached=True), part, where)
         try:
-            reader = pq.ParquetFile(source)
-            # One row group at a time: asked for several, pyarrow pre-buffers them all.
-            for group in _row_groups_from(reader.metadata, key_lower, key_upper):
-                for batch in reader.iter_batches(batch_size=batch_rows, row_groups=[group],
+            reader = pq.ParquetFile(self._open(part, where), buffer_size=max(1, read_bytes),
+                                    pre_buffer=False)
+            meta = reader.metadata
+            # Batches of the storage types need no cast (a cast per batch costs more
+            # than decoding a small one).
+            stored = reader.schema_arrow
+            exact = [stored.field(name).type for name in SCHEMA.names] == SCHEMA.types
+            for group in _row_groups_from(meta, key_lower, key_upper):
+                info = meta.row_group(group)
+                rows = _batch_rows(batch_bytes, info.total_byte_size, info.num_rows)
+                # One row group at a time: asked for several, pyarrow pre-buffers them all.
+                for batch in reader.iter_batches(batch_size=rows, row_groups=[group],
                                                  columns=SCHEMA.names, use_threads=False):
-                    yield pa.Table.from_batches([batch]).cast(SCHEMA)
+                    yield pa.Table.from_arrays(batch.columns, schema=SCHEMA) if exact \
+                        else pa.Table.from_batches([batch]).cast(SCHEMA)
         except Exception as e:
             raise _part_error(e, f"{described} ({part.encoded_size} bytes)") from None
+
+    def _open(self, part: HollowPart, where: str) -> pa.NativeFile | _BlobFile:
+        """A seekable file over a part: the local file itself, natively, when the store
+        keeps one (no Python on the read path), else ranged gets."""
+        blob = self.store(part.store, cached=True)
+        path = blob.local_file(part.key)
+        if path is not None:
+            try:
+                return pa.OSFile(path)
+            except FileNotFoundError:
+                raise CorruptPart(f"part {part.key!r} ({where}) is missing from the "
+                                  f"{part.store} blob store") from None
+        return _BlobFile(blob, part, where)
+
+    def stream_run(self, run: Sequence[Part], where: str, batch_bytes: int,
+                   read_bytes: int = WHOLE_FETCH_MAX_BYTES, *,
+                   key_lower: bytes | None = None, key_upper: bytes | None = None,
+                   since: int | None = None, as_of: int | None = None) -> Iterator[pa.Table]:
+        """A sorted run's updates in order (:meth:`stream_part` part after part) with
+        times advanced to ``since`` or ``as_of`` (:func:`advance_times`), without the
+        rows outside ``[key_lower, key_upper)`` and without parts whose updates are all
+        later than ``as_of``."""
+        for part in run:
+            if as_of is not None and isinstance(part, HollowPart) and part.min_time > as_of:
+                continue
+            for chunk in self.stream_part(part, where, batch_bytes, key_lower, key_upper,
+                                          read_bytes):
+                if key_upper is not None and chunk.num_rows and \
+                        chunk.column("k")[0].as_py() >= key_upper:
+                    return  # a run is in key order: nothing further is in range
+                yield advance_times(in_key_range(chunk, key_lower, key_upper),
+                                    since=since, as_of=as_of)
+
+
+#: The fewest rows decoded from a part at a time.
+MIN_BATCH_ROWS = 1024
+
+
+def _batch_rows(batch_bytes: int, nbytes: int, num_rows: int) -> int:
+    """Rows of about ``batch_bytes`` when ``num_rows`` take ``nbytes`` (at least
+    :data:`MIN_BATCH_ROWS`)."""
+    return max(1, MIN_BATCH_ROWS, batch_bytes // max(1, nbytes // max(1, num_rows)))
+
+
+def in_key_range(table: pa.Table, lower: bytes | None, upper: bytes | None) -> pa.Table:
+    """The rows of ``table`` (sorted by key) whose key ``k`` has ``lower <= k < upper``
+    (None: unbounded on that side)."""
+    if not table.num_rows or (lower is None and upper is None):
+        return table
+    keys = table.column("k")
+    first, last = keys[0].as_py(), keys[-1].as_py()
+    if (lower is None or first >= lower) and (upper is None or last < upper):
+        return table
+    mask = None
+    if lower is not None:
+        mask = pc.greater_equal(keys, pa.scalar(lower, pa.binary()))
+    if upper is not None:
+        below = pc.less(keys, pa.scalar(upper, pa.binary()))
+        mask = below if mask is None else pc.and_(mask, below)
+    return table.filter(mask)
 
 
 def key_starts(blobs: ShardBlobs, part: HollowPart, where: str) -> list[tuple[bytes, int]]:

@@ -1,0 +1,54 @@
+"""``python -m bench.cluster_run MASTER PRESTART LOCATION...``: one Spark application
+against a standalone ``MASTER``, compacting the shards of the given locations one job
+each, in order; prints JSON with the session's start (and prestart) time and each job's.
+
+Each ``LOCATION`` is ``consensus_uri|blob_uri|shard_id``. ``PRESTART`` is ``1`` to build
+the session with :func:`persist_pipeline.spark.local_spark_session` (which prestarts the
+Python workers) or ``0`` for the same session without it. A process of its own, so the
+application (and its driver) is fresh: its first job is Spark's cold start.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig
+from persist_pipeline.spark import compact_shards, local_spark_session, prestart_workers
+
+#: What a split merge's tasks need: at most ``2 x cores`` key ranges of 64 MiB or more.
+SPLIT_BYTES = 64 << 20
+
+
+def main(argv: list[str]) -> int:
+    master, prestart, locations = argv[0], argv[1] == "1", argv[2:]
+    started = time.perf_counter()
+    spark = local_spark_session(master, app_name="persist-bench-cluster", prestart=False,
+                                extra={"spark.executor.memory": "1g",
+                                       "spark.driver.host": "127.0.0.1",
+                                       "spark.driver.bindAddress": "127.0.0.1"})
+    spark.sparkContext.setLogLevel("ERROR")
+    session_s = time.perf_counter() - started
+    prestart_s = prestart_workers(spark) if prestart else 0.0
+    jobs = []
+    for location in locations:
+        consensus, blob, shard = location.split("|")
+        client = PersistClient.open(consensus, blob, inline_policy=InlinePolicy(0, 0),
+                                    config=PersistConfig(compaction_split_bytes=SPLIT_BYTES))
+        try:
+            job_started = time.perf_counter()
+            metrics = compact_shards(spark, client, [shard], blob_uri=blob)[shard]
+            jobs.append({"seconds": time.perf_counter() - job_started,
+                         "tasks": metrics["spark_tasks"], "task_s": metrics["task_s"],
+                         "task_cpu_s": metrics["task_cpu_s"],
+                         "applied": metrics["applied"]})
+        finally:
+            client.close()
+    spark.stop()
+    print(json.dumps({"session_s": session_s, "prestart_s": prestart_s, "jobs": jobs}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
