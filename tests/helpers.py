@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
@@ -159,3 +160,9 @@ class SkewedClock:
     def step_wall(self, seconds: float) -> None:
         """A wall-clock step (NTP): the wall clock jumps, the monotonic one does not."""
         self.wall_offset_s += seconds
+
+
+def examples(n: int) -> int:
+    """A hypothesis test's example count: ``n`` under the ``ci`` profile, a fifth under
+    ``fast`` (``HYPOTHESIS_PROFILE``, see tests/conftest.py)."""
+    return max(5, n // 5) if os.environ.get("HYPOTHESIS_PROFILE") == "fast" else n

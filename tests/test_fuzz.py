@@ -25,8 +25,9 @@ from persist_pipeline.exceptions import CorruptState, InvalidInput, InvalidUpdat
 from persist_pipeline.ingest import read_updates_file
 from persist_pipeline.internal import state_codec
 from persist_pipeline.internal.state import State
+from tests.helpers import examples
 
-FUZZ = settings(max_examples=300, deadline=None,
+FUZZ = settings(max_examples=examples(300), deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 SHARD = "s00000000-0000-4000-8000-000000000000"
 
@@ -80,7 +81,7 @@ def _open_sql_fast(uri: str):
     return open_consensus(f"{uri}{sep}connect_timeout=1")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.one_of(st.sampled_from(["inspect", "append", "snapshot", "compact", "gc",
                                            "--as-of", "--expected-upper", "--new-upper",
                                            "--out", "--consensus", "--blob", "-x", "shards",

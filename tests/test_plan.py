@@ -21,14 +21,14 @@ import pytest
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.exceptions import InvalidConfig, NotYetAvailable, SinceViolation
 from persist_pipeline.plan import SnapshotPlan
-from tests.fixtures.location import Location, make_location
+from tests.fixtures.location import Location, location_kinds, make_location
 from tests.helpers import expected_snapshot, rows
 
 INLINE_ON = InlinePolicy(4096, 1 << 20)
 Update = tuple[bytes, bytes, int, int]
 
 
-@pytest.fixture(params=["embedded", "pg-s3", "pg-s3-wal"])
+@pytest.fixture(params=location_kinds("embedded", "pg-s3", "pg-s3-wal"))
 def plan_location(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
     return make_location(request.param, request, tmp_path)
 
@@ -149,7 +149,7 @@ def _exists(plan: SnapshotPlan, store: Any = "main") -> list[bool]:
             for f in plan.file_details if f.store == store]
 
 
-@pytest.mark.parametrize("kind", ["embedded", "pg-s3"])
+@pytest.mark.parametrize("kind", location_kinds("embedded", "pg-s3"))
 def test_gc_never_deletes_a_file_of_a_plan_in_use(kind: str, request: pytest.FixtureRequest,
                                                   tmp_path: Path) -> None:
     location = make_location(kind, request, tmp_path)

@@ -42,7 +42,7 @@ from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
 from persist_pipeline.internal.state import State
 from persist_pipeline.read import Listen, ListenEvent, ReadHandle
 from persist_pipeline.sim import controls
-from tests.fixtures.location import Location, make_location
+from tests.fixtures.location import Location, location_kinds, make_location
 from tests.helpers import (
     ForwardingConsensus,
     StoreOnClock,
@@ -245,7 +245,7 @@ def nodes() -> Iterator[Nodes]:
             client.close()
 
 
-@pytest.fixture(params=["pg-s3"])
+@pytest.fixture(params=location_kinds("pg-s3"))
 def real_location(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
     """PostgreSQL consensus + the loopback S3 store: for the GC and reader races."""
     return make_location(request.param, request, tmp_path)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from persist_pipeline import InvalidInput, ShardSchema
 from persist_pipeline.exceptions import CorruptPart, InvalidUpdates, SchemaMismatch
 from persist_pipeline.internal import rowcodec
+from tests.helpers import examples
 
 _LEAF_TYPES: list[tuple[pa.DataType, st.SearchStrategy[Any]]] = [
     (pa.int8(), st.integers(-128, 127)),
@@ -92,7 +93,7 @@ def _roundtrip(schema: pa.Schema, table: pa.Table, *, strip: bool) -> list[pa.Ar
     return rowcodec.decode_rows(encoded, schema, where="test", allow_missing_trailing=strip)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_tables(), st.booleans())
 def test_decode_inverts_encode_and_equal_rows_encode_equal(
         case: tuple[pa.Schema, list[dict[str, Any]]], strip: bool) -> None:
@@ -112,7 +113,7 @@ def test_decode_inverts_encode_and_equal_rows_encode_equal(
             assert (encoded[i] == encoded[j]) == same, (rows[i], rows[j])
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(_tables())
 def test_sliced_and_chunked_inputs_encode_like_whole_ones(
         case: tuple[pa.Schema, list[dict[str, Any]]]) -> None:

@@ -19,7 +19,7 @@ from persist_pipeline import InlinePolicy, PersistClient, ShardId
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.spark import register
-from tests.fixtures.location import Location, make_location
+from tests.fixtures.location import Location, location_kinds, make_location
 from tests.helpers import expected_snapshot, rows
 from tests.pipeline_support import spark_session
 from tests.test_plan import INLINE_ON, build_mixed_shard
@@ -39,7 +39,7 @@ def _spark_location(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -
     return location
 
 
-@pytest.fixture(params=["embedded", "pg-s3-wal"])
+@pytest.fixture(params=location_kinds("embedded", "pg-s3-wal"))
 def spark_location(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
     return _spark_location(request.param, request, tmp_path)
 
@@ -91,7 +91,7 @@ def _blob_keys(location: Location, shard: str) -> set[str]:
     return keys
 
 
-@pytest.mark.parametrize("kind", ["embedded", "pg-s3"])
+@pytest.mark.parametrize("kind", location_kinds("embedded", "pg-s3"))
 def test_spark_write_round_trips_atomically(spark_session: Any, kind: str,
                                             request: pytest.FixtureRequest,
                                             tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from persist_pipeline.exceptions import CorruptState, InvalidInput
 from persist_pipeline.internal import state_codec, transitions
 from persist_pipeline.internal.state import Batch, Description, HollowPart, InlinePart, State
 from persist_pipeline.internal.trace import MergeRes, merge_requests
+from tests.helpers import examples
 
 SHARD = "s00000000-0000-4000-8000-000000000000"
 
@@ -144,7 +145,7 @@ def _roundtrip(old: State, new: State) -> State:
     return state_codec.apply_diff(old, state_codec.decode_diff(data, "t"), "t")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["append", "reader", "since", "merge", "expire"]),
                           st.integers(0, 5)), min_size=1, max_size=40))
 def test_diffs_and_rollups_reproduce_every_state(ops):

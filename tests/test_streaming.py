@@ -40,7 +40,7 @@ from persist_pipeline.internal.state import Batch, Description
 from persist_pipeline.internal.trace import MergeReq
 from persist_pipeline.updates import SCHEMA, consolidate, decode_parquet
 from tests.fixtures.location import Location
-from tests.helpers import rows, state_history
+from tests.helpers import examples, rows, state_history
 from tests.test_regressions_lost_replies import Clients
 
 Update = tuple[bytes, bytes, int, int]
@@ -85,7 +85,7 @@ def tiny_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blobs_module, "WHOLE_FETCH_MAX_BYTES", 0)  # ranged reads always
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(updates, min_size=1, max_size=6), st.integers(1, 300), st.data())
 def test_merge_runs_equals_consolidation_of_everything(runs: list[list[Update]],
                                                        chunk_bytes: int,
@@ -123,7 +123,7 @@ merge_updates = st.lists(st.tuples(merge_keys, vals, st.integers(0, 6), st.integ
                          max_size=40)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(merge_updates, min_size=2, max_size=40), st.integers(1, 2000), st.data())
 def test_merge_of_many_runs_equals_consolidation_whatever_the_keys(
         runs: list[list[Update]], chunk_bytes: int, data: st.DataObject) -> None:
@@ -134,7 +134,7 @@ def test_merge_of_many_runs_equals_consolidation_whatever_the_keys(
     assert all(t.schema == SCHEMA for t in out)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(merge_updates, min_size=1, max_size=8), st.integers(1, 500), st.data())
 def test_a_merge_with_an_unsorted_run_is_refused_or_exact(
         runs: list[list[Update]], chunk_bytes: int, data: st.DataObject) -> None:
@@ -154,7 +154,7 @@ def test_a_merge_with_an_unsorted_run_is_refused_or_exact(
     assert as_updates(out) == model(runs)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(merge_keys, min_size=1, max_size=30), st.integers(0, 12))
 def test_key_prefixes_are_the_eight_bytes_after_the_skipped_ones(keys: list[bytes],
                                                                  skip: int) -> None:
@@ -193,7 +193,7 @@ def _request(blob: MemoryBlob, runs: list[list[Update]], part_bytes: int,
 THREE_RUNS_A_PASS = (64 << 10) + 3 * (256 + 4 * 16 + 64 * 5)
 
 
-@settings(max_examples=60, deadline=None,
+@settings(max_examples=examples(60), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(updates, min_size=1, max_size=7), st.integers(200, 3000),
        st.sampled_from([None, b"\x01", b"a"]), st.sampled_from([None, b"\x02", b"b"]),

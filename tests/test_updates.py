@@ -19,13 +19,13 @@ from persist_pipeline.updates import (
     decode_parquet,
     encode_parquet,
 )
-from tests.helpers import expected_snapshot
+from tests.helpers import examples, expected_snapshot
 
 update = st.tuples(st.binary(max_size=8), st.binary(max_size=8), st.integers(0, 20),
                    st.integers(-3, 3))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(update, max_size=300), st.integers(0, 20))
 def test_consolidation_matches_the_definition(updates, as_of):
     table = Updates.coerce(updates).table()
@@ -35,7 +35,7 @@ def test_consolidation_matches_the_definition(updates, as_of):
     assert set(snap.column("t").to_pylist()) <= {as_of}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(update, max_size=300))
 def test_both_encodings_round_trip_and_the_list_and_arrow_paths_agree(updates):
     small = Updates.coerce(updates)
@@ -71,7 +71,7 @@ def test_corrupt_inline_is_a_corrupt_part_error(data):
         decode_inline(data, "inline-7")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.binary(max_size=200))
 def test_decoders_never_crash_on_arbitrary_bytes(data):
     for decode in (decode_inline, decode_parquet):
