@@ -64,7 +64,7 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
             shard = _write_shard(client, n, seed=3)
             client.compact(shard)
             reader = client.open_reader(shard)
-            batches = client.machine(shard).fetch_latest().batches
+            batches = client._machine(shard).fetch_latest().batches
             parts = sum(len(b.parts) for b in batches.values())
 
             def ours() -> int:

@@ -248,7 +248,7 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
     log(f"  Spark split: writing a shard of {si(n)} updates, cloning its location")
     client = client_of(base)
     shard = _write_shard(client, n, seed=1)
-    rows_in = sum(b.num_updates for b in client.machine(shard).fetch_latest().batches.values())
+    rows_in = sum(b.num_updates for b in client._machine(shard).fetch_latest().batches.values())
     client.close()
     clones = {name: root / name for name in ("nostart", "first", "second", "snap")}
     for where in clones.values():

@@ -182,8 +182,10 @@ class PersistClient:
     def inline_policy(self) -> InlinePolicy:
         return self.config.inline_policy
 
-    def machine(self, shard: ShardLike) -> Machine:
-        """The shared :class:`Machine` of a shard (internal; used by executors)."""
+    def _machine(self, shard: ShardLike) -> Machine:
+        """The shared :class:`Machine` of a shard: internal to the library (its handles,
+        the Spark compaction driver, GC); users go through handles and the methods
+        here."""
         shard_id = str(ShardId.parse(shard))
         with self._lock:
             m = self._machines.get(shard_id)
@@ -194,7 +196,7 @@ class PersistClient:
             return m
 
     def _existing(self, shard: ShardLike) -> Machine:
-        m = self.machine(shard)
+        m = self._machine(shard)
         m.fetch_latest()  # raises ShardNotFound
         return m
 
@@ -215,7 +217,7 @@ class PersistClient:
         """
         if schema is not None and not isinstance(schema, ShardSchema):
             raise InvalidInput(f"schema must be a ShardSchema, got {type(schema).__name__}")
-        m = self.machine(shard)
+        m = self._machine(shard)
         state = m.open(create=True)
         recorded = ShardSchema.from_bytes(state.schema) if state.schema else None
         if schema is not None:
@@ -233,7 +235,7 @@ class PersistClient:
         parts for a shard before committing them creates it first, so that GC sweeps the
         uploads of attempts that never commit (GC only visits shards that exist).
         """
-        self.machine(shard).open(create=True)
+        self._machine(shard).open(create=True)
 
     def schema(self, shard: ShardLike) -> ShardSchema | None:
         """The shard's recorded schema (None: an untyped shard).
@@ -251,7 +253,7 @@ class PersistClient:
         Raises:
             ShardNotFound: the shard does not exist and ``create`` is False.
         """
-        m = self.machine(shard)
+        m = self._machine(shard)
         m.open(create=create)
         handle = ReadHandle(m, new_reader_id(), debug)
         self._handles.add(handle)

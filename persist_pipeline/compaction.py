@@ -20,6 +20,7 @@ import pyarrow as pa
 from persist_pipeline.blob.base import Blob
 from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import CorruptPart, InvalidInput, PersistError
+from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import PartWriter, ShardBlobs, in_key_range
@@ -81,7 +82,7 @@ def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
     where = f"shard {shard_id} compaction"
     since = req.desc.since
     keys = key_range or KeyRange()
-    batch_id = batch_id or f"b{new_token()}"
+    batch_id = batch_id or batch_id_of(new_token())
     runs = _input_runs(blobs, req, keys, where)
     plan = memory_plan(memory_bound_bytes, len(runs), target_size_bytes)
     temporary: list[HollowPart] = []

@@ -110,6 +110,11 @@ class CorruptPart(CorruptData):
     """A blob part (Parquet or inline protobuf) is corrupt or missing."""
 
 
+class PartMissing(CorruptPart):
+    """A part the state references is gone from its blob store: GC collected it after a
+    compaction replaced it (a reader past its lease, or a stale state), or it was lost."""
+
+
 # --- backends -----------------------------------------------------------------------------
 
 

@@ -89,3 +89,9 @@ def new_critical_reader_id() -> str:
 def new_token() -> str:
     """A fresh idempotency token or part id."""
     return random_uuid().hex
+
+
+def batch_id(token: str) -> str:
+    """The id of the batch a write with idempotency token ``token`` commits: derived from
+    the token, so a write whose reply was lost finds its own batch in the state."""
+    return f"b{token}"

@@ -168,7 +168,7 @@ def blob_filesystem(blob: Blob) -> pafs.FileSystem:
         raise AssertionError("unreachable")
     params = dict(parse_qsl(urlsplit(base.uri_with_credentials()).query,
                             keep_blank_values=True))
-    kwargs: dict[str, Any] = {"region": params.get("region") or "us-east-1",
+    kwargs: dict[str, Any] = {"region": base.signing_region,
                               "connect_timeout": float(params.get("connect_timeout", 5)),
                               "request_timeout": float(params.get("read_timeout", 30))}
     endpoint = params.get("endpoint_url")

@@ -43,6 +43,7 @@ from persist_pipeline.compaction import run_merge as _run_merge
 from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import InvalidConfig, PersistError, ShardNotFound
 from persist_pipeline.ids import ShardId, new_token
+from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.internal.blobs import ShardBlobs, key_starts
 from persist_pipeline.internal.state import Batch
 
@@ -469,7 +470,7 @@ def drive_compaction(
         if shard_id in metrics:
             continue
         try:
-            state = client.machine(shard_id).fetch_latest()
+            state = client._machine(shard_id).fetch_latest()
         except ShardNotFound:
             metrics[shard_id] = CompactionMetrics()
             extra[shard_id] = {"found": False, "spark_tasks": 0, "task_s": 0.0,
@@ -486,7 +487,7 @@ def drive_compaction(
             splits = min(max_splits, -(-req.encoded_bytes // config.compaction_split_bytes))
             points = _split_or_not(req, splits, client.blobs) if splits > 1 else []
             bounds: list[bytes | None] = [None, *points, None]
-            batch_id = f"b{new_token()}"
+            batch_id = batch_id_of(new_token())
             for lower, upper in itertools.pairwise(bounds):
                 tasks.append(_Task(len(tasks), shard_id, req, blob_uri, wal_blob_uri or None,
                                    target, config.compaction_memory_bound_bytes,
@@ -516,15 +517,17 @@ def drive_compaction(
             # Never committed, so certainly unreferenced: the finished ranges' parts go.
             for res in outputs:
                 _delete_parts(client, res)
-            if all(e.startswith("CorruptPart") for e in errors) and \
-                    inputs_replaced(client.machine(shard_id), req):
+            # Unreadable inputs (missing or corrupt parts) whose batches a newer state no
+            # longer holds: the request is obsolete, not failed.
+            if all(e.startswith(("CorruptPart", "PartMissing")) for e in errors) and \
+                    inputs_replaced(client._machine(shard_id), req):
                 metrics[shard_id].obsolete += 1
                 continue
             failures.setdefault(shard_id, []).extend(errors)
             continue
         res = _combine(req, outputs)
         try:
-            outcome = apply_merge_result(client.machine(shard_id), res, started_s)
+            outcome = apply_merge_result(client._machine(shard_id), res, started_s)
         except PersistError as e:  # this result only; the other shards' still commit
             failures.setdefault(shard_id, []).append(f"{type(e).__name__}: {e}")
             continue
@@ -534,7 +537,7 @@ def drive_compaction(
     out: dict[str, dict[str, Any]] = {}
     for shard_id, m in metrics.items():
         if extra[shard_id]["found"]:
-            m.inline_bytes_after = client.machine(shard_id).fetch_latest().inline_bytes
+            m.inline_bytes_after = client._machine(shard_id).fetch_latest().inline_bytes
         m.duration_s = duration
         out[shard_id] = {**m.as_dict(), **extra[shard_id], "spark_jobs": 1 if tasks else 0,
                          "spark_job_group": group,

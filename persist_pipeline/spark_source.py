@@ -83,17 +83,18 @@ from persist_pipeline.compaction import KeyRange
 from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import (
     CommitDeadlineExceeded,
-    CorruptPart,
     InvalidConfig,
     InvalidFrontier,
     InvalidShardId,
     InvalidUpdates,
     LeaseExpired,
+    PartMissing,
     PersistError,
     ShardNotFound,
 )
 from persist_pipeline.frontier import Frontier, check_frontier
 from persist_pipeline.ids import ShardId, new_token
+from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, ShardBlobs
 from persist_pipeline.internal.merge import memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Store
@@ -376,9 +377,7 @@ def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
                 if typed is not None:
                     table = _to_spark_types(typed.decode(table, where), out_schema)
                 yield from table.cast(out_schema).to_batches(max_chunksize=_ROWS_PER_BATCH)
-    except CorruptPart as e:
-        if "is missing" not in str(e):
-            raise
+    except PartMissing as e:
         raise LeaseExpired(
             f"a part of shard {location.shard_id} is gone: this Spark read ran longer than "
             f"its reader's lease ({lease_s:g} s) and GC collected it; re-run the read, or "
@@ -511,7 +510,7 @@ class _WriteJob:
 
     @property
     def batch_id(self) -> str:
-        return f"b{self.token}"
+        return batch_id_of(self.token)
 
 
 def _write_job(options: Mapping[str, str], overwrite: bool) -> _WriteJob:

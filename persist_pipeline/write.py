@@ -25,6 +25,7 @@ from persist_pipeline.exceptions import (
     UpperMismatch,
 )
 from persist_pipeline.frontier import Frontier, check_frontier, less_equal, less_than
+from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import write_parts
@@ -196,7 +197,7 @@ class WriteHandle:
                 raise
             # A retry: the first attempt may have committed, and GC may have expired this
             # writer (and its token) since. The batch's identity in history decides.
-            found = self._machine.batch_committed(f"b{token}", expected)
+            found = self._machine.batch_committed(batch_id_of(token), expected)
             if found is None:
                 raise Indeterminate(
                     f"shard {self.shard_id}: cannot tell whether the write with token "
@@ -238,7 +239,7 @@ class WriteHandle:
             if expected is None or not less_than(expected, upper):
                 raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
                                       f"({expected})")
-            prefix = f"{self.shard_id}/p/b{idempotency_token}/"
+            prefix = f"{self.shard_id}/p/{batch_id_of(idempotency_token)}/"
             for part in parts:
                 if not part.key.startswith(prefix):
                     raise InvalidUpdates(f"part {part.key!r} was not written for this "
@@ -253,7 +254,7 @@ class WriteHandle:
         machine = self._machine
         since = machine.state.since
         desc = Description(expected, upper, since if since is not None else 0)
-        batch = Batch(f"b{idempotency_token}", desc, parts, num_updates) if parts else None
+        batch = Batch(batch_id_of(idempotency_token), desc, parts, num_updates) if parts else None
         placement: Placement = "none" if not parts else (
             "wal" if parts[0].store == "wal" else "blob")
         try:
@@ -456,7 +457,7 @@ class WriteHandle:
 
     def _commit(self, data: Updates, expected: int, upper: Frontier, token: str,
                 encoding: Encoding) -> WriteResult:
-        batch_id = f"b{token}"
+        batch_id = batch_id_of(token)
         desc_since = self._machine.state.since
         desc = Description(expected, upper, desc_since if desc_since is not None else 0)
         if len(data) == 0:

@@ -49,7 +49,7 @@ def state_history(client: PersistClient, shard: str) -> Iterator[State]:
         state = State(shard_id=shard)
     else:
         # GC keeps a rollup at the earliest live record.
-        rollup = client.machine(shard).fetch_latest().rollups[first]
+        rollup = client._machine(shard).fetch_latest().rollups[first]
         data = client.blobs.main.get(rollup.key)
         assert data is not None, f"no rollup at earliest record {first}"
         state = state_codec.decode_state(data, "test")

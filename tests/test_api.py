@@ -75,7 +75,7 @@ def test_large_write_goes_to_blob_in_parts(open_client, location):
     info = client.inspect(shard)
     assert info["parts"]["inline"] == 0
     # A part is about the target size, encoded (the last one smaller).
-    parts = [p for b in client.machine(str(shard)).fetch_latest().batches.values()
+    parts = [p for b in client._machine(str(shard)).fetch_latest().batches.values()
              for p in b.parts]
     assert len(parts) == res.num_parts
     assert all(p.encoded_size < 2 * 64 * 1024 for p in parts)
@@ -336,7 +336,7 @@ def test_fresh_client_rebuilds_state_from_rollups(open_client, location):
     info = client.inspect(shard)
     assert len(info["rollups"]) >= 5
     fresh = open_client(cfg)
-    machine = fresh.machine(shard)
+    machine = fresh._machine(shard)
     state = machine.fetch_latest()
     assert state.seqno == info["seqno"]
     # Rebuilt from the latest rollup: only the records after it are scanned.
@@ -349,7 +349,7 @@ def test_background_rollup_is_recorded_by_the_next_commit(open_client):
     client = open_client(cfg)
     shard = ShardId.new()
     writer = client.open_writer(shard)
-    machine = client.machine(shard)
+    machine = client._machine(shard)
     t = 0
     while machine.maintenance._pending is None:  # appends until a rollup is due
         writer.compare_and_append([(b"k%d" % t, b"v", t, 1)], t, t + 1)
@@ -361,7 +361,7 @@ def test_background_rollup_is_recorded_by_the_next_commit(open_client):
     (rollup_seqno,) = machine.fetch_latest().rollups
     head = machine.fetch_latest().seqno
     fresh = open_client(cfg)
-    fresh.machine(shard).fetch_latest()
+    fresh._machine(shard).fetch_latest()
     assert fresh.metrics.records_scanned == head - rollup_seqno
     assert rows(fresh.open_reader(shard).snapshot(t), t) == \
         sorted((b"k%d" % i, b"v", 1) for i in range(t + 1))

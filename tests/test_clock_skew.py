@@ -121,7 +121,7 @@ def test_control_gc_on_its_own_clock_sweeps_a_write_in_flight(processes: Process
     with controls.gc_sweeps_on_its_own_clock():
         writer.compare_and_append(LATE, 1, 2)
     assert metrics and int(metrics[0]["orphans_deleted"]) >= 1  # type: ignore[call-overload]
-    state = writer_client.machine(shard).fetch_latest()
+    state = writer_client._machine(shard).fetch_latest()
     missing = [key for store, key in state.referenced_blobs()
                if writer_client.blobs.store(store).get(key) is None]
     assert missing  # the shard now references a deleted part
@@ -149,7 +149,7 @@ def test_a_wall_clock_step_back_does_not_stretch_a_commit_deadline(processes: Pr
         writer.compare_and_append(LATE, 1, 2)
     assert writer.fetch_recent_upper() == 1
     leftovers = [m.key for m in client.blobs.main.list_keys(f"{shard}/p/")
-                 if m.key not in {k for _, k in client.machine(shard).fetch_latest()
+                 if m.key not in {k for _, k in client._machine(shard).fetch_latest()
                                   .referenced_blobs()}]
     assert leftovers == []  # certainly not committed: its parts were deleted
 
@@ -174,7 +174,7 @@ def test_spark_write_deadline_is_measured_on_the_driver_from_planning(processes:
     driver_clock.advance(AGE_S / 2 + 1)  # the tasks ran long
     with pytest.raises(CommitDeadlineExceeded):
         _commit(job, [message], driver)  # type: ignore[arg-type]
-    assert driver.machine(shard).fetch_latest().upper == 1
+    assert driver._machine(shard).fetch_latest().upper == 1
     assert all(driver.blobs.main.get(p.key) is None for p in message.parts)
     # In time, the same path commits.
     job, message = _spark_write(processes, driver, shard)
@@ -194,4 +194,4 @@ def test_spark_write_planned_on_another_host_is_refused(processes: Processes):
         _commit(elsewhere, [message], driver)
     _abort(elsewhere, [message])  # Spark aborts after a failed commit
     assert all(driver.blobs.main.get(p.key) is None for p in message.parts)
-    assert driver.machine(shard).fetch_latest().upper == 1
+    assert driver._machine(shard).fetch_latest().upper == 1

@@ -58,7 +58,7 @@ def test_stale_merge_result_cannot_resurrect_parts_gc_deletes(location: Location
     """Materialize's regression_gc_stale_merge_res."""
     client = location.client(InlinePolicy(0, 0), PersistConfig(rollup_threshold=2))
     shard = _two_batches(client)
-    machine = client.machine(shard)
+    machine = client._machine(shard)
     (req,) = merge_requests(machine.fetch_latest())
     blobs = client.blobs
     stale = run_merge(req, str(shard), blobs.main, blobs.wal, 1 << 20)
@@ -97,7 +97,7 @@ def test_compaction_whose_cas_reply_was_lost_keeps_its_outputs(location: Locatio
     metrics = other.compact(shard)
     assert lossy.armed is False, "the reply was never lost"
     assert metrics["applied"] == 1 and metrics["not_applied"] == 0
-    state = client.machine(shard).fetch_latest()
+    state = client._machine(shard).fetch_latest()
     (batch,) = state.batches.values()
     assert all(client.blobs.main.get(p.key) is not None for p in batch.hollow_parts())
     assert rows(client.open_reader(shard).snapshot(1), 1) == [(b"a", b"1", 1), (b"b", b"1", 1)]
@@ -193,7 +193,7 @@ def test_control_lossy_compaction_is_caught(location, monkeypatch):
 def test_control_regressing_upper_and_undecodable_state_are_caught(location):
     client = location.client()
     shard = _two_batches(client)
-    state = client.machine(shard).fetch_latest()
+    state = client._machine(shard).fetch_latest()
     from dataclasses import replace
 
     regressed = replace(state, seqno=state.seqno + 1, upper=1)

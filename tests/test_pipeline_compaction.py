@@ -236,7 +236,7 @@ def test_spark_splits_a_large_merge_by_key_range_and_commits_it_once(
     assert m["requests"] == m["applied"] == m["split_requests"] == 1
     assert m["spark_tasks"] > 2  # one request, several key-range tasks, one commit
     assert m["spark_jobs"] == 1 and m["failed_tasks"] == 0
-    state = client.machine(str(shard)).fetch_latest()
+    state = client._machine(str(shard)).fetch_latest()
     # The first four batches (one Spine entry) were replaced by one; the fifth stays.
     [batch] = [b for b in state.batches.values() if b.desc.lower == 0]
     assert batch.desc.upper == 4 and len(state.batches) == 2

@@ -181,7 +181,7 @@ def test_gc_never_deletes_a_file_of_a_plan_in_use(kind: str, request: pytest.Fix
     assert rows(plan.to_table(), 11) == expected
     plan.close()
     metrics = client.gc(shard)
-    live = {key for _, key in client.machine(shard).fetch_latest().referenced_blobs()}
+    live = {key for _, key in client._machine(shard).fetch_latest().referenced_blobs()}
     replaced = [f.key not in live for f in plan.file_details]
     assert sum(replaced) >= 8  # compaction merged most of them
     assert metrics["blobs_deleted"] >= sum(replaced)

@@ -259,7 +259,7 @@ def test_stale_critical_reader_passing_the_current_token_is_not_fenced(clients: 
     shard, stale = _stale_critical_reader(clients)
     assert stale.compare_and_downgrade_since(b"o2", b"o3", 2) == 2
     assert stale.opaque == b"o3"
-    reader = clients.plain().machine(shard).fetch_latest().critical_readers[stale.reader_id]
+    reader = clients.plain()._machine(shard).fetch_latest().critical_readers[stale.reader_id]
     assert (reader.opaque, reader.since) == (b"o3", 2)
 
 
@@ -269,7 +269,7 @@ def test_control_trusting_the_cache_fences_out_the_rightful_critical_reader(clie
     with controls.trust_cached_negatives(), pytest.raises(FencedOut) as info:
         stale.compare_and_downgrade_since(b"o2", b"o3", 2)
     assert (info.value.expected, info.value.current) == (b"o2", b"o1")
-    reader = clients.plain().machine(shard).fetch_latest().critical_readers[stale.reader_id]
+    reader = clients.plain()._machine(shard).fetch_latest().critical_readers[stale.reader_id]
     assert (reader.opaque, reader.since) == (b"o2", 1)
 
 
@@ -309,7 +309,7 @@ def _lost_write_with_expired_lease(clients: Clients, policy: InlinePolicy, *,
     def pause_then_gc() -> None:
         clients.clock.advance(pause_s)
         gc_client.gc(shard)
-        latest = gc_client.machine(shard).fetch_latest()
+        latest = gc_client._machine(shard).fetch_latest()
         lost.expired_in_hook.append(writer.writer_id not in latest.writers)
 
     lossy.arm(pause_then_gc)
@@ -328,7 +328,7 @@ def test_lost_reply_after_lease_expiry_reports_the_committed_write(clients: Clie
     expected_placement = "inline" if policy.threshold_bytes else ("wal" if wal else "blob")
     assert result.placement == expected_placement
     assert result.upper == 2 and result.num_updates == 2
-    state = lost.gc.machine(lost.shard).fetch_latest()
+    state = lost.gc._machine(lost.shard).fetch_latest()
     assert state.upper == 2
     batch = batch_with(state, LATE[0])
     assert batch.num_updates == 2
@@ -347,7 +347,7 @@ def test_control_guessing_lost_replies_denies_a_committed_write(clients: Clients
         lost.writer.compare_and_append(LATE, 1, 2)
     assert lost.lossy.lost == 1 and lost.expired_in_hook == [True]
     assert (info.value.expected, info.value.current) == (1, 2)  # "not written", yet it was
-    state = lost.gc.machine(lost.shard).fetch_latest()
+    state = lost.gc._machine(lost.shard).fetch_latest()
     assert batch_with(state, LATE[0]).num_updates == 2
     if policy.threshold_bytes:
         assert clients.snapshot(lost.shard, 1) == expected_snapshot(BASE + LATE, 1)
@@ -371,7 +371,7 @@ def test_lost_reply_whose_record_gc_truncated_is_settled_by_the_batch_in_the_hea
     assert lost.lossy.lost_seqno is not None
     earliest = lost.gc.consensus.scan(str(lost.shard), 0, limit=1)[0].seqno
     assert earliest > lost.lossy.lost_seqno
-    state = lost.gc.machine(lost.shard).fetch_latest()
+    state = lost.gc._machine(lost.shard).fetch_latest()
     batch = batch_with(state, LATE[0])
     assert all(blob_exists(lost.gc, p) for p in batch.hollow_parts())
     assert missing_blobs(lost.gc, lost.shard) == []
@@ -393,7 +393,7 @@ def _lost_write_then_merged(clients: Clients, *, truncate_merge: bool) -> LostWr
 
     def pause_merge_gc() -> None:
         clients.clock.advance(PAUSE_S)
-        machine = gc_client.machine(shard)
+        machine = gc_client._machine(shard)
         if not truncate_merge:
             # A rollup after the lost commit, and a reader holding it: GC truncates the
             # commit's record but keeps the merge's.
@@ -416,7 +416,7 @@ def test_lost_reply_of_a_batch_compacted_away_is_settled_by_the_kept_merge_recor
     assert lost.lossy.lost_seqno is not None  # the commit's own record is truncated
     earliest = lost.gc.consensus.scan(str(lost.shard), 0, limit=1)[0].seqno
     assert earliest > lost.lossy.lost_seqno
-    state = lost.gc.machine(lost.shard).fetch_latest()
+    state = lost.gc._machine(lost.shard).fetch_latest()
     assert len(state.batches) == 1  # BASE and LATE merged: the head does not name it
     assert missing_parts(lost.gc, lost.shard) == []
     assert clients.snapshot(lost.shard, 1) == expected_snapshot(BASE + LATE, 1)
@@ -440,7 +440,7 @@ def test_control_guessing_a_truncated_lost_reply_deletes_committed_parts(clients
     lost = _lost_write_with_expired_lease(clients, NO_INLINE, reader_hold=False)
     with controls.guess_lost_replies(), pytest.raises(UpperMismatch):
         lost.writer.compare_and_append(LATE, 1, 2)
-    state = lost.gc.machine(lost.shard).fetch_latest()
+    state = lost.gc._machine(lost.shard).fetch_latest()
     assert not any(blob_exists(lost.gc, p) for p in batch_with(state, LATE[0]).hollow_parts())
     with pytest.raises(CorruptPart):
         clients.snapshot(lost.shard, 1)
@@ -469,7 +469,7 @@ def test_token_retry_of_a_write_committed_before_its_lease_expired_is_not_denied
         retry = None  # honest, if unhelpful: never a false "not written"
     if retry is not None:
         assert retry.already_committed and retry.upper == 2
-    state = lost.gc.machine(lost.shard).fetch_latest()
+    state = lost.gc._machine(lost.shard).fetch_latest()
     assert all(blob_exists(lost.gc, p) for p in batch_with(state, LATE[0]).hollow_parts())
     assert clients.snapshot(lost.shard, 1) == expected_snapshot(BASE + LATE, 1)
 
@@ -499,7 +499,7 @@ def test_lost_reply_past_the_commit_deadline_reports_success_and_keeps_parts(
     assert clients.clock.monotonic() > started_s + ORPHAN_AGE_S / 2  # the deadline passed
     assert result.upper == 2 and result.num_updates == 2 and result.num_parts >= 1
     reader_client = clients.plain()
-    batch = batch_with(reader_client.machine(shard).fetch_latest(), LATE[0])
+    batch = batch_with(reader_client._machine(shard).fetch_latest(), LATE[0])
     assert all(blob_exists(reader_client, p) for p in batch.hollow_parts())
     assert clients.snapshot(shard, 1) == expected_snapshot(BASE + LATE, 1)
 
@@ -512,7 +512,7 @@ def test_control_deadline_before_token_reports_a_committed_write_as_failed(clien
         writer.compare_and_append(LATE, 1, 2)
     assert lossy.lost == 1
     reader_client = clients.plain()
-    batch = batch_with(reader_client.machine(shard).fetch_latest(), LATE[0])
+    batch = batch_with(reader_client._machine(shard).fetch_latest(), LATE[0])
     assert not any(blob_exists(reader_client, p) for p in batch.hollow_parts())
     with pytest.raises(CorruptPart):
         clients.snapshot(shard, 1)
@@ -547,7 +547,7 @@ def _lost_merge_reply(clients: Clients) -> LostMerge:
     writer.compare_and_append(X, 0, 1)
     writer.compare_and_append(Y, 1, 2)
     compactor_a, lossy = clients.lossy()
-    machine = compactor_a.machine(shard)
+    machine = compactor_a._machine(shard)
     (req,) = merge_requests(machine.fetch_latest())
     assert len(req.inputs) == 2
     started_s = clients.clock.monotonic()
@@ -559,7 +559,7 @@ def _lost_merge_reply(clients: Clients) -> LostMerge:
 
     def meanwhile() -> None:
         # A reader fetches the state that holds O (a snapshot in progress).
-        lost.mid_read.append(reader_client.machine(shard).fetch_latest())
+        lost.mid_read.append(reader_client._machine(shard).fetch_latest())
         writer.compare_and_append(Z, 2, 3)
         metrics = compactor_b.compact(shard)
         assert metrics["applied"] == 1, metrics
@@ -572,7 +572,7 @@ def _check_merge_scenario_ran(lost: LostMerge) -> State:
     assert lost.lossy.lost == 1
     (old,) = lost.mid_read
     assert lost.res.output.id in old.batches  # the reader was reading A's output
-    latest = lost.observer.machine(lost.shard).fetch_latest()
+    latest = lost.observer._machine(lost.shard).fetch_latest()
     assert lost.res.output.id not in latest.batches  # B replaced it
     assert latest.upper == 3 and len(latest.batches) == 1
     return old
@@ -587,7 +587,7 @@ def test_lost_merge_reply_is_applied_and_keeps_outputs_a_reader_may_read(clients
     old = _check_merge_scenario_ran(lost)
     assert all(blob_exists(lost.observer, p) for p in lost.res.output.hollow_parts())
     # The reader that started on the version holding O finishes its snapshot.
-    table = fetch_batches(lost.observer.machine(lost.shard), list(old.ordered_batches), "test")
+    table = fetch_batches(lost.observer._machine(lost.shard), list(old.ordered_batches), "test")
     assert rows(consolidate(table, as_of=1), 1) == expected_snapshot(X + Y, 1)
     assert missing_blobs(lost.observer, lost.shard) == []
     assert clients.snapshot(lost.shard, 2) == expected_snapshot(X + Y + Z, 2)
@@ -604,7 +604,7 @@ def test_control_guessing_a_lost_merge_reply_deletes_outputs_still_referenced(
     old = _check_merge_scenario_ran(lost)
     assert not any(blob_exists(lost.observer, p) for p in lost.res.output.hollow_parts())
     with pytest.raises(CorruptPart):
-        fetch_batches(lost.observer.machine(lost.shard), list(old.ordered_batches), "test")
+        fetch_batches(lost.observer._machine(lost.shard), list(old.ordered_batches), "test")
     assert missing_blobs(lost.observer, lost.shard) != []
 
 
@@ -628,7 +628,7 @@ def test_critical_reader_lost_downgrade_reply_is_not_fenced_out(clients: Clients
     assert reader.compare_and_downgrade_since(b"o1", b"o2", 1) == 1
     assert lossy.lost == 1
     assert (reader.opaque, reader.since) == (b"o2", 1)
-    held = clients.plain().machine(shard).fetch_latest().critical_readers[reader.reader_id]
+    held = clients.plain()._machine(shard).fetch_latest().critical_readers[reader.reader_id]
     assert (held.opaque, held.since) == (b"o2", 1)
 
 
@@ -639,7 +639,7 @@ def test_control_guessing_a_lost_downgrade_reply_fences_out_its_own_reader(clien
         reader.compare_and_downgrade_since(b"o1", b"o2", 1)
     assert lossy.lost == 1
     assert (info.value.expected, info.value.current) == (b"o1", b"o2")
-    held = clients.plain().machine(shard).fetch_latest().critical_readers[reader.reader_id]
+    held = clients.plain()._machine(shard).fetch_latest().critical_readers[reader.reader_id]
     assert (held.opaque, held.since) == (b"o2", 1)  # it did commit
 
 
@@ -658,7 +658,7 @@ def _merge_fixture(clients: Clients, *, since: int) -> tuple[ShardId, PersistCli
         writer.fetch_recent_upper()
     writer.compare_and_append([(b"p", b"1", since, 1)], since, since + 1)
     writer.compare_and_append([(b"q", b"1", since + 1, 1)], since + 1, since + 2)
-    reqs = merge_requests(client.machine(shard).fetch_latest())
+    reqs = merge_requests(client._machine(shard).fetch_latest())
     assert len(reqs) == 1
     (req,) = reqs
     assert max(b.desc.since for b in req.inputs) == since
@@ -699,7 +699,7 @@ def test_invalid_merge_result_is_refused_deleted_and_changes_nothing(clients: Cl
     shard, client, req = _merge_fixture(clients, since=since)
     res = make_result(client, shard, req)
     assert all(blob_exists(client, p) for p in res.output.hollow_parts())
-    machine = client.machine(shard)
+    machine = client._machine(shard)
     before = machine.fetch_latest()
     as_of = since + 1
     snapshot_before = clients.snapshot(shard, as_of)
@@ -708,7 +708,7 @@ def test_invalid_merge_result_is_refused_deleted_and_changes_nothing(clients: Cl
     with pytest.raises(InvalidInput):
         apply_merge_result(machine, res, clients.clock.monotonic())
     assert not any(blob_exists(client, p) for p in res.output.hollow_parts())
-    after = clients.plain().machine(shard).fetch_latest()
+    after = clients.plain()._machine(shard).fetch_latest()
     assert after.batches == before.batches and after.since == before.since
     assert all(blob_exists(client, p) for b in after.batches.values() for p in b.hollow_parts())
     assert clients.snapshot(shard, as_of) == snapshot_before
@@ -725,8 +725,8 @@ def test_control_unvalidated_merge_result_is_committed(clients: Clients, case: s
     as_of = since + 1
     snapshot_before = clients.snapshot(shard, as_of)
     monkeypatch.setattr(transitions, "_check_merge_result", lambda res, inputs: None)
-    assert apply_merge_result(client.machine(shard), res, clients.clock.monotonic()) == "applied"
+    assert apply_merge_result(client._machine(shard), res, clients.clock.monotonic()) == "applied"
     monkeypatch.undo()
-    assert res.output.id in clients.plain().machine(shard).fetch_latest().batches
+    assert res.output.id in clients.plain()._machine(shard).fetch_latest().batches
     if case == "more-updates":
         assert clients.snapshot(shard, as_of) != snapshot_before

@@ -308,7 +308,7 @@ def _pending_merges(node: Node, shard: str, clock: HandClock) -> tuple[float, li
     """Run every pending merge of ``shard`` (not applied); returns (started_s, results),
     ``started_s`` on the committing client's monotonic clock."""
     client = node.client
-    reqs = merge_requests(client.machine(shard).fetch_latest())
+    reqs = merge_requests(client._machine(shard).fetch_latest())
     assert reqs, "the setup left no merge request"
     started_s = clock.monotonic()
     results = [run_merge(r, shard, client.blobs.main, client.blobs.wal,
@@ -339,10 +339,10 @@ def test_merge_result_whose_outputs_gc_swept_is_refused(location: Location, node
     assert gc_metrics["orphans_deleted"] >= len(outputs)
     assert all(client.blobs.main.get(k) is None for k in outputs)
 
-    before = client.machine(shard).fetch_latest()
+    before = client._machine(shard).fetch_latest()
     for res in results:
-        assert apply_merge_result(client.machine(shard), res, started_s) == "deadline_exceeded"
-    after = client.machine(shard).fetch_latest()
+        assert apply_merge_result(client._machine(shard), res, started_s) == "deadline_exceeded"
+    after = client._machine(shard).fetch_latest()
     assert after.seqno == before.seqno and dict(after.batches) == dict(before.batches)
     assert rows(client.open_reader(shard).snapshot(3), 3) == expected_snapshot(written, 3)
     assert fresh_snapshot(location, shard, 3) == expected_snapshot(written, 3)
@@ -356,7 +356,7 @@ def test_merge_result_past_deadline_deletes_its_outputs_and_a_timely_one_applies
     node = nodes(location, ORPHAN_CFG, policy=BLOB_ONLY, clock=clock)
     client = node.client
     shard = str(ShardId.new())
-    machine = client.machine(shard)
+    machine = client._machine(shard)
     written = write_batches(client, shard, range(4), rows_per_batch=2)
     started_s, late = _pending_merges(node, shard, clock)
     late_outputs = _output_keys(late)
@@ -393,7 +393,7 @@ def test_merge_without_deadline_control_commits_swept_outputs(location: Location
     clock.advance(ORPHAN_CFG.gc_orphan_min_age_s + 5)
     nodes(location, ORPHAN_CFG, clock=clock).client.gc(shard)
     with controls.merge_without_deadline():
-        outcomes = [apply_merge_result(client.machine(shard), r, started_s) for r in results]
+        outcomes = [apply_merge_result(client._machine(shard), r, started_s) for r in results]
     assert "applied" in outcomes
     with pytest.raises(CorruptPart):
         client.open_reader(shard).snapshot(3)
@@ -447,7 +447,7 @@ def _pause_gc_a(loc: Location, nodes: Nodes, shard: str, where: str
     at ``where`` inside A's next GC."""
     a = nodes(loc, GC_CFG)
     b = nodes(loc, GC_CFG).client
-    a.client.machine(shard).fetch_latest()  # opening reads a rollup: not part of the GC
+    a.client._machine(shard).fetch_latest()  # opening reads a rollup: not part of the GC
     b_metrics: list[dict] = []
     backend, phase, op, match = PAUSE_POINTS[where]
     hook = Once(match, lambda: b_metrics.append(b.gc(shard)))
@@ -498,7 +498,7 @@ def test_gc_killed_after_truncate_then_another_gc(real_location: Location, nodes
     """Defect 6: after a GC killed right after truncating, the next GC cleans up safely."""
     shard, written = _gc_history(real_location, nodes)
     a = nodes(real_location, GC_CFG)
-    a.client.machine(shard).fetch_latest()
+    a.client._machine(shard).fetch_latest()
 
     def die(shard_: str, seqno: int) -> None:
         raise Killed(f"GC killed right after truncating below {seqno}")
@@ -508,7 +508,7 @@ def test_gc_killed_after_truncate_then_another_gc(real_location: Location, nodes
         a.client.gc(shard)
     observer = nodes(real_location, GC_CFG).client
     earliest = observer.consensus.scan(shard, 0, limit=1)[0].seqno
-    head = observer.machine(shard).fetch_latest()
+    head = observer._machine(shard).fetch_latest()
     assert any(s < earliest for s in head.rollups), "the kill left no stale rollup behind"
     assert_history_intact(observer, shard)
 
@@ -555,7 +555,7 @@ def _hold_race(loc: Location, nodes: Nodes) -> HoldRace:
         writer.compare_and_append(batch, t, t + 1)
         written += batch
     reader = c1.open_reader(shard)
-    machine = c1.machine(shard)
+    machine = c1._machine(shard)
     assert reader._machine is machine
     advanced, settled = threading.Event(), threading.Event()
     lock = WatchedLock(on_contended=settled.set)
@@ -711,7 +711,7 @@ def _shard_with_rollup(loc: Location, nodes: Nodes) -> tuple[str, list[Update], 
     shard = str(ShardId.new())
     written = write_batches(setup, shard, range(10), rows_per_batch=2)
     while True:
-        head = setup.machine(shard).fetch_latest()
+        head = setup._machine(shard).fetch_latest()
         latest = head.latest_rollup()
         assert latest is not None
         if head.seqno - latest.seqno >= 2:
@@ -730,7 +730,7 @@ def _open_while_gc_replaces_rollup(loc: Location, nodes: Nodes, entry: str,
     scan of the records after it (``records_scan``)."""
     shard, written, old_rollup = _shard_with_rollup(loc, nodes)
     gc_client = nodes(loc, ROLLUP_CFG).client
-    gc_client.machine(shard).fetch_latest()
+    gc_client._machine(shard).fetch_latest()
     new = nodes(loc, ROLLUP_CFG)
     gc_metrics: list[dict] = []
 
@@ -750,7 +750,7 @@ def _open_while_gc_replaces_rollup(loc: Location, nodes: Nodes, entry: str,
             reader = new.client.open_reader(shard)
             assert rows(reader.snapshot(9), 9) == expected_snapshot(written, 9)
             return reader
-        state = new.client.machine(shard).fetch_latest()
+        state = new.client._machine(shard).fetch_latest()
         assert state.upper == 10
         assert rows(new.client.open_reader(shard).snapshot(9), 9) == expected_snapshot(
             written, 9)
@@ -814,7 +814,7 @@ def _reader_paused_past_lease(loc: Location, nodes: Nodes, kind: str
 
         def read() -> Any:
             return listen.poll()
-    machine = c1.machine(shard)
+    machine = c1._machine(shard)
     real_fetch = machine.fetch_latest
     metrics: list[dict] = []
 
@@ -959,7 +959,7 @@ def test_rollup_every_seqno_with_foreground_maintenance(location: Location, node
         written += batch
         if t % 40 == 39:
             client.compact(shard)
-    state = client.machine(shard).fetch_latest()
+    state = client._machine(shard).fetch_latest()
     assert state.upper == 120 and state.latest_rollup() is not None
     assert state.seqno - state.latest_rollup().seqno <= 2
     metrics = client.gc(shard)
@@ -1003,7 +1003,7 @@ def test_rollups_a_killed_gc_dropped_are_swept_by_the_next_gc(location: Location
     writer.compare_and_append([], 12, 13)
     time.sleep(2.1)  # the dropped rollups are now old enough for the sweep (S3 stamps: seconds)
     client.gc(shard)
-    head = client.machine(shard).fetch_latest()
+    head = client._machine(shard).fetch_latest()
     listed = {m.key for m in client.blobs.main.list_keys(f"{shard}/") if "/rollup/" in m.key}
     assert listed == {r.key for r in head.rollups.values()}
     fresh = location.client(InlinePolicy(0, 0), config)

@@ -108,7 +108,7 @@ def test_spark_write_round_trips_atomically(spark_session: Any, kind: str,
     (df.write.format("persist")
      .options(**_options(location, shard, expected_upper=10, new_upper=20))
      .mode("append").save())
-    state = client.machine(shard).fetch_latest()
+    state = client._machine(shard).fetch_latest()
     assert state.upper == 20
     # One batch for the whole write, with the parts of every task.
     spark_batches = [b for b in state.batches.values() if b.desc.lower == 10]
@@ -123,12 +123,12 @@ def test_spark_write_round_trips_atomically(spark_session: Any, kind: str,
 
     # An upper mismatch: the write fails, nothing becomes visible, no part is left.
     keys_before = _blob_keys(location, shard)
-    seqno_before = client.machine(shard).fetch_latest().seqno
+    seqno_before = client._machine(shard).fetch_latest().seqno
     with pytest.raises(Exception, match="UpperMismatch"):
         (df.write.format("persist")
          .options(**_options(location, shard, expected_upper=10, new_upper=30))
          .mode("append").save())
-    after = client.machine(shard).fetch_latest()
+    after = client._machine(shard).fetch_latest()
     assert after.upper == 20
     assert [b.id for b in after.batches.values()] == [b.id for b in state.batches.values()]
     assert _blob_keys(location, shard) == keys_before
@@ -140,9 +140,9 @@ def test_spark_write_round_trips_atomically(spark_session: Any, kind: str,
         (bad.write.format("persist")
          .options(**_options(location, shard, expected_upper=20, new_upper=30))
          .mode("append").save())
-    assert client.machine(shard).fetch_latest().upper == 20
+    assert client._machine(shard).fetch_latest().upper == 20
     assert _blob_keys(location, shard) == keys_before
-    assert client.machine(shard).fetch_latest().seqno >= seqno_before
+    assert client._machine(shard).fetch_latest().seqno >= seqno_before
     reader.expire()
     client.close()
 

@@ -397,7 +397,7 @@ def test_a_split_merge_commits_once_when_its_reply_is_lost(clients: Clients) -> 
     lossy_client, lossy = clients.lossy(InlinePolicy(0, 0), **SPLIT)
     shard = _big_shard(clients.plain(InlinePolicy(0, 0), **SPLIT))
     expected = clients.snapshot(shard, 3)
-    (req,) = merge_requests(lossy_client.machine(shard).fetch_latest())
+    (req,) = merge_requests(lossy_client._machine(shard).fetch_latest())
     assert len(spark_driver.split_points(req, 4)) == 3
     lossy.arm()
     metrics = spark_driver.drive_compaction(
@@ -406,7 +406,7 @@ def test_a_split_merge_commits_once_when_its_reply_is_lost(clients: Clients) -> 
     assert lossy.lost == 1
     assert metrics["spark_tasks"] == 4 and metrics["split_requests"] == 1
     assert metrics["applied"] == 1
-    latest = clients.plain().machine(shard).fetch_latest()
+    latest = clients.plain()._machine(shard).fetch_latest()
     (batch,) = latest.batches.values()  # the four inputs, replaced once by one batch
     assert batch.desc.lower == 0 and batch.desc.upper == 4
     keys = [p.min_key for p in batch.parts]
@@ -449,10 +449,10 @@ def test_a_failing_task_fails_its_own_merge_only(clients: Clients,
     assert metrics[str(good)]["applied"] == 1
     assert metrics[str(memory_error)]["applied"] == 0
     observer = clients.plain()
-    assert len(observer.machine(good).fetch_latest().batches) == 1
-    assert len(observer.machine(memory_error).fetch_latest().batches) == 4
+    assert len(observer._machine(good).fetch_latest().batches) == 1
+    assert len(observer._machine(memory_error).fetch_latest().batches) == 4
     # The ranges of the failed split merge that did finish left no parts behind.
-    live = {p.key for b in observer.machine(memory_error).fetch_latest().batches.values()
+    live = {p.key for b in observer._machine(memory_error).fetch_latest().batches.values()
             for p in b.hollow_parts() if p.store == "main"}
     stored = {m.key for m in observer.blobs.main.list_keys(f"{memory_error}/p/")}
     assert stored == live
@@ -497,7 +497,7 @@ def test_a_missing_part_fails_its_own_split_merge_only(clients: Clients,
     monkeypatch.setattr(blobs_module, "WHOLE_FETCH_MAX_BYTES", 0)
     client = clients.plain(InlinePolicy(0, 0), **SPLIT)
     good, broken = _big_shard(client), _big_shard(client)
-    state = client.machine(broken).fetch_latest()
+    state = client._machine(broken).fetch_latest()
     victim = next(p for b in state.batches.values() for p in b.hollow_parts())
     client.blobs.store(victim.store).delete(victim.key)  # lost from the store
     with pytest.raises(spark_driver.SparkCompactionFailed) as info:
@@ -509,7 +509,7 @@ def test_a_missing_part_fails_its_own_split_merge_only(clients: Clients,
                for m in info.value.failures[str(broken)])
     assert info.value.metrics[str(good)]["applied"] == 1
     assert info.value.metrics[str(good)]["split_requests"] == 1
-    assert len(client.machine(broken).fetch_latest().batches) == 4  # unchanged
+    assert len(client._machine(broken).fetch_latest().batches) == 4  # unchanged
 
 
 def test_bad_streaming_settings_are_refused_with_typed_errors(open_client: Any) -> None:
@@ -524,9 +524,9 @@ def test_bad_streaming_settings_are_refused_with_typed_errors(open_client: Any) 
     shard = ShardId.new()
     client.open_writer(shard).compare_and_append([(b"k", b"v", 0, 1)], 0, 1)
     reader = client.open_reader(shard)
-    seqno = client.machine(str(shard)).fetch_latest().seqno
+    seqno = client._machine(str(shard)).fetch_latest().seqno
     for max_rows in (0, -1, 1.5, True):
         with pytest.raises(InvalidInput):
             list(reader.snapshot_batches(0, max_rows=max_rows))
-    assert client.machine(str(shard)).fetch_latest().seqno == seqno  # nothing changed
+    assert client._machine(str(shard)).fetch_latest().seqno == seqno  # nothing changed
     reader.expire()

@@ -394,7 +394,7 @@ def test_key_lookups_read_only_parts_whose_key_bounds_can_hold_the_keys() -> Non
         ids = list(range(n * 100, n * 100 + 100))
         writer.compare_and_append(pa.table({"id": ids, "val": [str(i) for i in ids],
                                             "t": [n] * 100}), n, n + 1)
-    state = client.machine(shard).fetch_latest()
+    state = client._machine(shard).fetch_latest()
     parts = [p for b in state.batches.values() for p in b.parts]
     assert len(parts) == 10 and all(isinstance(p, HollowPart) for p in parts)
     keys = sorted(schema.encode_keys(pa.table({"id": [150, 777]})).to_pylist())
@@ -440,10 +440,10 @@ def test_lookups_in_large_parts_read_only_row_groups_that_can_hold_a_key(
     n = 20_000
     writer.compare_and_append(pa.table({"id": range(n), "val": [f"v{i:08d}" for i in range(n)],
                                         "t": [0] * n}), 0, 1)
-    state = client.machine(shard).fetch_latest()
+    state = client._machine(shard).fetch_latest()
     [part] = [p for b in state.batches.values() for p in b.parts]
     keys = sorted(schema.encode_keys(pa.table({"id": [17, 12_345]})).to_pylist())
-    found = current_rows(client.machine(shard).blobs, state, keys)
+    found = current_rows(client._machine(shard).blobs, state, keys)
     assert sorted(schema.decode(found).column("id").to_pylist()) == [17, 12_345]
     assert isinstance(part, HollowPart)
     [(read, total)] = chosen
@@ -469,7 +469,7 @@ def test_upsert_reading_parts_that_compaction_replaced_and_gc_deleted_rereads(
     compacted = maintainer.compact(shard)
     assert compacted["applied"] >= 1, compacted
     # What GC does once no live version references them: the merges' inputs go.
-    live = {p for b in maintainer.machine(shard).fetch_latest().batches.values()
+    live = {p for b in maintainer._machine(shard).fetch_latest().batches.values()
             for p in b.parts}
     replaced = [p for b in stale.batches.values() for p in b.parts if p not in live]
     assert len(replaced) >= 2 and all(isinstance(p, HollowPart) for p in replaced)

@@ -220,6 +220,10 @@ def _positive_int(name: str, value: str) -> int:
     return number
 
 
+#: The signing region when neither the URI nor the AWS configuration names one.
+DEFAULT_REGION = "us-east-1"
+
+
 class S3Blob(Blob):
     """A blob store in an S3 bucket under an optional key prefix.
 
@@ -401,13 +405,23 @@ class S3Blob(Blob):
                 client = self._client_obj
         return client
 
-    def _make_client(self) -> S3Client:
-        session = boto3.session.Session(
+    def _session(self) -> boto3.session.Session:
+        return boto3.session.Session(
             aws_access_key_id=self._access_key_id,
             aws_secret_access_key=self._secret_access_key.reveal() or None,
             aws_session_token=self._session_token.reveal() or None,
         )
-        region = self._region or session.region_name or "us-east-1"
+
+    @property
+    def signing_region(self) -> str:
+        """The region requests are signed for, by one rule for every client of this store
+        (boto3 here, pyarrow's filesystem in read plans): the URI's ``region``, else the
+        AWS configuration's (environment, shared files), else ``us-east-1``."""
+        return str(self._region or self._session().region_name or DEFAULT_REGION)
+
+    def _make_client(self) -> S3Client:
+        session = self._session()
+        region = self._region or session.region_name or DEFAULT_REGION
         config = Config(
             region_name=region,
             connect_timeout=self._connect_timeout,

@@ -27,7 +27,7 @@ from persist_pipeline.blob.base import Blob
 
 if TYPE_CHECKING:
     from persist_pipeline.schema import ShardSchema
-from persist_pipeline.exceptions import CorruptPart, ResourceExhausted
+from persist_pipeline.exceptions import CorruptPart, PartMissing, ResourceExhausted
 from persist_pipeline.internal import paths
 from persist_pipeline.internal.state import HollowPart, InlinePart, Part, Store, key_bounds
 from persist_pipeline.updates import (
@@ -176,7 +176,7 @@ class ShardBlobs:
         assert isinstance(part, HollowPart)
         data = self.store(part.store, cached=True).get(part.key)
         if data is None:
-            raise CorruptPart(f"part {part.key!r} ({where}) is missing from the "
+            raise PartMissing(f"part {part.key!r} ({where}) is missing from the "
                               f"{part.store} blob store")
         return decode_parquet(data, f"{part.key!r} in the {part.store} blob store")
 
@@ -229,7 +229,7 @@ class ShardBlobs:
             try:
                 return pa.OSFile(path)
             except FileNotFoundError:
-                raise CorruptPart(f"part {part.key!r} ({where}) is missing from the "
+                raise PartMissing(f"part {part.key!r} ({where}) is missing from the "
                                   f"{part.store} blob store") from None
         return _BlobFile(blob, part, where)
 
@@ -359,7 +359,7 @@ class _BlobFile(io.RawIOBase):
             return 0
         data = self._blob.get_range(self._part.key, self._pos, want)
         if data is None:
-            raise CorruptPart(f"part {self._part.key!r} ({self._where}) is missing from the "
+            raise PartMissing(f"part {self._part.key!r} ({self._where}) is missing from the "
                               f"{self._part.store} blob store")
         buffer[:len(data)] = data
         self._pos += len(data)

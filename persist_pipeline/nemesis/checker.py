@@ -54,7 +54,7 @@ def _history(client: PersistClient, shard: str, result: CheckResult) -> list[Sta
         if first == 1:
             state = State(shard_id=shard)
         else:
-            rollup = client.machine(shard).fetch_latest().rollups.get(first)
+            rollup = client._machine(shard).fetch_latest().rollups.get(first)
             data = client.blobs.main.get(rollup.key) if rollup is not None else None
             if data is None:
                 result.violations.append(f"no rollup at the earliest record, seqno {first}")
@@ -88,7 +88,7 @@ def check_history(client: PersistClient, shard: str, inline_max_bytes: int,
     may be between deleting the parts of older versions and truncating them.
     """
     result = result or CheckResult()
-    live_from = client.machine(shard).fetch_latest().seqno_since() if concurrent else 0
+    live_from = client._machine(shard).fetch_latest().seqno_since() if concurrent else 0
     states = _history(client, shard, result)
     result.versions = len(states)
     listed: dict[str, set[str]] = {}
@@ -137,7 +137,7 @@ def check_shard(
     acked_set, attempted_set = set(acked), set(attempted)
     result.acked, result.attempted = len(acked_set), len(attempted_set)
     try:
-        upper = client.machine(shard).fetch_latest().upper
+        upper = client._machine(shard).fetch_latest().upper
         counts: dict[bytes, int] = {}
         if upper is None or upper > 0:
             reader = client.open_reader(shard, debug="nemesis-checker")

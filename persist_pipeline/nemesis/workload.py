@@ -157,7 +157,7 @@ def reader(setup: NemesisSetup, name: str) -> None:
     violations: list[str] = []
     while not stop.exists():
         try:
-            upper = client.machine(setup.shard).fetch_latest().upper
+            upper = client._machine(setup.shard).fetch_latest().upper
             since = handle.since or 0
             if upper is None or upper <= since:
                 time.sleep(0.05)
@@ -183,7 +183,7 @@ def listener(setup: NemesisSetup, name: str) -> None:
     fresh snapshot at the same frontier."""
     client = _patiently(lambda: setup.client(name))
     handle = _patiently(lambda: client.open_reader(setup.shard, debug=name))
-    as_of = max(0, (_patiently(client.machine(setup.shard).fetch_latest).upper or 1) - 1)
+    as_of = max(0, (_patiently(client._machine(setup.shard).fetch_latest).upper or 1) - 1)
     acc: dict[bytes, int] = {}
     while True:
         try:

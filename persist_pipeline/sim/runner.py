@@ -301,7 +301,7 @@ class SimRun:
             for shard in self.shards():
                 client.gc(shard)
             seams.final_check(self, client)
-            upper = client.machine(self.shard).fetch_latest().upper
+            upper = client._machine(self.shard).fetch_latest().upper
             if upper:
                 reader = client.open_reader(self.shard)
                 table = reader.snapshot(upper - 1)
