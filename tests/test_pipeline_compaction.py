@@ -202,7 +202,7 @@ def test_spark_executor_failures_and_bad_uris(tmp_path: Path, spark_session: Any
     with pytest.raises(SparkCompactionFailed) as info:
         compact_shards(spark_session, client, [good, broken], blob_uri=blob)
     assert list(info.value.failures) == [str(broken)]
-    assert "CorruptPart" in str(info.value) and str(broken) in str(info.value)
+    assert "PartMissing" in str(info.value) and str(broken) in str(info.value)
     assert info.value.metrics[str(good)]["inline_bytes_after"] == 0  # committed anyway
     assert client.inspect(good)["parts"]["inline"] == 0
     assert client.inspect(broken)["parts"]["inline"] > 0  # unchanged

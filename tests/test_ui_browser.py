@@ -348,8 +348,8 @@ def test_io_managed_asset_shows_its_schema_and_row_count(dagster_ui: DagsterUI,
     heading.wait_for()
     assert re.search(r"\b3\b", heading.locator("xpath=..").inner_text())
     # The IO manager's write: the shard's upper after it, rows added.
-    assert re.search(r"\b1\b", _metadata_value(page, "shard_upper"))
-    assert re.search(r"\b3\b", _metadata_value(page, "rows_added"))
+    assert re.search(r"\b1\b", _metadata_value(page, "persist/upper"))
+    assert re.search(r"\b3\b", _metadata_value(page, "persist/rows_added"))
     _settle(page)
     page.screenshot(path=str(SHOTS / "asset-report-overview.png"))
 
