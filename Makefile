@@ -6,12 +6,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: run test lint typecheck proto ui nemesis simulate quickstart clean help
+.PHONY: run test test-fast lint typecheck proto ui nemesis simulate quickstart clean help
 
 help:
 	@echo "make run        - the whole Dagster pipeline, headless, on the embedded default"
 	@echo "                  (SQLite + local files + Spark local[*]); prints a summary table"
 	@echo "make test       - create the environment and run the whole test suite (lint, types too)"
+	@echo "make test-fast  - the fast tier before every commit: logic on the in-memory and SQLite"
+	@echo "                  backends, no PostgreSQL, S3, Spark or Dagster runs (about a minute)"
 	@echo "make ui         - the Dagster UI on the same instance (http://127.0.0.1:3000)"
 	@echo "make quickstart - the core library alone: writes, placement, compaction, snapshot"
 	@echo "make nemesis    - 10 minutes of killed processes and faults on PostgreSQL + S3"
@@ -44,8 +46,15 @@ nemesis: $(STAMP)
 simulate: $(STAMP)
 	$(PY) -m persist_pipeline simulate --seeds "$${SIM_SEEDS:-2000}"
 
+# Two workers: tests are isolated (own databases, buckets, folders, ports).
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) browser lint typecheck
-	$(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n $(PYTEST_WORKERS)
+
+test-fast: $(STAMP)
+	HYPOTHESIS_PROFILE=fast $(PY) -m pytest -q -n $(PYTEST_WORKERS) \
+		-m "not postgres and not s3 and not spark and not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

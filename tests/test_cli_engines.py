@@ -18,6 +18,9 @@ from persist_pipeline.blob import redact_uri
 from persist_pipeline.exceptions import BlobLocationNotFound, BlobUnavailable, InvalidUri
 from tests.test_cli import cli, env
 
+#: The full tier only (``make test``): processes, servers or Dagster runs.
+pytestmark = pytest.mark.slow
+
 __all__ = ["env"]  # a fixture, imported for pytest
 
 

@@ -62,6 +62,9 @@ from persist_pipeline import PersistClient
 from tests.fixtures.postgres import PgServer
 from tests.pipeline_support import PIPELINE_ENV
 
+#: The full tier only (``make test``): processes, servers or Dagster runs.
+pytestmark = pytest.mark.slow
+
 DOCKER = REPO_ROOT / "docker"
 COMPOSE_FILE = DOCKER / "docker-compose.yml"
 ENV_EXAMPLE = DOCKER / ".env.example"

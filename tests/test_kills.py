@@ -10,8 +10,13 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from persist_pipeline import InlinePolicy, ShardId, UpperMismatch
 from tests.fixtures.location import Location
+
+#: The full tier only (``make test``): processes, servers or Dagster runs.
+pytestmark = pytest.mark.slow
 
 POLICY = InlinePolicy(threshold_bytes=4096, max_bytes=8 * 1024)
 

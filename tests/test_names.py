@@ -221,6 +221,7 @@ def shared_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
+@pytest.mark.slow
 def test_processes_creating_the_same_names_all_get_the_recorded_ids(shared_uri: str) -> None:
     names = [f"proc-{i}" for i in range(4)]
     open_consensus(shared_uri).close()  # create the tables before the race
@@ -439,6 +440,7 @@ def test_listings_summaries_inspect_and_gc_skip_name_records(consensus_uri: str,
 # ``env`` (a fixture) and ``cli`` come from tests.test_cli.
 
 
+@pytest.mark.slow
 def test_cli_takes_names_wherever_it_takes_shard_ids(env: dict[str, str],
                                                      tmp_path: Path) -> None:
     out = cli(env, "new-shard", "--name", "orders")
@@ -468,6 +470,7 @@ def test_cli_takes_names_wherever_it_takes_shard_ids(env: dict[str, str],
     assert list(json.loads(cli(env, "shards").stdout)) == [shard]
 
 
+@pytest.mark.slow
 def test_cli_name_errors(env: dict[str, str]) -> None:
     shard = cli(env, "new-shard", "--name", "orders").stdout.strip()
     out = cli(env, "inspect", "nope")

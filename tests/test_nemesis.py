@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId, UpperMismatch
 from persist_pipeline.compaction import apply_merge_result, merge_requests, run_merge
 from persist_pipeline.consensus import open_consensus
@@ -18,6 +20,9 @@ from persist_pipeline.nemesis import checker, runner, workload
 from persist_pipeline.sim import controls
 from tests.fixtures.location import Location
 from tests.helpers import expected_snapshot, rows
+
+#: The full tier only (``make test``): processes, servers or Dagster runs.
+pytestmark = pytest.mark.slow
 
 # --- the nemesis itself ---------------------------------------------------------------------
 

@@ -24,6 +24,9 @@ from tests.pipeline_support import (
     webhook,
 )
 
+#: The full tier only (``make test``): processes, servers or Dagster runs.
+pytestmark = pytest.mark.slow
+
 __all__ = ["make_pipeline", "webhook"]  # fixtures, imported for pytest
 
 ALERT_SENSORS = ("inline_over_limit_alert_sensor", "compaction_backlog_alert_sensor",

@@ -33,7 +33,7 @@ from tests.pipeline_support import (
 
 __all__ = ["make_pipeline", "spark_session"]  # fixtures, imported for pytest
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 STREAM = ChangeStream(**{k: v for k, v in SYNTHETIC.items() if k != "kind"})
 

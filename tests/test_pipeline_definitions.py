@@ -28,6 +28,9 @@ from resources.persist import PersistResource
 from resources.spark import PersistPySparkResource
 from tests.pipeline_support import PIPELINE_ENV
 
+#: The full tier only (``make test``): processes, servers or Dagster runs.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def shipped_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

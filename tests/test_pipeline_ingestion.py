@@ -44,6 +44,9 @@ from tests.pipeline_support import (
     materializations,
 )
 
+#: The full tier only (``make test``): processes, servers or Dagster runs.
+pytestmark = pytest.mark.slow
+
 __all__ = ["make_pipeline"]  # the fixture, imported for pytest
 
 

@@ -33,6 +33,9 @@ from persist_pipeline.dagster_io import (
 )
 from persist_pipeline.dagster_io.encoding import contents_for, table_from_contents
 
+#: The full tier only (``make test``): processes, servers or Dagster runs.
+pytestmark = pytest.mark.slow
+
 ORDERS_V1 = pa.table({
     "order_id": pa.array([1, 2, 3, 4], pa.int32()),
     "customer": pa.array(["ann", "bob", None, "ann"]).dictionary_encode(),

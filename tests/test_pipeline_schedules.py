@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import dagster as dg
+import pytest
 
 from assets.runner import launch
 from tests.pipeline_support import (
@@ -23,6 +24,9 @@ from tests.pipeline_support import (
     make_pipeline,
     materializations,
 )
+
+#: The full tier only (``make test``): processes, servers or Dagster runs.
+pytestmark = pytest.mark.slow
 
 __all__ = ["make_pipeline"]  # the fixture, imported for pytest
 

@@ -26,6 +26,7 @@ def _quiet_library_logs():
     logger.setLevel(level)
 
 
+@pytest.mark.slow
 def test_fixed_seed_batch_passes_with_every_fault_kind_injected():
     report = run_seeds(list(range(40)), STEPS)
     assert report.failures == [], [f.violations[:3] for f in report.failures]
@@ -64,7 +65,7 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     "listen_without_hold": (r"listen at frontier .*(DUPLICATED|counter)", 120, "mixed"),
     # defect 9: opening while GC replaces the rollup; an expired reader's read
     "open_fails_on_replaced_rollup": (r"CorruptState", 150, None),
-    "expired_read_reports_corruption": (r"CorruptPart", 200, None),
+    "expired_read_reports_corruption": (r"CorruptPart|PartMissing", 200, None),
     # Seams (the first seed of the default rotation that catches each is in the
     # comment; the test runs the profile that catches it, to stay quick):
     # a GC whose clock is ahead sweeps a write in flight (13)
@@ -91,6 +92,7 @@ DETERMINISTIC_ONLY = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("control", sorted(CAUGHT))
 def test_the_simulation_catches_each_reverted_fix(control: str):
     pattern, max_seeds, profile = CAUGHT[control]

@@ -505,7 +505,7 @@ def test_a_missing_part_fails_its_own_split_merge_only(clients: Clients,
                                       blob_uri=clients.location.blob_uri,
                                       wal_blob_uri=clients.location.wal_blob_uri, max_splits=4)
     assert set(info.value.failures) == {str(broken)}
-    assert all(m.startswith("CorruptPart") and victim.key in m
+    assert all(m.startswith("PartMissing") and victim.key in m
                for m in info.value.failures[str(broken)])
     assert info.value.metrics[str(good)]["applied"] == 1
     assert info.value.metrics[str(good)]["split_requests"] == 1
