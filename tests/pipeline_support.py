@@ -234,3 +234,13 @@ def webhook() -> Iterator[Webhook]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
+
+
+@pytest.fixture(params=["sqlite+files", pytest.param("postgres+s3", marks=[
+    pytest.mark.postgres, pytest.mark.s3])])
+def table_location(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
+    """``(consensus URI, blob URI)`` of a location for IO-managed assets: the embedded
+    default and PostgreSQL + S3."""
+    if request.param == "sqlite+files":
+        return f"sqlite:///{tmp_path}/consensus.db", f"file://{tmp_path}/blobs"
+    return request.getfixturevalue("pg_url"), request.getfixturevalue("s3_uri")

@@ -25,7 +25,9 @@ from persist_pipeline.dagster_io import (
 )
 from persist_pipeline.dagster_io.encoding import contents_for
 from persist_pipeline.exceptions import InvalidFrontier, InvalidInput
-from tests.pipeline_support import spark_session  # noqa: F401 - a fixture
+from tests.pipeline_support import spark_session, table_location
+
+__all__ = ["spark_session", "table_location"]  # fixtures, imported for pytest
 
 ORDERS = pa.table({
     "order_id": pa.array([1, 2, 3], pa.int32()),
@@ -39,17 +41,10 @@ def orders() -> pa.Table:
     return ORDERS
 
 
-@pytest.fixture(params=["sqlite+files", pytest.param("postgres+s3", marks=[
-    pytest.mark.postgres, pytest.mark.s3])])
-def location(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
-    if request.param == "sqlite+files":
-        return f"sqlite:///{tmp_path}/consensus.db", f"file://{tmp_path}/blobs"
-    return request.getfixturevalue("pg_url"), request.getfixturevalue("s3_uri")
-
 
 @pytest.fixture
-def io_manager(location: tuple[str, str]) -> Any:
-    manager = PersistIOManager(consensus_uri=location[0], blob_uri=location[1])
+def io_manager(table_location: tuple[str, str]) -> Any:
+    manager = PersistIOManager(consensus_uri=table_location[0], blob_uri=table_location[1])
     yield manager
     manager.teardown_after_execution(None)  # type: ignore[arg-type]
 
@@ -69,7 +64,7 @@ def _metadata(result: dg.ExecuteInProcessResult) -> dict[str, Any]:
 
 
 def test_an_io_managed_asset_is_a_named_typed_shard_every_entry_point_reads(
-        io_manager: PersistIOManager, location: tuple[str, str],
+        io_manager: PersistIOManager, table_location: tuple[str, str],
         capsys: pytest.CaptureFixture[str]) -> None:
     import duckdb
 
@@ -83,7 +78,7 @@ def test_an_io_managed_asset_is_a_named_typed_shard_every_entry_point_reads(
     schema = client.schema(shard)
     assert schema is not None and schema.columns == ["order_id", "customer", "amount"]
     # The CLI, by name, prints the columns.
-    env = ["--consensus", location[0], "--blob", location[1]]
+    env = ["--consensus", table_location[0], "--blob", table_location[1]]
     assert cli.main([*env, "snapshot", "sales/orders", "--as-of", "latest"]) == 0
     rows = list(csv.reader(io.StringIO(capsys.readouterr().out)))
     assert rows[0][:3] == ["order_id", "customer", "amount"]
@@ -104,7 +99,7 @@ def test_an_io_managed_asset_is_a_named_typed_shard_every_entry_point_reads(
 
 
 @pytest.mark.spark
-def test_spark_reads_an_io_managed_asset_by_name(spark_session: Any,  # noqa: F811
+def test_spark_reads_an_io_managed_asset_by_name(spark_session: Any,
                                                  tmp_path: Path) -> None:
     from persist_pipeline.spark import register
 

@@ -32,6 +32,9 @@ from persist_pipeline.dagster_io import (
     asset_shard_name,
 )
 from persist_pipeline.dagster_io.encoding import contents_for, table_from_contents
+from tests.pipeline_support import table_location
+
+__all__ = ["table_location"]  # fixtures, imported for pytest
 
 #: The full tier only (``make test``): processes, servers or Dagster runs.
 pytestmark = pytest.mark.slow
@@ -113,17 +116,10 @@ def visit_totals(visits_polars: pa.Table) -> pa.Table:
                      "scaled": [sum(visits_polars.column("scaled").to_pylist())]})
 
 
-@pytest.fixture(params=["sqlite+files", pytest.param("postgres+s3", marks=[
-    pytest.mark.postgres, pytest.mark.s3])])
-def location(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str]:
-    if request.param == "sqlite+files":
-        return f"sqlite:///{tmp_path}/consensus.db", f"file://{tmp_path}/blobs"
-    return request.getfixturevalue("pg_url"), request.getfixturevalue("s3_uri")
-
 
 @pytest.fixture
-def io_manager(location: tuple[str, str]) -> PersistIOManager:
-    return PersistIOManager(consensus_uri=location[0], blob_uri=location[1],
+def io_manager(table_location: tuple[str, str]) -> PersistIOManager:
+    return PersistIOManager(consensus_uri=table_location[0], blob_uri=table_location[1],
                             persist_inline_update_threshold_bytes=4096,
                             persist_inline_update_max_bytes=1 << 20)
 
@@ -236,11 +232,11 @@ def test_partitions_have_their_own_shards(io_manager: PersistIOManager) -> None:
         assert client.shard_summaries()[eu_id].upper == 1
 
 
-def test_concurrent_first_writes_agree_on_the_shard(location: tuple[str, str]) -> None:
+def test_concurrent_first_writes_agree_on_the_shard(table_location: tuple[str, str]) -> None:
     name = asset_shard_name(["team", "scores"])
     assert name == "team/scores" != asset_shard_name(["team", "scores"], "p")
     tables = [pa.table({"who": ["a", "b"], "score": [i, i + 1]}) for i in range(4)]
-    managers = [PersistIOManager(consensus_uri=location[0], blob_uri=location[1])
+    managers = [PersistIOManager(consensus_uri=table_location[0], blob_uri=table_location[1])
                 for _ in tables]
     errors: list[BaseException] = []
 
