@@ -68,7 +68,7 @@ proto: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
-# Benchmarks (issue 4): the peers are the optional `bench` extra, installed by its own stamp.
+# Benchmarks: the peers are the optional `bench` extra, installed by its own stamp.
 BENCH_STAMP := $(VENV)/.bench-installed-stamp
 
 .PHONY: bench bench-quick
@@ -83,7 +83,7 @@ bench: $(BENCH_STAMP)
 bench-quick: $(BENCH_STAMP)
 	$(PY) -m bench --quick
 
-# Headless Chromium for tests/test_ui_browser.py (issue 6): Debian's `chromium` package,
+# Headless Chromium for tests/test_ui_browser.py: Debian's `chromium` package,
 # installed with apt-get only if /usr/bin/chromium (or $PERSIST_CHROMIUM) is missing.
 .PHONY: browser
 

@@ -9,7 +9,7 @@ in alternating blocks (a change of the machine's load hits all alike):
   ``at timestamp[us, UTC]`` (values) and ``t``: validated against the shard's schema and
   encoded into k/v in the timed call.
 
-Goal (issue 12): typed p50 within 1.3x of untyped.
+Goal: typed p50 within 1.3x of untyped.
 
 **Upserts.** A typed shard of ``N`` rows compacted into parts (PostgreSQL + a local
 folder), then batches of ``B`` upserts of existing keys (each retracts the key's current

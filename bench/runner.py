@@ -147,7 +147,7 @@ def closing_note(results: Sequence[CaseResult]) -> list[str]:
             f"(`blobs.py:_encode_pending`) {cum('blobs.py:_encode_pending'):.0%}, of which "
             f"durable writes of parts (`blob/local.py:set`) {cum('blob/local.py:set'):.0%}.")
         lines.append(
-            "- Before issue 21's merge changes (measured on commit 3590e76 with cProfile, "
+            "- Before the merge rework (measured on commit 3590e76 with cProfile, "
             "10M updates): in 4 runs, decoding took 28%, the full multi-key sort of every "
             "round and the take it needs 27%, consolidating 9%, encoding and writing 27% and "
             "checking every chunk's order 3%; 32 runs (more than the fan-in of 20) took two "

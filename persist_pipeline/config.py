@@ -48,7 +48,7 @@ Placement = Literal["inline", "wal", "blob", "none"]
 
 @dataclass(frozen=True, slots=True)
 class InlinePolicy:
-    """Where a write goes: inline in consensus, or a blob part (seed 000).
+    """Where a write goes: inline in consensus, or a blob part (Materialize's inline writes).
 
     A write whose encoded size is strictly below ``threshold_bytes`` is an inline
     candidate; it is inlined only if the shard's inline total stays within

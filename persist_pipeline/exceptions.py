@@ -13,7 +13,7 @@ class PersistError(Exception):
     """Base class of every error raised by persist-pipeline."""
 
 
-# --- bad input: raised before any side effect -------------------------------------------
+# --- bad input: raised before any side effect ---------------------------------------------
 
 
 class InvalidInput(PersistError, ValueError):

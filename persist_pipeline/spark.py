@@ -91,7 +91,7 @@ class SparkCompactionFailed(PersistError):
         self.metrics = dict(metrics)
 
 
-# --- building a session ------------------------------------------------------------------
+# --- building a session -------------------------------------------------------------------
 
 
 def is_local_master(master: str) -> bool:
@@ -226,7 +226,7 @@ def _prestart_task(index: int) -> int:
     return index + res.output.num_updates
 
 
-# --- the tasks ---------------------------------------------------------------------------
+# --- the tasks ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +323,7 @@ def _check_uri(uri: str, what: str) -> None:
             "processes) cannot reach: use file:///absolute/dir or s3://bucket/prefix")
 
 
-# --- the driver --------------------------------------------------------------------------
+# --- the driver ---------------------------------------------------------------------------
 
 
 def compact_shards(

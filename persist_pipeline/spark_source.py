@@ -145,7 +145,7 @@ def register(spark: SparkSession, *, one_line_errors: bool = True) -> None:
         spark.conf.set(HIDE_TRACEBACK_CONF, "true")
 
 
-# --- options -----------------------------------------------------------------------------
+# --- options ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, repr=False)
@@ -265,7 +265,7 @@ def _frontier_option(options: Mapping[str, str], name: str) -> Frontier:
                               f"{text!r}") from None
 
 
-# --- reading -----------------------------------------------------------------------------
+# --- reading ------------------------------------------------------------------------------
 
 
 def _key_starts(plan: SnapshotPlan, f: PlanFile) -> list[tuple[bytes, int]]:
@@ -482,7 +482,7 @@ def _shard_schema(location: _Location) -> ShardSchema | None:
         client.close()
 
 
-# --- writing -----------------------------------------------------------------------------
+# --- writing ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

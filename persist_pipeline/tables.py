@@ -82,7 +82,7 @@ class UnsupportedOutput(InvalidInput, TypeError):
     type the shard codec has no encoding for (a union, a map inside another column)."""
 
 
-# --- names -------------------------------------------------------------------------------
+# --- names --------------------------------------------------------------------------------
 
 
 def _segment(text: str, *, reserved_start: str = "-") -> str:
@@ -219,7 +219,7 @@ def as_of_upper(client: PersistClient, shard: str | ShardId, upper: int | None,
     return int(current) - 1
 
 
-# --- schemas -------------------------------------------------------------------------------
+# --- schemas ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The ``inline_policy`` resource: the inline-vs-blob decision of every write (seed 000).
+"""The ``inline_policy`` resource: the inline-vs-blob decision of every write (Materialize's
+inline writes).
 
 Ingestion hands :meth:`InlinePolicyResource.policy` to the library, which decides each
 write's placement with it (and re-checks the budget inside the state transition); the

@@ -35,7 +35,7 @@ class PersistResource(dg.ConfigurableResource):
                     "file:///abs/dir or mem://NAME. Templates are expanded at run time.")
     wal_blob_uri: str = Field(
         default="",
-        description="Optional low-latency blob store for fresh write parts (seed 004); "
+        description="Optional low-latency blob store for fresh write parts; "
                     "empty for none.")
 
     _clients: dict[InlinePolicy | None, PersistClient] = PrivateAttr(default_factory=dict)

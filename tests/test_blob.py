@@ -77,7 +77,7 @@ ODD_GOOD_KEYS = [
 ]
 
 
-# --- fixtures ----------------------------------------------------------------------------
+# --- fixtures -----------------------------------------------------------------------------
 
 
 @pytest.fixture(
@@ -107,7 +107,7 @@ def keys_of(store: Blob, prefix: str = "") -> list[str]:
     return [meta.key for meta in store.list_keys(prefix)]
 
 
-# --- conformance: every backend ------------------------------------------------------------
+# --- conformance: every backend -----------------------------------------------------------
 
 
 def test_get_set_delete(blob: Blob) -> None:
@@ -265,7 +265,7 @@ def test_describe_close_and_cache_wrapper(any_blob_uri: str) -> None:
     store.close()  # idempotent
 
 
-# --- open_blob ---------------------------------------------------------------------------
+# --- open_blob ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("uri", [None, 5, b"mem://x", ["mem://"]])
@@ -339,7 +339,7 @@ def test_validate_key_returns_key() -> None:
     assert validate_key("a/b.c") == "a/b.c"
 
 
-# --- memory --------------------------------------------------------------------------------
+# --- memory -------------------------------------------------------------------------------
 
 
 def test_memory_named_stores_are_shared_and_private_ones_are_not() -> None:
@@ -365,7 +365,7 @@ def test_memory_value_is_a_copy() -> None:
     assert store.get("k") == b"abc"
 
 
-# --- local files -----------------------------------------------------------------------------
+# --- local files --------------------------------------------------------------------------
 
 
 def _kill_me_writer(root: str, size: int, ready: Any) -> None:
@@ -510,7 +510,7 @@ def test_local_key_that_is_also_a_prefix_conflicts(tmp_path: Path) -> None:
     assert keys_of(store) == ["a/b", "x"]
 
 
-# --- S3 --------------------------------------------------------------------------------------
+# --- S3 -----------------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -691,7 +691,7 @@ def test_s3_error_mapping(
     assert not isinstance(error, not_expected)
 
 
-# --- CachingBlob -------------------------------------------------------------------------------
+# --- CachingBlob --------------------------------------------------------------------------
 
 
 class CountingBlob(MemoryBlob):
@@ -809,7 +809,7 @@ def test_cache_rejects_bad_size() -> None:
             CachingBlob(MemoryBlob(), size)  # type: ignore[arg-type]
 
 
-# --- FaultyBlob --------------------------------------------------------------------------------
+# --- FaultyBlob ---------------------------------------------------------------------------
 
 
 def _run_ops(store: FaultyBlob, n: int) -> list[str]:

@@ -67,7 +67,7 @@ def is_mem(uri: str) -> bool:
     return uri.startswith("mem://")
 
 
-# --- conformance: basic semantics ----------------------------------------------------------
+# --- conformance: basic semantics ---------------------------------------------------------
 
 
 def test_empty_store(store: Consensus) -> None:
@@ -247,7 +247,7 @@ def test_invalid_arguments_raise_invalid_input_and_change_nothing(
     assert dict(store.list_heads()) == {"s": VersionedData(2, b"", records[1].summary)}
 
 
-# --- conformance: concurrency --------------------------------------------------------------
+# --- conformance: concurrency -------------------------------------------------------------
 
 
 def race(store: Consensus, shard: str, worker: str, target: int) -> list[tuple[int, bytes]]:
@@ -407,7 +407,7 @@ def test_truncate_racing_writers_never_removes_the_head(store: Consensus) -> Non
     assert store.scan(shard, 0) == [head]
 
 
-# --- URIs -------------------------------------------------------------------------------------
+# --- URIs ---------------------------------------------------------------------------------
 
 BAD_URIS: list[Any] = [
     None,
@@ -559,7 +559,7 @@ def test_sqlite_file_that_is_not_a_database_is_a_clear_error(tmp_path: Path) -> 
     assert "not a database" in str(info.value)
 
 
-# --- PostgreSQL -----------------------------------------------------------------------------
+# --- PostgreSQL ---------------------------------------------------------------------------
 
 
 def all_text(exc: BaseException) -> str:

@@ -79,7 +79,7 @@ LONG_RUNNING = {"postgres", "minio", "spark-master", "spark-worker", "user-code"
 DOCKER_ONLY = {"dagster-postgres"}
 
 
-# --- Compose interpolation (the Compose Specification's rules) -------------------------
+# --- Compose interpolation (the Compose Specification's rules) ----------------------------
 
 
 class InterpolationError(ValueError):
@@ -201,7 +201,7 @@ def service_env(service: Mapping[str, Any]) -> dict[str, str]:
     return {str(k): "" if v is None else str(v) for k, v in environment.items()}
 
 
-# --- The Compose Specification schema --------------------------------------------------
+# --- The Compose Specification schema -----------------------------------------------------
 
 
 def compose_schema() -> dict[str, Any]:
@@ -251,7 +251,7 @@ def test_interpolation_follows_compose_rules() -> None:
     assert interpolate("${EMPTY?}", env) == ""
 
 
-# --- .env.example, secrets and published ports -----------------------------------------
+# --- .env.example, secrets and published ports --------------------------------------------
 
 
 def test_env_example_is_complete_and_holds_no_secret() -> None:
@@ -475,7 +475,7 @@ def test_start_order_and_health_checks() -> None:
     assert services["daemon"]["command"][:2] == ["dagster-daemon", "run"]
 
 
-# --- The images' Python dependencies -------------------------------------------------------
+# --- The images' Python dependencies ------------------------------------------------------
 
 
 def _requirements_file(path: Path) -> list[Requirement]:
@@ -566,7 +566,7 @@ def test_image_python_dependencies_match_pyproject() -> None:
     assert "openjdk-17-jre-headless" in specs["user-code"][1].read_text()
 
 
-# --- The docker configuration on local stand-ins -----------------------------------------
+# --- The docker configuration on local stand-ins ------------------------------------------
 
 
 def _free_port() -> int:

@@ -1,5 +1,6 @@
-"""Writers and a compactor SIGKILLed mid-operation: no acknowledged write is lost or
-doubled, and the shard stays readable (seed 001's "forcibly kill processes" test)."""
+"""Writers and a compactor SIGKILLed mid-operation: no acknowledged write is lost or doubled,
+and the shard stays readable (the "forcibly kill processes" test the persist prototype asked
+for)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from tests.helpers import expected_snapshot, rows
 #: The full tier only (``make test``): processes, servers or Dagster runs.
 pytestmark = pytest.mark.slow
 
-# --- the nemesis itself ---------------------------------------------------------------------
+# --- the nemesis itself -------------------------------------------------------------------
 
 
 def test_short_nemesis_on_postgres_and_s3(pg_restartable, s3_uri, tmp_path):
@@ -48,7 +48,7 @@ def test_short_nemesis_on_the_embedded_default_with_a_wal_store(tmp_path):
     assert report.kills > 0 and report.check.acked > 0
 
 
-# --- regressions from the peers' bug history ---------------------------------------------
+# --- regressions from the peers' bug history ----------------------------------------------
 
 
 def _two_batches(client: PersistClient) -> ShardId:
@@ -108,7 +108,7 @@ def test_compaction_whose_cas_reply_was_lost_keeps_its_outputs(location: Locatio
     assert rows(client.open_reader(shard).snapshot(1), 1) == [(b"a", b"1", 1), (b"b", b"1", 1)]
 
 
-# --- negative controls: a deliberately broken build is caught ----------------------------
+# --- negative controls: a deliberately broken build is caught -----------------------------
 
 
 def _check(client: PersistClient, shard: ShardId, keys: list[bytes], max_bytes: int,

@@ -76,7 +76,7 @@ def test_synthetic_ingestion_on_the_embedded_default(make_pipeline: Any) -> None
         assert meta[INLINE_LIMIT] == 8192
         uppers.append(meta[UPPER])
         inline.append(meta[INLINE_BYTES])
-        # The most useful entry first, no duplicates (issue 13).
+        # The most useful entry first, no duplicates.
         assert list(meta)[:3] == [INLINE_BYTES, INLINE_LIMIT, PLACEMENT]
         checks = check_results(result)
         assert checks["ingest/clicks:inline_bytes_within_max"].passed

@@ -60,7 +60,7 @@ PAUSE_S = 30.0
 ORPHAN_AGE_S = 10.0
 
 
-# --- test doubles ------------------------------------------------------------------------
+# --- test doubles -------------------------------------------------------------------------
 
 
 class ManualClock:
@@ -163,7 +163,7 @@ def clients(location: Location) -> Iterator[Clients]:
     c.close()
 
 
-# --- helpers -----------------------------------------------------------------------------
+# --- helpers ------------------------------------------------------------------------------
 
 
 def blob_exists(client: PersistClient, part: HollowPart) -> bool:
@@ -196,7 +196,7 @@ def missing_parts(client: PersistClient, shard: ShardId) -> list[tuple[int, str]
             if not paths.is_rollup_key(key)]
 
 
-# --- defect 1: a stale cache gives a false negative ----------------------------------------
+# --- negative answers confirmed: a stale cache gives a false negative ---------------------
 
 
 FIRST: list[Update] = [(b"a", b"1", 0, 1), (b"b", b"1", 1, 1)]
@@ -213,7 +213,8 @@ def _stale_writer(clients: Clients) -> tuple[ShardId, Any]:
 
 
 def test_stale_cache_compare_and_append_at_the_current_upper_succeeds(clients: Clients):
-    """Defect 1: a writer whose cache says upper 0 gets no false UpperMismatch at upper 2."""
+    """Negative answers confirmed: a writer whose cache says upper 0 gets no false
+    UpperMismatch at upper 2."""
     shard, stale = _stale_writer(clients)
     result = stale.compare_and_append(SECOND, 2, 3)
     assert result.upper == 3 and result.num_updates == 1 and not result.already_committed
@@ -221,7 +222,8 @@ def test_stale_cache_compare_and_append_at_the_current_upper_succeeds(clients: C
 
 
 def test_stale_cache_append_after_the_current_upper_claims_no_gap(clients: Clients):
-    """Defect 1: append(lower=2, upper=3) from a writer caching upper 0 claims no gap."""
+    """Negative answers confirmed: append(lower=2, upper=3) from a writer caching upper 0
+    claims no gap."""
     shard, stale = _stale_writer(clients)
     result = stale.append(SECOND, 2, 3)
     assert result.upper == 3 and result.num_updates == 1
@@ -229,7 +231,8 @@ def test_stale_cache_append_after_the_current_upper_claims_no_gap(clients: Clien
 
 
 def test_control_trusting_the_cache_gives_a_false_upper_mismatch_forever(clients: Clients):
-    """Defect 1 control: with cached negatives trusted, the stale writer is refused."""
+    """Negative answers confirmed control: with cached negatives trusted, the stale writer is
+    refused."""
     shard, stale = _stale_writer(clients)
     with controls.trust_cached_negatives():
         for _ in range(2):  # forever: nothing makes the writer re-read the shard
@@ -255,7 +258,7 @@ def _stale_critical_reader(clients: Clients) -> tuple[ShardId, Any]:
 
 
 def test_stale_critical_reader_passing_the_current_token_is_not_fenced(clients: Clients):
-    """Defect 1: a critical reader with a stale cache gets no false FencedOut."""
+    """Negative answers confirmed: a critical reader with a stale cache gets no false FencedOut."""
     shard, stale = _stale_critical_reader(clients)
     assert stale.compare_and_downgrade_since(b"o2", b"o3", 2) == 2
     assert stale.opaque == b"o3"
@@ -264,7 +267,8 @@ def test_stale_critical_reader_passing_the_current_token_is_not_fenced(clients: 
 
 
 def test_control_trusting_the_cache_fences_out_the_rightful_critical_reader(clients: Clients):
-    """Defect 1 control: with cached negatives trusted, the current token is refused."""
+    """Negative answers confirmed control: with cached negatives trusted, the current token is
+    refused."""
     shard, stale = _stale_critical_reader(clients)
     with controls.trust_cached_negatives(), pytest.raises(FencedOut) as info:
         stale.compare_and_downgrade_since(b"o2", b"o3", 2)
@@ -273,7 +277,7 @@ def test_control_trusting_the_cache_fences_out_the_rightful_critical_reader(clie
     assert (reader.opaque, reader.since) == (b"o2", 1)
 
 
-# --- defect 2: lost reply + writer lease expired meanwhile -----------------------------------
+# --- lost reply after a lease expiry: lost reply + writer lease expired meanwhile ---------
 
 
 BASE: list[Update] = [(b"base", b"1", 0, 1)]
@@ -319,8 +323,8 @@ def _lost_write_with_expired_lease(clients: Clients, policy: InlinePolicy, *,
 @pytest.mark.parametrize("policy", [INLINE_ON, NO_INLINE], ids=["inline", "blob"])
 def test_lost_reply_after_lease_expiry_reports_the_committed_write(clients: Clients,
                                                                     policy: InlinePolicy):
-    """Defect 2: a committed write whose reply was lost while GC expired its writer is a
-    success, its parts stay, and every snapshot is right."""
+    """Lost reply after a lease expiry: a committed write whose reply was lost while GC expired
+    its writer is a success, its parts stay, and every snapshot is right."""
     lost = _lost_write_with_expired_lease(clients, policy, reader_hold=True)
     result = lost.writer.compare_and_append(LATE, 1, 2)
     assert lost.lossy.lost == 1 and lost.expired_in_hook == [True]
@@ -340,8 +344,9 @@ def test_lost_reply_after_lease_expiry_reports_the_committed_write(clients: Clie
 @pytest.mark.parametrize("policy", [INLINE_ON, NO_INLINE], ids=["inline", "blob"])
 def test_control_guessing_lost_replies_denies_a_committed_write(clients: Clients,
                                                                  policy: InlinePolicy):
-    """Defect 2 control: a guessed-lost reply gives UpperMismatch for a committed write;
-    a blob write also deletes its committed parts (snapshots raise CorruptPart)."""
+    """Lost reply after a lease expiry control: a guessed-lost reply gives UpperMismatch for a
+    committed write; a blob write also deletes its committed parts (snapshots raise
+    CorruptPart)."""
     lost = _lost_write_with_expired_lease(clients, policy, reader_hold=True)
     with controls.guess_lost_replies(), pytest.raises(UpperMismatch) as info:
         lost.writer.compare_and_append(LATE, 1, 2)
@@ -435,8 +440,8 @@ def test_lost_reply_that_no_kept_history_can_settle_is_indeterminate_and_keeps_p
 
 
 def test_control_guessing_a_truncated_lost_reply_deletes_committed_parts(clients: Clients):
-    """Defect 2 control (record truncated): the guess gives UpperMismatch and deletes the
-    parts of the committed batch."""
+    """Lost reply after a lease expiry control (record truncated): the guess gives
+    UpperMismatch and deletes the parts of the committed batch."""
     lost = _lost_write_with_expired_lease(clients, NO_INLINE, reader_hold=False)
     with controls.guess_lost_replies(), pytest.raises(UpperMismatch):
         lost.writer.compare_and_append(LATE, 1, 2)
@@ -474,7 +479,7 @@ def test_token_retry_of_a_write_committed_before_its_lease_expired_is_not_denied
     assert clients.snapshot(lost.shard, 1) == expected_snapshot(BASE + LATE, 1)
 
 
-# --- defect 3: the commit deadline was checked before the idempotency token ----------------
+# --- idempotency before the commit deadline -----------------------------------------------
 
 
 def _lost_write_past_commit_deadline(clients: Clients) -> tuple[ShardId, Any, LoseNextReply]:
@@ -490,8 +495,8 @@ def _lost_write_past_commit_deadline(clients: Clients) -> tuple[ShardId, Any, Lo
 
 def test_lost_reply_past_the_commit_deadline_reports_success_and_keeps_parts(
         clients: Clients):
-    """Defect 3: a retry past the commit deadline of a write that committed is a success,
-    not CommitDeadlineExceeded, and the committed parts stay."""
+    """Idempotency before the commit deadline: a retry past the commit deadline of a write that
+    committed is a success, not CommitDeadlineExceeded, and the committed parts stay."""
     shard, writer, lossy = _lost_write_past_commit_deadline(clients)
     started_s = clients.clock.monotonic()
     result = writer.compare_and_append(LATE, 1, 2)
@@ -505,8 +510,8 @@ def test_lost_reply_past_the_commit_deadline_reports_success_and_keeps_parts(
 
 
 def test_control_deadline_before_token_reports_a_committed_write_as_failed(clients: Clients):
-    """Defect 3 control: checked first, the deadline denies the committed write and its
-    parts are deleted (snapshots raise CorruptPart)."""
+    """Idempotency before the commit deadline control: checked first, the deadline denies the
+    committed write and its parts are deleted (snapshots raise CorruptPart)."""
     shard, writer, lossy = _lost_write_past_commit_deadline(clients)
     with controls.deadline_before_token(), pytest.raises(CommitDeadlineExceeded):
         writer.compare_and_append(LATE, 1, 2)
@@ -518,7 +523,7 @@ def test_control_deadline_before_token_reports_a_committed_write_as_failed(clien
         clients.snapshot(shard, 1)
 
 
-# --- defect 4: lost reply on a merge result ------------------------------------------------
+# --- a lost merge reply: lost reply on a merge result -------------------------------------
 
 
 X: list[Update] = [(b"x", b"1", 0, 1)]
@@ -579,7 +584,7 @@ def _check_merge_scenario_ran(lost: LostMerge) -> State:
 
 
 def test_lost_merge_reply_is_applied_and_keeps_outputs_a_reader_may_read(clients: Clients):
-    """Defect 4: a merge result whose reply was lost while another compactor merged its
+    """A lost merge reply: a merge result whose reply was lost while another compactor merged its
     output is "applied", and its outputs stay for readers of older versions."""
     lost = _lost_merge_reply(clients)
     outcome = apply_merge_result(lost.machine, lost.res, lost.started_s)
@@ -595,7 +600,7 @@ def test_lost_merge_reply_is_applied_and_keeps_outputs_a_reader_may_read(clients
 
 def test_control_guessing_a_lost_merge_reply_deletes_outputs_still_referenced(
         clients: Clients):
-    """Defect 4 control: guessed lost, the merge is "no_match" and its outputs are
+    """A lost merge reply control: guessed lost, the merge is "no_match" and its outputs are
     deleted though live versions reference them (a reader in progress fails)."""
     lost = _lost_merge_reply(clients)
     with controls.guess_lost_replies():
@@ -608,7 +613,7 @@ def test_control_guessing_a_lost_merge_reply_deletes_outputs_still_referenced(
     assert missing_blobs(lost.observer, lost.shard) != []
 
 
-# --- a critical reader's own downgrade whose reply was lost ----------------------------------
+# --- a critical reader's own downgrade whose reply was lost -------------------------------
 
 
 def _lost_downgrade(clients: Clients) -> tuple[ShardId, Any, LoseNextReply]:
@@ -643,7 +648,7 @@ def test_control_guessing_a_lost_downgrade_reply_fences_out_its_own_reader(clien
     assert (held.opaque, held.since) == (b"o2", 1)  # it did commit
 
 
-# --- merge validation ------------------------------------------------------------------------
+# --- merge validation ---------------------------------------------------------------------
 
 
 def _merge_fixture(clients: Clients, *, since: int) -> tuple[ShardId, PersistClient, Any]:

@@ -1,5 +1,5 @@
-"""Regression tests for the maintenance defects 5-9: compaction deadlines, overlapping
-GCs, the reader hold race, listen holds, and opening/reading while GC runs.
+"""Regression tests for the maintenance the merge commit deadline-9: compaction deadlines,
+overlapping GCs, the reader hold race, listen holds, and opening/reading while GC runs.
 
 Every race is set up deterministically: hooks in wrappers of the raw backends (or of a
 machine's ``fetch_latest``) run the competing operation at the exact point wanted,
@@ -298,7 +298,7 @@ def fresh_snapshot(loc: Location, shard: str, as_of: int) -> list[tuple[bytes, b
         client.close()
 
 
-# --- defect 5: compaction output had no commit deadline ---------------------------------
+# --- the merge commit deadline: compaction output had no commit deadline ------------------
 
 
 ORPHAN_CFG = PersistConfig(gc_orphan_min_age_s=10, heartbeat_interval_s=0, blob_cache_bytes=0)
@@ -323,7 +323,8 @@ def _output_keys(results: list[Any]) -> list[str]:
 
 
 def test_merge_result_whose_outputs_gc_swept_is_refused(location: Location, nodes: Nodes):
-    """Defect 5: a merge result whose outputs GC swept as orphans is refused, data intact."""
+    """The merge commit deadline: a merge result whose outputs GC swept as orphans is refused,
+    data intact."""
     clock = HandClock()
     node = nodes(location, ORPHAN_CFG, policy=BLOB_ONLY, clock=clock)
     client = node.client
@@ -351,7 +352,8 @@ def test_merge_result_whose_outputs_gc_swept_is_refused(location: Location, node
 
 def test_merge_result_past_deadline_deletes_its_outputs_and_a_timely_one_applies(
         location: Location, nodes: Nodes):
-    """Defect 5: a late merge result is refused and its outputs deleted; a timely one applies."""
+    """The merge commit deadline: a late merge result is refused and its outputs deleted; a
+    timely one applies."""
     clock = HandClock()
     node = nodes(location, ORPHAN_CFG, policy=BLOB_ONLY, clock=clock)
     client = node.client
@@ -383,7 +385,8 @@ def test_merge_result_past_deadline_deletes_its_outputs_and_a_timely_one_applies
 
 def test_merge_without_deadline_control_commits_swept_outputs(location: Location,
                                                               nodes: Nodes):
-    """Defect 5 (negative control): without the deadline swept outputs commit; reads fail."""
+    """The merge commit deadline (negative control): without the deadline swept outputs commit;
+    reads fail."""
     clock = HandClock()
     node = nodes(location, ORPHAN_CFG, policy=BLOB_ONLY, clock=clock)
     client = node.client
@@ -399,7 +402,7 @@ def test_merge_without_deadline_control_commits_swept_outputs(location: Location
         client.open_reader(shard).snapshot(3)
 
 
-# --- defect 6: overlapping and killed GCs -------------------------------------------------
+# --- overlapping and killed GCs -----------------------------------------------------------
 
 
 GC_CFG = PersistConfig(rollup_threshold=4, background_maintenance=False,
@@ -462,7 +465,8 @@ def _pause_gc_a(loc: Location, nodes: Nodes, shard: str, where: str
 
 @pytest.mark.parametrize("where", list(PAUSE_POINTS))
 def test_gc_overtaken_by_another_gc_is_safe(real_location: Location, nodes: Nodes, where: str):
-    """Defect 6: a GC overtaken by another neither fails nor deletes live blobs (or skips)."""
+    """Overlapping and killed GCs: a GC overtaken by another neither fails nor deletes live
+    blobs (or skips)."""
     shard, written = _gc_history(real_location, nodes)
     a, hook, b_metrics = _pause_gc_a(real_location, nodes, shard, where)
     a_metrics = a.client.gc(shard)
@@ -486,7 +490,8 @@ def test_gc_overtaken_by_another_gc_is_safe(real_location: Location, nodes: Node
 @pytest.mark.parametrize("where", ["rollup_get", "records_scan"])
 def test_gc_trusts_its_scan_control_fails_when_overtaken(real_location: Location, nodes: Nodes,
                                                          where: str):
-    """Defect 6 (negative control): trusting its scan, the overtaken GC hits CorruptState."""
+    """Overlapping and killed GCs (negative control): trusting its scan, the overtaken GC hits
+    CorruptState."""
     shard, _ = _gc_history(real_location, nodes)
     a, hook, _ = _pause_gc_a(real_location, nodes, shard, where)
     with controls.gc_trusts_its_scan(), pytest.raises(CorruptState):
@@ -495,7 +500,8 @@ def test_gc_trusts_its_scan_control_fails_when_overtaken(real_location: Location
 
 
 def test_gc_killed_after_truncate_then_another_gc(real_location: Location, nodes: Nodes):
-    """Defect 6: after a GC killed right after truncating, the next GC cleans up safely."""
+    """Overlapping and killed GCs: after a GC killed right after truncating, the next GC cleans
+    up safely."""
     shard, written = _gc_history(real_location, nodes)
     a = nodes(real_location, GC_CFG)
     a.client._machine(shard).fetch_latest()
@@ -523,7 +529,7 @@ def test_gc_killed_after_truncate_then_another_gc(real_location: Location, nodes
     assert fresh_snapshot(real_location, shard, 23) == expected_snapshot(written, 23)
 
 
-# --- defect 7: the reader's seqno hold raced its fetch -----------------------------------
+# --- the reader's seqno hold: the reader's seqno hold raced its fetch ---------------------
 
 
 HOLD_CFG = PersistConfig(rollup_threshold=1, background_maintenance=False,
@@ -604,7 +610,8 @@ def _join(race: HoldRace) -> None:
 
 def test_reader_hold_is_registered_with_the_state_it_reads(real_location: Location,
                                                            nodes: Nodes):
-    """Defect 7: a racing heartbeat waits for the read's hold, so GC keeps its parts."""
+    """The reader's seqno hold: a racing heartbeat waits for the read's hold, so GC keeps its
+    parts."""
     race = _hold_race(real_location, nodes)
     table = race.reader.snapshot(1)
     _join(race)
@@ -616,7 +623,8 @@ def test_reader_hold_is_registered_with_the_state_it_reads(real_location: Locati
 
 
 def test_reader_hold_race_control_loses_parts(real_location: Location, nodes: Nodes):
-    """Defect 7 (negative control): with the race back, GC deletes the parts (CorruptPart)."""
+    """The reader's seqno hold (negative control): with the race back, GC deletes the parts
+    (CorruptPart)."""
     race = _hold_race(real_location, nodes)
     with controls.reader_hold_race(), pytest.raises(CorruptPart):
         race.reader.snapshot(1)
@@ -624,7 +632,7 @@ def test_reader_hold_race_control_loses_parts(real_location: Location, nodes: No
     assert race.fired and race.gc_metrics[0]["blobs_deleted"] >= 2
 
 
-# --- defect 8: a listen emitted updates twice after downgrade_since + compaction ---------
+# --- a listen's since hold: a listen emitted updates twice after downgrade_since + compaction ---
 
 
 def _accumulate(snapshot: pa.Table, events: list[ListenEvent]) -> list[tuple[bytes, bytes, int]]:
@@ -656,7 +664,8 @@ def _listen_scenario(loc: Location, nodes: Nodes, since_target: int | None = Non
 @pytest.mark.parametrize("since_target", [9, 1000], ids=["to-upper", "beyond-upper"])
 def test_listen_after_downgrade_and_compaction_emits_each_update_once(
         location: Location, nodes: Nodes, since_target: int):
-    """Defect 8: snapshot + listen after downgrade_since and compaction has no duplicates."""
+    """A listen's since hold: snapshot + listen after downgrade_since and compaction has no
+    duplicates."""
     client, shard, reader, snap, listen, written = _listen_scenario(location, nodes,
                                                                     since_target)
     held_since = reader.since
@@ -677,7 +686,7 @@ def test_listen_after_downgrade_and_compaction_emits_each_update_once(
 
 
 def test_listen_without_hold_control_emits_duplicates(location: Location, nodes: Nodes):
-    """Defect 8 (negative control): without the hold the listen emits updates twice."""
+    """A listen's since hold (negative control): without the hold the listen emits updates twice."""
     with controls.listen_without_hold():
         client, shard, _, snap, listen, written = _listen_scenario(location, nodes)
         client.compact(shard)
@@ -689,7 +698,8 @@ def test_listen_without_hold_control_emits_duplicates(location: Location, nodes:
 
 def test_listen_refuses_a_batch_compacted_past_its_frontier(location: Location, nodes: Nodes,
                                                             monkeypatch: pytest.MonkeyPatch):
-    """Defect 8: a batch compacted past the listen's frontier is refused (SinceViolation)."""
+    """A listen's since hold: a batch compacted past the listen's frontier is refused
+    (SinceViolation)."""
     monkeypatch.setattr(ReadHandle, "_listen_cap", lambda self: None)
     client, shard, reader, _, listen, _ = _listen_scenario(location, nodes)
     assert reader.since == 9
@@ -699,7 +709,7 @@ def test_listen_refuses_a_batch_compacted_past_its_frontier(location: Location, 
     assert listen.frontier == 3
 
 
-# --- defect 9 ------------------------------------------------------------------------------
+# --- reads racing GC ----------------------------------------------------------------------
 
 
 ROLLUP_CFG = PersistConfig(rollup_threshold=3, background_maintenance=False,
@@ -762,7 +772,8 @@ def _open_while_gc_replaces_rollup(loc: Location, nodes: Nodes, entry: str,
 @pytest.mark.parametrize("entry", ["open_reader", "fetch_latest"])
 def test_open_while_gc_replaces_the_rollup_retries(real_location: Location, nodes: Nodes,
                                                    entry: str):
-    """Defect 9a: opening while GC replaces the rollup retries instead of CorruptState."""
+    """Opening while GC replaces the rollup: opening while GC replaces the rollup retries
+    instead of CorruptState."""
     hook, new, open_shard = _open_while_gc_replaces_rollup(real_location, nodes, entry)
     open_shard()
     assert hook.fired
@@ -771,7 +782,8 @@ def test_open_while_gc_replaces_the_rollup_retries(real_location: Location, node
 
 def test_open_while_gc_truncates_the_records_after_the_rollup_retries(
         real_location: Location, nodes: Nodes):
-    """Defect 9a: opening while GC truncates the records to replay retries too."""
+    """Opening while GC replaces the rollup: opening while GC truncates the records to replay
+    retries too."""
     hook, new, open_shard = _open_while_gc_replaces_rollup(real_location, nodes,
                                                            "open_reader", "records_scan")
     open_shard()
@@ -782,7 +794,8 @@ def test_open_while_gc_truncates_the_records_after_the_rollup_retries(
 @pytest.mark.parametrize("entry", ["open_reader", "fetch_latest"])
 def test_open_fails_on_replaced_rollup_control(real_location: Location, nodes: Nodes,
                                                entry: str):
-    """Defect 9a (negative control): the same open raises CorruptState."""
+    """Opening while GC replaces the rollup (negative control): the same open raises
+    CorruptState."""
     hook, _, open_shard = _open_while_gc_replaces_rollup(real_location, nodes, entry)
     with controls.open_fails_on_replaced_rollup(), pytest.raises(CorruptState):
         open_shard()
@@ -833,7 +846,8 @@ def _reader_paused_past_lease(loc: Location, nodes: Nodes, kind: str
 @pytest.mark.parametrize("kind", ["snapshot", "listen"])
 def test_reader_paused_past_its_lease_gets_lease_expired(real_location: Location,
                                                          nodes: Nodes, kind: str):
-    """Defect 9b: a reader expired mid-read whose parts GC deleted gets LeaseExpired."""
+    """An expired reader's read: a reader expired mid-read whose parts GC deleted gets
+    LeaseExpired."""
     read, reader, metrics, shard, written = _reader_paused_past_lease(real_location, nodes,
                                                                       kind)
     with pytest.raises(LeaseExpired):
@@ -848,7 +862,7 @@ def test_reader_paused_past_its_lease_gets_lease_expired(real_location: Location
 @pytest.mark.parametrize("kind", ["snapshot", "listen"])
 def test_expired_read_reports_corruption_control(real_location: Location, nodes: Nodes,
                                                  kind: str):
-    """Defect 9b (negative control): the same read reports CorruptPart."""
+    """An expired reader's read (negative control): the same read reports CorruptPart."""
     read, _, metrics, _, _ = _reader_paused_past_lease(real_location, nodes, kind)
     with controls.expired_read_reports_corruption(), pytest.raises(CorruptPart):
         read()
@@ -860,7 +874,8 @@ def test_expired_read_reports_corruption_control(real_location: Location, nodes:
 def test_out_of_memory_decoding_a_part_is_resource_exhausted(
         location: Location, nodes: Nodes, monkeypatch: pytest.MonkeyPatch,
         error: BaseException):
-    """Defect 9c: out of memory decoding a Parquet part is ResourceExhausted, not corrupt."""
+    """Memory errors while decoding: out of memory decoding a Parquet part is
+    ResourceExhausted, not corrupt."""
     client = nodes(location, policy=BLOB_ONLY).client
     shard = str(ShardId.new())
     written = write_batches(client, shard, range(4), rows_per_batch=3)
@@ -945,7 +960,8 @@ def test_listen_at_max_time_waits_for_the_close_and_reports_it(location: Locatio
 
 
 def test_rollup_every_seqno_with_foreground_maintenance(location: Location, nodes: Nodes):
-    """Defect 9e: rollup_threshold=1 in the foreground: no RecursionError, GC and reads work."""
+    """Rollups in the foreground: rollup_threshold=1 in the foreground: no RecursionError, GC
+    and reads work."""
     cfg = PersistConfig(rollup_threshold=1, background_maintenance=False,
                         heartbeat_interval_s=0)
     client = nodes(location, cfg).client
@@ -971,9 +987,9 @@ def test_rollup_every_seqno_with_foreground_maintenance(location: Location, node
 
 def test_rollups_a_killed_gc_dropped_are_swept_by_the_next_gc(location: Location,
                                                                monkeypatch: pytest.MonkeyPatch):
-    """Defect 6 (found by the nemesis): a GC killed after dropping rollups from the state but
-    before deleting their blobs left them listed in kept versions; the next GC's orphan
-    sweep must still delete them (only the head's rollups are ever read)."""
+    """Overlapping and killed GCs (found by the nemesis): a GC killed after dropping rollups
+    from the state but before deleting their blobs left them listed in kept versions; the
+    next GC's orphan sweep must still delete them (only the head's rollups are ever read)."""
     from persist_pipeline import gc as gc_module
 
     # Writes get the default commit deadline (a loaded machine may need more than the half

@@ -1,4 +1,4 @@
-"""The deterministic simulation (issue 9): it passes on a fixed batch of seeds, a seed
+"""The deterministic simulation: it passes on a fixed batch of seeds, a seed
 replays exactly, and it catches each fixed defect when its fix is reverted."""
 
 from __future__ import annotations
@@ -51,19 +51,19 @@ def test_different_seeds_take_different_paths():
 #: Each control reverts one fix; the simulation must report the defect it causes (the
 #: pattern) within the first ``seeds`` seeds (of one profile, or rotating over all).
 CAUGHT: dict[str, tuple[str, int, str | None]] = {
-    # defect 1: a stale cache's UpperMismatch / gap claim / FencedOut
+    # negative answers confirmed: a stale cache's UpperMismatch / gap claim / FencedOut
     "trust_cached_negatives": (r"false UpperMismatch|FencedOut", 40, None),
-    # defects 2 and 4: committed writes, merges and rollups deleted or denied
+    # lost replies settled: committed writes, merges and rollups deleted or denied
     "guess_lost_replies": (r"LOST|not written|deleted|missing|own write", 40, None),
-    # defect 3 (with replies guessed, as before the fix)
+    # idempotency before the commit deadline (with replies guessed, as before the fix)
     "deadline_before_token": (r"LOST|not written|deleted|missing|own write", 40, None),
-    # defect 5: a slow merge commits outputs the orphan sweep deleted
+    # the merge commit deadline: a slow merge commits outputs the orphan sweep deleted
     "merge_without_deadline": (r"missing blob|CorruptPart", 120, None),
-    # defect 6: overlapping GCs
+    # overlapping and killed GCs: overlapping GCs
     "gc_trusts_its_scan": (r"CorruptState|deleted", 40, None),
-    # defect 8: a listen under downgrade_since and compaction emits updates twice
+    # a listen's since hold: a listen under downgrade_since and compaction emits updates twice
     "listen_without_hold": (r"listen at frontier .*(DUPLICATED|counter)", 120, "mixed"),
-    # defect 9: opening while GC replaces the rollup; an expired reader's read
+    # reads racing GC: opening while GC replaces the rollup; an expired reader's read
     "open_fails_on_replaced_rollup": (r"CorruptState", 150, None),
     "expired_read_reports_corruption": (r"CorruptPart|PartMissing", 200, None),
     # Seams (the first seed of the default rotation that catches each is in the

@@ -1,4 +1,4 @@
-"""Merges and snapshots in bounded memory (issue 10).
+"""Merges and snapshots in bounded memory.
 
 - the streaming k-way merge equals a plain model of consolidation on random data
   (hypothesis), through every path: chunked runs, several rounds, multi-pass merges with
@@ -309,7 +309,7 @@ def test_snapshot_batches_stream_the_exact_snapshot(open_client: Any) -> None:
     reader.expire()
 
 
-# --- memory, measured in a subprocess ------------------------------------------------------
+# --- memory, measured in a subprocess -----------------------------------------------------
 
 _BOUND_MIB = 16
 #: What a merge may add to its process's peak RSS at that bound (decoding buffers, the
@@ -460,7 +460,7 @@ def test_a_failing_task_fails_its_own_merge_only(clients: Clients,
         assert clients.snapshot(shard, 3) == rows_before
 
 
-# --- fingerprints ------------------------------------------------------------------------
+# --- fingerprints -------------------------------------------------------------------------
 
 
 def test_fingerprint_identifies_the_collection_not_its_layout(open_client: Any) -> None:

@@ -149,7 +149,7 @@ class ShardBlobs:
 
     Attributes:
         main: where compaction output, large writes and rollups go.
-        wal: the optional low-latency store for fresh write parts (seed 004).
+        wal: the optional low-latency store for fresh write parts (as SlateDB's separate WAL store).
         cached_main / cached_wal: the same stores behind the LRU cache, for reads.
         decoded: decoded small parts, for key lookups (upserts and deletes).
     """

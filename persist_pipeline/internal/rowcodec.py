@@ -109,7 +109,7 @@ def check_type(type_: pa.DataType, where: str) -> None:
         f"times, timestamps, durations, and lists and structs of these)")
 
 
-# --- encoding -------------------------------------------------------------------------------
+# --- encoding -----------------------------------------------------------------------------
 
 
 def _binary_offsets(arr: pa.Array) -> np.ndarray:
@@ -397,7 +397,7 @@ def encode_rows(columns: Sequence[pa.Array | pa.ChunkedArray], num_rows: int, *,
                              "write") from None
 
 
-# --- decoding -------------------------------------------------------------------------------
+# --- decoding -----------------------------------------------------------------------------
 
 
 class _Reader:

@@ -1,4 +1,5 @@
-"""The Spine (seed 003): batches in size-tiered levels, and merge requests derived from it.
+"""The Spine (after Materialize persist's Spine): batches in size-tiered levels, and merge
+requests derived from it.
 
 Each Spine entry is a merge group covering a time range. A new non-empty batch enters as
 its own entry at level ``floor(log2(len))``; while the newest entry's level is at least

@@ -50,7 +50,7 @@ def _unexpected(run: SimRun, what: str, e: BaseException) -> None:
     run.violation(f"{what}: unexpected {type(e).__name__}: {e}")
 
 
-# --- writers --------------------------------------------------------------------------------
+# --- writers ------------------------------------------------------------------------------
 
 
 def writer(run: SimRun, proc: Process) -> None:
@@ -161,7 +161,7 @@ def heartbeat(run: SimRun, beat: Callable[[], None]) -> None:
         run.ops += 1
 
 
-# --- readers --------------------------------------------------------------------------------
+# --- readers ------------------------------------------------------------------------------
 
 
 def _open_reader(run: SimRun, client: PersistClient, holder: Holder) -> ReadHandle | None:
@@ -363,7 +363,7 @@ def controller(run: SimRun, proc: Process) -> None:
         run.ops += 1
 
 
-# --- maintenance ----------------------------------------------------------------------------
+# --- maintenance --------------------------------------------------------------------------
 
 
 def compactor(run: SimRun, proc: Process) -> None:

@@ -32,7 +32,8 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 @contextmanager
 def trust_cached_negatives() -> Iterator[None]:
-    """Defect 1: a negative answer computed from a stale cache is returned as is."""
+    """Negative answers confirmed: a negative answer computed from a stale cache is returned as
+    is."""
     with _patched(machine.Machine, "confirm_negative_answers", False):
         yield
 
@@ -45,7 +46,7 @@ def _guess_lost(self: machine.Machine, attempts: list[Any]) -> None:
 
 @contextmanager
 def guess_lost_replies() -> Iterator[None]:
-    """Defects 2 and 4 (and the critical reader's lost downgrade): an attempt whose reply
+    """Lost replies settled (and the critical reader's lost downgrade): an attempt whose reply
     was lost is assumed to have failed; the transition's answer on fresh state decides
     (and a write does not recognise its own batch in the state)."""
     with _patched(machine.Machine, "_resolve", _guess_lost), \
@@ -55,8 +56,9 @@ def guess_lost_replies() -> Iterator[None]:
 
 @contextmanager
 def deadline_before_token() -> Iterator[None]:
-    """Defect 3: the commit deadline is checked before the idempotency token (with lost
-    replies guessed, as before the fix; the settle rule alone also prevents the loss)."""
+    """Idempotency before the commit deadline: the commit deadline is checked before the
+    idempotency token (with lost replies guessed, as before the fix; the settle rule alone
+    also prevents the loss)."""
     original = transitions.compare_and_append
 
     def reordered(state: Any, batch: Any, **kw: Any) -> Any:
@@ -71,7 +73,8 @@ def deadline_before_token() -> Iterator[None]:
 
 @contextmanager
 def merge_without_deadline() -> Iterator[None]:
-    """Defect 5: a merge result commits however long ago its outputs were uploaded."""
+    """The merge commit deadline: a merge result commits however long ago its outputs were
+    uploaded."""
     original = transitions.apply_merge
 
     def no_deadline(state: Any, res: Any, now_ms: int, commit_deadline: Any = None) -> Any:
@@ -83,8 +86,8 @@ def merge_without_deadline() -> Iterator[None]:
 
 @contextmanager
 def gc_trusts_its_scan() -> Iterator[None]:
-    """Defect 6: GC uses whatever records a scan returns, as if they started where it
-    thinks, and a missing rollup is corrupt state rather than a sign to skip."""
+    """Overlapping and killed GCs: GC uses whatever records a scan returns, as if they started
+    where it thinks, and a missing rollup is corrupt state rather than a sign to skip."""
 
     def records(m: machine.Machine, start: int, end: int | None) -> list[Any]:
         limit = None if end is None else end - start
@@ -104,7 +107,8 @@ def gc_trusts_its_scan() -> Iterator[None]:
 
 @contextmanager
 def reader_hold_race() -> Iterator[None]:
-    """Defect 7: a read fetches its state and registers the seqno it reads in two steps."""
+    """The reader's seqno hold: a read fetches its state and registers the seqno it reads in
+    two steps."""
 
     def start_reading(self: read.ReadHandle) -> Any:
         self._check()
@@ -122,7 +126,7 @@ def reader_hold_race() -> Iterator[None]:
 
 @contextmanager
 def listen_without_hold() -> Iterator[None]:
-    """Defect 8: a listen does not hold since below its frontier (nor refuses batches
+    """A listen's since hold: a listen does not hold since below its frontier (nor refuses batches
     compacted past it)."""
     with _patched(read.ReadHandle, "_listen_cap", lambda self: None), \
             _patched(read.Listen, "_check_batches", staticmethod(lambda *a: None)):
@@ -131,7 +135,7 @@ def listen_without_hold() -> Iterator[None]:
 
 @contextmanager
 def open_fails_on_replaced_rollup() -> Iterator[None]:
-    """Defect 9: opening a shard while GC replaces its rollup raises CorruptState."""
+    """Reads racing GC: opening a shard while GC replaces its rollup raises CorruptState."""
     original = machine.Machine._reconstruct
 
     def reconstruct(self: machine.Machine, head: Any) -> Any:
@@ -146,7 +150,7 @@ def open_fails_on_replaced_rollup() -> Iterator[None]:
 
 @contextmanager
 def expired_read_reports_corruption() -> Iterator[None]:
-    """Defect 9: a reader paused past its lease gets CorruptPart, not LeaseExpired."""
+    """Reads racing GC: a reader paused past its lease gets CorruptPart, not LeaseExpired."""
 
     with _patched(read.ReadHandle, "_raise_if_expired", lambda self, error: None):
         yield

@@ -225,7 +225,7 @@ def _removed_refs(prev: State, diff: object) -> set[BlobRef]:
     return out
 
 
-# --- the model of acknowledged data -----------------------------------------------------
+# --- the model of acknowledged data -------------------------------------------------------
 
 Row = tuple[bytes, bytes, int, int]
 

@@ -194,7 +194,7 @@ def _attempt(run: SimRun, what: str, op: Callable[..., object],
         return "unknown", None
 
 
-# --- typed writers ----------------------------------------------------------------------
+# --- typed writers ------------------------------------------------------------------------
 
 
 def _value(run: SimRun, version: int) -> Value:
@@ -298,7 +298,7 @@ def typed_reader(run: SimRun, proc: Process) -> None:
         run.ops += 1
 
 
-# --- Spark data-source writes -----------------------------------------------------------
+# --- Spark data-source writes -------------------------------------------------------------
 
 
 def _spark_location(run: SimRun, shard: str) -> Any:
@@ -445,7 +445,7 @@ def _check_scratch(run: SimRun, client: PersistClient, shard: str, status: str,
         run.violation(f"refused Spark write is visible in {shard}")
 
 
-# --- names, diffs, listens after the largest time ------------------------------------------
+# --- names, diffs, listens after the largest time -----------------------------------------
 
 
 def namer(run: SimRun, proc: Process) -> None:
