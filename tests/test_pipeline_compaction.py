@@ -82,7 +82,7 @@ def test_inline_pressure_sensor_requests_one_compaction_per_crossing(
         raise AssertionError("the sensor read a shard's state")
 
     with monkeypatch.context() as m:
-        m.setattr(PersistClient, "machine", no_states)
+        m.setattr(PersistClient, "_machine", no_states)
         assert sensor.tick().run_requests == []
 
     upper = client.shard_summaries()[clicks].upper
