@@ -1,7 +1,8 @@
 """The public API against every backend combination and the three inline settings.
 
-Each test runs on ``location`` (mem, embedded SQLite + files, PostgreSQL + S3, and
-PostgreSQL + S3 with a WAL store) times ``inline`` (on, off, backpressure).
+Each test runs on the ``open_client`` matrix: every inline setting (on, off,
+backpressure) on the in-memory backend, and a covering set of them on SQLite + files,
+PostgreSQL + S3 and PostgreSQL + S3 with a WAL store.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def expected_placement(policy: InlinePolicy, wal: bool) -> str:
     return "wal" if wal else "blob"
 
 
-def test_append_and_snapshot_match_a_model(open_client, inline, location):
+def test_append_and_snapshot_match_a_model(open_client):
+    inline, location = open_client.inline, open_client.location
     client = open_client()
     shard = ShardId.new()
     writer = client.open_writer(shard)
@@ -62,7 +64,8 @@ def test_append_and_snapshot_match_a_model(open_client, inline, location):
     assert client.inspect(shard)["inline_bytes"] <= inline.max_bytes
 
 
-def test_large_write_goes_to_blob_in_parts(open_client, location):
+def test_large_write_goes_to_blob_in_parts(open_client):
+    location = open_client.location
     client = open_client(PersistConfig(blob_target_size_bytes=64 * 1024))
     shard = ShardId.new()
     writer = client.open_writer(shard)
@@ -136,7 +139,7 @@ def test_bad_input_is_a_typed_error_and_changes_nothing(open_client, updates, ex
     assert (after["seqno"], after["upper"], after["batches"]) == (seqno, 0, 0)
 
 
-def test_compaction_flushes_inline_and_preserves_every_read(open_client, inline, location):
+def test_compaction_flushes_inline_and_preserves_every_read(open_client):
     client = open_client()
     shard = ShardId.new()
     writer = client.open_writer(shard)
@@ -322,7 +325,7 @@ def test_critical_reader_is_fenced(open_client):
     assert client.inspect(shard)["since"] == 4
 
 
-def test_fresh_client_rebuilds_state_from_rollups(open_client, location):
+def test_fresh_client_rebuilds_state_from_rollups(open_client):
     # Rollups in the writer's own call, so their seqnos are deterministic here.
     cfg = PersistConfig(rollup_threshold=8, background_maintenance=False)
     client = open_client(cfg)
@@ -367,7 +370,8 @@ def test_background_rollup_is_recorded_by_the_next_commit(open_client):
         sorted((b"k%d" % i, b"v", 1) for i in range(t + 1))
 
 
-def test_gc_deletes_replaced_parts_and_truncates_consensus(open_client, location, inline):
+def test_gc_deletes_replaced_parts_and_truncates_consensus(open_client):
+    inline = open_client.inline
     cfg = PersistConfig(rollup_threshold=4)
     client = open_client(cfg)
     shard = ShardId.new()
