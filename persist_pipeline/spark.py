@@ -44,7 +44,7 @@ from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import InvalidConfig, PersistError, ShardNotFound
 from persist_pipeline.ids import ShardId, new_token
 from persist_pipeline.ids import batch_id as batch_id_of
-from persist_pipeline.internal.blobs import ShardBlobs, key_starts
+from persist_pipeline.internal.blobs import ShardBlobs, key_starts, split_keys
 from persist_pipeline.internal.state import Batch
 
 if TYPE_CHECKING:
@@ -302,18 +302,7 @@ def split_points(req: MergeReq, splits: int, blobs: ShardBlobs | None = None) ->
                 return []
             starts.extend(key_starts(blobs, part, f"batch {batch.id}") if blobs else
                           [(part.min_key, part.encoded_size)])
-    starts.sort()
-    total = sum(size for _, size in starts)
-    points: list[bytes] = []
-    seen = 0
-    for key, size in starts:
-        if len(points) == splits - 1:
-            break
-        if seen >= total * (len(points) + 1) / splits and (not points or key > points[-1]) \
-                and key > starts[0][0]:
-            points.append(key)
-        seen += size
-    return points
+    return split_keys(starts, splits)
 
 
 def _check_uri(uri: str, what: str) -> None:

@@ -95,7 +95,7 @@ from persist_pipeline.exceptions import (
 from persist_pipeline.frontier import Frontier, check_frontier
 from persist_pipeline.ids import ShardId, new_token
 from persist_pipeline.ids import batch_id as batch_id_of
-from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, ShardBlobs
+from persist_pipeline.internal.blobs import ShardBlobs, key_starts, split_keys
 from persist_pipeline.internal.merge import memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Store
 from persist_pipeline.plan import LATEST, PlanFile, SnapshotPlan
@@ -268,31 +268,6 @@ def _frontier_option(options: Mapping[str, str], name: str) -> Frontier:
 # --- reading ------------------------------------------------------------------------------
 
 
-def _key_starts(plan: SnapshotPlan, f: PlanFile) -> list[tuple[bytes, int]]:
-    """Candidate split keys of a part with the bytes each starts: the lowest key of each
-    row group, from the Parquet footer (a small read); for a small part, whose row
-    groups are few, every ``1/64`` of its keys (its ``k`` column is small to read)."""
-    import pyarrow.parquet as pq
-
-    if f.size <= WHOLE_FETCH_MAX_BYTES:
-        keys = pq.read_table(f.path, columns=["k"], filesystem=plan.filesystem(f.store)
-                             ).column("k")
-        step = max(1, len(keys) // _SAMPLES_PER_SMALL_PART)
-        samples = [keys[i].as_py() for i in range(0, len(keys), step)]
-        return [(key, f.size // max(1, len(samples))) for key in samples]
-    meta = pq.ParquetFile(f.path, filesystem=plan.filesystem(f.store)).metadata
-    if "k" not in meta.schema.names:
-        return [(f.min_key or b"", f.size)]
-    k = meta.schema.names.index("k")
-    starts = []
-    for g in range(meta.num_row_groups):
-        stats = meta.row_group(g).column(k).statistics
-        if stats is None or not stats.has_min_max:
-            return [(f.min_key or b"", f.size)]
-        starts.append((bytes(stats.min), meta.row_group(g).total_byte_size))
-    return starts
-
-
 @dataclass(frozen=True)
 class _ReadPartition:
     """One key range ``[lower, upper)`` (None: unbounded) and what it must read."""
@@ -304,31 +279,30 @@ class _ReadPartition:
     inline: pa.Table
 
 
-def plan_partitions(plan: SnapshotPlan, partition_bytes: int = _DEFAULT_PARTITION_BYTES,
+def plan_partitions(plan: SnapshotPlan, blobs: ShardBlobs,
+                    partition_bytes: int = _DEFAULT_PARTITION_BYTES,
                     max_partitions: int = _DEFAULT_MAX_PARTITIONS) -> list[_ReadPartition]:
     """Split a plan into key ranges that together read every row exactly once.
 
     Split points are chosen, weighted by size, among the lowest keys of the parts' row
-    groups (their Parquet footers); a partition reads only the parts whose recorded key
-    range overlaps its own.
+    groups (their Parquet footers, read through ``blobs``) and samples of small parts'
+    keys (:func:`~persist_pipeline.internal.blobs.split_keys`, as Spark compaction's
+    key ranges); a partition reads only the parts whose recorded key range overlaps
+    its own.
     """
     total = sum(f.size for f in plan.file_details) + plan.inline.nbytes
     n = max(1, min(max_partitions, math.ceil(total / partition_bytes)))
     every = tuple(plan.file_details)
     if n == 1 or not plan.file_details:
         return [_ReadPartition(0, None, None, every, plan.inline)]
+    where = f"shard {plan.shard_id}"
+
+    def starts_of(f: PlanFile) -> list[tuple[bytes, int]]:
+        return key_starts(blobs, f.hollow_part(), where, _SAMPLES_PER_SMALL_PART)
+
     with ThreadPoolExecutor(max_workers=8, thread_name_prefix="persist-plan") as pool:
-        starts = [s for found in pool.map(lambda f: _key_starts(plan, f), plan.file_details)
-                  for s in found]
-    starts.sort()
-    splits: list[bytes] = []
-    total_weight = sum(w for _, w in starts)
-    acc = 0
-    for key, w in starts:
-        if len(splits) < n - 1 and acc >= total_weight * (len(splits) + 1) / n and \
-                key > starts[0][0] and (not splits or key > splits[-1]):
-            splits.append(key)
-        acc += w
+        starts = [s for found in pool.map(starts_of, plan.file_details) for s in found]
+    splits = split_keys(starts, n)
     ranges = list(zip([None, *splits], [*splits, None], strict=True))
     out = []
     inline = consolidate(plan.inline)  # sorted, as the range filter expects
@@ -429,7 +403,7 @@ def make_read_plan(options: Mapping[str, str]) -> tuple[_Location, int, list[_Re
             # plan's files before the executors read them. The hold ends when the
             # reader's lease runs out and GC expires it.
             reader.downgrade_since(plan.as_of)
-            partitions = plan_partitions(plan, partition_bytes, max_partitions)
+            partitions = plan_partitions(plan, client.blobs, partition_bytes, max_partitions)
             schema = plan.schema.to_bytes() if plan.schema is not None else b""
             return location, plan.as_of, partitions, lease, schema
         except BaseException:

@@ -281,13 +281,21 @@ def in_key_range(table: pa.Table, lower: bytes | None, upper: bytes | None) -> p
     return table.filter(mask)
 
 
-def key_starts(blobs: ShardBlobs, part: HollowPart, where: str) -> list[tuple[bytes, int]]:
+def key_starts(blobs: ShardBlobs, part: HollowPart, where: str,
+               small_part_samples: int = 0) -> list[tuple[bytes, int]]:
     """``(lowest key, bytes)`` of each row group of a part, from its Parquet footer (one
-    or two ranged reads); the part's own lowest key and size when it is small or its
-    row groups carry no key statistics."""
+    or two ranged reads); the part's own lowest key and size when its row groups carry
+    no key statistics, or when it is small (whole-fetched), unless
+    ``small_part_samples``: then every ``1/small_part_samples`` of its keys (its few row
+    groups would cut it too coarsely; it is small to read)."""
     whole = [(part.min_key or b"", part.encoded_size)]
     if part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
-        return whole
+        if not small_part_samples:
+            return whole
+        keys = blobs.fetch_part(part, where).column("k")
+        step = max(1, len(keys) // small_part_samples)
+        samples = [keys[i].as_py() for i in range(0, len(keys), step)]
+        return [(key, part.encoded_size // max(1, len(samples))) for key in samples]
     meta = pq.ParquetFile(_BlobFile(blobs.store(part.store, cached=True), part, where)).metadata
     if "k" not in meta.schema.names:
         return whole
@@ -300,6 +308,27 @@ def key_starts(blobs: ShardBlobs, part: HollowPart, where: str) -> list[tuple[by
             return whole
         starts.append((bytes(stats.min), group.total_byte_size))
     return starts
+
+
+def split_keys(starts: list[tuple[bytes, int]], ranges: int) -> list[bytes]:
+    """Up to ``ranges - 1`` keys among ``starts`` (``(key, bytes)`` where a piece of data
+    starts) that cut the data into key ranges of about equal bytes; increasing, and
+    never the lowest key (a range may not be empty by construction). The one choice of
+    split points, for Spark compaction's key-range tasks and Spark reads' partitions."""
+    if ranges < 2 or not starts:
+        return []
+    ordered = sorted(starts)
+    total = sum(size for _, size in ordered)
+    points: list[bytes] = []
+    seen = 0
+    for key, size in ordered:
+        if len(points) == ranges - 1:
+            break
+        if seen >= total * (len(points) + 1) / ranges and (not points or key > points[-1]) \
+                and key > ordered[0][0]:
+            points.append(key)
+        seen += size
+    return points
 
 
 def _row_groups_from(meta: pq.FileMetaData, key_lower: bytes | None,
