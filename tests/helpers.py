@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import pyarrow as pa
 
 from persist_pipeline import PersistClient
 from persist_pipeline.blob.base import Blob, BlobMeta
-from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.internal import state_codec
 from persist_pipeline.internal.state import State
 
@@ -74,6 +74,9 @@ class ForwardingConsensus(Consensus):
 
     def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
         return self.inner.compare_and_set(shard, expected, new)
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        return self.inner.compare_and_set_many(writes)
 
     def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
         return self.inner.scan(shard, from_seqno, limit)

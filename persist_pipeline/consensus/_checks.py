@@ -6,7 +6,9 @@ sent to a backend, so a rejected call never changes a shard.
 
 from __future__ import annotations
 
-from persist_pipeline.consensus.base import VersionedData
+from collections.abc import Sequence
+
+from persist_pipeline.consensus.base import CasWrite, VersionedData
 from persist_pipeline.exceptions import InvalidInput
 
 #: The largest seqno a record may have (a signed 64-bit ``BIGINT``).
@@ -57,3 +59,25 @@ def check_cas(expected: object, new: object) -> None:
         value = getattr(new, field)
         if not isinstance(value, bytes):
             raise InvalidInput(f"new.{field} must be bytes, got {type(value).__name__}")
+
+
+def check_cas_many(writes: object) -> list[CasWrite]:
+    """Checks the argument of ``compare_and_set_many``: a non-empty sequence of
+    :class:`CasWrite` to distinct, existing shards (``expected >= 1``); returns it sorted
+    by shard, the order every backend takes locks in, so two overlapping multi-shard
+    commits never wait for each other in a cycle."""
+    if not isinstance(writes, Sequence) or isinstance(writes, str | bytes):
+        raise InvalidInput(f"writes must be a sequence of CasWrite, got {type(writes).__name__}")
+    if not writes:
+        raise InvalidInput("compare_and_set_many needs at least one write")
+    seen: set[str] = set()
+    for write in writes:
+        if not isinstance(write, CasWrite):
+            raise InvalidInput(f"writes must hold CasWrite, got {type(write).__name__}")
+        check_shard(write.shard)
+        if write.shard in seen:
+            raise InvalidInput(f"shard {write.shard!r} appears twice in one multi-shard commit")
+        seen.add(write.shard)
+        check_int(write.expected, "expected", 1)
+        check_cas(write.expected, write.new)
+    return sorted(writes, key=lambda w: w.shard)

@@ -27,9 +27,11 @@ from sqlalchemy import (
     delete,
     exists,
     func,
+    insert,
     literal_column,
     select,
     true,
+    union_all,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql.psycopg2 import PGDialect_psycopg2
@@ -152,6 +154,34 @@ def _statements(insert: Callable[[Table], Any], *, lateral: bool) -> dict[str, C
     }
 
 
+def multi_cas(n: int) -> ClauseElement:
+    """Compare-and-set of ``n`` shards as ONE statement, so it is all or nothing: insert
+    every new row iff every shard's head is its expected seqno. Unlike ``cas`` it has no
+    ON CONFLICT clause: a competitor that won one of the seqnos makes the whole insert
+    fail on the primary key instead of skipping that row and committing the others.
+    Parameters ``shard_i``, ``seqno_i``, ``data_i``, ``summary_i``, ``expected_i``."""
+    rows = [
+        select(
+            bindparam(f"shard_{i}", type_=Text).label("shard"),
+            bindparam(f"seqno_{i}", type_=BigInteger).label("seqno"),
+            bindparam(f"data_{i}", type_=LargeBinary).label("data"),
+            bindparam(f"summary_{i}", type_=LargeBinary).label("summary"),
+        )
+        for i in range(n)
+    ]
+    new = (rows[0] if n == 1 else union_all(*rows)).subquery("new")
+    heads_match = and_(
+        *(
+            _head_seqno_of(bindparam(f"shard_{i}", type_=Text))
+            == bindparam(f"expected_{i}", type_=BigInteger)
+            for i in range(n)
+        )
+    )
+    return insert(consensus).from_select(
+        _columns, select(new.c.shard, new.c.seqno, new.c.data, new.c.summary).where(heads_match)
+    )
+
+
 PG_STATEMENTS = _statements(postgresql.insert, lateral=True)
 SQLITE_STATEMENTS = _statements(sqlite.insert, lateral=False)
 
@@ -193,6 +223,15 @@ def _prepared(name: str, stmt: ClauseElement) -> Rendered:
     placeholders = ", ".join(["%s"] * len(names))
     execute = f"EXECUTE pp_{name} ({placeholders})" if names else f"EXECUTE pp_{name}"
     return Rendered(execute, names, dict(compiled.params), prepare)
+
+
+def compile_multi_cas(kind: str, dialect: Dialect, n: int) -> Rendered:
+    """:func:`multi_cas` for ``n`` shards rendered for an engine of ``kind`` (plain
+    statements: the shape varies with ``n``; callers cache them per ``n``)."""
+    if kind == "sqlite":
+        return _plain(multi_cas(n), dialect)
+    fmt = PGDialect_psycopg2(paramstyle="format")  # type: ignore[no-untyped-call]
+    return _plain(multi_cas(n), fmt)
 
 
 def compile_all(kind: str, dialect: Dialect) -> dict[str, Rendered]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -21,6 +21,16 @@ class VersionedData:
     seqno: int
     data: bytes
     summary: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class CasWrite:
+    """One shard's part of :meth:`Consensus.compare_and_set_many`: append ``new`` iff
+    the shard's head seqno is ``expected``."""
+
+    shard: str
+    expected: int
+    new: VersionedData
 
 
 class Consensus(ABC):
@@ -44,6 +54,20 @@ class Consensus(ABC):
         ``new.seqno`` must be ``expected + 1`` (or 1 when ``expected`` is None), else
         :class:`~persist_pipeline.exceptions.InvalidInput` is raised. Returns True if
         ``new`` was written, False if the head did not match. One round trip.
+        """
+
+    @abstractmethod
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        """Append every write's ``new`` iff every shard's head seqno is its ``expected``.
+
+        All or nothing, in one round trip: either every record is written or none is,
+        and a reader of any of the shards sees either all of them or none. The shards
+        must exist (``expected >= 1``) and be distinct, else
+        :class:`~persist_pipeline.exceptions.InvalidInput` is raised. Returns False
+        (writing nothing) if any head did not match. A
+        :class:`~persist_pipeline.exceptions.ConsensusUnavailable` means the outcome is
+        unknown, as for :meth:`compare_and_set`; the record at ``expected + 1`` of any
+        one shard settles it for all of them.
         """
 
     @abstractmethod

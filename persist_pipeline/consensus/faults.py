@@ -8,9 +8,9 @@ written, but they see :class:`~persist_pipeline.exceptions.ConsensusUnavailable`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.exceptions import ConsensusUnavailable
 from persist_pipeline.faults import FaultConfig, FaultInjector
 
@@ -36,6 +36,11 @@ class FaultyConsensus(Consensus):
             f"{shard}@{expected}",
             lambda: self.inner.compare_and_set(shard, expected, new),
         )
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        where = ",".join(f"{w.shard}@{w.expected}" for w in writes)
+        return self.faults.run("compare_and_set", where,
+                               lambda: self.inner.compare_and_set_many(writes))
 
     def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
         return self.faults.run("scan", shard, lambda: self.inner.scan(shard, from_seqno, limit))

@@ -9,10 +9,16 @@ process exits.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from persist_pipeline.consensus._checks import check_cas, check_int, check_limit, check_shard
-from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus._checks import (
+    check_cas,
+    check_cas_many,
+    check_int,
+    check_limit,
+    check_shard,
+)
+from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.exceptions import ConsensusError, InvalidInput
 
 
@@ -77,6 +83,17 @@ class MemoryConsensus(Consensus):
             if current != expected:
                 return False
             self._store.shards.setdefault(shard, records).append(new)
+            return True
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        ordered = check_cas_many(writes)
+        with self._store.lock:
+            for write in ordered:
+                records = self._records(write.shard)
+                if not records or records[-1].seqno != write.expected:
+                    return False
+            for write in ordered:
+                self._store.shards[write.shard].append(write.new)
             return True
 
     def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.exceptions import ConsensusUnavailable
 from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
 from persist_pipeline.retry import retry_transient
@@ -39,6 +39,9 @@ class RetryingConsensus(Consensus):
 
     def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
         return self.inner.compare_and_set(shard, expected, new)
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        return self.inner.compare_and_set_many(writes)
 
     def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
         return self._retry("scan", lambda: self.inner.scan(shard, from_seqno, limit))

@@ -29,7 +29,7 @@ import select
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import psycopg2
@@ -42,10 +42,21 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.schema import CreateTable
 
-from persist_pipeline.consensus._checks import check_cas, check_int, check_limit, check_shard
+from persist_pipeline.consensus._checks import (
+    check_cas,
+    check_cas_many,
+    check_int,
+    check_limit,
+    check_shard,
+)
 from persist_pipeline.consensus._sql_errors import map_error, redact_url
-from persist_pipeline.consensus._sql_statements import Rendered, compile_all, metadata
-from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus._sql_statements import (
+    Rendered,
+    compile_all,
+    compile_multi_cas,
+    metadata,
+)
+from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.consensus.schemes import SCHEMES
 from persist_pipeline.exceptions import ConsensusError, InvalidInput, InvalidUri
 
@@ -262,6 +273,10 @@ def _fetchall(cursor: Any) -> list[tuple[Any, ...]]:
     return list(cursor.fetchall())
 
 
+class _LostRace(Exception):
+    """A multi-shard compare-and-set hit a seqno a competitor had inserted."""
+
+
 class SqlConsensus(Consensus):
     """Consensus in a SQL database (see the module docstring).
 
@@ -288,6 +303,7 @@ class SqlConsensus(Consensus):
         self._display = redact_url(self._url)
         self._engine = _create_engine(self._kind, self._url)
         self._statements = compile_all(self._kind, self._engine.dialect)
+        self._multi_cas: dict[int, Rendered] = {}
         self._conns = _Connections(self._engine, keep=_KEEP_CONNECTIONS)
         self._closed = False
         try:
@@ -327,11 +343,12 @@ class SqlConsensus(Consensus):
         return False
 
     def _run(
-        self, action: str, name: str, params: Mapping[str, Any], consume: Callable[[Any], T]
+        self, action: str, name: str | Rendered, params: Mapping[str, Any],
+        consume: Callable[[Any], T],
     ) -> T:
         if self._closed:
             raise ConsensusError(f"{self!r} is closed")
-        statement = self._statements[name]
+        statement = self._statements[name] if isinstance(name, str) else name
         try:
             conn = self._conns.acquire()
         except (sa_exc.SQLAlchemyError, self._engine.dialect.loaded_dbapi.Error) as exc:
@@ -339,6 +356,9 @@ class SqlConsensus(Consensus):
             raise map_error(exc, self._url, action) from exc
         try:
             result = self._execute(conn, statement, params, consume)
+        except _LostRace:
+            self._conns.release(conn)  # the statement failed; the connection is healthy
+            raise
         except BaseException as exc:
             self._conns.discard(conn, exc)
             if isinstance(exc, self._engine.dialect.loaded_dbapi.Error):
@@ -368,6 +388,10 @@ class SqlConsensus(Consensus):
                     if statement.prepare is None or attempt > 0:
                         raise
                     conn.info.pop(_PREPARED, None)
+                except (psycopg2.errors.UniqueViolation, sqlite3.IntegrityError):
+                    # Only the multi-shard CaS inserts without ON CONFLICT: a competitor
+                    # won one of its seqnos, and the statement inserted nothing.
+                    raise _LostRace from None
                 except (psycopg2.errors.SerializationFailure, psycopg2.errors.DeadlockDetected):
                     # The statement's transaction was rolled back, so nothing happened and
                     # running it again on a fresh snapshot is safe.
@@ -406,6 +430,26 @@ class SqlConsensus(Consensus):
             self._run("compare_and_set", "register", params, _rowcount)
             return self._run("compare_and_set", "create", params, _rowcount) == 1
         return self._run("compare_and_set", "cas", params, _rowcount) == 1
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        ordered = check_cas_many(writes)
+        n = len(ordered)
+        statement = self._multi_cas.get(n)
+        if statement is None:
+            statement = compile_multi_cas(self._kind, self._engine.dialect, n)
+            self._multi_cas[n] = statement
+        params: dict[str, Any] = {}
+        for i, write in enumerate(ordered):
+            params.update({f"shard_{i}": write.shard, f"seqno_{i}": write.new.seqno,
+                           f"data_{i}": write.new.data, f"summary_{i}": write.new.summary,
+                           f"expected_{i}": write.expected})
+        try:
+            inserted = self._run("compare_and_set_many", statement, params, _rowcount)
+        except _LostRace:
+            return False
+        if inserted not in (0, n):  # one statement: the database applies all rows or none
+            raise ConsensusError(f"compare_and_set_many inserted {inserted} of {n} records")
+        return inserted == n
 
     def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
         check_shard(shard)

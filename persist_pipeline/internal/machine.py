@@ -21,13 +21,14 @@ Two rules make its answers trustworthy:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Generic, Literal, TypeVar
 
 from persist_pipeline.config import PersistConfig
-from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.exceptions import (
     CorruptState,
     PersistError,
@@ -41,7 +42,7 @@ from persist_pipeline.internal.blobs import ShardBlobs
 from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
 from persist_pipeline.internal.maintenance import RollupMaintenance
 from persist_pipeline.internal.state import State
-from persist_pipeline.internal.sync import new_lock
+from persist_pipeline.internal.sync import LockLike, new_lock
 from persist_pipeline.retry import Backoff
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,38 @@ Resolution = Literal["committed", "lost", "pending", "unknown"]
 
 @dataclass
 class _Attempt(Generic[R]):
-    """A compare-and-set whose reply was lost: it may or may not have committed."""
+    """A compare-and-set whose reply was lost: it may or may not have committed. Over
+    several shards it committed every record or none."""
 
-    expected_seqno: int
-    data: bytes
-    new: State
-    result: R
+    writes: list[CasWrite]
+    news: list[State]
+    results: list[R]
     resolution: Resolution = "pending"
+
+
+@dataclass(frozen=True)
+class Step(Generic[R]):
+    """One shard's part of :func:`apply_many`: a transition on its machine's state."""
+
+    machine: Machine
+    transition: Callable[[State], tuple[State, R]]
+
+
+@dataclass(frozen=True)
+class Applied(Generic[R]):
+    """What :func:`apply_many` did.
+
+    Attributes:
+        committed: every step's state was committed (or a lost reply was found to have
+            committed it, or ``proves_done`` showed it was already); False when some
+            transition changed nothing, after confirming that against consensus.
+        results: each step's transition result, in step order.
+        states: each step's committed state (or the fresh state it saw).
+    """
+
+    committed: bool
+    results: list[R]
+    states: list[State]
 
 
 class Machine:
@@ -238,56 +264,8 @@ class Machine:
             Indeterminate: a CaS reply was lost and whether it committed cannot be told,
                 or consensus stayed unavailable past the retry deadline.
         """
-        with self._lock:
-            backoff = self._backoff()
-            attempts: list[_Attempt[R]] = []
-            state = self.state
-            confirmed = not self.confirm_negative_answers
-            while True:
-                try:
-                    new, result = transition(state)
-                except PersistError:
-                    if not confirmed:
-                        self.metrics.negative_answers_confirmed += 1
-                        state, confirmed = self._refresh(), True
-                        continue
-                    _require_settled(attempts, self.shard_id)
-                    raise
-                if new is state:
-                    if not confirmed:
-                        self.metrics.negative_answers_confirmed += 1
-                        state, confirmed = self._refresh(), True
-                        continue
-                    if not (attempts and proves_done is not None and proves_done(result)):
-                        _require_settled(attempts, self.shard_id)
-                    return result, state
-                new = self.maintenance.fold_ready(self._bump(new, state))
-                record = VersionedData(new.seqno, state_codec.encode_diff(state, new),
-                                       state_codec.encode_summary(new))
-                self.metrics.cas_attempts += 1
-                try:
-                    if self.consensus.compare_and_set(self.shard_id, state.seqno, record):
-                        self._committed(new, routine)
-                        return result, new
-                    self.metrics.cas_mismatches += 1
-                except Unavailable as e:
-                    self.metrics.cas_indeterminate += 1
-                    self.metrics.transient_retries += 1
-                    attempts.append(_Attempt(state.seqno, record.data, new, result))
-                    lost_reply: Unavailable | None = e
-                else:
-                    lost_reply = None
-                # Settle lost replies first: however late it is (a pause past the retry
-                # deadline), a commit that landed is reported as such.
-                state, confirmed = self._refresh(), True
-                won = self._resolve(attempts)
-                if won is not None:
-                    self.metrics.cas_resolved_committed += 1
-                    self._committed(won.new, routine, latest=state)
-                    return won.result, won.new
-                if lost_reply is not None:
-                    backoff.wait(lost_reply)
-                    state = self._refresh()
+        applied = apply_many([Step(self, transition)], routine=routine, proves_done=proves_done)
+        return applied.results[0], applied.states[0]
 
     def batch_committed(self, batch_id: str, lower: int) -> bool | None:
         """Whether a batch starting at ``lower`` was ever committed, from state history.
@@ -327,20 +305,26 @@ class Machine:
         return None
 
     def _resolve(self, attempts: list[_Attempt[R]]) -> _Attempt[R] | None:
-        """Settle lost-reply attempts by the record each would have written."""
+        """Settle lost-reply attempts by the record each would have written.
+
+        An attempt over several shards committed all of its records or none, so the
+        first shard whose record at ``expected + 1`` is still kept settles it."""
         for attempt in attempts:
             if attempt.resolution in ("lost", "unknown"):
                 continue
-            following = self.consensus.scan(self.shard_id, attempt.expected_seqno + 1, limit=1)
-            if not following:
-                attempt.resolution = "pending"  # nothing at S+1 yet: it may still land
-            elif following[0].seqno != attempt.expected_seqno + 1:
-                attempt.resolution = "unknown"  # GC truncated the record that would tell
-            elif following[0].data == attempt.data:
-                attempt.resolution = "committed"
+            attempt.resolution = "unknown"
+            for write in attempt.writes:
+                following = self.consensus.scan(write.shard, write.expected + 1, limit=1)
+                if not following:
+                    attempt.resolution = "pending"  # nothing at S+1 yet: it may still land
+                    break
+                if following[0].seqno != write.expected + 1:
+                    continue  # GC truncated the record that would tell: ask the next shard
+                attempt.resolution = "committed" if following[0].data == write.new.data \
+                    else "lost"
+                break
+            if attempt.resolution == "committed":
                 return attempt
-            else:
-                attempt.resolution = "lost"
         return None
 
     def _committed(self, new: State, routine: bool, latest: State | None = None) -> None:
@@ -373,10 +357,118 @@ class _RollupMissing(PersistError):
     """The rollup the head names is gone (GC may have replaced it): re-read the head."""
 
 
-def _require_settled(attempts: list[_Attempt[R]], shard_id: str) -> None:
+def _require_settled(attempts: list[_Attempt[R]]) -> None:
     """Refuse to give a negative answer while a lost-reply attempt may have committed."""
     open_attempts = [a for a in attempts if a.resolution in ("pending", "unknown")]
     if open_attempts:
-        seqnos = ", ".join(str(a.expected_seqno + 1) for a in open_attempts)
-        raise UnsettledCommit(f"shard {shard_id}: a commit whose reply was lost may or may not "
-                            f"have landed at seqno {seqnos}; read the shard to find out")
+        where = "; ".join(", ".join(f"shard {w.shard} seqno {w.expected + 1}" for w in a.writes)
+                          for a in open_attempts)
+        raise UnsettledCommit(f"a commit whose reply was lost may or may not have landed at "
+                              f"{where}; read the shard to find out")
+
+
+@contextlib.contextmanager
+def _holding(locks: Sequence[LockLike]) -> Iterator[None]:
+    """Holds every lock, taken in the given order and released in reverse."""
+    taken: list[LockLike] = []
+    try:
+        for lock in locks:
+            lock.__enter__()
+            taken.append(lock)
+        yield
+    finally:
+        for lock in reversed(taken):
+            lock.__exit__(None, None, None)
+
+
+def apply_many(steps: Sequence[Step[R]], *, routine: bool = True,
+               proves_done: Callable[[R], bool] | None = None) -> Applied[R]:
+    """Run each step's transition against its shard's latest state and commit all of
+    them atomically: the one compare-and-set loop of the library (one step is
+    :meth:`Machine.apply`; several are a multi-shard transaction, committed with
+    :meth:`Consensus.compare_and_set_many` in one round trip).
+
+    The machines must be distinct shards of one consensus. Their locks are taken in
+    shard order, so overlapping calls never deadlock. When any transition changes
+    nothing or raises, nothing is committed: that negative answer is confirmed against
+    state fetched from consensus during this call, and only given once every lost reply
+    is settled. A lost reply over several shards is settled by any one of them.
+
+    Raises:
+        Indeterminate: a CaS reply was lost and whether it committed cannot be told,
+            or consensus stayed unavailable past the retry deadline.
+    """
+    machines = [step.machine for step in steps]
+    if not machines:
+        raise ValueError("apply_many needs at least one step")
+    lead = machines[0]
+    with _holding([m._lock for m in sorted(machines, key=lambda m: m.shard_id)]):
+        backoff = lead._backoff()
+        attempts: list[_Attempt[R]] = []
+        states = [m.state for m in machines]
+        confirmed = not lead.confirm_negative_answers
+
+        def refresh() -> list[State]:
+            return [m._refresh() for m in machines]
+
+        while True:
+            outputs: list[tuple[State, R]] = []
+            try:
+                for step, state in zip(steps, states, strict=True):
+                    outputs.append(step.transition(state))
+            except PersistError:
+                if not confirmed:
+                    lead.metrics.negative_answers_confirmed += 1
+                    states, confirmed = refresh(), True
+                    continue
+                _require_settled(attempts)
+                raise
+            results = [result for _, result in outputs]
+            unchanged = [new is state for (new, _), state in zip(outputs, states, strict=True)]
+            if any(unchanged):
+                if not confirmed:
+                    lead.metrics.negative_answers_confirmed += 1
+                    states, confirmed = refresh(), True
+                    continue
+                done = bool(attempts) and proves_done is not None and all(
+                    proves_done(r) for r in results)
+                if not done:
+                    _require_settled(attempts)
+                return Applied(done, results, states)
+            news = [m.maintenance.fold_ready(m._bump(new, state))
+                    for m, (new, _), state in zip(machines, outputs, states, strict=True)]
+            writes = [CasWrite(m.shard_id, state.seqno,
+                               VersionedData(new.seqno, state_codec.encode_diff(state, new),
+                                             state_codec.encode_summary(new)))
+                      for m, new, state in zip(machines, news, states, strict=True)]
+            lead.metrics.cas_attempts += 1
+            try:
+                if len(writes) == 1:
+                    won = lead.consensus.compare_and_set(writes[0].shard, writes[0].expected,
+                                                         writes[0].new)
+                else:
+                    won = lead.consensus.compare_and_set_many(writes)
+                if won:
+                    for m, new in zip(machines, news, strict=True):
+                        m._committed(new, routine)
+                    return Applied(True, results, news)
+                lead.metrics.cas_mismatches += 1
+            except Unavailable as e:
+                lead.metrics.cas_indeterminate += 1
+                lead.metrics.transient_retries += 1
+                attempts.append(_Attempt(writes, news, results))
+                lost_reply: Unavailable | None = e
+            else:
+                lost_reply = None
+            # Settle lost replies first: however late it is (a pause past the retry
+            # deadline), a commit that landed is reported as such.
+            states, confirmed = refresh(), True
+            landed = lead._resolve(attempts)
+            if landed is not None:
+                lead.metrics.cas_resolved_committed += 1
+                for m, new, latest in zip(machines, landed.news, states, strict=True):
+                    m._committed(new, routine, latest=latest)
+                return Applied(True, landed.results, landed.news)
+            if lost_reply is not None:
+                backoff.wait(lost_reply)
+                states = refresh()

@@ -8,11 +8,11 @@ it would from PostgreSQL or S3.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from persist_pipeline.blob.base import Blob, BlobMeta
-from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.consensus.memory import MemoryConsensus
 from persist_pipeline.exceptions import BlobUnavailable, ConsensusUnavailable
 from persist_pipeline.sim.scheduler import Scheduler
@@ -65,6 +65,17 @@ class SimConsensus(Consensus):
             return ok
 
         return _call(self._s, "consensus compare_and_set", op, ConsensusUnavailable, True,
+                     at_cas=True)
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        def op() -> bool:
+            ok = self._inner.compare_and_set_many(writes)
+            if ok:
+                for write in writes:
+                    self._monitor.on_commit(write.shard, write.new)
+            return ok
+
+        return _call(self._s, "consensus compare_and_set_many", op, ConsensusUnavailable, True,
                      at_cas=True)
 
     def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
