@@ -61,6 +61,7 @@ from persist_pipeline.ids import ShardId
 from persist_pipeline.plan import SnapshotPlan
 from persist_pipeline.read import CriticalReaderHandle, Listen, ListenEvent, ReadHandle
 from persist_pipeline.schema import ShardSchema
+from persist_pipeline.transaction import Transaction
 from persist_pipeline.write import WriteHandle, WriteResult
 
 __version__ = "0.1.0"
@@ -87,6 +88,7 @@ __all__ = [
     "ShardSummary",
     "SinceViolation",
     "SnapshotPlan",
+    "Transaction",
     "UpperMismatch",
     "WriteHandle",
     "WriteResult",

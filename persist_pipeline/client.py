@@ -33,6 +33,7 @@ from persist_pipeline.internal.trace import merge_requests
 from persist_pipeline.names import NameRegistry, is_registry_key
 from persist_pipeline.read import CriticalReaderHandle, ReadHandle
 from persist_pipeline.schema import ShardSchema
+from persist_pipeline.transaction import Transaction
 from persist_pipeline.write import WriteHandle
 
 ShardLike = ShardId | str
@@ -355,6 +356,13 @@ class PersistClient:
     def shard_names(self) -> dict[str, ShardId]:
         """Every registered shard name and its id, in one consensus query."""
         return self.name_registry.names()
+
+    def transaction(self) -> Transaction:
+        """A transaction: appends to several shards committed atomically, in one
+        consensus round trip (see :class:`~persist_pipeline.transaction.Transaction`).
+        Use it as a context manager to commit on a clean exit and commit nothing on an
+        exception."""
+        return Transaction(self)
 
     def flush_maintenance(self, timeout_s: float | None = None) -> None:
         """Wait for background maintenance (state rollups) started so far."""

@@ -58,12 +58,16 @@ class UpperMismatch(PersistError):
     Attributes:
         expected: the upper the caller expected.
         current: the shard's upper when the append was attempted (``None`` when closed).
+        shard: the shard's id, when known (in a transaction: the shard that mismatched).
     """
 
-    def __init__(self, expected: int | None, current: int | None) -> None:
-        super().__init__(f"upper mismatch: expected {expected}, shard upper is {current}")
+    def __init__(self, expected: int | None, current: int | None,
+                 shard: str | None = None) -> None:
+        where = f"shard {shard}: " if shard else ""
+        super().__init__(f"{where}upper mismatch: expected {expected}, shard upper is {current}")
         self.expected = expected
         self.current = current
+        self.shard = shard
 
 
 class ShardNotFound(PersistError, LookupError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,38 @@ class Encoding:
 
 
 UNTYPED = Encoding()
+
+
+#: The errors after which a write certainly did not commit: the commit loop settles
+#: every lost reply before it answers "no", so its uploaded parts may be deleted.
+CERTAINLY_NOT_COMMITTED = (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates,
+                           SchemaMismatch)
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """A write ready to commit: its batch (inline, or parts already uploaded), where it
+    goes, and the encoding it was made with. Built by a handle; committed alone
+    (:meth:`WriteHandle._apply`) or with other shards' in one transaction."""
+
+    handle: WriteHandle
+    batch: Batch | None
+    expected: int
+    upper: Frontier
+    token: str
+    encoding: Encoding
+    placement: Placement
+    encoded: int
+    num_parts: int
+    fell_back: bool = False
+    upload_started_s: float | None = None
+
+    @property
+    def parts(self) -> tuple[HollowPart, ...]:
+        """The blob parts this write uploaded (none when inline)."""
+        if self.batch is None:
+            return ()
+        return tuple(p for p in self.batch.parts if isinstance(p, HollowPart))
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +216,7 @@ class WriteHandle:
             raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
                                   f"({expected})")
         data = self._coerce(updates)
-        _check_times(data, expected, upper)
+        check_times(data, expected, upper)
         return self._compare_and_append(data, expected, upper, idempotency_token,
                                         self._encoding)
 
@@ -251,18 +284,17 @@ class WriteHandle:
         except (InvalidFrontier, InvalidUpdates):
             self._delete_uncommitted(parts)
             raise
-        machine = self._machine
-        since = machine.state.since
+        since = self._machine.state.since
         desc = Description(expected, upper, since if since is not None else 0)
         batch = Batch(batch_id_of(idempotency_token), desc, parts, num_updates) if parts else None
         placement: Placement = "none" if not parts else (
             "wal" if parts[0].store == "wal" else "blob")
+        staged = Staged(self, batch, expected, upper, idempotency_token, Encoding.of(schema),
+                        placement, sum(p.encoded_size for p in parts), len(parts),
+                        upload_started_s=upload_started_s)
         try:
-            result = self._apply(batch, expected, upper, idempotency_token, placement,
-                                 sum(p.encoded_size for p in parts), len(parts),
-                                 Encoding.of(schema), fell_back=False,
-                                 upload_started_s=upload_started_s)
-        except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates, SchemaMismatch):
+            result = self._apply(staged)
+        except CERTAINLY_NOT_COMMITTED:
             # Certainly not committed (the CaS loop settled every lost reply first).
             self._delete_uncommitted(parts)
             raise
@@ -286,7 +318,7 @@ class WriteHandle:
         if lo is None or not less_than(lo, hi):
             raise InvalidFrontier(f"upper ({hi}) must be beyond lower ({lo})")
         data = self._coerce(updates)
-        _check_times(data, lo, hi)
+        check_times(data, lo, hi)
         token = new_token()
         while True:
             try:
@@ -388,14 +420,14 @@ class WriteHandle:
                 clock.sleep(self._jitter.uniform(0, ceiling))
                 if clock.monotonic() > deadline:
                     current_upper = machine.fetch_latest().upper
-                    raise UpperMismatch(expected, current_upper)
+                    raise UpperMismatch(expected, current_upper, shard=self.shard_id)
             state = machine.fetch_latest()
             expected = state.upper
             if expected is None:
                 raise InvalidFrontier(f"{what}: shard {self.shard_id} is closed")
             time = expected if wanted is None else wanted
             if time < expected:
-                raise UpperMismatch(time, expected)
+                raise UpperMismatch(time, expected, shard=self.shard_id)
             encoding = self._attempt_encoding(state)
             try:
                 current = (current_rows(machine.blobs, state, sorted_keys)
@@ -457,34 +489,39 @@ class WriteHandle:
 
     def _commit(self, data: Updates, expected: int, upper: Frontier, token: str,
                 encoding: Encoding) -> WriteResult:
+        staged = self._stage(data, expected, upper, token, encoding)
+        try:
+            result = self._apply(staged)
+            if result is None:
+                # The shard's inline budget is full: this write falls through to blob.
+                staged = self._stage(data, expected, upper, token, encoding, to_blob=True)
+                result = self._apply(staged)
+                assert result is not None  # blob batches never exceed the inline budget
+            return result
+        except CERTAINLY_NOT_COMMITTED:
+            # The CaS loop settles every lost reply before it answers "no". Indeterminate
+            # (and any other error) leaves the parts to GC.
+            self._delete_uncommitted(staged.parts)
+            raise
+
+    def _stage(self, data: Updates, expected: int, upper: Frontier, token: str,
+               encoding: Encoding, *, to_blob: bool = False) -> Staged:
+        """The batch a write commits: inline when it is a candidate (and ``to_blob`` is
+        not set, as after the shard's inline budget turned it away), else Parquet parts
+        uploaded now."""
         batch_id = batch_id_of(token)
         desc_since = self._machine.state.since
         desc = Description(expected, upper, desc_since if desc_since is not None else 0)
         if len(data) == 0:
-            empty = self._apply(None, expected, upper, token, "none", 0, 0, encoding,
-                                fell_back=False)
-            assert empty is not None  # only inline batches can exceed the budget
-            return empty
-        encoded_inline: bytes | None = None
-        if self.policy.threshold_bytes and data.estimated_inline_size() < 4 * \
-                self.policy.threshold_bytes:
+            return Staged(self, None, expected, upper, token, encoding, "none", 0, 0)
+        if not to_blob and self.policy.threshold_bytes and \
+                data.estimated_inline_size() < 4 * self.policy.threshold_bytes:
             encoded_inline = data.encode_inline()
-        if encoded_inline is not None and self.policy.is_candidate(len(encoded_inline)):
-            inline = Batch(batch_id, desc, (InlinePart(token, encoded_inline, len(data)),),
-                           len(data))
-            result = self._apply(inline, expected, upper, token, "inline", len(encoded_inline),
-                                 0, encoding, fell_back=False)
-            if result is not None:
-                return result
-            # The shard's inline budget is full: this write falls through to blob.
-            return self._write_blob(data, batch_id, desc, expected, upper, token, encoding,
-                                    fell_back=True)
-        return self._write_blob(data, batch_id, desc, expected, upper, token, encoding,
-                                fell_back=False)
-
-    def _write_blob(self, data: Updates, batch_id: str, desc: Description, expected: int,
-                    upper: Frontier, token: str, encoding: Encoding, *,
-                    fell_back: bool) -> WriteResult:
+            if self.policy.is_candidate(len(encoded_inline)):
+                inline = Batch(batch_id, desc, (InlinePart(token, encoded_inline, len(data)),),
+                               len(data))
+                return Staged(self, inline, expected, upper, token, encoding, "inline",
+                              len(encoded_inline), 0)
         machine = self._machine
         started_s = machine.monotonic()
         # Typed columns are decoded with the schema the rows were encoded with, never
@@ -492,19 +529,10 @@ class WriteHandle:
         parts = write_parts(data.table(), self.shard_id, batch_id,
                             machine.blobs.store(self._store), self._store,
                             machine.config.blob_target_size_bytes, schema=encoding.schema)
-        try:
-            batch = Batch(batch_id, desc, parts, len(data))
-            placement: Placement = "wal" if self._store == "wal" else "blob"
-            size = sum(p.encoded_size for p in parts)
-            result = self._apply(batch, expected, upper, token, placement, size, len(parts),
-                                 encoding, fell_back=fell_back, upload_started_s=started_s)
-            assert result is not None
-            return result
-        except (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates, SchemaMismatch):
-            # Certainly not committed: the CaS loop settles every lost reply before it
-            # answers "no". Indeterminate (and any other error) leaves the parts to GC.
-            self._delete_uncommitted(parts)
-            raise
+        placement: Placement = "wal" if self._store == "wal" else "blob"
+        return Staged(self, Batch(batch_id, desc, parts, len(data)), expected, upper, token,
+                      encoding, placement, sum(p.encoded_size for p in parts), len(parts),
+                      fell_back=to_blob, upload_started_s=started_s)
 
     def _delete_uncommitted(self, parts: tuple[HollowPart, ...]) -> None:
         for part in parts:
@@ -513,48 +541,71 @@ class WriteHandle:
             except PersistError as e:  # GC's orphan sweep gets it later
                 log.warning("could not delete uncommitted part %s: %s", part.key, e)
 
-    def _apply(self, batch: Batch | None, expected: int, upper: Frontier, token: str,
-               placement: Placement, encoded: int, num_parts: int, encoding: Encoding, *,
-               fell_back: bool, upload_started_s: float | None = None) -> WriteResult | None:
+    def _transition(self, staged: Staged) -> Callable[[State], tuple[State,
+                                                                     transitions.AppendResult]]:
+        """The append transition of ``staged``: what this handle's commit (and a
+        transaction holding it) runs against the shard's latest state."""
         machine = self._machine
         policy = self.policy
         lease = self._lease_ms()
+        deadline_from = staged.upload_started_s
 
         def transition(state: State) -> tuple[State, transitions.AppendResult]:
             return transitions.compare_and_append(
-                state, batch, writer_id=self.writer_id, token=token, expected_upper=expected,
-                new_upper=upper, now_ms=machine.now_ms(), lease_ms=lease,
-                inline_max_bytes=policy.max_bytes, fell_back=fell_back,
-                commit_deadline=None if upload_started_s is None
-                else machine.commit_deadline(upload_started_s),
-                encoded_with=encoding.recorded)
+                state, staged.batch, writer_id=self.writer_id, token=staged.token,
+                expected_upper=staged.expected, new_upper=staged.upper,
+                now_ms=machine.now_ms(), lease_ms=lease, inline_max_bytes=policy.max_bytes,
+                fell_back=staged.fell_back,
+                commit_deadline=None if deadline_from is None
+                else machine.commit_deadline(deadline_from),
+                encoded_with=staged.encoding.recorded)
 
+        return transition
+
+    def _apply(self, staged: Staged) -> WriteResult | None:
+        """Commit ``staged`` alone; None when the shard's inline budget turned it away."""
+        machine = self._machine
         try:
-            result, state = machine.apply(transition, proves_done=_already_appended)
+            result, state = machine.apply(self._transition(staged),
+                                          proves_done=already_appended)
         except Indeterminate as e:
-            # The record that would settle a lost reply may be gone (GC truncated it,
-            # perhaps after expiring this writer and its token); the batch's id, derived
-            # from the token, may still be found in the state's kept history.
-            if batch is None or not self._found_in_history(batch.id, expected):
-                if isinstance(e, UnsettledCommit) and batch is not None:
-                    e.batch_id = batch.id
-                raise
-            result, state = transitions.Appended(already_committed=True), machine.state
+            result, state = self._settle_in_history(staged, e), machine.state
+        return self._finish(staged, result, state)
+
+    def _settle_in_history(self, staged: Staged, error: Indeterminate
+                           ) -> transitions.AppendResult:
+        """A lost reply the CaS loop could not settle: the record that would settle it
+        may be gone (GC truncated it, perhaps after expiring this writer and its token),
+        but the batch's id, derived from the token, may still be found in the state's
+        kept history. Re-raises ``error`` unless it is found there."""
+        batch = staged.batch
+        if batch is None or not self._found_in_history(batch.id, staged.expected):
+            if isinstance(error, UnsettledCommit) and batch is not None:
+                error.batch_id = batch.id
+            raise error
+        return transitions.Appended(already_committed=True)
+
+    def _finish(self, staged: Staged, result: transitions.AppendResult,
+                state: State) -> WriteResult | None:
+        """The :class:`WriteResult` of a committed ``staged``, the typed error of a
+        refused one, or None when the shard's inline budget turned it away."""
         if isinstance(result, transitions.SchemaChanged):
-            raise SchemaMismatch(_schema_changed(self.shard_id, result.recorded, encoding))
+            raise SchemaMismatch(_schema_changed(self.shard_id, result.recorded,
+                                                 staged.encoding))
         if isinstance(result, transitions.DeadlineExceeded):
             raise CommitDeadlineExceeded(
                 f"shard {self.shard_id}: parts uploaded too long ago to commit safely (GC "
                 f"may sweep them); nothing was written")
         if isinstance(result, transitions.UpperMismatchResult):
             self._upper = result.current
-            raise UpperMismatch(expected, result.current)
+            raise UpperMismatch(staged.expected, result.current, shard=self.shard_id)
         if isinstance(result, transitions.InlineBudgetExceeded):
             return None
         self._upper = state.upper
-        n = batch.num_updates if batch is not None else 0
-        return WriteResult(placement, encoded, state.seqno, state.upper, n, num_parts,
-                           fell_back=fell_back, already_committed=result.already_committed)
+        n = staged.batch.num_updates if staged.batch is not None else 0
+        return WriteResult(staged.placement, staged.encoded, state.seqno, state.upper, n,
+                           staged.num_parts, fell_back=staged.fell_back,
+                           already_committed=result.already_committed)
 
     def _found_in_history(self, batch_id: str, lower: int) -> bool:
         try:
@@ -600,11 +651,12 @@ def _schema_changed(shard_id: str, recorded: bytes, encoding: Encoding) -> str:
             f"again); nothing was written")
 
 
-def _already_appended(result: transitions.AppendResult) -> bool:
+def already_appended(result: transitions.AppendResult) -> bool:
+    """Whether an append result that changed nothing found the write's own batch."""
     return isinstance(result, transitions.Appended) and result.already_committed
 
 
-def _check_times(data: Updates, lower: int, upper: Frontier) -> None:
+def check_times(data: Updates, lower: int, upper: Frontier) -> None:
     bounds = data.time_bounds()
     if bounds is None:
         return

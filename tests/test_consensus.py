@@ -17,12 +17,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psycopg2
 import pytest
 
 from persist_pipeline.consensus import (
+    CasWrite,
     Consensus,
     MemoryConsensus,
     SqlConsensus,
@@ -816,3 +817,105 @@ def test_pg_concurrent_opens_of_a_fresh_database_all_succeed(pg_url: str) -> Non
             assert cur.fetchone() == (8,)
     finally:
         admin.close()
+
+
+# --- compare_and_set_many: all or nothing over several shards ----------------------------
+
+
+def test_compare_and_set_many_writes_every_record_or_none(store: Consensus) -> None:
+    for shard in ("a", "b", "c"):
+        fill(store, shard, 2, shard)
+    writes = [CasWrite("a", 2, vd(3, "a")), CasWrite("b", 2, vd(3, "b"))]
+    assert store.compare_and_set_many(writes) is True
+    assert store.head("a") == vd(3, "a") and store.head("b") == vd(3, "b")
+    # One stale head refuses the whole commit: the matching shard is not changed either.
+    stale = [CasWrite("a", 3, vd(4, "a")), CasWrite("c", 1, vd(2, "x"))]
+    assert store.compare_and_set_many(stale) is False
+    assert store.head("a") == vd(3, "a") and store.head("c") == vd(2, "c")
+    # A competitor that took one shard's next seqno makes it lose too (no partial insert).
+    assert store.compare_and_set("c", 2, vd(3, "won"))
+    assert store.compare_and_set_many([CasWrite("a", 3, vd(4, "a")),
+                                       CasWrite("c", 2, vd(3, "lost"))]) is False
+    assert store.head("a") == vd(3, "a") and store.head("c") == vd(3, "won")
+    assert [h.seqno for h in store.list_heads().values()] == [3, 3, 3]
+
+
+MANY_INVALID: list[tuple[str, Callable[[Consensus], object]]] = [
+    ("empty", lambda s: s.compare_and_set_many([])),
+    ("not-a-sequence", lambda s: s.compare_and_set_many(cast(Any, {"a": 1}))),
+    ("not-a-caswrite", lambda s: s.compare_and_set_many(cast(Any, [("a", 1, vd(2))]))),
+    ("same-shard-twice", lambda s: s.compare_and_set_many([CasWrite("a", 1, vd(2)),
+                                                           CasWrite("a", 1, vd(2, "x"))])),
+    ("creation", lambda s: s.compare_and_set_many(cast(Any, [CasWrite("new", None, vd(1)),
+                                                             CasWrite("a", 1, vd(2))]))),
+    ("wrong-seqno", lambda s: s.compare_and_set_many([CasWrite("a", 1, vd(3))])),
+]
+
+
+@pytest.mark.parametrize("call", [c for _, c in MANY_INVALID], ids=[n for n, _ in MANY_INVALID])
+def test_compare_and_set_many_bad_input_raises_and_changes_nothing(
+    store: Consensus, call: Callable[[Consensus], object]
+) -> None:
+    fill(store, "a", 1)
+    with pytest.raises(InvalidInput):
+        call(store)
+    assert store.scan("a", 0) == [vd(1)] and store.list_shards() == ["a"]
+
+
+def _pair_racer(uri: str, worker: str, rounds: int, start: Any, results: Any) -> None:
+    """A spawned process: multi-shard commits on shards x and y, single ones on x."""
+    try:
+        start.wait(timeout=60)
+        wins = 0
+        with open_consensus(uri) as store:
+            for i in range(rounds):
+                hx, hy = store.head("x"), store.head("y")
+                assert hx is not None and hy is not None
+                tag = f"{worker}/{i}".encode()
+                if i % 3 == 2:  # a lone writer of x, racing the pairs
+                    store.compare_and_set("x", hx.seqno, VersionedData(hx.seqno + 1, b"solo"))
+                    continue
+                if store.compare_and_set_many([
+                        CasWrite("x", hx.seqno, VersionedData(hx.seqno + 1, tag)),
+                        CasWrite("y", hy.seqno, VersionedData(hy.seqno + 1, tag))]):
+                    wins += 1
+        results.put((worker, wins, None))
+    except BaseException as exc:
+        results.put((worker, 0, f"{type(exc).__name__}: {exc}"))
+
+
+@pytest.mark.timeout(180)
+def test_compare_and_set_many_is_atomic_under_racing_threads_and_processes(
+    consensus_uri: str,
+) -> None:
+    """Every pair commit lands in both shards or neither, with processes and threads
+    racing pair commits against single-shard writers of one of the shards."""
+    with open_consensus(consensus_uri) as store:
+        fill(store, "x", 1)
+        fill(store, "y", 1)
+    rounds = 60 if is_mem(consensus_uri) else 30
+    ctx = multiprocessing.get_context("spawn" if not is_mem(consensus_uri) else "fork")
+    start, results = ctx.Event(), ctx.Queue()
+    if is_mem(consensus_uri):  # one process: threads share the named store
+        workers: list[Any] = [threading.Thread(target=_pair_racer,
+                                               args=(consensus_uri, f"t{i}", rounds, start,
+                                                     results)) for i in range(4)]
+    else:
+        workers = [ctx.Process(target=_pair_racer,
+                               args=(consensus_uri, f"p{i}", rounds, start, results))
+                   for i in range(3)]
+        workers.append(threading.Thread(target=_pair_racer,
+                                        args=(consensus_uri, "t0", rounds, start, results)))
+    for w in workers:
+        w.start()
+    start.set()
+    outcomes = [results.get(timeout=150) for _ in workers]
+    for w in workers:
+        w.join(timeout=30)
+    assert [err for _, _, err in outcomes if err] == []
+    with open_consensus(consensus_uri) as store:
+        xs = [r.data for r in store.scan("x", 0) if r.data not in (b"solo",)][1:]
+        ys = [r.data for r in store.scan("y", 0)][1:]
+    # The pairs appear in the same order in both shards, each exactly once.
+    assert xs == ys
+    assert len(ys) == sum(wins for _, wins, _ in outcomes) > 0

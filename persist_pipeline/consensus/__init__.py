@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.consensus.memory import MemoryConsensus
 from persist_pipeline.consensus.schemes import SCHEMES as _SQL_SCHEMES
 from persist_pipeline.exceptions import InvalidUri
 
 __all__ = [
     "SUPPORTED_SCHEMES",
+    "CasWrite",
     "Consensus",
     "MemoryConsensus",
     "SqlConsensus",

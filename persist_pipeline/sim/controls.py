@@ -204,7 +204,7 @@ def settle_by_token_only() -> Iterator[None]:
     """A lost reply whose settling record GC truncated is Indeterminate even when the
     write's batch is in the head state (the batch id, derived from the token, is not
     looked for once the writer's token expired)."""
-    with _patched(write, "_already_appended", lambda result: False), \
+    with _patched(write, "already_appended", lambda result: False), \
             _patched(write.WriteHandle, "_found_in_history", lambda self, b, lower: False):
         yield
 

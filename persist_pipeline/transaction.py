@@ -1,0 +1,296 @@
+"""Atomic writes to several shards: one consensus round trip, all or nothing.
+
+``client.transaction()`` collects appends to distinct shards and commits them with ONE
+multi-shard compare-and-set (:meth:`Consensus.compare_and_set_many`): on SQL one
+statement, so a reader of any of the shards sees every append of the transaction or
+none, and a process that dies before the commit leaves no shard changed. Blob parts are
+uploaded before that round trip; inline batches travel in it.
+
+    with client.transaction() as txn:
+        txn.compare_and_append(orders, order_rows, 10, 11)
+        txn.compare_and_append(order_lines, line_rows, 10, 11)
+    # committed here; an exception inside the block commits nothing
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from persist_pipeline import write as write_module
+from persist_pipeline.exceptions import (
+    CorruptState,
+    Indeterminate,
+    InvalidFrontier,
+    InvalidInput,
+    PersistError,
+    UpperMismatch,
+)
+from persist_pipeline.frontier import Frontier, check_frontier, less_than
+from persist_pipeline.ids import ShardId, new_token
+from persist_pipeline.internal import transitions
+from persist_pipeline.internal.machine import Step, apply_many
+from persist_pipeline.updates import Updates
+from persist_pipeline.write import (
+    CERTAINLY_NOT_COMMITTED,
+    Staged,
+    WriteHandle,
+    WriteResult,
+    check_times,
+)
+
+if TYPE_CHECKING:
+    from persist_pipeline.internal.state import State
+
+if TYPE_CHECKING:
+    from persist_pipeline.client import PersistClient, ShardLike
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Op:
+    """One shard's append in a transaction. ``lower`` is set for :meth:`Transaction.append`
+    (which cuts away what identical writers already wrote), None for compare_and_append."""
+
+    handle: WriteHandle
+    data: Updates
+    expected: int
+    upper: Frontier
+    lower: int | None
+    token: str
+    staged: Staged | None = None
+    skipped: WriteResult | None = None
+
+
+class Transaction:
+    """Appends to several shards, committed atomically by :meth:`commit`.
+
+    Obtain one with :meth:`PersistClient.transaction`. Each shard may appear once. The
+    shards are given as write handles of the same client (the fast way: nothing is
+    registered per transaction) or as shard ids or names (a writer is opened for the
+    transaction and expired after it). Not thread-safe: one thread builds and commits
+    a transaction.
+    """
+
+    def __init__(self, client: PersistClient) -> None:
+        self._client = client
+        self._ops: dict[str, _Op] = {}
+        self._opened: list[WriteHandle] = []
+        self._finished = False
+
+    def compare_and_append(self, shard: WriteHandle | ShardLike, updates: object,
+                           expected_upper: int, new_upper: Frontier) -> None:
+        """Add an append of ``updates`` to ``shard`` iff its upper is ``expected_upper``
+        at commit; it then advances to ``new_upper``. Arguments and validation are those
+        of :meth:`WriteHandle.compare_and_append`; bad input raises here and leaves the
+        transaction as it was.
+
+        Raises:
+            InvalidInput: the shard is already in this transaction, the handle belongs
+                to another client, or the transaction has finished.
+            InvalidUpdates / InvalidFrontier / SchemaMismatch: bad updates or uppers.
+        """
+        expected = check_frontier(expected_upper, "expected_upper")
+        if expected is None:
+            raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
+        self._add(shard, updates, expected, new_upper, lower=None)
+
+    def append(self, shard: WriteHandle | ShardLike, updates: object, lower: int,
+               upper: Frontier) -> None:
+        """Add a persist ``append`` (see :meth:`WriteHandle.append`): at commit, updates
+        below the shard's upper are cut away if it is inside ``(lower, upper)``, and the
+        shard is left out if its upper is already at or past ``upper``.
+
+        Raises:
+            as :meth:`compare_and_append`.
+        """
+        lo = check_frontier(lower, "lower")
+        if lo is None:
+            raise InvalidFrontier("lower must be a time")
+        self._add(shard, updates, lo, upper, lower=lo)
+
+    def _add(self, shard: WriteHandle | ShardLike, updates: object, expected: int,
+             new_upper: Frontier, lower: int | None) -> None:
+        self._check_open()
+        upper = check_frontier(new_upper, "new_upper")
+        if not less_than(expected, upper):
+            raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
+                                  f"({expected})")
+        shard_id = self._shard_id(shard)
+        if shard_id in self._ops:
+            raise InvalidInput(f"shard {shard_id} appears twice in one transaction; put all "
+                               f"of its updates in one append")
+        handle = self._handle(shard, shard_id)
+        data = handle._coerce(updates)
+        check_times(data, expected, upper)
+        self._ops[shard_id] = _Op(handle, data, expected, upper, lower, new_token())
+
+    def _shard_id(self, shard: WriteHandle | ShardLike) -> str:
+        if isinstance(shard, WriteHandle):
+            if shard._machine is not self._client._machine(shard.shard_id):
+                raise InvalidInput(f"the writer of shard {shard.shard_id} belongs to another "
+                                   f"client: a transaction commits through one client")
+            return shard.shard_id
+        if isinstance(shard, str) and not _looks_like_id(shard):
+            return str(self._client.resolve(shard, create=True))
+        return str(ShardId.parse(shard))
+
+    def _handle(self, shard: WriteHandle | ShardLike, shard_id: str) -> WriteHandle:
+        if isinstance(shard, WriteHandle):
+            shard._check_open()
+            return shard
+        handle = self._client.open_writer(shard_id, debug="transaction")
+        self._opened.append(handle)
+        return handle
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise InvalidInput("this transaction has already been committed or aborted")
+
+    @property
+    def shards(self) -> list[str]:
+        """The ids of the shards this transaction appends to, in the order added."""
+        return list(self._ops)
+
+    def commit(self) -> dict[str, WriteResult]:
+        """Commit every append at once, or none.
+
+        Returns:
+            Each shard id's :class:`WriteResult`. All of them share one consensus
+            round trip; their ``seqno`` is each shard's own.
+
+        Raises:
+            UpperMismatch: a shard's upper was not the expected one (``.shard`` names
+                it); no shard changed.
+            SchemaMismatch / CommitDeadlineExceeded: as for a single write; no shard
+                changed.
+            Indeterminate: a lost reply whose outcome cannot be told; read the shards
+                (every shard or none has its batch). Uploaded parts are left for GC.
+            InvalidInput: the transaction is empty or already finished.
+        """
+        self._check_open()
+        if not self._ops:
+            raise InvalidInput("an empty transaction: add at least one append before commit")
+        self._finished = True
+        try:
+            return self._commit()
+        finally:
+            self._expire_opened()
+
+    def abort(self) -> None:
+        """Drop the transaction without committing anything. Idempotent."""
+        if not self._finished:
+            self._finished = True
+            self._expire_opened()
+
+    def _commit(self) -> dict[str, WriteResult]:
+        ops = list(self._ops.values())
+        try:
+            while True:
+                live = [op for op in ops if op.skipped is None]
+                for op in live:
+                    if op.staged is None:
+                        op.staged = op.handle._stage(op.data, op.expected, op.upper, op.token,
+                                                     op.handle._encoding)
+                if not live:
+                    return self._results(ops)
+                staged = [op.staged for op in live if op.staged is not None]
+                steps = [Step(s.handle._machine, s.handle._transition(s)) for s in staged]
+                try:
+                    applied = apply_many(steps, proves_done=write_module.already_appended)
+                    committed, results = applied.committed, applied.results
+                    states = applied.states
+                except Indeterminate as e:
+                    # Every shard or none has its batch: any one found in history tells.
+                    first = staged[0]
+                    results = [first.handle._settle_in_history(first, e)] * len(staged)
+                    committed, states = True, [s.handle._machine.state for s in staged]
+                if not committed:
+                    if self._retry_refused(live, results):
+                        continue
+                    _raise_refusal(staged, results, states)
+                for op, s, result, state in zip(live, staged, results, states, strict=True):
+                    op.skipped = s.handle._finish(s, result, state)
+                return self._results(ops)
+        except CERTAINLY_NOT_COMMITTED:
+            for op in ops:
+                if op.staged is not None:
+                    op.handle._delete_uncommitted(op.staged.parts)
+            raise
+
+    def _retry_refused(self, live: list[_Op], results: list[transitions.AppendResult]) -> bool:
+        """Adjusts the appends a commit attempt refused in a way that can be retried;
+        True if another attempt is due. A shard whose inline budget is full goes to blob;
+        an ``append`` whose shard moved inside ``(lower, upper)`` is cut, and one whose
+        shard is already past its upper is left out. Any other refusal is final (the
+        caller raises it)."""
+        retry = False
+        for op, result in zip(live, results, strict=True):
+            staged = op.staged
+            assert staged is not None
+            if isinstance(result, transitions.InlineBudgetExceeded):
+                op.staged = op.handle._stage(op.data, op.expected, op.upper, op.token,
+                                             staged.encoding, to_blob=True)
+                retry = True
+            elif isinstance(result, transitions.UpperMismatchResult) and op.lower is not None:
+                current = result.current
+                if current is None or less_than(current, op.lower):
+                    continue  # a gap would open (or the shard is closed): final
+                op.handle._delete_uncommitted(staged.parts)
+                state = op.handle._machine.state
+                if less_than(current, op.upper):
+                    op.data = op.data.filter_times(current)
+                    op.expected, op.token, op.staged = current, new_token(), None
+                else:
+                    op.skipped = WriteResult("none", 0, state.seqno, current, 0)
+                retry = True
+        return retry
+
+    def _results(self, ops: list[_Op]) -> dict[str, WriteResult]:
+        out: dict[str, WriteResult] = {}
+        for op in ops:
+            assert op.skipped is not None
+            out[op.handle.shard_id] = op.skipped
+        return out
+
+    def _expire_opened(self) -> None:
+        opened, self._opened = self._opened, []
+        for handle in opened:
+            try:
+                handle.expire()
+            except PersistError as e:  # its lease expires on its own
+                log.warning("could not expire transaction writer %s: %s", handle.writer_id, e)
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None and not self._finished:
+            self.commit()
+        else:
+            self.abort()
+
+
+def _raise_refusal(staged: list[Staged], results: list[transitions.AppendResult],
+                   states: list[State]) -> None:
+    """Raises the typed error of the first append the commit refused."""
+    for s, result, state in zip(staged, results, states, strict=True):
+        if not isinstance(result, transitions.Appended):
+            s.handle._finish(s, result, state)  # raises its refusal
+    # Some shards found this transaction's batches and others did not: impossible for
+    # an all-or-nothing commit, so the shards' states cannot be trusted.
+    raise CorruptState(f"transaction over shards {[s.handle.shard_id for s in staged]}: "
+                       f"its batches are in some shards and not in others")
+
+
+def _looks_like_id(shard: str) -> bool:
+    try:
+        ShardId.parse(shard)
+    except InvalidInput:
+        return False
+    return True
+
+
+__all__ = ["Transaction", "UpperMismatch"]

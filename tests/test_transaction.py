@@ -1,0 +1,412 @@
+"""Atomic multi-shard transactions: all or nothing, one consensus round trip.
+
+The API tests run on the ``open_client`` matrix (every inline setting; SQLite + files,
+PostgreSQL + S3, with and without a WAL store); the racing, lost-reply and killed-process
+tests on the durable locations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from persist_pipeline import (
+    InlinePolicy,
+    PersistClient,
+    ShardId,
+    ShardSchema,
+    UpperMismatch,
+)
+from persist_pipeline.blob import open_blob
+from persist_pipeline.consensus import open_consensus
+from persist_pipeline.consensus.faults import FaultConfig, FaultyConsensus
+from persist_pipeline.exceptions import (
+    Indeterminate,
+    InvalidFrontier,
+    InvalidInput,
+    InvalidUpdates,
+    LeaseExpired,
+    SchemaMismatch,
+)
+from tests.helpers import rows
+
+
+def snapshot_rows(client: PersistClient, shard: Any) -> list[tuple[bytes, bytes, int]]:
+    reader = client.open_reader(shard)
+    try:
+        upper = client._machine(reader.shard_id).fetch_latest().upper
+        return [] if not upper else rows(reader.snapshot(upper - 1))
+    finally:
+        reader.expire()
+
+
+def uppers(client: PersistClient, *shards: Any) -> list[Any]:
+    return [client._machine(s).fetch_latest().upper for s in shards]
+
+
+def blob_keys(client: PersistClient) -> set[str]:
+    keys = {m.key for m in client.blobs.main.list_keys("")}
+    if client.blobs.wal is not None:
+        keys |= {m.key for m in client.blobs.wal.list_keys("")}
+    return keys
+
+
+def test_a_transaction_commits_every_shard_at_once(open_client):
+    client = open_client()
+    a, b = ShardId.new(), ShardId.new()
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    heads = [client.consensus.head(str(s)) for s in (a, b)]
+    with client.transaction() as txn:
+        txn.compare_and_append(wa, [(b"order", b"1", 0, 1)], 0, 1)
+        txn.compare_and_append(wb, [(b"line", b"1", 0, 1), (b"line", b"2", 0, 1)], 0, 1)
+        assert txn.shards == [str(a), str(b)]
+    # Each shard advanced by exactly one record: the transaction's.
+    after = [client.consensus.head(str(s)) for s in (a, b)]
+    assert [h.seqno for h in after] == [h.seqno + 1 for h in heads]  # type: ignore[union-attr]
+    assert snapshot_rows(client, a) == [(b"order", b"1", 1)]
+    assert snapshot_rows(client, b) == [(b"line", b"1", 1), (b"line", b"2", 1)]
+    assert wa.upper == wb.upper == 1
+
+    txn = client.transaction()
+    txn.append(a, [(b"order", b"2", 1, 1)], 1, 2)  # by id: the transaction opens a writer
+    txn.compare_and_append(wb, [], 1, 3)
+    results = txn.commit()
+    assert set(results) == {str(a), str(b)}
+    assert results[str(a)].upper == 2 and results[str(a)].num_updates == 1
+    assert results[str(b)].upper == 3 and results[str(b)].placement == "none"
+    # A second client sees both shards' writes.
+    other = open_client()
+    assert snapshot_rows(other, a) == [(b"order", b"1", 1), (b"order", b"2", 1)]
+    assert uppers(other, a, b) == [2, 3]
+
+
+def test_an_upper_mismatch_on_one_shard_changes_no_shard(open_client):
+    client = open_client()
+    a, b = ShardId.new(), ShardId.new()
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    wb.compare_and_append([(b"x", b"", 0, 1)], 0, 1)
+    before = blob_keys(client)
+    big = [(f"k{i}".encode(), b"v" * 200, 0, 1) for i in range(50)]  # blob-sized
+    txn = client.transaction()
+    txn.compare_and_append(wa, big, 0, 1)
+    txn.compare_and_append(wb, [(b"y", b"", 0, 1)], 0, 1)
+    with pytest.raises(UpperMismatch) as info:
+        txn.commit()
+    assert info.value.shard == str(b) and info.value.current == 1
+    assert str(b) in str(info.value)
+    assert uppers(client, a, b) == [0, 1]
+    assert snapshot_rows(client, b) == [(b"x", b"", 1)]
+    # The parts uploaded for the refused commit were deleted.
+    assert blob_keys(client) - before == set()
+
+
+def test_an_exception_in_the_block_commits_nothing(open_client):
+    client = open_client()
+    a, b = ShardId.new(), ShardId.new()
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    with pytest.raises(RuntimeError, match="boom"), client.transaction() as txn:
+        txn.compare_and_append(wa, [(b"k", b"", 0, 1)], 0, 1)
+        txn.compare_and_append(wb, [(b"k", b"", 0, 1)], 0, 1)
+        raise RuntimeError("boom")
+    assert uppers(client, a, b) == [0, 0]
+    with pytest.raises(InvalidInput, match="already been committed or aborted"):
+        txn.commit()
+
+
+def test_bad_input_is_refused_and_changes_nothing(open_client):
+    client = open_client()
+    a, b = ShardId.new(), ShardId.new()
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    txn = client.transaction()
+    with pytest.raises(InvalidInput, match="empty transaction"):
+        txn.commit()
+    txn = client.transaction()
+    txn.compare_and_append(wa, [(b"k", b"", 0, 1)], 0, 1)
+    with pytest.raises(InvalidInput, match="appears twice"):
+        txn.compare_and_append(wa, [(b"j", b"", 0, 1)], 0, 1)
+    with pytest.raises(InvalidInput, match="appears twice"):
+        txn.append(str(a), [(b"j", b"", 0, 1)], 0, 1)
+    with pytest.raises(InvalidUpdates):
+        txn.compare_and_append(wb, [(b"k", b"", 5, 1)], 0, 1)  # time beyond new_upper
+    with pytest.raises(InvalidFrontier):
+        txn.compare_and_append(wb, [], 1, 1)
+    with pytest.raises(InvalidFrontier):
+        txn.compare_and_append(wb, [], None, 1)  # type: ignore[arg-type]
+    foreign = open_client().open_writer(b)
+    with pytest.raises(InvalidInput, match="another client"):
+        txn.compare_and_append(foreign, [], 0, 1)
+    assert txn.shards == [str(a)]  # the refused additions left it as it was
+    results = txn.commit()
+    assert list(results) == [str(a)]
+    with pytest.raises(InvalidInput, match="already been committed"):
+        txn.commit()
+    with pytest.raises(InvalidInput, match="already been committed"):
+        txn.compare_and_append(wb, [], 0, 1)
+    assert uppers(client, a, b) == [1, 0]
+    # A closed shard takes no writes: a mismatch naming it, and the other shard unchanged.
+    wb.compare_and_append([], 0, None)
+    txn = client.transaction()
+    txn.compare_and_append(wa, [], 1, 2)
+    txn.compare_and_append(wb, [], 0, 1)
+    with pytest.raises(UpperMismatch) as info:
+        txn.commit()
+    assert info.value.shard == str(b) and info.value.current is None
+    assert uppers(client, a, b) == [1, None]
+    # An expired writer cannot join.
+    wa.expire()
+    with pytest.raises(LeaseExpired):
+        client.transaction().compare_and_append(wa, [], 1, 2)
+
+
+def test_typed_shards_keep_their_schema_checks(open_client):
+    client = open_client()
+    schema = ShardSchema(pa.schema([("id", pa.int64())]), pa.schema([("qty", pa.int64())]))
+    typed, raw = ShardId.new(), ShardId.new()
+    wt, wr = client.open_writer(typed, schema=schema), client.open_writer(raw)
+    txn = client.transaction()
+    with pytest.raises(SchemaMismatch):
+        txn.compare_and_append(wt, pa.table({"id": ["not", "ints"]}), 0, 1)
+    table = pa.table({"id": [1, 2], "qty": [10, 20], "t": [0, 0], "d": [1, 1]})
+    txn.compare_and_append(wt, table, 0, 1)
+    txn.compare_and_append(wr, [(b"audit", b"2 rows", 0, 1)], 0, 1)
+    txn.commit()
+    reader = client.open_reader(typed)
+    assert reader.snapshot(0).select(["id", "qty"]).to_pylist() == [
+        {"id": 1, "qty": 10}, {"id": 2, "qty": 20}]
+    assert snapshot_rows(client, raw) == [(b"audit", b"2 rows", 1)]
+
+
+def test_an_untyped_transaction_write_into_a_shard_typed_meanwhile_is_refused(open_client):
+    """The schema an append was encoded with travels into the commit: a shard typed
+    between adding the append and committing refuses it, and no shard changes."""
+    client = open_client()
+    a, b = ShardId.new(), ShardId.new()
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    txn = client.transaction()
+    txn.compare_and_append(wa, [(b"k", b"v", 0, 1)], 0, 1)
+    txn.compare_and_append(wb, [(b"k", b"v", 0, 1)], 0, 1)
+    schema = ShardSchema(pa.schema([("id", pa.int64())]), pa.schema([]))
+    open_client().open_writer(b, schema=schema)  # another process types b
+    with pytest.raises(SchemaMismatch):
+        txn.commit()
+    assert uppers(client, a, b) == [0, 0]
+
+
+def test_append_in_a_transaction_cuts_what_identical_writers_wrote(open_client):
+    client = open_client()
+    a, b = ShardId.new(), ShardId.new()
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    wa.compare_and_append([(b"k", b"0", 0, 1)], 0, 1)
+    wb.compare_and_append([(b"k", b"0", 0, 1), (b"k", b"1", 1, 1)], 0, 2)
+    txn = client.transaction()
+    txn.append(wa, [(b"k", b"0", 0, 1), (b"k", b"1", 1, 1)], 0, 2)
+    txn.append(wb, [(b"k", b"0", 0, 1), (b"k", b"1", 1, 1)], 0, 2)
+    results = txn.commit()
+    assert results[str(a)].upper == 2 and results[str(a)].num_updates == 1
+    assert results[str(b)].placement == "none"
+    assert snapshot_rows(client, a) == [(b"k", b"0", 1), (b"k", b"1", 1)]
+    assert snapshot_rows(client, b) == [(b"k", b"0", 1), (b"k", b"1", 1)]
+
+
+def test_a_full_inline_budget_sends_that_shard_to_blob(location):
+    """The budget is per shard: the one whose budget is full goes to blob within the
+    same transaction; the other stays inline."""
+    policy = InlinePolicy(4096, 20_000)
+    client = location.client(policy)
+    a, b = ShardId.new(), ShardId.new()
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    # Fill a's budget to just below the max with inline writes.
+    upper = 0
+    while client._machine(a).fetch_latest().inline_bytes + 3100 < policy.max_bytes:
+        wa.compare_and_append([(f"f{upper}".encode(), b"x" * 3000, upper, 1)], upper,
+                              upper + 1)
+        upper += 1
+    txn = client.transaction()
+    txn.compare_and_append(wa, [(b"z", b"y" * 3000, upper, 1)], upper, upper + 1)
+    txn.compare_and_append(wb, [(b"z", b"y", 0, 1)], 0, 1)
+    results = txn.commit()
+    assert results[str(a)].fell_back and results[str(a)].placement in ("blob", "wal")
+    assert results[str(b)].placement == "inline"
+    assert (b"z", b"y" * 3000, 1) in snapshot_rows(client, a)
+    client.close()
+
+
+# --- all or nothing under races, lost replies and kills (durable locations) --------------
+
+
+def _pair_rows(client: PersistClient, a: Any, b: Any) -> tuple[set[bytes], set[bytes]]:
+    ka = {k for k, _, _ in snapshot_rows(client, a)}
+    kb = {k for k, _, _ in snapshot_rows(client, b)}
+    return ka, kb
+
+
+@pytest.mark.timeout(240)
+def test_all_or_nothing_under_racing_single_shard_writers(durable_location):
+    """Threads commit pair transactions on (a, b) while others append to a alone; every
+    transaction's row is in both shards or neither, and a reader of both at one time
+    sees each pair whole."""
+    a, b = ShardId.new(), ShardId.new()
+    clients = [durable_location.client(InlinePolicy(4096, 1 << 20)) for _ in range(3)]
+    committed: list[bytes] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def pairs(c: PersistClient, name: str) -> None:
+        wa, wb = c.open_writer(a), c.open_writer(b)
+        for i in range(15):
+            key = f"{name}-{i}".encode()
+            while True:
+                ta, tb = wa.fetch_recent_upper(), wb.fetch_recent_upper()
+                txn = c.transaction()
+                txn.compare_and_append(wa, [(key, b"", ta, 1)], ta, ta + 1)
+                txn.compare_and_append(wb, [(key, b"", tb, 1)], tb, tb + 1)
+                try:
+                    txn.commit()
+                except UpperMismatch:
+                    continue
+                with lock:
+                    committed.append(key)
+                break
+
+    def singles(c: PersistClient) -> None:
+        w = c.open_writer(a)
+        for i in range(30):
+            t = w.fetch_recent_upper()
+            with contextlib.suppress(UpperMismatch):
+                w.compare_and_append([(f"solo-{i}".encode(), b"", t, 1)], t, t + 1)
+
+    def run(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # surfaced below with its type
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=run, args=(pairs, clients[0], "p0")),
+               threading.Thread(target=run, args=(pairs, clients[1], "p1")),
+               threading.Thread(target=run, args=(singles, clients[2]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=200)
+    assert errors == []
+    ka, kb = _pair_rows(clients[0], a, b)
+    assert {k for k in ka if not k.startswith(b"solo")} == kb == set(committed)
+    assert len(committed) == 30
+    for c in clients:
+        c.close()
+
+
+@pytest.mark.timeout(240)
+def test_lost_replies_at_the_commit_are_settled_all_or_nothing(durable_location):
+    """Half of the multi-shard compare-and-sets lose their reply (applied or not): each
+    transaction either reports its commit, or raises, and its rows are then in both
+    shards or neither; a reported commit is always in both."""
+    a, b = ShardId.new(), ShardId.new()
+    setup = durable_location.client()
+    setup.create_shard(a)
+    setup.create_shard(b)
+    faults = FaultConfig(fail_before=0.25, fail_after=0.25, seed=7,
+                         operations=frozenset({"compare_and_set"}))
+    consensus = FaultyConsensus(open_consensus(durable_location.consensus_uri), faults)
+    client = PersistClient(consensus, open_blob(durable_location.blob_uri))
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    reported: list[bytes] = []
+    unsure: list[bytes] = []
+    for i in range(25):
+        key = f"t{i}".encode()
+        ta, tb = wa.fetch_recent_upper(), wb.fetch_recent_upper()
+        txn = client.transaction()
+        txn.compare_and_append(wa, [(key, b"v" * (0 if i % 2 else 5000), ta, 1)], ta, ta + 1)
+        txn.compare_and_append(wb, [(key, b"", tb, 1)], tb, tb + 1)
+        try:
+            txn.commit()
+            reported.append(key)
+        except (Indeterminate, UpperMismatch):
+            unsure.append(key)
+    assert faults.fail_after > 0 and consensus.faults.injected.get("fail_after", 0) > 0
+    ka, kb = _pair_rows(setup, a, b)
+    assert ka == kb
+    assert set(reported) <= ka
+    assert ka <= set(reported) | set(unsure)
+    client.close()
+    setup.close()
+
+
+def _txn_loop(consensus_uri: str, blob_uri: str, a: str, b: str, ready: Any) -> None:
+    """A spawned process: commits pair transactions forever (until killed)."""
+    client = PersistClient.open(consensus_uri, blob_uri)
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    ready.set()
+    i = 0
+    while True:
+        key = f"{os.getpid()}-{i}".encode()
+        ta, tb = wa.fetch_recent_upper(), wb.fetch_recent_upper()
+        txn = client.transaction()
+        rows_a = [(key, b"x" * (6000 if i % 3 == 0 else 10), ta, 1)]
+        txn.compare_and_append(wa, rows_a, ta, ta + 1)
+        txn.compare_and_append(wb, [(key, b"", tb, 1)], tb, tb + 1)
+        with contextlib.suppress(UpperMismatch):
+            txn.commit()
+        i += 1
+
+
+@pytest.mark.timeout(240)
+def test_a_process_killed_mid_transaction_leaves_every_pair_whole(durable_location):
+    """SIGKILL two processes committing pair transactions at random moments, several
+    times: every pair is in both shards or neither."""
+    a, b = str(ShardId.new()), str(ShardId.new())
+    setup = durable_location.client()
+    setup.create_shard(a)
+    setup.create_shard(b)
+    ctx = multiprocessing.get_context("spawn")
+    for round_ in range(3):
+        procs = []
+        for _ in range(2):
+            ready = ctx.Event()
+            p = ctx.Process(target=_txn_loop, args=(durable_location.consensus_uri,
+                                                    durable_location.blob_uri, a, b, ready))
+            p.start()
+            assert ready.wait(60)
+            procs.append(p)
+        time.sleep(0.5 + 0.4 * round_)
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            p.join(10)
+    ka, kb = _pair_rows(setup, a, b)
+    assert ka == kb and len(ka) > 0
+    setup.close()
+
+
+def test_sqlite_transaction_is_one_round_trip(tmp_path: Path):
+    """A pair transaction commits with ONE consensus compare-and-set call."""
+    calls: list[str] = []
+    inner = open_consensus(f"sqlite:///{tmp_path / 'c.db'}")
+    from tests.helpers import ForwardingConsensus
+
+    class Counting(ForwardingConsensus):
+        def compare_and_set(self, *args: Any) -> bool:
+            calls.append("cas")
+            return super().compare_and_set(*args)
+
+        def compare_and_set_many(self, writes: Any) -> bool:
+            calls.append(f"many{len(writes)}")
+            return super().compare_and_set_many(writes)
+
+    client = PersistClient(Counting(inner), open_blob(f"file://{tmp_path / 'b'}"))
+    a, b = ShardId.new(), ShardId.new()
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    calls.clear()
+    with client.transaction() as txn:
+        txn.compare_and_append(wa, [(b"k", b"", 0, 1)], 0, 1)
+        txn.compare_and_append(wb, [(b"k", b"", 0, 1)], 0, 1)
+    assert calls == ["many2"]
+    client.close()
