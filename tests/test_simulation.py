@@ -82,6 +82,9 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     "listen_at_max_time_never_reports": (r"largest time", 60, "seams"),
     # the environment's inline policy replaces the config's (5)
     "environment_overrides_config": (r"inline", 40, "seams"),
+    # a multi-shard commit applied shard by shard: a transaction lands in one shard only
+    "non_atomic_transactions": (r"one shard only|some shards and not in others", 20,
+                                "transactions"),
 }
 
 #: Reverted fixes the random simulation reaches too rarely to test this way (a heartbeat
@@ -126,13 +129,13 @@ def test_cli_prints_one_line_and_exits_zero():
 
 
 def test_cli_reports_the_reproducing_seed_and_exits_nonzero():
-    out = _cli("--seeds", "15", "--control", "trust_cached_negatives")
+    out = _cli("--seeds", "15", "--profile", "writes", "--control", "trust_cached_negatives")
     assert out.returncode == 1
     assert "violations=" in out.stdout and "violations=0" not in out.stdout
     seed = re.search(r"reproduce with: persist-pipeline simulate --seeds 1 --seed (\d+)",
                      out.stdout)
     assert seed is not None
-    again = _cli("--seeds", "1", "--seed", seed.group(1), "--control",
+    again = _cli("--seeds", "1", "--seed", seed.group(1), "--profile", "writes", "--control",
                  "trust_cached_negatives")
     assert again.returncode == 1
 

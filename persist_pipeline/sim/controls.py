@@ -237,6 +237,22 @@ def environment_overrides_config() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def non_atomic_transactions() -> Iterator[None]:
+    """A multi-shard compare-and-set commits shard by shard, stopping at the first
+    mismatch: a transaction that loses the race on one shard stays in the others."""
+    from persist_pipeline.consensus.memory import MemoryConsensus
+
+    def one_by_one(self: MemoryConsensus, writes: Any) -> bool:
+        for one in sorted(writes, key=lambda w: w.shard):
+            if not self.compare_and_set(one.shard, one.expected, one.new):
+                return False
+        return True
+
+    with _patched(MemoryConsensus, "compare_and_set_many", one_by_one):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -254,4 +270,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "settle_by_token_only": settle_by_token_only,
     "listen_at_max_time_never_reports": listen_at_max_time_never_reports,
     "environment_overrides_config": environment_overrides_config,
+    "non_atomic_transactions": non_atomic_transactions,
 }

@@ -18,7 +18,7 @@ from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.exceptions import Indeterminate, PersistError
 from persist_pipeline.ids import ShardId, new_critical_reader_id, seeded_ids
 from persist_pipeline.internal.sync import lock_factory
-from persist_pipeline.sim import actors, seams
+from persist_pipeline.sim import actors, seams, transactions
 from persist_pipeline.sim.monitor import Model, Monitor, Monitors
 from persist_pipeline.sim.scheduler import Nemesis, Process, Scheduler, SimClock, SimLock
 from persist_pipeline.sim.seams import SeamState
@@ -31,7 +31,7 @@ T = TypeVar("T")
 INLINE_SETTINGS = (InlinePolicy(1024, 3000), InlinePolicy(0, 0), InlinePolicy(1024, 0))
 
 #: Every simulated process kind, by role name.
-ROLES = {**actors.ROLES, **seams.ROLES}
+ROLES = {**actors.ROLES, **seams.ROLES, **transactions.ROLES}
 
 #: The share of seeds whose processes (and blob stores) have skewed wall clocks (their
 #: offsets: up to past half the orphan sweep's age, 8 s in ``sim_config``, and near the
@@ -97,6 +97,11 @@ PROFILES: dict[str, Profile] = {
                       skew_choices_s=(-8.0, -4.0, 0.0, 4.0, 8.0),
                       nemesis=Nemesis(pause_at_cas=0.25, pause_choices_s=(1.0, 2.0, 3.5),
                                       pause_then_lose=0.08)),
+    # Multi-shard transactions racing each other and lone writers of one of their
+    # shards, with lost replies, pauses and maintenance on both shards.
+    "transactions": Profile({"transactor": (2, 3), "writer": (0, 1), "compactor": (1, 1),
+                             "gc": (1, 2)},
+                            nemesis=Nemesis(pause_at_cas=0.1, pause_then_lose=0.05)),
 }
 
 
@@ -161,6 +166,7 @@ class SimRun:
         self.monitors.stores.update({"main": self.main, **({"wal": self.wal} if self.wal
                                                            else {})})
         self.seams = SeamState()
+        self.txns = transactions.TxnLedger()
         self.spark_blob_uri = f"sim://{seed}/main"
         self.spark_wal_uri = f"sim://{seed}/wal" if self.wal else None
         self.stopping = False
@@ -301,6 +307,7 @@ class SimRun:
             for shard in self.shards():
                 client.gc(shard)
             seams.final_check(self, client)
+            transactions.check(self, client, "final check")
             upper = client._machine(self.shard).fetch_latest().upper
             if upper:
                 reader = client.open_reader(self.shard)

@@ -1,0 +1,174 @@
+"""A simulated client of multi-shard transactions.
+
+Transactors commit pair transactions on two shards shared by every transactor of the
+seed (one row per transaction, the same key in both), inline or in blob, at the uppers
+they believe current (sometimes stale), while they also append to the first shard
+alone. Compaction and GC run on both shards as on every shard of the seed.
+
+What they check: a transaction's row is in both shards or neither, read in the order
+first, second, first again (a commit lands in both at one moment, so the first read's
+rows are in the second's, and the second's in the third's); an acknowledged
+transaction is never lost; a refused one is never written.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from persist_pipeline.exceptions import (
+    CommitDeadlineExceeded,
+    Indeterminate,
+    LeaseExpired,
+    NotYetAvailable,
+    PersistError,
+    SinceViolation,
+    UpperMismatch,
+)
+from persist_pipeline.ids import ShardId
+from persist_pipeline.sim.scheduler import Process
+
+if TYPE_CHECKING:
+    from persist_pipeline.client import PersistClient
+    from persist_pipeline.sim.runner import SimRun
+    from persist_pipeline.write import WriteHandle
+
+#: Transaction rows' keys start with this; the first shard's lone appends do not.
+TXN_PREFIX = b"txn/"
+
+
+@dataclass
+class Txn:
+    """One pair transaction and what its committer was told."""
+
+    key: bytes
+    status: str = "pending"  # pending | acked | failed | unknown
+
+
+@dataclass
+class TxnLedger:
+    """What the transactors of one seed share: the pair of shards and every attempt."""
+
+    pair: tuple[str, str] | None = None
+    txns: list[Txn] = field(default_factory=list)
+    count: int = 0
+
+
+def _ledger(run: SimRun) -> TxnLedger:
+    ledger: TxnLedger = run.txns
+    if ledger.pair is None:
+        ledger.pair = (str(ShardId.new()), str(ShardId.new()))
+    return ledger
+
+
+def _open_writers(run: SimRun, client: PersistClient,
+                  pair: tuple[str, str]) -> list[WriteHandle] | None:
+    writers = []
+    for shard in pair:
+        writer = run.retry_open(functools.partial(client.open_writer, shard))
+        if writer is None:
+            return None
+        writers.append(writer)
+    return writers
+
+
+def _commit(run: SimRun, client: PersistClient, ledger: TxnLedger,
+            writers: list[WriteHandle], stale: bool) -> None:
+    pair = ledger.pair
+    assert pair is not None
+    ledger.count += 1
+    entry = Txn(TXN_PREFIX + b"%d" % ledger.count)
+    big = run.rng.random() < 0.3  # blob parts uploaded before the round trip
+    txn = client.transaction()
+    for shard, writer in zip(pair, writers, strict=True):
+        upper = writer.upper if stale else run.monitors.get(shard).upper
+        if upper is None:
+            return
+        value = b"v" * (6000 if big else 3)
+        txn.compare_and_append(writer, [(entry.key, value, upper, 1)], upper, upper + 1)
+    ledger.txns.append(entry)
+    try:
+        txn.commit()
+        entry.status = "acked"
+    except (UpperMismatch, CommitDeadlineExceeded, LeaseExpired):
+        entry.status = "failed"
+    except Indeterminate:
+        entry.status = "unknown"
+
+
+def _keys(client: PersistClient, shard: str) -> set[bytes] | None:
+    """The transaction keys of ``shard`` at its latest complete time (None: no time yet)."""
+    upper = client._machine(shard).fetch_latest().upper
+    if not upper:
+        return None
+    reader = client.open_reader(shard)
+    try:
+        table = reader.snapshot(upper - 1)
+    finally:
+        reader.expire()
+    return {k for k in table.column("k").to_pylist() if k.startswith(TXN_PREFIX)}
+
+
+def check(run: SimRun, client: PersistClient, where: str) -> None:
+    """Every transaction whole in both shards; none acked lost, none refused written."""
+    ledger: TxnLedger = run.txns
+    if ledger.pair is None:
+        return
+    a, b = ledger.pair
+    # Acknowledged before the reads start: a later acknowledgement may be of a commit
+    # that landed after them.
+    acked = [e.key for e in ledger.txns if e.status == "acked"]
+    first, second, third = _keys(client, a), _keys(client, b), _keys(client, a)
+    if first is None or second is None or third is None:
+        return
+    if not first <= second:
+        run.violation(f"{where}: transactions {sorted(first - second)[:3]} in the first shard "
+                      f"but not (later) in the second: a transaction landed in one shard only")
+    if not second <= third:
+        run.violation(f"{where}: transactions {sorted(second - third)[:3]} in the second shard "
+                      f"but not (later) in the first: a transaction landed in one shard only")
+    for key in acked:
+        if key not in first:
+            run.violation(f"{where}: acknowledged transaction {key!r} LOST")
+    for entry in ledger.txns:
+        if entry.status == "failed" and entry.key in first | second | third:
+            run.violation(f"{where}: refused transaction {entry.key!r} was written")
+
+
+def transactor(run: SimRun, proc: Process) -> None:
+    """Pair transactions (fresh or stale uppers), lone appends to the first shard, and
+    checks of both shards."""
+    client = run.client(proc)
+    ledger = _ledger(run)
+    assert ledger.pair is not None
+    pair = ledger.pair
+    writers = _open_writers(run, client, pair)
+    if writers is None:
+        return
+    while not run.stopping:
+        run.think()
+        roll = run.rng.random()
+        try:
+            if roll < 0.6:
+                _commit(run, client, ledger, writers, stale=run.rng.random() < 0.3)
+            elif roll < 0.8:
+                a = pair[0]
+                upper = run.monitors.get(a).upper
+                if upper is not None:
+                    writers[0].compare_and_append([(b"solo", b"", upper, 1)], upper, upper + 1)
+            else:
+                check(run, client, "transactor")
+        except LeaseExpired:
+            writers = _open_writers(run, client, pair)
+            if writers is None:
+                return
+        except (Indeterminate, UpperMismatch, CommitDeadlineExceeded, NotYetAvailable,
+                SinceViolation):
+            pass
+        except PersistError as e:
+            run.violation(f"transactor: unexpected {type(e).__name__}: {e}")
+        run.ops += 1
+
+
+ROLES = {"transactor": transactor}
