@@ -238,6 +238,11 @@ def case12(result: CaseResult, path: str) -> None:
                   "p99 tick)", path)
 
 
+def case14(result: CaseResult, path: str) -> None:
+    _latency_bars(result.data, "Case 14: atomic multi-shard commits, p50 bars and p99 ticks\n"
+                  "(blue: ours, orange: DuckLake)", path)
+
+
 PLOTS: dict[str, tuple[str, Callable[[CaseResult, str], None]]] = {
     "case1": ("case1_append_latency.png", case1),
     "case2": ("case2_fill_curve.png", case2),
@@ -249,6 +254,7 @@ PLOTS: dict[str, tuple[str, Callable[[CaseResult, str], None]]] = {
     "case8": ("case8_simulated.png", case8),
     "case9": ("case9_scale.png", case9),
     "case12": ("case12_typed.png", case12),
+    "case14": ("case14_transactions.png", case14),
 }
 
 

@@ -1,0 +1,140 @@
+"""Case 14: atomic multi-shard commits, ours and DuckLake's multi-table transactions.
+
+Rows, all in one process and one run, PostgreSQL for every catalog:
+
+- ours: a single inline append (10 rows) to one shard: the reference the target uses;
+- ours: a transaction of the same 10-row append to 2 and to 8 shards, committed all or
+  none in one consensus round trip; timed in alternating blocks with the single append,
+  so a change of the machine's load hits all three alike;
+- DuckLake (data inlining, PostgreSQL catalog): ``BEGIN``; the same 10 rows inserted
+  into each of 2 and 8 tables; ``COMMIT``.
+
+Target: a 2-shard atomic commit p50 <= 1.3x a single inline append.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bench import peers
+from bench.case1_append import interleaved
+from bench.common import CaseResult, Scale, Table, Target, Timing, measure, ms, ratio
+from bench.services import Services
+from persist_pipeline import InlinePolicy, PersistClient, ShardId
+
+TITLE = "Atomic multi-shard commits (10 rows per shard)"
+
+#: Appends per shard before it is replaced by a fresh one (untimed), keeping every
+#: shard's inline bytes low, as in case 1.
+_ROTATE = 200
+
+
+class Committer:
+    """Commits the small batch to ``width`` shards at once (1: a plain append)."""
+
+    def __init__(self, client: PersistClient, width: int) -> None:
+        self.client = client
+        self.width = width
+        self.writers: list[Any] = []
+        self.upper = 0
+        self.count = 0
+
+    def before(self, i: int) -> None:
+        if self.count % _ROTATE == 0:
+            for w in self.writers:
+                w.expire()
+            self.writers = [self.client.open_writer(ShardId.new()) for _ in range(self.width)]
+            self.upper = 0
+        self.count += 1
+
+    def __call__(self, i: int) -> None:
+        batch = peers.small_batch(self.upper, i)
+        lo, hi = self.upper, self.upper + 1
+        if self.width == 1:
+            self.writers[0].compare_and_append(batch, lo, hi)
+        else:
+            txn = self.client.transaction()
+            for w in self.writers:
+                txn.compare_and_append(w, batch, lo, hi)
+            txn.commit()
+        self.upper = hi
+
+    def close(self) -> None:
+        for w in self.writers:
+            w.expire()
+
+
+def ducklake(catalog: str, data_path: str, width: int, *, warmup: int,
+             iters: int) -> list[float]:
+    """DuckLake transactions inserting the small batch into ``width`` tables."""
+    con = peers.ducklake_connect(catalog, data_path, inline_rows=1000)
+    try:
+        for j in range(width):
+            con.execute(f"CREATE TABLE lake.t{j} (k VARCHAR, v VARCHAR, t BIGINT, d BIGINT)")
+        inserts = [peers.ducklake_insert_sql(peers.small_batch(i, i))
+                   for i in range(warmup + iters)]
+
+        def commit(i: int) -> None:
+            con.execute("BEGIN TRANSACTION")
+            for j in range(width):
+                con.execute(inserts[i].replace("INSERT INTO lake.t ", f"INSERT INTO lake.t{j} "))
+            con.execute("COMMIT")
+
+        return measure(commit, warmup=warmup, iters=iters)
+    finally:
+        con.close()
+
+
+def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> CaseResult:
+    """Run case 14 (see the module docstring)."""
+    result = CaseResult("case14", TITLE)
+    w, n = scale.append_warmup, scale.append_iters
+    rows: dict[str, tuple[str, list[float]]] = {}
+    with svc.pg.database("c14") as url:
+        bucket = svc.s3.bucket("c14")
+        client = PersistClient.open(url, svc.s3.uri(bucket, "ours"),
+                                    inline_policy=InlinePolicy())
+        committers = {key: Committer(client, width)
+                      for key, width in (("ours_1", 1), ("ours_2", 2), ("ours_8", 8))}
+        log("  ours: single append and 2- and 8-shard transactions, interleaved")
+        try:
+            timed = interleaved({k: (c, c.before) for k, c in committers.items()},
+                                warmup=w, iters=n, blocks=10)
+        finally:
+            for c in committers.values():
+                c.close()
+            client.close()
+        rows["ours_1"] = ("ours, one inline append, PostgreSQL (the reference)",
+                          timed["ours_1"])
+        rows["ours_2"] = ("ours, atomic transaction over 2 shards", timed["ours_2"])
+        rows["ours_8"] = ("ours, atomic transaction over 8 shards", timed["ours_8"])
+    for width in (2, 8):
+        log(f"  DuckLake {width}-table transaction")
+        with svc.pg.database(f"c14dl{width}") as dl_url:
+            rows[f"ducklake_{width}"] = (
+                f"DuckLake transaction over {width} tables, data inlining, PostgreSQL catalog",
+                ducklake(peers.ducklake_pg_catalog(dl_url), svc.folder(f"c14-ducklake{width}"),
+                         width, warmup=max(2, w // 10), iters=scale.ducklake_iters))
+    timings = {key: Timing.of(s) for key, (_, s) in rows.items()}
+    base = timings["ours_1"].p50
+    table = Table(f"Case 14: {TITLE}",
+                  ["system", "n", "p50 ms", "p90 ms", "p99 ms", "p50 / one append (ours)"])
+    order = ["ours_1", "ours_2", "ours_8", "ducklake_2", "ducklake_8"]
+    for key in order:
+        t = timings[key]
+        table.add(rows[key][0], t.n, ms(t.p50), ms(t.p90), ms(t.p99), ratio(t.p50, base))
+    for width in (2, 8):
+        ours, theirs = timings[f"ours_{width}"].p50, timings[f"ducklake_{width}"].p50
+        table.notes.append(f"{width} shards: DuckLake's p50 is {ratio(theirs, ours)} ours.")
+    table.notes.append("Every transaction is one consensus round trip for us (one INSERT ... "
+                       "SELECT over every shard's head); DuckLake runs its catalog "
+                       "transaction over several statements.")
+    result.tables.append(table)
+    result.data = {key: {"label": rows[key][0], "samples": rows[key][1]} for key in order}
+    over = timings["ours_2"].p50 / base
+    result.targets.append(Target(
+        "14", "2-shard atomic commit p50 <= 1.3x a single inline append", "<= 1.30x",
+        f"{over:.2f}x ({ms(timings['ours_2'].p50)} vs {ms(base)} ms)", over <= 1.3,
+        "met" if over <= 1.3 else f"missed by {over / 1.3:.2f}x"))
+    return result
