@@ -27,6 +27,7 @@ from persist_pipeline.ids import ShardId, new_critical_reader_id, new_reader_id,
 from persist_pipeline.internal import state_codec, transitions
 from persist_pipeline.internal.blobs import ShardBlobs
 from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
+from persist_pipeline.internal.funnel import Funnel
 from persist_pipeline.internal.machine import Machine, MachineMetrics
 from persist_pipeline.internal.state import HollowPart, InlinePart
 from persist_pipeline.internal.trace import merge_requests
@@ -117,6 +118,10 @@ class PersistClient:
             cached_wal=(CachingBlob(wal_blob, cache) if cache else wal_blob)
             if wal_blob is not None else None)
         self.metrics = MachineMetrics()
+        #: The funnel every writer of this client commits through (group commit).
+        self._funnel = Funnel(clock, self.metrics, window_s=self.config.group_commit_window_s,
+                              max_inflight_bytes=self.config.group_commit_max_inflight_bytes
+                              ) if self.config.group_commit else None
         self._machines: dict[str, Machine] = {}
         self._lock = threading.Lock()
         # Handles whose heartbeats stop when the client closes.
@@ -225,7 +230,8 @@ class PersistClient:
             recorded, state = m.apply(lambda s: transitions.record_schema(s, schema,
                                                                           m.now_ms()))
         handle = WriteHandle(m, new_writer_id(), self.inline_policy,
-                             self.blobs.wal is not None, debug, recorded, state.schema)
+                             self.blobs.wal is not None, debug, recorded, state.schema,
+                             funnel=self._funnel)
         self._handles.add(handle)
         return handle
 

@@ -42,6 +42,14 @@ COMPACTION_MEMORY_BOUND_BYTES = 256 << 20
 COMPACTION_SPLIT_BYTES = 256 << 20
 #: Parts one read fetches in parallel (1: one after another, on the caller's thread).
 READ_FETCH_THREADS = 8
+#: Funnel a process's concurrent appends to different shards into shared consensus
+#: round trips (group commit); each still succeeds or fails on its own upper.
+GROUP_COMMIT = True
+#: How long a group commit waits for more appends before committing. 0: none; appends
+#: that arrive while a group is committing form the next group (no added latency).
+GROUP_COMMIT_WINDOW_S = 0.0
+#: Bytes of staged appends a process's funnel holds at once; writers beyond it wait.
+GROUP_COMMIT_MAX_INFLIGHT_BYTES = 64 << 20
 
 Placement = Literal["inline", "wal", "blob", "none"]
 
@@ -123,6 +131,9 @@ class PersistConfig:
     read_fetch_threads: int = READ_FETCH_THREADS
     compaction_memory_bound_bytes: int = COMPACTION_MEMORY_BOUND_BYTES
     compaction_split_bytes: int = COMPACTION_SPLIT_BYTES
+    group_commit: bool = GROUP_COMMIT
+    group_commit_window_s: float = GROUP_COMMIT_WINDOW_S
+    group_commit_max_inflight_bytes: int = GROUP_COMMIT_MAX_INFLIGHT_BYTES
 
     @property
     def inline_policy_given(self) -> bool:
@@ -134,7 +145,7 @@ class PersistConfig:
             raise InvalidConfig(f"PersistConfig.inline_policy must be an InlinePolicy, got "
                                 f"{type(self.inline_policy).__name__}")
         for f in fields(self):
-            if f.name in ("inline_policy", "background_maintenance"):
+            if f.name in ("inline_policy", "background_maintenance", "group_commit"):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
@@ -155,6 +166,16 @@ class PersistConfig:
         if isinstance(split, float) or split < 1:
             raise InvalidConfig("PersistConfig.compaction_split_bytes must be an int of at "
                                 f"least 1, got {split!r}")
+        if not isinstance(self.group_commit, bool):
+            raise InvalidConfig(f"PersistConfig.group_commit must be a bool, got "
+                                f"{self.group_commit!r}")
+        if self.group_commit_window_s > 1:
+            raise InvalidConfig("PersistConfig.group_commit_window_s must be at most 1 second, "
+                                f"got {self.group_commit_window_s!r}")
+        if isinstance(self.group_commit_max_inflight_bytes, float) or \
+                self.group_commit_max_inflight_bytes < 1:
+            raise InvalidConfig("PersistConfig.group_commit_max_inflight_bytes must be an int "
+                                "of at least 1")
         if self.blob_target_size_bytes < 1:
             raise InvalidConfig("PersistConfig.blob_target_size_bytes must be at least 1")
 

@@ -30,6 +30,7 @@ from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import write_parts
+from persist_pipeline.internal.funnel import Funnel
 from persist_pipeline.internal.heartbeat import Heartbeater
 from persist_pipeline.internal.lookup import current_rows
 from persist_pipeline.internal.machine import Machine
@@ -142,8 +143,10 @@ class WriteHandle:
 
     def __init__(self, machine: Machine, writer_id: str, policy: InlinePolicy,
                  has_wal: bool, debug: str = "", schema: ShardSchema | None = None,
-                 recorded: bytes = b"") -> None:
+                 recorded: bytes = b"", funnel: Funnel | None = None) -> None:
         self._machine = machine
+        #: The client's group-commit funnel (None: each append commits on its own).
+        self._funnel = funnel
         self.schema = schema
         #: What this handle encodes typed tables with: the schema recorded when it opened.
         self._encoding = Encoding(schema, recorded) if recorded else Encoding.of(schema)
@@ -566,8 +569,13 @@ class WriteHandle:
         """Commit ``staged`` alone; None when the shard's inline budget turned it away."""
         machine = self._machine
         try:
-            result, state = machine.apply(self._transition(staged),
-                                          proves_done=already_appended)
+            if self._funnel is not None:
+                size = staged.encoded if staged.placement == "inline" else 0
+                result, state = self._funnel.commit(machine, self._transition(staged),
+                                                    already_appended, size)
+            else:
+                result, state = machine.apply(self._transition(staged),
+                                              proves_done=already_appended)
         except Indeterminate as e:
             result, state = self._settle_in_history(staged, e), machine.state
         return self._finish(staged, result, state)

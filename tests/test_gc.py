@@ -69,16 +69,16 @@ def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Locat
     assert rows(client.open_reader(shard).snapshot(0), 0) == [(b"a", b"b", 1)]
     # A writer stalled past half the orphan age between upload and CaS must not commit.
     slow = client.open_writer(shard)
-    real_apply = slow._machine.apply
+    real_transition = slow._transition
 
-    def stalled_apply(transition, **kwargs):
-        time.sleep(1.6)  # past half the orphan age
-        return real_apply(transition, **kwargs)
+    def stalled_transition(staged):
+        time.sleep(1.6)  # past half the orphan age, between the upload and the commit
+        return real_transition(staged)
 
-    slow._machine.apply = stalled_apply  # type: ignore[method-assign]
+    slow._transition = stalled_transition  # type: ignore[method-assign]
     with pytest.raises(CommitDeadlineExceeded):
         slow.compare_and_append([(b"late", b"x", 1, 1)], 1, 2)
-    slow._machine.apply = real_apply  # type: ignore[method-assign]
+    slow._transition = real_transition  # type: ignore[method-assign]
     assert client.inspect(shard)["upper"] == 1
     assert not [m for m in client.blobs.main.list_keys(f"{shard}/p/") if b"late" in
                 (client.blobs.main.get(m.key) or b"")]

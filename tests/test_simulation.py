@@ -85,6 +85,8 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # a multi-shard commit applied shard by shard: a transaction lands in one shard only
     "non_atomic_transactions": (r"one shard only|some shards and not in others", 20,
                                 "transactions"),
+    # a refused group commit reports its held-back appends as committed
+    "group_reports_held_appends": (r"grouped append .* LOST", 20, "transactions"),
 }
 
 #: Reverted fixes the random simulation reaches too rarely to test this way (a heartbeat

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Generic, Literal, TypeVar
 
 from persist_pipeline.config import PersistConfig
@@ -66,6 +66,8 @@ class MachineMetrics:
     state_fetches: int = 0
     records_scanned: int = 0
     rollups_written: int = 0
+    group_commits: int = 0
+    group_commit_appends: int = 0
 
 
 Resolution = Literal["committed", "lost", "pending", "unknown"]
@@ -100,11 +102,14 @@ class Applied(Generic[R]):
             transition changed nothing, after confirming that against consensus.
         results: each step's transition result, in step order.
         states: each step's committed state (or the fresh state it saw).
+        refused: when not committed, which steps' transitions changed nothing (their
+            results are confirmed negative answers); the others were only held back.
     """
 
     committed: bool
     results: list[R]
     states: list[State]
+    refused: list[bool] = field(default_factory=list)
 
 
 class Machine:
@@ -434,7 +439,7 @@ def apply_many(steps: Sequence[Step[R]], *, routine: bool = True,
                     proves_done(r) for r in results)
                 if not done:
                     _require_settled(attempts)
-                return Applied(done, results, states)
+                return Applied(done, results, states, [] if done else unchanged)
             news = [m.maintenance.fold_ready(m._bump(new, state))
                     for m, (new, _), state in zip(machines, outputs, states, strict=True)]
             writes = [CasWrite(m.shard_id, state.seqno,

@@ -253,6 +253,23 @@ def non_atomic_transactions() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def group_reports_held_appends() -> Iterator[None]:
+    """A group commit refused by some of its appends reports every append's result,
+    including the held-back ones that were never committed, as its outcome."""
+    from persist_pipeline.internal import funnel
+
+    def all_finished(self: funnel.Funnel, group: list[Any]) -> None:
+        self._metrics.group_commits += 1
+        applied = machine.apply_many([e.step() for e in group],
+                                     proves_done=funnel._Outcome.done)
+        for e, outcome, state in zip(group, applied.results, applied.states, strict=True):
+            e.finish(outcome, state)
+
+    with _patched(funnel.Funnel, "_commit_group", all_finished):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -271,4 +288,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "listen_at_max_time_never_reports": listen_at_max_time_never_reports,
     "environment_overrides_config": environment_overrides_config,
     "non_atomic_transactions": non_atomic_transactions,
+    "group_reports_held_appends": group_reports_held_appends,
 }

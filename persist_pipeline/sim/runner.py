@@ -98,9 +98,10 @@ PROFILES: dict[str, Profile] = {
                       nemesis=Nemesis(pause_at_cas=0.25, pause_choices_s=(1.0, 2.0, 3.5),
                                       pause_then_lose=0.08)),
     # Multi-shard transactions racing each other and lone writers of one of their
-    # shards, with lost replies, pauses and maintenance on both shards.
-    "transactions": Profile({"transactor": (2, 3), "writer": (0, 1), "compactor": (1, 1),
-                             "gc": (1, 2)},
+    # shards, and threads of one process whose appends meet in its group-commit funnel,
+    # with lost replies, pauses and maintenance on every shard.
+    "transactions": Profile({"transactor": (1, 2), "grouped_writer": (1, 2),
+                             "writer": (0, 1), "compactor": (1, 1), "gc": (1, 2)},
                             nemesis=Nemesis(pause_at_cas=0.1, pause_then_lose=0.05)),
 }
 

@@ -1,4 +1,4 @@
-"""A simulated client of multi-shard transactions.
+"""Simulated clients of multi-shard transactions and of group commit.
 
 Transactors commit pair transactions on two shards shared by every transactor of the
 seed (one row per transaction, the same key in both), inline or in blob, at the uppers
@@ -9,6 +9,11 @@ What they check: a transaction's row is in both shards or neither, read in the o
 first, second, first again (a commit lands in both at one moment, so the first read's
 rows are in the second's, and the second's in the third's); an acknowledged
 transaction is never lost; a refused one is never written.
+
+Grouped writers are processes of several threads sharing one client, each appending to
+its own shard (or one of the pair) at once, so their appends meet in the client's
+group-commit funnel; each append's outcome is checked alike: acknowledged, present;
+refused, absent.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ if TYPE_CHECKING:
 
 #: Transaction rows' keys start with this; the first shard's lone appends do not.
 TXN_PREFIX = b"txn/"
+#: Grouped writers' rows' keys start with this.
+GROUPED_PREFIX = b"grp/"
 
 
 @dataclass
@@ -53,6 +60,8 @@ class TxnLedger:
     pair: tuple[str, str] | None = None
     txns: list[Txn] = field(default_factory=list)
     count: int = 0
+    #: Grouped writers' appends: (shard, entry).
+    singles: list[tuple[str, Txn]] = field(default_factory=list)
 
 
 def _ledger(run: SimRun) -> TxnLedger:
@@ -97,8 +106,9 @@ def _commit(run: SimRun, client: PersistClient, ledger: TxnLedger,
         entry.status = "unknown"
 
 
-def _keys(client: PersistClient, shard: str) -> set[bytes] | None:
-    """The transaction keys of ``shard`` at its latest complete time (None: no time yet)."""
+def _keys(client: PersistClient, shard: str, prefix: bytes = TXN_PREFIX) -> set[bytes] | None:
+    """The keys with ``prefix`` of ``shard`` at its latest complete time (None: no time
+    yet)."""
     upper = client._machine(shard).fetch_latest().upper
     if not upper:
         return None
@@ -107,7 +117,7 @@ def _keys(client: PersistClient, shard: str) -> set[bytes] | None:
         table = reader.snapshot(upper - 1)
     finally:
         reader.expire()
-    return {k for k in table.column("k").to_pylist() if k.startswith(TXN_PREFIX)}
+    return {k for k in table.column("k").to_pylist() if k.startswith(prefix)}
 
 
 def check(run: SimRun, client: PersistClient, where: str) -> None:
@@ -134,6 +144,68 @@ def check(run: SimRun, client: PersistClient, where: str) -> None:
     for entry in ledger.txns:
         if entry.status == "failed" and entry.key in first | second | third:
             run.violation(f"{where}: refused transaction {entry.key!r} was written")
+    check_grouped(run, client, where)
+
+
+def check_grouped(run: SimRun, client: PersistClient, where: str) -> None:
+    """Every grouped append acknowledged before the read is there; none refused is."""
+    ledger: TxnLedger = run.txns
+    acked = [(shard, e.key) for shard, e in ledger.singles if e.status == "acked"]
+    shards = sorted({shard for shard, _ in ledger.singles})
+    present = {shard: _keys(client, shard, GROUPED_PREFIX) or set() for shard in shards}
+    for shard, key in acked:
+        if key not in present[shard]:
+            run.violation(f"{where}: acknowledged grouped append {key!r} LOST")
+    for shard, entry in ledger.singles:
+        if entry.status == "failed" and entry.key in present[shard]:
+            run.violation(f"{where}: refused grouped append {entry.key!r} was written")
+
+
+def _grouped_loop(run: SimRun, client: PersistClient, shard: str) -> None:
+    """One thread of a grouped writer: appends to ``shard`` at its upper (sometimes a
+    stale one), recording what it is told."""
+    ledger: TxnLedger = run.txns
+    writer = run.retry_open(functools.partial(client.open_writer, shard))
+    if writer is None:
+        return
+    while not run.stopping:
+        run.think(scale=0.5)
+        upper = writer.upper if run.rng.random() < 0.3 else run.monitors.get(shard).upper
+        if upper is None:
+            return
+        ledger.count += 1
+        entry = Txn(GROUPED_PREFIX + b"%d" % ledger.count)
+        ledger.singles.append((shard, entry))
+        value = b"w" * (6000 if run.rng.random() < 0.2 else 3)
+        try:
+            writer.compare_and_append([(entry.key, value, upper, 1)], upper, upper + 1)
+            entry.status = "acked"
+        except (UpperMismatch, CommitDeadlineExceeded):
+            entry.status = "failed"
+        except Indeterminate:
+            entry.status = "unknown"
+        except LeaseExpired:
+            entry.status = "failed"
+            writer = run.retry_open(functools.partial(client.open_writer, shard))
+            if writer is None:
+                return
+        except PersistError as e:
+            entry.status = "unknown"
+            run.violation(f"grouped writer: unexpected {type(e).__name__}: {e}")
+        run.ops += 1
+
+
+def grouped_writer(run: SimRun, proc: Process) -> None:
+    """Three threads of one process (one client, one funnel) appending to different
+    shards at once: one of the pair each, and one of its own; then checks."""
+    client = run.client(proc)
+    ledger = _ledger(run)
+    assert ledger.pair is not None
+    own = str(ShardId.new())
+    for i, shard in enumerate((ledger.pair[1], own)):
+        run.spawn(f"{proc.name}-g{i}", proc,
+                  functools.partial(_grouped_loop, run, client, shard))
+    _grouped_loop(run, client, ledger.pair[0])
 
 
 def transactor(run: SimRun, proc: Process) -> None:
@@ -171,4 +243,4 @@ def transactor(run: SimRun, proc: Process) -> None:
         run.ops += 1
 
 
-ROLES = {"transactor": transactor}
+ROLES = {"transactor": transactor, "grouped_writer": grouped_writer}

@@ -1,0 +1,141 @@
+"""Group commit: a process's concurrent appends to different shards share consensus
+round trips through the client's funnel, and each still succeeds or fails on its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId, UpperMismatch
+from persist_pipeline.exceptions import InvalidConfig
+from persist_pipeline.internal.clock import SYSTEM_CLOCK
+from persist_pipeline.internal.funnel import Funnel
+from persist_pipeline.internal.machine import MachineMetrics
+from tests.helpers import rows
+
+
+def _read(client: PersistClient, shard: ShardId) -> list[tuple[bytes, bytes, int]]:
+    upper = client._machine(str(shard)).fetch_latest().upper
+    reader = client.open_reader(shard)
+    try:
+        return rows(reader.snapshot(upper - 1)) if upper else []
+    finally:
+        reader.expire()
+
+
+def _concurrent_appends(client: PersistClient, n: int, stale: int | None) -> list[object]:
+    """``n`` threads append to ``n`` shards at once (thread ``stale`` with a wrong
+    expected upper); returns each thread's result or error."""
+    shards = [ShardId.new() for _ in range(n)]
+    writers = [client.open_writer(s) for s in shards]
+    barrier = threading.Barrier(n)
+    outcomes: list[object] = [None] * n
+
+    def append(i: int) -> None:
+        expected = 5 if i == stale else 0
+        barrier.wait()
+        try:
+            outcomes[i] = writers[i].compare_and_append([(b"k%d" % i, b"v", expected, 1)],
+                                                        expected, expected + 1)
+        except Exception as e:  # asserted below
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=append, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for i, shard in enumerate(shards):
+        expected_rows = [] if i == stale else [(b"k%d" % i, b"v", 1)]
+        assert _read(client, shard) == expected_rows
+    return outcomes
+
+
+def test_concurrent_appends_share_round_trips_and_fail_alone(location):
+    """With a window, 8 threads' appends to 8 shards commit in fewer groups than
+    appends; the one with a wrong upper gets its own UpperMismatch and the seven others
+    commit."""
+    cfg = PersistConfig(group_commit_window_s=0.05)
+    client = location.client(InlinePolicy(), cfg)
+    before = (client.metrics.group_commits, client.metrics.group_commit_appends)
+    outcomes = _concurrent_appends(client, 8, stale=3)
+    assert isinstance(outcomes[3], UpperMismatch) and outcomes[3].current == 0
+    assert all(getattr(o, "upper", None) == 1 for i, o in enumerate(outcomes) if i != 3)
+    groups = client.metrics.group_commits - before[0]
+    appends = client.metrics.group_commit_appends - before[1]
+    assert appends >= 8 and groups < 8, (groups, appends)
+    client.close()
+
+
+def test_without_group_commit_each_append_commits_alone(tmp_path):
+    client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
+                                config=PersistConfig(group_commit=False))
+    outcomes = _concurrent_appends(client, 4, stale=None)
+    assert all(getattr(o, "upper", None) == 1 for o in outcomes)
+    assert client.metrics.group_commits == 0
+    client.close()
+
+
+@pytest.mark.parametrize("bad", [dict(group_commit="yes"), dict(group_commit_window_s=2.0),
+                                 dict(group_commit_window_s=-1.0),
+                                 dict(group_commit_max_inflight_bytes=0),
+                                 dict(group_commit_max_inflight_bytes=1.5)])
+def test_bad_group_commit_settings_are_refused(bad):
+    with pytest.raises(InvalidConfig):
+        PersistConfig(**bad)
+
+
+def test_the_in_flight_bound_blocks_writers_beyond_it():
+    """With a bound of 100 bytes, a second 80-byte append waits until the first is
+    done; a lone append larger than the bound still goes."""
+    funnel = Funnel(SYSTEM_CLOCK, MachineMetrics(), window_s=0.0, max_inflight_bytes=100)
+    from persist_pipeline.internal.funnel import _Entry
+
+    first = _Entry(None, None, None, 80)  # type: ignore[arg-type]
+    funnel._admit(first)
+    admitted = threading.Event()
+    second = _Entry(None, None, None, 80)  # type: ignore[arg-type]
+    t = threading.Thread(target=lambda: (funnel._admit(second), admitted.set()))
+    t.start()
+    time.sleep(0.1)
+    assert not admitted.is_set() and funnel._inflight == 80
+    with funnel._queue_lock:
+        funnel._inflight -= first.size  # the first append is done
+    assert admitted.wait(5) and funnel._inflight == 80
+    t.join()
+    with funnel._queue_lock:
+        funnel._inflight = 0
+    huge = _Entry(None, None, None, 1000)  # type: ignore[arg-type]
+    funnel._admit(huge)
+    assert funnel._inflight == 1000
+
+
+@pytest.mark.timeout(120)
+def test_many_threads_on_many_shards_all_commit(durable_location):
+    """32 threads each appending 20 times to its own shard through one client: every
+    append lands once, in fewer round trips than appends."""
+    client = durable_location.client(InlinePolicy())
+    shards = [ShardId.new() for _ in range(32)]
+    writers = [client.open_writer(s) for s in shards]
+    errors: list[str] = []
+
+    def run(i: int) -> None:
+        try:
+            for t in range(20):
+                writers[i].compare_and_append([(b"r%d" % t, b"", t, 1)], t, t + 1)
+        except Exception as e:  # asserted below
+            errors.append(f"{type(e).__name__}: {e}")
+
+    before = client.metrics.group_commits
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=100)
+    assert errors == []
+    for shard in shards:
+        assert _read(client, shard) == sorted((b"r%d" % t, b"", 1) for t in range(20))
+    assert client.metrics.group_commits - before < 32 * 20
+    client.close()
