@@ -182,6 +182,31 @@ def multi_cas(n: int) -> ClauseElement:
     )
 
 
+def multi_cas_arrays() -> ClauseElement:
+    """:func:`multi_cas` for PostgreSQL as ONE statement for any number of shards: the
+    rows come as parallel arrays (``shards``, ``seqnos``, ``datas``, ``summaries``,
+    ``expecteds``) unnested server-side, so it is prepared once per connection."""
+    shards_p = bindparam("shards", type_=postgresql.ARRAY(Text))
+    expected_p = bindparam("expecteds", type_=postgresql.ARRAY(BigInteger))
+    new = func.unnest(
+        shards_p,
+        bindparam("seqnos", type_=postgresql.ARRAY(BigInteger)),
+        bindparam("datas", type_=postgresql.ARRAY(LargeBinary)),
+        bindparam("summaries", type_=postgresql.ARRAY(LargeBinary)),
+    ).table_valued("shard", "seqno", "data", "summary").render_derived(name="new")
+    wanted = func.unnest(shards_p, expected_p).table_valued("shard", "expected").render_derived(
+        name="w")
+    h = consensus.alias("h")
+    head = select(func.max(h.c.seqno)).where(h.c.shard == wanted.c.shard).scalar_subquery()
+    mismatch = exists(
+        select(literal_column("1", Integer)).select_from(wanted)
+        .where(head.is_distinct_from(wanted.c.expected))
+    )
+    return insert(consensus).from_select(
+        _columns, select(new.c.shard, new.c.seqno, new.c.data, new.c.summary).where(~mismatch)
+    )
+
+
 PG_STATEMENTS = _statements(postgresql.insert, lateral=True)
 SQLITE_STATEMENTS = _statements(sqlite.insert, lateral=False)
 
@@ -244,7 +269,9 @@ def compile_all(kind: str, dialect: Dialect) -> dict[str, Rendered]:
         dialect: the engine's dialect.
     """
     if kind == "postgresql":
-        return {name: _prepared(name, stmt) for name, stmt in PG_STATEMENTS.items()}
+        prepared = {name: _prepared(name, stmt) for name, stmt in PG_STATEMENTS.items()}
+        prepared["cas_many"] = _prepared("cas_many", multi_cas_arrays())
+        return prepared
     if kind == "cockroachdb":
         fmt = PGDialect_psycopg2(paramstyle="format")  # type: ignore[no-untyped-call]
         return {name: _plain(stmt, fmt) for name, stmt in PG_STATEMENTS.items()}

@@ -434,15 +434,23 @@ class SqlConsensus(Consensus):
     def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
         ordered = check_cas_many(writes)
         n = len(ordered)
-        statement = self._multi_cas.get(n)
-        if statement is None:
-            statement = compile_multi_cas(self._kind, self._engine.dialect, n)
-            self._multi_cas[n] = statement
+        statement: Rendered | None = self._statements.get("cas_many")
         params: dict[str, Any] = {}
-        for i, write in enumerate(ordered):
-            params.update({f"shard_{i}": write.shard, f"seqno_{i}": write.new.seqno,
-                           f"data_{i}": write.new.data, f"summary_{i}": write.new.summary,
-                           f"expected_{i}": write.expected})
+        if statement is not None:  # PostgreSQL: one prepared statement, rows as arrays
+            params = {"shards": [w.shard for w in ordered],
+                      "seqnos": [w.new.seqno for w in ordered],
+                      "datas": [w.new.data for w in ordered],
+                      "summaries": [w.new.summary for w in ordered],
+                      "expecteds": [w.expected for w in ordered]}
+        else:
+            statement = self._multi_cas.get(n)
+            if statement is None:
+                statement = compile_multi_cas(self._kind, self._engine.dialect, n)
+                self._multi_cas[n] = statement
+            for i, write in enumerate(ordered):
+                params.update({f"shard_{i}": write.shard, f"seqno_{i}": write.new.seqno,
+                               f"data_{i}": write.new.data, f"summary_{i}": write.new.summary,
+                               f"expected_{i}": write.expected})
         try:
             inserted = self._run("compare_and_set_many", statement, params, _rowcount)
         except _LostRace:
