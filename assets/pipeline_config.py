@@ -31,10 +31,7 @@ from persist_pipeline import PersistClient, ShardId
 from persist_pipeline.config import (
     INLINE_UPDATE_MAX_BYTES,
     INLINE_UPDATE_THRESHOLD_BYTES,
-    PersistConfig,
 )
-from persist_pipeline.consensus import open_consensus
-from persist_pipeline.consensus.retry import RetryingConsensus
 from persist_pipeline.exceptions import (
     InvalidConfig,
     InvalidShardId,
@@ -42,7 +39,7 @@ from persist_pipeline.exceptions import (
     PersistError,
 )
 from persist_pipeline.ingest import FORMATS
-from persist_pipeline.names import NameRegistry, check_name
+from persist_pipeline.names import check_name
 from resources.env import expand_env
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -240,9 +237,9 @@ def _location_names(location: LocationConfig, env: Mapping[str, str]) -> NameSou
 
     def read() -> Mapping[str, ShardId]:
         uri = expand_env(location.consensus_uri, env, what="location.consensus_uri").strip()
-        deadline = PersistConfig().retry_deadline_s
-        with open_consensus(uri) as consensus:
-            return NameRegistry(RetryingConsensus(consensus, deadline), deadline).names()
+        # Only the name registry is read: no blob store is needed, so none is probed.
+        with PersistClient.open(uri, "mem://", env={}, probe=False) as client:
+            return client.shard_names()
 
     return read
 

@@ -11,16 +11,16 @@ name the file (the S3 URI for S3, with credentials redacted) and the line.
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
 import pyarrow as pa
 
 from assets.pipeline_config import FileSource
-from persist_pipeline.blob import open_blob, redact_uri
+from persist_pipeline.blob import redact_uri
 from persist_pipeline.exceptions import InvalidConfig, InvalidUpdates, PersistError
-from persist_pipeline.ingest import FORMATS, read_updates_file
+from persist_pipeline.ingest import FORMATS
+from persist_pipeline.landing import LandingLocation
 
 
 @dataclass(frozen=True)
@@ -86,43 +86,22 @@ def scan_landing(source: FileSource) -> Landing:
         LandingLocationError: the folder does not exist (or is not a folder), or the S3
             prefix cannot be listed (no such bucket, access denied, unreachable).
     """
-    files: list[LandedFile] = []
-    ignored: list[str] = []
-
-    def consider(name: str, size: int, modified: float) -> None:
-        if _accepted(name, source):
-            files.append(LandedFile(name, size, modified))
-        elif not _hidden(name):
-            ignored.append(name)
-
-    location = source.location()
-    if location.lower().startswith("s3://"):
-        try:
-            blob = open_blob(location)
-            try:
-                for meta in blob.list_keys(""):
-                    consider(meta.key, meta.size, meta.last_modified)
-            finally:
-                blob.close()
-        except PersistError as e:
-            raise LandingLocationError(
-                f"cannot list the landing location {describe(source)}: {e}") from None
-    else:
-        root = Path(location)
-        if not root.is_dir():
-            what = "is not a folder" if root.exists() else "does not exist"
-            raise LandingLocationError(
-                f"the landing folder {root} {what}: create it, or fix the shard's source.uri "
-                "in the pipeline config")
-        try:
-            for path in root.rglob("*"):
-                if path.is_file():
-                    st = path.stat()
-                    consider(path.relative_to(root).as_posix(), st.st_size,
-                             float(st.st_mtime_ns))
-        except OSError as e:
-            raise LandingLocationError(
-                f"cannot list the landing folder {root}: {e.strerror or e}") from None
+    landing = LandingLocation(source.location())
+    try:
+        objects = landing.list()
+    except PersistError as e:
+        raise LandingLocationError(
+            f"cannot list the landing location {describe(source)}: {e}") from None
+    except (FileNotFoundError, NotADirectoryError) as e:
+        what = "does not exist" if isinstance(e, FileNotFoundError) else "is not a folder"
+        raise LandingLocationError(
+            f"the landing folder {landing.location} {what}: create it, or fix the shard's "
+            "source.uri in the pipeline config") from None
+    except OSError as e:
+        raise LandingLocationError(
+            f"cannot list the landing folder {landing.location}: {e.strerror or e}") from None
+    files = [LandedFile(o.name, o.size, o.modified) for o in objects if _accepted(o.name, source)]
+    ignored = [o.name for o in objects if not _accepted(o.name, source) and not _hidden(o.name)]
     return Landing(sorted(files, key=lambda f: (f.modified, f.name)), sorted(ignored))
 
 
@@ -138,23 +117,13 @@ def stat_landed(source: FileSource, name: str) -> LandedFile:
         InvalidUpdates: no such file, or a name outside the landing location.
     """
     rel = _relative(source, name)
-    location = source.location()
-    shown = display_name(source, name)
-    if location.lower().startswith("s3://"):
-        blob = open_blob(location)
-        try:
-            for meta in blob.list_keys(rel.as_posix()):
-                if meta.key == rel.as_posix():
-                    return LandedFile(meta.key, meta.size, meta.last_modified)
-        finally:
-            blob.close()
-        raise InvalidUpdates(f"{shown}: no such object (was it moved or archived?)")
-    path = Path(location) / rel
-    try:
-        st = path.stat()
-    except OSError:
-        raise InvalidUpdates(f"{shown}: no such file (was it moved or archived?)") from None
-    return LandedFile(rel.as_posix(), st.st_size, float(st.st_mtime_ns))
+    landing = LandingLocation(source.location())
+    found = landing.stat(rel.as_posix())
+    if found is None:
+        what = "no such object" if landing.is_s3 else "no such file"
+        raise InvalidUpdates(f"{display_name(source, name)}: {what} (was it moved or "
+                             "archived?)")
+    return LandedFile(found.name, found.size, found.modified)
 
 
 def _relative(source: FileSource, name: str) -> PurePosixPath:
@@ -167,11 +136,7 @@ def _relative(source: FileSource, name: str) -> PurePosixPath:
 
 def display_name(source: FileSource, name: str) -> str:
     """How messages name a landed file: its path, or its redacted S3 URI."""
-    location = source.location()
-    if location.lower().startswith("s3://"):
-        base = redact_uri(location).partition("?")[0]  # the query names no file
-        return f"{base.rstrip('/')}/{name}"
-    return str(Path(location) / name)
+    return LandingLocation(source.location()).describe(name)
 
 
 def read_landed(source: FileSource, name: str) -> pa.Table:
@@ -183,24 +148,7 @@ def read_landed(source: FileSource, name: str) -> pa.Table:
             the line).
     """
     rel = _relative(source, name)
-    shown = display_name(source, name)
     if not _accepted(name, source):
-        raise InvalidUpdates(f"{shown}: not an accepted file (formats: "
+        raise InvalidUpdates(f"{display_name(source, name)}: not an accepted file (formats: "
                              f"{', '.join(source.formats)})")
-    location = source.location()
-    if not location.lower().startswith("s3://"):
-        return read_updates_file(Path(location) / rel)
-    blob = open_blob(location)
-    try:
-        data = blob.get(name)
-    finally:
-        blob.close()
-    if data is None:
-        raise InvalidUpdates(f"{shown}: no such object")
-    with tempfile.TemporaryDirectory(prefix="persist-landing-") as tmp:
-        local = Path(tmp) / rel.name
-        local.write_bytes(data)
-        try:
-            return read_updates_file(local)
-        except InvalidUpdates as e:
-            raise InvalidUpdates(str(e).replace(str(local), shown)) from None
+    return LandingLocation(source.location()).read_updates(rel.as_posix())
