@@ -20,23 +20,12 @@ from assets.pipeline_config import FileSource
 from persist_pipeline.blob import redact_uri
 from persist_pipeline.exceptions import InvalidConfig, InvalidUpdates, PersistError
 from persist_pipeline.ingest import FORMATS
-from persist_pipeline.landing import LandingLocation
+from persist_pipeline.landing import LandedObject, LandingLocation
 
 
 @dataclass(frozen=True)
-class LandedFile:
-    """A file in a landing location.
-
-    Attributes:
-        name: its path relative to the landing folder / prefix (``/``-separated).
-        size: bytes.
-        modified: modification time (nanoseconds since the epoch for folders, seconds
-            with fractions for S3).
-    """
-
-    name: str
-    size: int
-    modified: float
+class LandedFile(LandedObject):
+    """A file in a landing location (see :class:`LandedObject`), with its identity."""
 
     @property
     def identity(self) -> str:
