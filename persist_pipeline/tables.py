@@ -60,10 +60,11 @@ from persist_pipeline.exceptions import (
 from persist_pipeline.ids import ShardId
 from persist_pipeline.internal import rowcodec
 from persist_pipeline.schema import RESERVED_COLUMNS, ShardSchema
+from persist_pipeline.write import encode_contents
 
 if TYPE_CHECKING:
     from persist_pipeline.client import PersistClient
-    from persist_pipeline.write import WriteResult
+    from persist_pipeline.write import WriteHandle, WriteResult
 
 #: The original Arrow schema of the stored table (an IPC schema message).
 ARROW_SCHEMA_META = b"persist_pipeline.arrow_schema"
@@ -151,7 +152,60 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
             appears twice.
     """
     plan = storage_plan(table.schema, primary_key)
-    found = generations(name, client.shard_names())
+    # Refused before any generation is opened: a bad table never starts an empty one.
+    rows = encode_contents(plan.shard_schema, to_storage(table, plan))
+    writer, gen_name, shard = _open_generation(client, name, plan, client.shard_names(), debug)
+    try:
+        return Stored(writer._replace_encoded(rows), gen_name, shard)
+    finally:
+        writer.expire()
+
+
+def store_tables(client: PersistClient,
+                 tables: Mapping[str, tuple[pa.Table, Sequence[str] | None]], *,
+                 debug: str = "") -> dict[str, Stored]:
+    """:func:`store_table` for several names at once, in ONE transaction: every name's
+    newest generation holds its table afterwards, or (on any error) none changed.
+
+    Args:
+        tables: each name's table and primary key (None: none).
+
+    Raises:
+        as :func:`store_table`; ``UpperMismatch`` if other writers kept replacing one
+        of the tables past ``retry_deadline_s``.
+    """
+    if not tables:
+        raise InvalidInput("store_tables needs at least one table")
+    # Every table is checked before any generation is opened: a bad one changes nothing.
+    encoded = {}
+    for name, (table, primary_key) in tables.items():
+        plan = storage_plan(table.schema, primary_key)
+        encoded[name] = (plan, encode_contents(plan.shard_schema, to_storage(table, plan)))
+    names = client.shard_names()
+    opened: list[WriteHandle] = []
+    try:
+        txn = client.transaction()
+        where: dict[str, tuple[str, ShardId]] = {}
+        for name, (plan, rows) in encoded.items():
+            writer, gen_name, shard = _open_generation(client, name, plan, names, debug)
+            opened.append(writer)
+            txn._replace_encoded(writer, rows)
+            where[name] = (gen_name, shard)
+        results = txn.commit()
+        return {name: Stored(results[str(shard)], gen_name, shard)
+                for name, (gen_name, shard) in where.items()}
+    finally:
+        for writer in opened:
+            writer.expire()
+
+
+def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
+                     names: Mapping[str, ShardId], debug: str
+                     ) -> tuple[WriteHandle, str, ShardId]:
+    """A writer of the newest generation of ``name`` that stores ``plan``'s schema
+    exactly (a table whose schema no longer fits starts the next generation); with the
+    generation's name and shard."""
+    found = generations(name, names)
     generation = found[-1] if found else 1
     for _ in range(MAX_GENERATION_ATTEMPTS):
         gen_name = generation_name(name, generation)
@@ -161,15 +215,13 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
         except SchemaMismatch:
             generation += 1  # keys or types changed: a new generation, a new shard
             continue
-        try:
-            if writer.schema != plan.shard_schema:
-                # Same columns with other metadata, or fewer value columns: a load must
-                # return exactly this table, so it goes to a generation of its own.
-                generation += 1
-                continue
-            return Stored(writer.replace_contents(to_storage(table, plan)), gen_name, shard)
-        finally:
+        if writer.schema != plan.shard_schema:
+            # Same columns with other metadata, or fewer value columns: a load must
+            # return exactly this table, so it goes to a generation of its own.
             writer.expire()
+            generation += 1
+            continue
+        return writer, gen_name, shard
     raise PersistError(f"{name}: could not settle on a generation for this table's schema "
                        f"in {MAX_GENERATION_ATTEMPTS} attempts (its schema keeps changing)")
 

@@ -14,12 +14,17 @@ uploaded before that round trip; inline batches travel in it.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+
 from persist_pipeline import write as write_module
 from persist_pipeline.exceptions import (
+    CorruptPart,
     CorruptState,
     Indeterminate,
     InvalidFrontier,
@@ -33,11 +38,14 @@ from persist_pipeline.internal import transitions
 from persist_pipeline.internal.machine import Step, apply_many
 from persist_pipeline.updates import Updates
 from persist_pipeline.write import (
+    _MISSING_PART_RETRIES,
     CERTAINLY_NOT_COMMITTED,
+    Encoding,
     Staged,
     WriteHandle,
     WriteResult,
     check_times,
+    with_row_counts,
 )
 
 if TYPE_CHECKING:
@@ -52,7 +60,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Op:
     """One shard's append in a transaction. ``lower`` is set for :meth:`Transaction.append`
-    (which cuts away what identical writers already wrote), None for compare_and_append."""
+    (which cuts away what identical writers already wrote), None for compare_and_append.
+    ``contents`` is set for :meth:`Transaction.replace_contents`: its updates are planned
+    against the shard's latest state at commit, and planned again if it moves."""
 
     handle: WriteHandle
     data: Updates
@@ -62,6 +72,26 @@ class _Op:
     token: str
     staged: Staged | None = None
     skipped: WriteResult | None = None
+    contents: pa.Table | None = None
+    encoding: Encoding | None = None
+
+    def plan(self) -> None:
+        """For a replace: the updates that make the shard's latest state hold
+        ``contents``, at its upper (retried on a collected part, as a handle does)."""
+        assert self.contents is not None
+        machine = self.handle._machine
+        for attempt in range(_MISSING_PART_RETRIES):
+            state = machine.fetch_latest()
+            try:
+                self.data, time, self.encoding = self.handle._replacement(
+                    state, None, self.contents, None, "replace_contents")
+            except CorruptPart:
+                if attempt + 1 == _MISSING_PART_RETRIES or \
+                        machine.fetch_latest().seqno <= state.seqno:
+                    raise
+                continue
+            self.expected, self.upper, self.token = time, time + 1, new_token()
+            return
 
 
 class Transaction:
@@ -110,6 +140,33 @@ class Transaction:
         if lo is None:
             raise InvalidFrontier("lower must be a time")
         self._add(shard, updates, lo, upper, lower=lo)
+
+    def replace_contents(self, shard: WriteHandle | ShardLike, table: object) -> None:
+        """Add a :meth:`WriteHandle.replace_contents` of a typed shard: at commit it
+        holds exactly the rows of ``table``, at its upper then. If another write lands
+        on it first, its rows are read again and the whole transaction retried (until
+        ``retry_deadline_s``), so every shard of the transaction is replaced together.
+
+        Raises:
+            SchemaMismatch: an untyped shard, or the table does not fit its schema.
+            InvalidUpdates: a key appears twice (with value columns).
+            InvalidInput: as :meth:`compare_and_append`.
+        """
+        self._check_open()
+        shard_id = self._shard_id(shard)
+        if shard_id in self._ops:
+            raise InvalidInput(f"shard {shard_id} appears twice in one transaction; put all "
+                               f"of its updates in one append")
+        handle = self._handle(shard, shard_id)
+        self._replace_encoded(handle, handle._encode_contents(table))
+
+    def _replace_encoded(self, handle: WriteHandle, contents: pa.Table) -> None:
+        """:meth:`replace_contents` of rows already encoded with ``handle``'s schema."""
+        self._check_open()
+        if handle.shard_id in self._ops:
+            raise InvalidInput(f"shard {handle.shard_id} appears twice in one transaction")
+        self._ops[handle.shard_id] = _Op(handle, Updates.coerce([]), 0, 1, None, new_token(),
+                                  contents=contents)
 
     def _add(self, shard: WriteHandle | ShardLike, updates: object, expected: int,
              new_upper: Frontier, lower: int | None) -> None:
@@ -187,13 +244,21 @@ class Transaction:
 
     def _commit(self) -> dict[str, WriteResult]:
         ops = list(self._ops.values())
+        clock = self._client.clock
+        deadline = clock.monotonic() + self._client.config.retry_deadline_s
         try:
-            while True:
+            for attempt in itertools.count():
+                if attempt and any(op.contents is not None and op.staged is None for op in ops):
+                    # A replaced shard moved: back off a random while before reading it
+                    # again, so that two replacing transactions do not keep colliding.
+                    clock.sleep(random.uniform(0, min(0.1, 0.001 * 2 ** min(attempt, 10))))  # noqa: S311
                 live = [op for op in ops if op.skipped is None]
                 for op in live:
                     if op.staged is None:
+                        if op.contents is not None:
+                            op.plan()
                         op.staged = op.handle._stage(op.data, op.expected, op.upper, op.token,
-                                                     op.handle._encoding)
+                                                     op.encoding or op.handle._encoding)
                 if not live:
                     return self._results(ops)
                 staged = [op.staged for op in live if op.staged is not None]
@@ -208,24 +273,29 @@ class Transaction:
                     results = [first.handle._settle_in_history(first, e)] * len(staged)
                     committed, states = True, [s.handle._machine.state for s in staged]
                 if not committed:
-                    if self._retry_refused(live, results):
+                    if self._retry_refused(live, results, clock.monotonic() < deadline):
                         continue
                     _raise_refusal(staged, results, states)
                 for op, s, result, state in zip(live, staged, results, states, strict=True):
                     op.skipped = s.handle._finish(s, result, state)
+                    if op.contents is not None and op.skipped is not None:
+                        op.skipped = with_row_counts(op.skipped, op.data)
                 return self._results(ops)
+            raise AssertionError("unreachable")
         except CERTAINLY_NOT_COMMITTED:
             for op in ops:
                 if op.staged is not None:
                     op.handle._delete_uncommitted(op.staged.parts)
             raise
 
-    def _retry_refused(self, live: list[_Op], results: list[transitions.AppendResult]) -> bool:
+    def _retry_refused(self, live: list[_Op], results: list[transitions.AppendResult],
+                       replan: bool) -> bool:
         """Adjusts the appends a commit attempt refused in a way that can be retried;
         True if another attempt is due. A shard whose inline budget is full goes to blob;
         an ``append`` whose shard moved inside ``(lower, upper)`` is cut, and one whose
-        shard is already past its upper is left out. Any other refusal is final (the
-        caller raises it)."""
+        shard is already past its upper is left out; a replace whose shard moved is
+        planned again while ``replan``. Any other refusal is final (the caller raises
+        it)."""
         retry = False
         for op, result in zip(live, results, strict=True):
             staged = op.staged
@@ -233,6 +303,11 @@ class Transaction:
             if isinstance(result, transitions.InlineBudgetExceeded):
                 op.staged = op.handle._stage(op.data, op.expected, op.upper, op.token,
                                              staged.encoding, to_blob=True)
+                retry = True
+            elif isinstance(result, transitions.UpperMismatchResult) and \
+                    op.contents is not None and replan and result.current is not None:
+                op.handle._delete_uncommitted(staged.parts)
+                op.staged = None
                 retry = True
             elif isinstance(result, transitions.UpperMismatchResult) and op.lower is not None:
                 current = result.current

@@ -381,6 +381,16 @@ class WriteHandle:
                                  f"ShardSchema); shard {self.shard_id} is untyped")
         return self.schema
 
+    def _encode_contents(self, table: object) -> pa.Table:
+        """``table`` encoded as the shard's whole contents (see :meth:`replace_contents`)."""
+        return encode_contents(self._require_schema("replace_contents"), table)
+
+    def _replace_encoded(self, rows: pa.Table) -> WriteResult:
+        """:meth:`replace_contents` of rows :func:`encode_contents` encoded with this
+        handle's schema."""
+        self._check_open()
+        return self._replace_keys(None, rows, None, "replace_contents")
+
     def replace_contents(self, table: object, ts: int | None = None) -> WriteResult:
         """Make the shard hold exactly the rows of ``table`` at ``ts`` (typed shards).
 
@@ -396,12 +406,7 @@ class WriteHandle:
             InvalidUpdates: a key appears twice (with value columns).
             UpperMismatch: the shard's upper is beyond ``ts``.
         """
-        schema = self._require_schema("replace_contents")
-        rows = schema.encode(table, with_times=False)
-        if len(schema.value) and pc.count_distinct(rows.column("k")).as_py() != rows.num_rows:
-            raise InvalidUpdates("replace_contents: a key appears more than once in the "
-                                 "table (which value would win is undefined)")
-        return self._replace_keys(None, rows, ts, "replace_contents")
+        return self._replace_keys(None, self._encode_contents(table), ts, "replace_contents")
 
     def _replace_keys(self, keys: pa.ChunkedArray | pa.Array | None, rows: pa.Table | None,
                       ts: int | None, what: str) -> WriteResult:
@@ -425,16 +430,10 @@ class WriteHandle:
                     current_upper = machine.fetch_latest().upper
                     raise UpperMismatch(expected, current_upper, shard=self.shard_id)
             state = machine.fetch_latest()
-            expected = state.upper
-            if expected is None:
-                raise InvalidFrontier(f"{what}: shard {self.shard_id} is closed")
-            time = expected if wanted is None else wanted
-            if time < expected:
-                raise UpperMismatch(time, expected, shard=self.shard_id)
-            encoding = self._attempt_encoding(state)
+            expected = state.upper if state.upper is not None else 0
             try:
-                current = (current_rows(machine.blobs, state, sorted_keys)
-                           if sorted_keys is not None else self._contents(state))
+                data, time, encoding = self._replacement(state, sorted_keys, rows, wanted,
+                                                         what)
             except CorruptPart:
                 # A part collected after compaction replaced it: read a newer state.
                 missing_parts += 1
@@ -442,23 +441,40 @@ class WriteHandle:
                         machine.fetch_latest().seqno > state.seqno:
                     continue
                 raise
-            retract = current.set_column(2, "t", pa.array([time] * current.num_rows,
-                                                          pa.int64()))
-            retract = retract.set_column(3, "d", pc.negate(current.column("d")))
-            pieces = [retract.cast(SCHEMA)]
-            if rows is not None:
-                pieces.append(rows.set_column(2, "t", pa.array([time] * rows.num_rows,
-                                                               pa.int64())).cast(SCHEMA))
-            data = Updates.coerce(pa.concat_tables(pieces))
             try:
                 result = self._compare_and_append(data, expected, time + 1, None, encoding)
             except UpperMismatch:
                 continue  # another write landed: read the keys again
-            diffs = data.table().column("d")
-            added = pc.sum(pc.filter(diffs, pc.greater(diffs, 0))).as_py() or 0
-            removed = pc.sum(pc.filter(diffs, pc.less(diffs, 0))).as_py() or 0
-            return replace(result, rows_added=added, rows_retracted=-removed)
+            return with_row_counts(result, data)
         raise AssertionError("unreachable")
+
+    def _replacement(self, state: State, sorted_keys: list[bytes] | None,
+                     rows: pa.Table | None, wanted: Frontier, what: str
+                     ) -> tuple[Updates, int, Encoding]:
+        """The updates that make ``state``'s rows of ``sorted_keys`` (None: of every
+        key) equal ``rows``, at ``wanted`` (None: the state's upper); with that time and
+        the encoding they carry (the state's schema).
+
+        Raises:
+            InvalidFrontier: the shard is closed. UpperMismatch: ``wanted`` is below the
+                upper. CorruptPart: a part was collected (read a newer state).
+        """
+        expected = state.upper
+        if expected is None:
+            raise InvalidFrontier(f"{what}: shard {self.shard_id} is closed")
+        time = expected if wanted is None else wanted
+        if time < expected:
+            raise UpperMismatch(time, expected, shard=self.shard_id)
+        encoding = self._attempt_encoding(state)
+        current = (current_rows(self._machine.blobs, state, sorted_keys)
+                   if sorted_keys is not None else self._contents(state))
+        retract = current.set_column(2, "t", pa.array([time] * current.num_rows, pa.int64()))
+        retract = retract.set_column(3, "d", pc.negate(current.column("d")))
+        pieces = [retract.cast(SCHEMA)]
+        if rows is not None:
+            pieces.append(rows.set_column(2, "t", pa.array([time] * rows.num_rows,
+                                                           pa.int64())).cast(SCHEMA))
+        return Updates.coerce(pa.concat_tables(pieces)), time, encoding
 
     def _contents(self, state: State) -> pa.Table:
         """Every row of ``state`` at its upper - 1 (k/v/t/d, consolidated)."""
@@ -657,6 +673,29 @@ def _schema_changed(shard_id: str, recorded: bytes, encoding: Encoding) -> str:
     return (f"{shard} but this write's updates are {written}: its schema was recorded or "
             f"changed after the write was planned (reopen the writer, or plan the write "
             f"again); nothing was written")
+
+
+def encode_contents(schema: ShardSchema, table: object) -> pa.Table:
+    """``table`` encoded as a typed shard's whole contents: k/v rows (no times).
+
+    Raises:
+        SchemaMismatch: the table does not fit ``schema``.
+        InvalidUpdates: a key appears twice (with value columns).
+    """
+    rows = schema.encode(table, with_times=False)
+    if len(schema.value) and pc.count_distinct(rows.column("k")).as_py() != rows.num_rows:
+        raise InvalidUpdates("replace_contents: a key appears more than once in the "
+                             "table (which value would win is undefined)")
+    return rows
+
+
+def with_row_counts(result: WriteResult, data: Updates) -> WriteResult:
+    """``result`` with the rows its updates added and retracted (sums of the positive
+    and the negative diffs)."""
+    diffs = data.table().column("d")
+    added = pc.sum(pc.filter(diffs, pc.greater(diffs, 0))).as_py() or 0
+    removed = pc.sum(pc.filter(diffs, pc.less(diffs, 0))).as_py() or 0
+    return replace(result, rows_added=added, rows_retracted=-removed)
 
 
 def already_appended(result: transitions.AppendResult) -> bool:

@@ -267,3 +267,38 @@ def test_compaction_definitions_request_a_run_for_pending_shards(tmp_path: Path)
             assert config == {"shards": [shard]}
     finally:
         manager.teardown_after_execution(None)  # type: ignore[arg-type]
+
+
+def test_a_multi_asset_stores_its_outputs_in_one_transaction(
+        io_manager: PersistIOManager) -> None:
+    """``store_many`` from a multi-asset: both assets' shards change in one commit, each
+    materialization reports its own table; a failing table stores neither."""
+
+    @dg.multi_asset(specs=[dg.AssetSpec(["shop", "orders"]), dg.AssetSpec(["shop", "lines"])],
+                    required_resource_keys={"io_manager"})
+    def shop(context: dg.AssetExecutionContext):
+        metadata = context.resources.io_manager.store_many(
+            {"shop/orders": pa.table({"id": [1, 2], "total": [3.0, 4.0]}),
+             "shop/lines": pa.table({"order": [1, 2, 2], "sku": ["a", "b", "c"]})},
+            primary_keys={"shop/orders": ["id"]}, debug=f"dagster run {context.run.run_id}")
+        for name, meta in metadata.items():
+            yield dg.MaterializeResult(asset_key=dg.AssetKey(name.split("/")),
+                                       metadata=meta)
+
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([shop], resources={"io_manager": io_manager},
+                                instance=instance)
+    assert result.success
+    events = {e.asset_key.to_user_string(): e.step_materialization_data.materialization.metadata
+              for e in result.get_asset_materialization_events()}
+    assert events["shop/orders"]["dagster/table_name"].value == "shop/orders"
+    assert events["shop/lines"]["dagster/row_count"].value == 3
+    orders_upper = events["shop/orders"]["persist/upper"].value
+    client = io_manager.client()
+    assert client.inspect(client.resolve("shop/orders"))["upper"] == orders_upper
+    with pytest.raises(InvalidInput):
+        io_manager.store_many({"shop/orders": pa.table({"id": [5, 5], "total": [1.0, 2.0]}),
+                               "shop/lines": pa.table({"order": [9], "sku": ["z"]})},
+                              primary_keys={"shop/orders": ["id"]})
+    assert client.inspect(client.resolve("shop/lines"))["upper"] == \
+        events["shop/lines"]["persist/upper"].value

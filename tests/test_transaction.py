@@ -410,3 +410,65 @@ def test_sqlite_transaction_is_one_round_trip(tmp_path: Path):
         txn.compare_and_append(wb, [(b"k", b"", 0, 1)], 0, 1)
     assert calls == ["many2"]
     client.close()
+
+
+# --- replacing several typed shards together ---------------------------------------------
+
+
+def test_replace_contents_of_several_shards_is_one_atomic_step(open_client):
+    """A transaction replacing two typed shards' contents: both change together; a
+    racing write to one of them makes the transaction read it again and retry."""
+    client = open_client()
+    schema = ShardSchema(pa.schema([("id", pa.int64())]), pa.schema([("qty", pa.int64())]))
+    a, b = ShardId.new(), ShardId.new()
+    wa, wb = client.open_writer(a, schema=schema), client.open_writer(b, schema=schema)
+    wa.replace_contents(pa.table({"id": [1, 2], "qty": [1, 1]}))
+    txn = client.transaction()
+    txn.replace_contents(wa, pa.table({"id": [2, 3], "qty": [5, 5]}))
+    txn.replace_contents(wb, pa.table({"id": [9], "qty": [9]}))
+    # Another writer lands on a between planning and commit: its rows are replaced too.
+    other = open_client().open_writer(a, schema=schema)
+    other.upsert(pa.table({"id": [7], "qty": [7]}))
+    results = txn.commit()
+    assert results[str(a)].rows_added == 2 and results[str(a)].rows_retracted == 3
+
+    def contents(shard: ShardId) -> list[dict]:
+        upper = client._machine(str(shard)).fetch_latest().upper
+        reader = client.open_reader(shard)
+        try:
+            return sorted(reader.snapshot(upper - 1).select(["id", "qty"]).to_pylist(),
+                          key=lambda r: r["id"])
+        finally:
+            reader.expire()
+
+    assert contents(a) == [{"id": 2, "qty": 5}, {"id": 3, "qty": 5}]
+    assert contents(b) == [{"id": 9, "qty": 9}]
+    with pytest.raises(SchemaMismatch):
+        client.transaction().replace_contents(client.open_writer(ShardId.new()),
+                                              pa.table({"id": [1]}))
+    with pytest.raises(InvalidUpdates, match="more than once"):
+        client.transaction().replace_contents(wa, pa.table({"id": [1, 1], "qty": [1, 2]}))
+
+
+def test_store_tables_stores_every_table_or_none(open_client):
+    from persist_pipeline import tables
+
+    client = open_client()
+    stored = tables.store_tables(client, {
+        "shop/orders": (pa.table({"id": [1, 2], "amount": [3.5, 4.0]}), ["id"]),
+        "shop/lines": (pa.table({"order": [1, 1, 2], "sku": ["a", "b", "c"]}), None),
+    })
+    assert {s.name for s in stored.values()} == {"shop/orders", "shop/lines"}
+    assert tables.load_table(client, "shop/orders").to_pylist() == [
+        {"id": 1, "amount": 3.5}, {"id": 2, "amount": 4.0}]
+    # A bad table (a key twice) refuses the whole set: the other is unchanged too.
+    with pytest.raises(InvalidUpdates):
+        tables.store_tables(client, {
+            "shop/orders": (pa.table({"id": [1], "amount": [9.0]}), ["id"]),
+            "shop/lines": (pa.table({"order": [5, 5], "sku": ["x", "x"]}), ["order"]),
+        })
+    assert sorted(r["sku"] for r in tables.load_table(client, "shop/lines").to_pylist()) == [
+        "a", "b", "c"]
+    assert tables.load_table(client, "shop/orders").num_rows == 2
+    with pytest.raises(InvalidInput):
+        tables.store_tables(client, {})

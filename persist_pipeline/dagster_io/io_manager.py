@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import dagster as dg
@@ -209,6 +209,37 @@ class PersistIOManager(dg.ConfigurableIOManager):
         started = time.perf_counter()
         stored = tables.store_table(client, name, table, primary_key, debug=debug)
         latency_ms = (time.perf_counter() - started) * 1000
+        return self._metadata(client, table, primary_key, stored, latency_ms)
+
+    def store_many(self, outputs: Mapping[str, object], *,
+                   primary_keys: Mapping[str, Sequence[str]] | None = None,
+                   debug: str = "") -> dict[str, dict[str, Any]]:
+        """Store several tables in ONE transaction: every shard named in ``outputs``
+        holds its table afterwards, or none changed. For a multi-asset whose outputs
+        must change together: store them here and return a ``MaterializeResult`` per
+        asset with the metadata returned for it (see the README).
+
+        Args:
+            outputs: each shard name (:func:`~persist_pipeline.tables.asset_shard_name`
+                of an asset key) and its table (anything :meth:`handle_output` takes).
+            primary_keys: the key columns of some of the tables.
+
+        Returns:
+            Each name's materialization metadata, as :meth:`store` returns it.
+        """
+        keys = primary_keys or {}
+        converted = {name: (to_arrow(obj), _key_columns(keys.get(name)))
+                     for name, obj in outputs.items()}
+        client = self.client()
+        started = time.perf_counter()
+        stored = tables.store_tables(client, converted, debug=debug)
+        latency_ms = (time.perf_counter() - started) * 1000
+        return {name: self._metadata(client, converted[name][0], converted[name][1],
+                                     stored[name], latency_ms) for name in outputs}
+
+    def _metadata(self, client: PersistClient, table: pa.Table,
+                  primary_key: Sequence[str] | None, stored: tables.Stored,
+                  latency_ms: float) -> dict[str, Any]:
         result, generation_of, shard = stored.result, stored.name, stored.shard
         maintenance = self._maintain(client, shard, result.upper)
         upper = result.upper if result.upper is not None else -1
