@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.postgres, pytest.mark.s3, pytest.mark.spark, pytest.ma
 
 #: The cases, in groups of about equal smoke time, one test each (parallel workers share
 #: them; the Spark ones share a worker's session).
-GROUPS = {"latency": ["1", "2", "3", "8"], "reads": ["4", "7", "13", "profile"],
+GROUPS = {"latency": ["1", "2", "3", "8"], "reads": ["4", "7", "13", "14", "profile"],
           "pipeline": ["6", "11", "12"], "spark": ["5", "10"], "scale": ["9"]}
 
 

@@ -1,12 +1,21 @@
-"""The ``persist-pipeline`` command, run as a real subprocess on the embedded default."""
+"""The ``persist-pipeline`` command on the embedded default.
+
+Commands run in this process through ``persist_pipeline.cli.main`` with the environment,
+stdout (text and binary) and stderr of a real invocation (a subprocess costs a second of
+imports per command); ``test_the_installed_entry_point_runs`` runs the real executable.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pyarrow.parquet as pq
 import pytest
@@ -19,8 +28,37 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "persist_pipeline", *args], env=env,
-                          capture_output=True, text=True, timeout=120, check=False)
+    """``persist-pipeline ARGS`` with environment ``env``, run in this process."""
+    from persist_pipeline import cli as cli_module
+
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+    err = io.StringIO()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        try:
+            code = cli_module.main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            root.handlers[:], root.level = handlers, level
+    stdout = out.buffer.getvalue().decode()  # type: ignore[attr-defined]
+    return subprocess.CompletedProcess(list(args), code, stdout, err.getvalue())
+
+
+def test_the_installed_entry_point_runs(env: dict[str, str]) -> None:
+    """The real executable: a command's output on stdout, an error as one line on
+    stderr with exit code 2."""
+    bin_dir = Path(sys.executable).parent
+    exe = bin_dir / "persist-pipeline"
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "persist_pipeline"]
+    out = subprocess.run([*command, "new-shard"], env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0 and out.stdout.strip().startswith("s"), out.stderr
+    bad = subprocess.run([*command, "inspect", "not-a-shard!"], env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
 def test_append_inspect_snapshot_compact_gc(env, tmp_path):

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 def test_short_nemesis_on_postgres_and_s3(pg_restartable, s3_uri, tmp_path):
     cluster = pg_restartable
     report = runner.run(runner.NemesisOptions(
-        consensus_uri=cluster.server.url("postgres"), blob_uri=s3_uri, seconds=35, writers=3,
+        consensus_uri=cluster.server.url("postgres"), blob_uri=s3_uri, seconds=25, writers=3,
         readers=2, seed=11, fault_rate=0.02, pg_restart=" ".join(cluster.restart_command()),
         workdir=str(tmp_path / "nemesis")), out=print)
     assert report.check.violations == []
