@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
+import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
+from unittest import mock
 
 import pyarrow as pa
 
@@ -169,3 +174,27 @@ def examples(n: int) -> int:
     """A hypothesis test's example count: ``n`` under the ``ci`` profile, a fifth under
     ``fast`` (``HYPOTHESIS_PROFILE``, see tests/conftest.py)."""
     return max(5, n // 5) if os.environ.get("HYPOTHESIS_PROFILE") == "fast" else n
+
+
+def run_cli(env: Mapping[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``persist-pipeline ARGS`` run in this process through ``cli.main``, with the
+    environment ``env`` and the stdout (text and binary) and stderr of a real
+    invocation; the logging levels the command sets are restored after."""
+    from persist_pipeline import cli as cli_module
+
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+    err = io.StringIO()
+    root, library = logging.getLogger(), logging.getLogger("persist_pipeline")
+    saved = (list(root.handlers), root.level, library.level)
+    with mock.patch.dict(os.environ, dict(env), clear=True), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli_module.main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            root.handlers[:] = saved[0]
+            root.setLevel(saved[1])
+            library.setLevel(saved[2])
+    stdout = out.buffer.getvalue().decode()  # type: ignore[attr-defined]
+    return subprocess.CompletedProcess(list(args), code, stdout, err.getvalue())

@@ -7,18 +7,16 @@ imports per command); ``test_the_installed_entry_point_runs`` runs the real exec
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pyarrow.parquet as pq
 import pytest
+
+from tests.helpers import run_cli
 
 
 @pytest.fixture
@@ -29,22 +27,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """``persist-pipeline ARGS`` with environment ``env``, run in this process."""
-    from persist_pipeline import cli as cli_module
-
-    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
-    err = io.StringIO()
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stdout(out), \
-            contextlib.redirect_stderr(err):
-        try:
-            code = cli_module.main(list(args))
-        except SystemExit as e:  # argparse's usage errors
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        finally:
-            root.handlers[:], root.level = handlers, level
-    stdout = out.buffer.getvalue().decode()  # type: ignore[attr-defined]
-    return subprocess.CompletedProcess(list(args), code, stdout, err.getvalue())
+    return run_cli(env, *args)
 
 
 def test_the_installed_entry_point_runs(env: dict[str, str]) -> None:

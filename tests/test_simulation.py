@@ -4,14 +4,15 @@ replays exactly, and it catches each fixed defect when its fix is reverted."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import subprocess
-import sys
 
 import pytest
 
 from persist_pipeline.sim import run_seed, run_seeds
 from persist_pipeline.sim.controls import CONTROLS
+from tests.helpers import run_cli
 
 STEPS = 2000
 
@@ -118,8 +119,9 @@ def test_every_control_is_covered_by_a_test():
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "persist_pipeline", "simulate", *args],
-                          capture_output=True, text=True, timeout=300, check=False)
+    """``persist-pipeline simulate ARGS``, in this process (the entry point itself is
+    tested in tests/test_cli.py)."""
+    return run_cli(os.environ, "simulate", *args)
 
 
 def test_cli_prints_one_line_and_exits_zero():
