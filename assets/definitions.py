@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dagster as dg
 
+from assets.alert_sensors import build_compaction_failure_sensor, build_shard_alert_sensors
 from assets.asset_keys import (
     CHECKS_JOB,
     COMPACTION_GROUP,
@@ -21,17 +22,13 @@ from assets.asset_keys import (
 )
 from assets.checks import build_shard_checks
 from assets.compaction import build_compaction_assets
+from assets.compaction_sensors import build_inline_pressure_sensor
 from assets.gc import build_gc_assets
 from assets.ingestion import build_ingestion_assets
+from assets.landing_sensor import build_landing_sensor
 from assets.pipeline_config import FileSource, PipelineConfig, load_pipeline_config
 from assets.reports import build_report_asset
 from assets.schedules import build_automation_sensor, build_checks_schedule
-from assets.sensors import (
-    build_compaction_failure_sensor,
-    build_inline_pressure_sensor,
-    build_landing_sensor,
-    build_shard_alert_sensors,
-)
 from resources.alerts import AlertsResource
 from resources.inline_policy import InlinePolicyResource
 from resources.io_manager import PersistIOManager

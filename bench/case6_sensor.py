@@ -5,7 +5,7 @@ PostgreSQL database, and two things are timed at each count:
 
 - ``client.shard_summaries()`` on a warm client: the one consensus query every
   shard-level sensor makes (``list_heads``: one LATERAL probe per registered shard);
-- the Dagster ``inline_pressure_sensor`` of ``assets/sensors.py`` evaluated the way the
+- the Dagster ``inline_pressure_sensor`` of ``assets/compaction_sensors.py`` evaluated the way the
   daemon does it: a fresh sensor context per tick, so the ``persist`` resource opens a new
   :class:`PersistClient` (engine, connection, dialect set-up, CREATE TABLE IF NOT EXISTS)
   before its one summary query; every shard is configured in the sensor.
@@ -75,8 +75,8 @@ def _create_shards(client: PersistClient, n: int) -> list[str]:
 def _sensor(shard_ids: list[str]) -> Any:
     import dagster as dg
 
+    from assets.compaction_sensors import build_inline_pressure_sensor
     from assets.pipeline_config import ShardConfig, SyntheticSource
-    from assets.sensors import build_inline_pressure_sensor
 
     shards = [ShardConfig(name=f"shard_{i}", shard_id=s, source=SyntheticSource())
               for i, s in enumerate(shard_ids)]

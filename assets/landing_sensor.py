@@ -1,0 +1,98 @@
+"""The landing sensor of a ``files`` shard.
+
+``NAME_landing_sensor`` (one per ``files`` shard): each new landed file becomes a
+dynamic partition ``NAME/<file>`` of ``ingest/NAME`` and one run of ``ingest_files_job`` whose run
+key is the file's identity (name, size, mtime). The cursor remembers the identities
+already requested, Dagster never reuses a run key, files already ingested by a run
+launched by hand are not requested, and the asset itself writes nothing for a file
+version it already ingested: a file is ingested exactly once. A bad file's failed run
+is not retried (land a fixed file, or re-run its partition). A missing or unreadable
+landing location fails the tick with a message saying so; files of other formats
+are named in the tick's skip reason.
+"""
+
+# No `from __future__ import annotations` here: Dagster 1.13 reads the annotations of
+# decorated functions (context, config and resource parameters) at definition time.
+
+import json
+
+import dagster as dg
+
+from assets.asset_keys import (
+    FILES_PARTITIONS,
+    LANDING_JOB,
+    TAG_FILE,
+    TAG_SHARDS,
+    TAG_TRIGGER,
+    AssetJob,
+    file_partition_key,
+    shard_key,
+)
+from assets.ingestion import LANDED_FILES, ingested_by
+from assets.pipeline_config import FileSource, ShardConfig
+from assets.sensor_support import load_cursor, sensor_status
+from assets.sources import describe, scan_landing
+from resources.env import redact_text
+
+# --- landing files -------------------------------------------------------------------------
+
+
+def build_landing_sensor(shard: ShardConfig, job: AssetJob, *,
+                         running: bool = True) -> dg.SensorDefinition:
+    """One partition and one ingestion run per new file in the ``files`` source of
+    ``shard``."""
+    source = shard.source
+    assert isinstance(source, FileSource), "landing sensors watch files sources"
+    key = shard_key(shard.name)
+
+    @dg.sensor(name=f"{shard.name}_landing_sensor", job=job,
+               minimum_interval_seconds=source.sensor_interval_s,
+               default_status=sensor_status(running),
+               description=f"Each new file in {describe_source_template(source)} becomes a "
+                           f"partition of ingest/{shard.name} ({shard.name}/<file>) and one "
+                           f"run of {LANDING_JOB} (run key: the file's name, size and "
+                           "mtime). Fails the tick if the location is missing or cannot be "
+                           "listed.")
+    def landing_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        seen = set(load_cursor(context.cursor).get("seen", []))
+        landing = scan_landing(source)  # LandingLocationError fails the tick, clearly
+        requests, already, added = [], [], []
+        for f in landing.files:
+            if f.identity in seen:
+                continue
+            partition = file_partition_key(shard.name, f.name)
+            if context.instance.has_dynamic_partition(FILES_PARTITIONS, partition):
+                if ingested_by(context.instance, key, partition, f.identity):
+                    already.append(f.name)  # e.g. materialized by hand: not again
+                    continue
+            else:
+                added.append(partition)
+            requests.append(dg.RunRequest(
+                run_key=f"{shard.name}:{f.identity}", partition_key=partition,
+                asset_selection=[key],
+                tags={TAG_SHARDS: shard.name, TAG_FILE: f.name, TAG_TRIGGER: "landing"}))
+        # Only identities still landed are kept: the cursor stays as small as the folder.
+        cursor = json.dumps({"seen": sorted(f.identity for f in landing.files)})
+        notes = []
+        if already:
+            notes.append(f"{len(already)} already ingested ({', '.join(already[:5])})")
+        if landing.ignored:
+            shown = ", ".join(landing.ignored[:5]) + (", ..." if len(landing.ignored) > 5
+                                                       else "")
+            notes.append(f"{len(landing.ignored)} file(s) ignored, not "
+                         f"{'/'.join(source.formats)}: {shown}")
+            context.log.warning(f"{describe(source)}: {notes[-1]}")
+        if not requests:
+            reason = f"no new file in {describe(source)}"
+            return dg.SensorResult(skip_reason="; ".join([reason, *notes]), cursor=cursor)
+        return dg.SensorResult(
+            run_requests=requests, cursor=cursor,
+            dynamic_partitions_requests=[LANDED_FILES.build_add_request(added)] if added
+            else [])
+
+    return landing_sensor
+
+
+def describe_source_template(source: FileSource) -> str:
+    """The landing location as configured (templates unexpanded), redacted."""
+    return redact_text(source.uri)
