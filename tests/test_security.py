@@ -98,3 +98,29 @@ def test_the_dagster_ui_binds_to_loopback_by_default():
     makefile = (ROOT / "Makefile").read_text()
     ui = makefile[makefile.index("\nui:"):].split("\n\n")[0]
     assert "-h 127.0.0.1" in ui
+
+
+@pytest.mark.parametrize("password", ["on", "e", "refused", "s3cr3t-long-password"])
+def test_driver_messages_are_masked_by_structure_not_by_substring(password: str) -> None:
+    """A short password is masked only where it stands as a password (a URI's user
+    info, a ``password=`` value), so the rest of the message reads as the driver wrote
+    it and masks never show where the password's letters occur; a long one is masked
+    wherever it occurs."""
+    import psycopg2
+    from sqlalchemy.engine import make_url
+
+    from persist_pipeline.consensus._sql_errors import map_error
+
+    url = make_url(f"postgresql://app:{password}@db.example:5432/persist")
+    driver = psycopg2.OperationalError(
+        'connection to server at "db.example" (10.0.0.1), port 5432 failed: Connection '
+        f"refused; dsn postgresql://app:{password}@db.example/persist password={password} "
+        f"host=db.example")
+    text = str(map_error(driver, url, "opening"))
+    assert "Connection refused" in text
+    assert f"app:{password}@" not in text and f"password={password} " not in text
+    assert "postgresql://***@db.example/persist" in text and "password=*** host" in text
+    if len(password) >= 8:
+        assert password not in text
+    else:  # untouched elsewhere: no mask inside words
+        assert "c***" not in text.lower() and "***ion" not in text

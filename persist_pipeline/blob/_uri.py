@@ -24,7 +24,7 @@ PUBLIC_PARAMS = frozenset(
 _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def _redact_userinfo(uri: str) -> str:
+def redact_userinfo(uri: str) -> str:
     """``scheme://***@host...``: everything up to the LAST ``@`` before the query or
     fragment is hidden, so a password holding an unescaped ``/``, ``@`` or ``:`` (which
     a strict parser would split elsewhere) never shows, not even in part."""
@@ -46,7 +46,7 @@ def redact_uri(uri: str) -> str:
     Works on malformed URIs too (a query piece that is not ``name=value`` is hidden
     whole, a fragment too), so error messages can quote what the user passed.
     """
-    uri = _redact_userinfo(uri)
+    uri = redact_userinfo(uri)
     base, sep, rest = uri.partition("?")
     if not sep:
         base, hash_sep, _ = base.partition("#")

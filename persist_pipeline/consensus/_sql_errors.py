@@ -1,17 +1,19 @@
 """Maps SQL driver errors to :mod:`persist_pipeline.exceptions` without leaking secrets.
 
-Every message names the database by its redacted URL (password shown as ``***``) and
-any occurrence of the password in a driver message is masked as well.
+Every message names the database by its redacted URL (password shown as ``***``), and
+passwords in a driver message are masked by structure (see :func:`mask_secrets`).
 """
 
 from __future__ import annotations
 
+import re
 import sqlite3
 
 import psycopg2
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL
 
+from persist_pipeline.blob._uri import redact_userinfo
 from persist_pipeline.exceptions import (
     ConsensusAuthError,
     ConsensusError,
@@ -56,6 +58,27 @@ def redact_url(url: URL) -> str:
         return url.render_as_string(hide_password=True)
     url = url.update_query_dict({"password": "REDACTED"})
     return url.render_as_string(hide_password=True).replace("password=REDACTED", "password=***")
+
+
+#: Passwords at least this long are also masked wherever they occur in a driver message.
+#: A shorter one is masked only where it stands as a password (a URI's user info, a
+#: ``password=`` value): masking a short string everywhere mangles the message and shows
+#: where the string occurs ("Connection refused" with the password "on").
+_MASK_ANYWHERE_MIN = 8
+_URI_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+_PASSWORD_VALUE = re.compile(r"(?i)(\bpassword\s*=\s*)('[^']*'|\"[^\"]*\"|[^\s&;,]+)")
+
+
+def mask_secrets(message: str, secrets: list[str]) -> str:
+    """``message`` with passwords masked by structure: the user info of every URI in it
+    and every ``password=`` value; then each secret of at least ``_MASK_ANYWHERE_MIN``
+    characters wherever it still occurs. The rest of the message is left as it was."""
+    message = _URI_IN_TEXT.sub(lambda m: redact_userinfo(m.group(0)), message)
+    message = _PASSWORD_VALUE.sub(lambda m: m.group(1) + _MASK, message)
+    for secret in secrets:
+        if len(secret) >= _MASK_ANYWHERE_MIN:
+            message = message.replace(secret, _MASK)
+    return message
 
 
 def _secrets(url: URL) -> list[str]:
@@ -118,9 +141,7 @@ def map_error(exc: BaseException, url: URL, action: str) -> ConsensusError:
     orig: BaseException = exc
     if isinstance(exc, sa_exc.DBAPIError) and exc.orig is not None:
         orig = exc.orig
-    message = _first_line(orig)
-    for secret in _secrets(url):
-        message = message.replace(secret, _MASK)
+    message = mask_secrets(_first_line(orig), _secrets(url))
     cls: type[ConsensusError]
     if isinstance(orig, psycopg2.Error):
         cls = _classify_pg(orig, message)
