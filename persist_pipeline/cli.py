@@ -10,7 +10,9 @@ else); no stack traces.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +31,7 @@ from persist_pipeline.exceptions import (
     InvalidShardName,
     InvalidUpdates,
     PersistError,
+    ShardNameNotFound,
     ShardNotFound,
 )
 from persist_pipeline.frontier import Frontier
@@ -260,7 +263,12 @@ def run(args: argparse.Namespace) -> int:
             _print_json({name: str(i) for name, i in client.shard_names().items()})
             return 0
         if args.command == "resolve":
-            print(client.resolve(args.name, create=args.create))
+            try:
+                print(client.resolve(args.name, create=args.create))
+            except ShardNameNotFound:
+                raise ShardNameNotFound(f"no shard named {args.name!r}; create it with "
+                                        f"`persist-pipeline resolve --create "
+                                        f"{args.name}`") from None
             return 0
         shard = _shard(client, args.shard)
         if args.command == "inspect":
@@ -477,9 +485,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PersistError as e:
         print(f"persist-pipeline: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader of our output went away (`| head`): stop quietly, as Unix tools do,
+        # and keep Python from reporting the pipe again when it flushes stdout at exit.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except OSError as e:
-        print(f"persist-pipeline: {e.strerror or e}: {getattr(e, 'filename', '')}",
-              file=sys.stderr)
+        filename = getattr(e, "filename", None)
+        where = f": {filename}" if filename else ""
+        print(f"persist-pipeline: {e.strerror or e}{where}", file=sys.stderr)
         return 1
 
 

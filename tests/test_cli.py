@@ -145,3 +145,25 @@ def test_typed_shard_append_snapshot_and_inspect(env, tmp_path):
     table = pq.read_table(out_file)
     assert table.schema.field("tags").type == pa.list_(pa.string())
     assert sorted(table.column("id").to_pylist()) == [1, 2, 3]
+
+
+def test_unix_pipes_and_missing_folders_read_as_a_user_expects(env, tmp_path):
+    """`| head` ends the command quietly; a missing output folder names the folder; an
+    unknown name suggests the CLI's own --create."""
+    shard = cli(env, "new-shard").stdout.strip()
+    csv = tmp_path / "u.csv"
+    csv.write_text("k,v,t,d\n" + "".join(f"k{i},v,0,1\n" for i in range(5000)))
+    assert cli(env, "append", shard, str(csv), "--expected-upper", "0",
+               "--new-upper", "1").returncode == 0
+    exe = Path(sys.executable).parent / "persist-pipeline"
+    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "persist_pipeline"]
+    piped = subprocess.run(" ".join([*command, "snapshot", shard, "--as-of", "0"]) +
+                           " | head -n 2", shell=True, env=env, capture_output=True,
+                           text=True, timeout=120, check=False)
+    assert len(piped.stdout.splitlines()) == 2 and piped.stderr == ""
+    missing = cli(env, "snapshot", shard, "--as-of", "0", "--out",
+                  str(tmp_path / "no-such-dir" / "out.csv"))
+    assert missing.returncode != 0 and "None" not in missing.stderr
+    assert "no-such-dir" in missing.stderr or "No such file" in missing.stderr
+    unknown = cli(env, "resolve", "nothing-here")
+    assert unknown.returncode != 0 and "resolve --create nothing-here" in unknown.stderr
