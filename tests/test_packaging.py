@@ -1,0 +1,61 @@
+"""The package a user installs: built as a wheel from this checkout and installed into a
+fresh virtualenv, where the library imports and the command runs. The venv reaches this
+environment's packages for the dependencies (nothing is downloaded); the project itself
+comes only from the wheel."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_wheel_installs_into_a_fresh_venv_and_runs(tmp_path: Path) -> None:
+    # Built as pip builds it for a user: in an isolated environment with the build
+    # requirements pyproject.toml names.
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps",
+                            "-w", str(tmp_path / "dist")],
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert "license" not in built.stderr.lower(), built.stderr[-2000:]
+    [wheel] = (tmp_path / "dist").glob("persist_pipeline-*.whl")
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                           "['purelib'])"], capture_output=True, text=True, check=True
+                          ).stdout.strip()
+    # The dependencies: this environment's site-packages, appended to the new venv's
+    # path (a path a .pth file adds has its own .pth files ignored, so this checkout's
+    # editable install does not come along).
+    deps = sysconfig.get_paths()["purelib"]
+    Path(site, "dependencies.pth").write_text(deps + "\n")
+    # Install with this interpreter's pip into the new venv's site-packages.
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps",
+                                "--target", site, str(wheel)],
+                               capture_output=True, text=True, timeout=300, check=False)
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    # Run outside the checkout, so only the installed copy can be imported.
+    probe = ("import persist_pipeline, pathlib; "
+             "print(pathlib.Path(persist_pipeline.__file__).parent); "
+             "from persist_pipeline import PersistClient, ShardId; "
+             "c = PersistClient.open('mem://', 'mem://'); w = c.open_writer(ShardId.new()); "
+             "print(w.compare_and_append([(b'k', b'v', 0, 1)], 0, 1).placement)")
+    out = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    location, placement = out.stdout.split()
+    assert location.startswith(site) and placement == "inline"
+    # Only the library is installed: the code location's folders are not packages there.
+    assert not (Path(site) / "assets").exists() and not (Path(site) / "resources").exists()
+    cli = subprocess.run([str(python), "-m", "persist_pipeline", "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert cli.returncode == 0 and "new-shard" in cli.stdout
