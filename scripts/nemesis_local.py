@@ -8,6 +8,7 @@ exits with its status. Needs the dev extra (moto) and PostgreSQL's server binari
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import uuid
@@ -24,6 +25,8 @@ def main() -> int:
     parser.add_argument("--writers", type=int, default=4)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--fault-rate", type=float, default=0.02)
+    parser.add_argument("--s3-log", type=Path, default=Path(".nemesis/s3-server.log"),
+                        help="where the S3 server's request log goes (not the terminal)")
     args = parser.parse_args()
 
     import boto3
@@ -32,6 +35,13 @@ def main() -> int:
     for name, value in {"AWS_ACCESS_KEY_ID": "nemesis", "AWS_SECRET_ACCESS_KEY": "nemesis",
                         "AWS_DEFAULT_REGION": "us-east-1"}.items():
         os.environ.setdefault(name, value)
+    # The S3 server logs every request: to a file, so the terminal shows the progress.
+    args.s3_log.parent.mkdir(parents=True, exist_ok=True)
+    request_log = logging.getLogger("werkzeug")
+    request_log.handlers[:] = [logging.FileHandler(args.s3_log)]
+    request_log.setLevel(logging.INFO)
+    request_log.propagate = False
+    print(f"nemesis: the S3 server's request log is in {args.s3_log}", flush=True)
     s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     s3.start()
     host, port = s3.get_host_and_port()
