@@ -1,10 +1,10 @@
-"""The ``persist-pipeline`` command (also ``python -m persist_pipeline``).
+"""The persist-pipeline command (also: python -m persist_pipeline).
 
-Global options ``--consensus URI --blob URI [--wal-blob URI]`` default to the
-``PERSIST_*`` environment variables. Every command taking a shard takes its id or a name
-registered for it (``new-shard --name``, ``PersistClient.resolve``); ``names`` lists them.
-Every error is printed as one line on stderr with exit code 2 (bad input) or 1 (anything
-else); no stack traces.
+Global options --consensus URI --blob URI [--wal-blob URI] default to the PERSIST_*
+environment variables. Every command taking a shard takes its id or a name registered
+for it (new-shard --name, resolve --create); "names" lists them. Every error is printed
+as one line on stderr with exit code 2 (bad input) or 1 (anything else); no stack
+traces. "persist-pipeline COMMAND --help" shows a command's options and examples.
 """
 
 from __future__ import annotations
@@ -168,7 +168,31 @@ def build_parser() -> argparse.ArgumentParser:
                                      "seeds rotate over all of them)")
     s.add_argument("--keep-going", action="store_true",
                    help="run every seed even after a violation")
+    for name, parser in sub.choices.items():
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
+        parser.epilog = "examples:\n" + "\n".join(f"  persist-pipeline {line}"
+                                                   for line in EXAMPLES[name])
     return p
+
+
+#: What ``COMMAND --help`` shows under "examples" (with PERSIST_CONSENSUS_URI and
+#: PERSIST_BLOB_URI set).
+EXAMPLES: dict[str, list[str]] = {
+    "shards": ["shards", "shards --config pipeline.yaml"],
+    "new-shard": ["new-shard", "new-shard --name sales/orders"],
+    "names": ["names"],
+    "resolve": ["resolve sales/orders", "resolve --create sales/orders"],
+    "inspect": ["inspect sales/orders"],
+    "append": ["append sales/orders updates.csv", "append sales/orders updates.parquet "
+               "--expected-upper 10 --new-upper 11", "append new/shard rows.jsonl --create"],
+    "snapshot": ["snapshot sales/orders --as-of latest", "snapshot sales/orders --as-of 9 "
+                 "--out orders.parquet"],
+    "plan": ["plan sales/orders", "plan sales/orders --as-of 9"],
+    "compact": ["compact sales/orders"],
+    "gc": ["gc sales/orders"],
+    "nemesis": ["nemesis --seconds 60", "nemesis --seconds 600 --writers 4 --seed 7"],
+    "simulate": ["simulate --seeds 200", "simulate --seeds 1 --seed 27 --profile writes"],
+}
 
 
 def _print_json(obj: object) -> None:

@@ -167,3 +167,22 @@ def test_unix_pipes_and_missing_folders_read_as_a_user_expects(env, tmp_path):
     assert "no-such-dir" in missing.stderr or "No such file" in missing.stderr
     unknown = cli(env, "resolve", "nothing-here")
     assert unknown.returncode != 0 and "resolve --create nothing-here" in unknown.stderr
+
+
+def test_every_command_shows_examples_that_parse() -> None:
+    """``COMMAND --help`` ends with examples, each of which the parser accepts, and no
+    help text carries reStructuredText markup."""
+    import shlex
+
+    from persist_pipeline.cli import EXAMPLES, build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert set(EXAMPLES) == set(commands)
+    assert "``" not in parser.format_help()
+    for name, sub in commands.items():
+        text = sub.format_help()
+        assert "examples:" in text and "``" not in text, name
+        for example in EXAMPLES[name]:
+            args = parser.parse_args(shlex.split(example))
+            assert args.command == name, example
