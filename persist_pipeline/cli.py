@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import sys
@@ -196,7 +197,34 @@ EXAMPLES: dict[str, list[str]] = {
 
 
 def _print_json(obj: object) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    print(json.dumps(_readable(obj), indent=2, sort_keys=True, default=str))
+
+
+#: Integers above this in a key ending ``_ms`` are epoch times (not durations).
+_EPOCH_MS_FLOOR = 10**11
+
+
+def _readable(obj: object) -> object:
+    """JSON for people: floats to 3 decimals, epoch milliseconds (``*_ms`` keys) as ISO
+    8601 UTC times under the key without ``_ms``, and an empty ``skipped`` reason left
+    out (nothing was skipped)."""
+    if isinstance(obj, float):
+        return round(obj, 3)
+    if isinstance(obj, list | tuple):
+        return [_readable(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out: dict[str, object] = {}
+    for key, value in obj.items():
+        if key == "skipped" and value == "":
+            continue
+        if isinstance(key, str) and key.endswith("_ms") and isinstance(value, int) \
+                and not isinstance(value, bool) and value > _EPOCH_MS_FLOOR:
+            moment = datetime.datetime.fromtimestamp(value / 1000, tz=datetime.UTC)
+            out[key[:-3]] = moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+            continue
+        out[key] = _readable(value)
+    return out
 
 
 def _printable(table: pa.Table) -> pa.Table:

@@ -186,3 +186,14 @@ def test_every_command_shows_examples_that_parse() -> None:
         for example in EXAMPLES[name]:
             args = parser.parse_args(shlex.split(example))
             assert args.command == name, example
+
+
+def test_json_output_is_for_people(env):
+    """Epoch times as ISO 8601, floats rounded, no empty 'skipped' reason."""
+    shard = cli(env, "new-shard").stdout.strip()
+    info = json.loads(cli(env, "inspect", shard).stdout)
+    assert "walltime_ms" not in info and info["walltime"].endswith("Z")
+    assert info["walltime"][:4].isdigit() and "T" in info["walltime"]
+    gc = json.loads(cli(env, "gc", shard).stdout)
+    assert "skipped" not in gc
+    assert len(str(gc["duration_s"]).split(".")[-1]) <= 3
