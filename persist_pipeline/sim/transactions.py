@@ -28,6 +28,7 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     NotYetAvailable,
     PersistError,
+    ShardNotFound,
     SinceViolation,
     UpperMismatch,
 )
@@ -109,7 +110,10 @@ def _commit(run: SimRun, client: PersistClient, ledger: TxnLedger,
 def _keys(client: PersistClient, shard: str, prefix: bytes = TXN_PREFIX) -> set[bytes] | None:
     """The keys with ``prefix`` of ``shard`` at its latest complete time (None: no time
     yet)."""
-    upper = client._machine(shard).fetch_latest().upper
+    try:
+        upper = client._machine(shard).fetch_latest().upper
+    except ShardNotFound:
+        return set()  # never created (its opener crashed first): it holds nothing
     if not upper:
         return None
     reader = client.open_reader(shard)
