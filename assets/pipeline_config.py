@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,9 +44,6 @@ from resources.env import expand_env
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "pipeline.yaml"
 CONFIG_ENV = "PERSIST_PIPELINE_CONFIG"
-
-#: Shard ids derived from names live in this UUID namespace (stable across machines).
-SHARD_NAMESPACE = uuid.UUID("6f1d3c52-2b4e-4d0a-9a51-7d0c8e2f4b11")
 
 #: libyaml's safe loader when present (10x faster on a 1,000-shard file), else PyYAML's.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -186,7 +182,7 @@ class PipelineConfig:
 
 def shard_id_for(name: str) -> str:
     """The shard id a shard gets when the config names none: stable per name."""
-    return str(ShardId(uuid.uuid5(SHARD_NAMESPACE, name)))
+    return str(ShardId.for_pipeline_name(name))
 
 
 def config_path(env: Mapping[str, str] | None = None) -> Path:

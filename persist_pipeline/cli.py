@@ -499,25 +499,52 @@ def _nemesis(args: argparse.Namespace) -> int:
 def _shard_names(config: Path | None, client: PersistClient) -> dict[str, str]:
     """``{shard_id: name}`` from the pipeline config: ``config`` (errors are errors),
     else ``$PERSIST_PIPELINE_CONFIG`` or ``./pipeline.yaml`` if present (errors are
-    warnings: the listing itself does not need names). Shard ids the config gives as
-    registered names are looked up on ``client``'s location."""
-    import importlib
-    import os
-
+    warnings: the listing itself does not need names). Only the config's ``shards``
+    mapping is read, without the code location: each shard's ``shard_id`` (an id, or a
+    name looked up in the location's registry), else the id derived from its name."""
     path = config or os.environ.get("PERSIST_PIPELINE_CONFIG")
     if path is None and Path("pipeline.yaml").is_file():
         path = "pipeline.yaml"
     if path is None:
         return {}
     try:
-        module = importlib.import_module("assets.pipeline_config")
-        loaded = module.load_pipeline_config(Path(path), names=client.shard_names)
-    except (ImportError, PersistError) as e:
+        return _config_shard_ids(Path(path), client)
+    except (OSError, ValueError, PersistError) as e:
+        message = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         if config is not None:
-            raise InvalidInput(f"--config {config}: {e}") from None
-        print(f"persist-pipeline: shard names not shown: {e}", file=sys.stderr)
+            raise InvalidInput(f"--config {config}: {message}") from None
+        print(f"persist-pipeline: shard names not shown: {path}: {message}", file=sys.stderr)
         return {}
-    return {s.shard_id: s.name for s in loaded.shards}
+
+
+def _config_shard_ids(path: Path, client: PersistClient) -> dict[str, str]:
+    try:
+        import yaml  # type: ignore[import-untyped]
+    except ImportError:
+        raise ValueError("reading a pipeline config needs PyYAML (pip install "
+                         "'persist-pipeline[pipeline]')") from None
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"not valid YAML: {str(e).splitlines()[0]}") from None
+    shards = raw.get("shards") if isinstance(raw, dict) else None
+    if not isinstance(shards, dict):
+        raise ValueError("no 'shards' mapping")
+    registry: dict[str, str] | None = None
+    out: dict[str, str] = {}
+    for name, spec in shards.items():
+        given = spec.get("shard_id") if isinstance(spec, dict) else None
+        if not given:
+            out[str(ShardId.for_pipeline_name(str(name)))] = str(name)
+            continue
+        try:
+            out[str(ShardId.parse(str(given)))] = str(name)
+        except InvalidShardId:
+            if registry is None:
+                registry = {n: str(i) for n, i in client.shard_names().items()}
+            if str(given) in registry:
+                out[registry[str(given)]] = str(name)
+    return out
 
 
 def _summary(s: object) -> dict[str, Any]:

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 from persist_pipeline.exceptions import InvalidShardId
 
+#: The namespace of the ids :meth:`ShardId.for_pipeline_name` derives.
+PIPELINE_SHARD_NAMESPACE = uuid.UUID("6f1d3c52-2b4e-4d0a-9a51-7d0c8e2f4b11")
+
 
 @dataclass(frozen=True, slots=True, order=True)
 class ShardId:
@@ -24,6 +27,12 @@ class ShardId:
     def new(cls) -> ShardId:
         """Return a fresh random shard id."""
         return cls(random_uuid())
+
+    @classmethod
+    def for_pipeline_name(cls, name: str) -> ShardId:
+        """The id a pipeline config's shard ``name`` gets when the config gives none:
+        the same for every reader of the config, forever."""
+        return cls(uuid.uuid5(PIPELINE_SHARD_NAMESPACE, name))
 
     @classmethod
     def parse(cls, text: str | ShardId) -> ShardId:

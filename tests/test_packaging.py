@@ -5,6 +5,8 @@ comes only from the wheel."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -60,3 +62,20 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(tmp_path: Path) -> None:
     cli = subprocess.run([str(python), "-m", "persist_pipeline", "--help"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120, check=False)
     assert cli.returncode == 0 and "new-shard" in cli.stdout
+    # `shards --config` names a pipeline's shards without the code location installed.
+    env = {**os.environ, "PERSIST_CONSENSUS_URI": f"sqlite:///{tmp_path / 'c.db'}",
+           "PERSIST_BLOB_URI": f"file://{tmp_path / 'b'}"}
+    made = subprocess.run([str(python), "-c",
+                           "from persist_pipeline import PersistClient, ShardId; "
+                           "c = PersistClient.open(); "
+                           "c.create_shard(ShardId.for_pipeline_name('clicks'))"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert made.returncode == 0, made.stderr[-2000:]
+    (tmp_path / "cfg.yaml").write_text("shards:\n  clicks:\n    source: {kind: synthetic}\n")
+    listed = subprocess.run([str(python), "-m", "persist_pipeline", "shards", "--config",
+                             "cfg.yaml"], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    [(shard, summary)] = json.loads(listed.stdout).items()
+    assert summary["name"] == "clicks" and shard.startswith("s")
