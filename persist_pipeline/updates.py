@@ -62,6 +62,13 @@ def _bad(index: int, what: str) -> InvalidUpdates:
     return InvalidUpdates(f"update #{index}: {what}")
 
 
+def _text_hint(value: object) -> str:
+    """For text where bytes belong: how to encode it."""
+    if isinstance(value, str):
+        return f" (encode text as UTF-8 first: {value[:20]!r}.encode())"
+    return ""
+
+
 def _from_rows(rows: Iterable[Any]) -> tuple[list[bytes], list[bytes], list[int], list[int]]:
     sums: dict[tuple[bytes, bytes, int], int] = {}
     for i, row in enumerate(rows):
@@ -70,9 +77,9 @@ def _from_rows(rows: Iterable[Any]) -> tuple[list[bytes], list[bytes], list[int]
         except (TypeError, ValueError):
             raise _bad(i, "expected a (key, val, ts, diff) tuple") from None
         if type(k) is not bytes:
-            raise _bad(i, f"key must be bytes, got {type(k).__name__}")
+            raise _bad(i, f"key must be bytes, got {type(k).__name__}{_text_hint(k)}")
         if type(v) is not bytes:
-            raise _bad(i, f"val must be bytes, got {type(v).__name__}")
+            raise _bad(i, f"val must be bytes, got {type(v).__name__}{_text_hint(v)}")
         if type(t) is not int or not 0 <= t <= MAX_TIME:
             raise _bad(i, f"ts must be a non-negative int in [0, 2**63-1], got {t!r}")
         if type(d) is not int or not _MIN_DIFF <= d <= _MAX_DIFF:
