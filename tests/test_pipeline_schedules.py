@@ -73,8 +73,10 @@ def test_automation_compacts_shards_with_work_and_collects_daily(
     assert meta["compact/clicks"]["inline_bytes_after"] == 0
     checks = check_results(result)
     assert set(checks) == {"compact/clicks:snapshot_unchanged",
-                           "compact/stock:snapshot_unchanged"}
+                           "compact/stock:snapshot_unchanged", "compact/idle:snapshot_unchanged"}
     assert all(c.passed for c in checks.values())
+    # The idle shard's check says why it compared nothing.
+    assert "nothing to compact" in (checks["compact/idle:snapshot_unchanged"].description or "")
 
     # The daily GC tick (30 3 * * *) requests GC of every shard, written or not.
     requested, _ = _requested(pipeline, start + timedelta(hours=18), cursor)
