@@ -64,6 +64,10 @@ def _prepare_home(keep: bool) -> Path:
     return home
 
 
+#: The demo's malformed landed file: its run fails, as it should.
+BAD_FILE = "orders-0003-malformed-on-purpose.csv"
+
+
 def _land_files(source: FileSource, batch: int) -> list[str]:
     """Write demo files into the landing folder; batch 0 includes a malformed one."""
     import pyarrow as pa
@@ -78,9 +82,11 @@ def _land_files(source: FileSource, batch: int) -> list[str]:
         lines = [json.dumps({"k": f"order-{i}", "v": f"{{\"qty\": {i % 5}}}", "t": 0})
                  for i in range(40, 70)]
         (folder / "orders-0002.jsonl").write_text("\n".join(lines) + "\n")
-        (folder / "orders-0003.csv").write_text(
+        # Malformed on purpose, and named so: its failed run (red in the UI) is the
+        # demo showing that a bad file fails alone, naming the line, and writes nothing.
+        (folder / BAD_FILE).write_text(
             "k,v,t\norder-90,{\"qty\": 1},0\norder-91,{\"qty\": 2},not-a-time\n")
-        names += ["orders-0001.csv", "orders-0002.jsonl", "orders-0003.csv (malformed)"]
+        names += ["orders-0001.csv", "orders-0002.jsonl", f"{BAD_FILE} (malformed on purpose)"]
     else:
         n = 4000  # a large file: above the inline threshold, so it goes to blob storage
         table = pa.table({"k": [f"order-{i}".encode() for i in range(1000, 1000 + n)],
@@ -140,7 +146,10 @@ def _record(results: list[Any], config: PipelineConfig, tally: dict[str, ShardTa
                 shard = result.dagster_run.tags.get("persist/shards", "?")
                 if shard in tally:
                     tally[shard].failed_runs += 1
-                out.append(f"    run {result.run_id[:8]} FAILED: {message.splitlines()[0]}")
+                expected = (" (expected: the demo's file malformed on purpose)"
+                            if BAD_FILE in message else "")
+                out.append(f"    run {result.run_id[:8]} FAILED{expected}: "
+                           f"{message.splitlines()[0]}")
 
 
 def _print_summary(config: PipelineConfig, tally: dict[str, ShardTally]) -> None:
