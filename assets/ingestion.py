@@ -7,8 +7,9 @@ shards; a run selects the shards it writes.
 A materialization appends to the shard with ``compare_and_append`` at the shard's current
 upper (retrying if another writer moved it) and reports what the write did, most useful
 first: the shard's inline bytes and limit, the placement (inline / wal / blob, decided
-by the ``inline_policy`` resource's policy inside the library), the write's size and
-latency, ``dagster/row_count``, the shard's upper, blob PUTs. Sources:
+by the ``inline_policy`` resource's policy inside the library), the write's stored size
+beside the inline encoding size the placement compared with the threshold, its latency,
+the updates it wrote, the shard's upper, blob PUTs. Sources:
 
 - ``files``: one dynamic partition per landed file (the partition key is
   ``SHARD/path``, the file's path in the landing location; all files shards share the
@@ -66,9 +67,10 @@ MAX_ATTEMPTS = 20
 INLINE_BYTES = "Inline bytes"
 INLINE_LIMIT = "Inline limit (bytes)"
 PLACEMENT = "Placement"
-WRITE_BYTES = "Write size (bytes)"
+WRITE_BYTES = "Stored size (bytes)"
+INLINE_SIZE = "Inline encoding size (bytes)"
 WRITE_LATENCY = "Write latency (ms)"
-ROW_COUNT = "dagster/row_count"
+UPDATES_WRITTEN = "Updates written"
 UPPER = "Upper"
 BLOB_PUTS = "PUTs to blob storage"
 FELL_THROUGH = "Fell through (inline budget full)"
@@ -141,8 +143,9 @@ def write_metadata(client: PersistClient, shard: ShardConfig, result: WriteResul
         INLINE_LIMIT: client.inline_policy.max_bytes,
         PLACEMENT: result.placement,
         WRITE_BYTES: result.encoded_bytes,
+        INLINE_SIZE: result.inline_size,
         WRITE_LATENCY: round(latency_ms, 3),
-        ROW_COUNT: planned.table.num_rows,
+        UPDATES_WRITTEN: planned.table.num_rows,
         UPPER: result.upper if result.upper is not None else -1,
         BLOB_PUTS: result.num_parts,
         FELL_THROUGH: result.fell_back,

@@ -97,6 +97,7 @@ class Staged:
     num_parts: int
     fell_back: bool = False
     upload_started_s: float | None = None
+    inline_size: int = 0
 
     @property
     def parts(self) -> tuple[HollowPart, ...]:
@@ -121,6 +122,10 @@ class WriteResult:
         num_parts: blob parts written (0 when inline).
         fell_back: an inline candidate went to blob because the shard's budget was full.
         already_committed: a retry found this write already committed (idempotency).
+        inline_size: the size of the inline encoding that the placement compared with
+            ``persist_inline_update_threshold_bytes`` (an upper-bound estimate when the
+            batch was far too large to encode inline); ``encoded_bytes`` is what was
+            stored (for a blob write, the Parquet parts).
         rows_added / rows_retracted: for :meth:`WriteHandle.replace_contents`,
             :meth:`~WriteHandle.upsert` and :meth:`~WriteHandle.delete`, the rows the
             write added and removed (sums of its positive and negative diffs).
@@ -136,6 +141,7 @@ class WriteResult:
     already_committed: bool = False
     rows_added: int = 0
     rows_retracted: int = 0
+    inline_size: int = 0
 
 
 class WriteHandle:
@@ -533,14 +539,16 @@ class WriteHandle:
         desc = Description(expected, upper, desc_since if desc_since is not None else 0)
         if len(data) == 0:
             return Staged(self, None, expected, upper, token, encoding, "none", 0, 0)
+        inline_size = data.estimated_inline_size()
         if not to_blob and self.policy.threshold_bytes and \
-                data.estimated_inline_size() < 4 * self.policy.threshold_bytes:
+                inline_size < 4 * self.policy.threshold_bytes:
             encoded_inline = data.encode_inline()
+            inline_size = len(encoded_inline)
             if self.policy.is_candidate(len(encoded_inline)):
                 inline = Batch(batch_id, desc, (InlinePart(token, encoded_inline, len(data)),),
                                len(data))
                 return Staged(self, inline, expected, upper, token, encoding, "inline",
-                              len(encoded_inline), 0)
+                              len(encoded_inline), 0, inline_size=inline_size)
         machine = self._machine
         started_s = machine.monotonic()
         # Typed columns are decoded with the schema the rows were encoded with, never
@@ -551,7 +559,7 @@ class WriteHandle:
         placement: Placement = "wal" if self._store == "wal" else "blob"
         return Staged(self, Batch(batch_id, desc, parts, len(data)), expected, upper, token,
                       encoding, placement, sum(p.encoded_size for p in parts), len(parts),
-                      fell_back=to_blob, upload_started_s=started_s)
+                      fell_back=to_blob, upload_started_s=started_s, inline_size=inline_size)
 
     def _delete_uncommitted(self, parts: tuple[HollowPart, ...]) -> None:
         for part in parts:
@@ -629,7 +637,8 @@ class WriteHandle:
         n = staged.batch.num_updates if staged.batch is not None else 0
         return WriteResult(staged.placement, staged.encoded, state.seqno, state.upper, n,
                            staged.num_parts, fell_back=staged.fell_back,
-                           already_committed=result.already_committed)
+                           already_committed=result.already_committed,
+                           inline_size=staged.inline_size)
 
     def _found_in_history(self, batch_id: str, lower: int) -> bool:
         try:

@@ -266,9 +266,10 @@ def _colored_pixels(canvas: Any) -> int:
 
 
 #: The numeric metadata of an ingestion materialization, each plotted by the UI.
-PLOTTED = ("Inline bytes", "Inline limit (bytes)", "PUTs to blob storage", "Seqno",
-           "Stream deletes", "Stream inserts", "Stream updates", "Upper",
-           "Write latency (ms)", "Write size (bytes)", "dagster/row_count")
+PLOTTED = ("Inline bytes", "Inline encoding size (bytes)", "Inline limit (bytes)",
+           "PUTs to blob storage", "Seqno", "Stored size (bytes)", "Stream deletes",
+           "Stream inserts", "Stream updates", "Updates written", "Upper",
+           "Write latency (ms)")
 
 
 def test_ingestion_asset_page_shows_materializations_placement_and_inline_bytes_plot(
@@ -278,8 +279,8 @@ def test_ingestion_asset_page_shows_materializations_placement_and_inline_bytes_
     _open(page, f"{dagster_ui.url}/assets/ingest/{INGESTED}")
     page.get_by_text("Latest materialization").first.wait_for()
     assert re.search(r"\binline\b", _metadata_value(page, "Placement"))
-    for key in ("Inline bytes", "Write size (bytes)", "Inline limit (bytes)",
-                "Write latency (ms)", "Upper"):
+    for key in ("Inline bytes", "Stored size (bytes)", "Inline encoding size (bytes)",
+                "Inline limit (bytes)", "Write latency (ms)", "Updates written", "Upper"):
         _metadata_value(page, key)
     for gone in ("updates_stored", "rows", "shard_inline_bytes"):  # the old duplicates
         assert page.get_by_text(gone, exact=True).count() == 0, gone
