@@ -133,8 +133,8 @@ def fallthrough_rule() -> AlertRule:
                             "used; each such write costs an object-store PUT. Compaction "
                             "frees the budget.",
                     asset_keys=(shard_key(shard.name),),
-                    metadata={"shard": shard.name, "new_fallthroughs": delta,
-                              "total_fallthroughs": count,
+                    metadata={"shard": shard.name, "new_fallbacks": delta,
+                              "total_fallbacks": count,
                               "inline_bytes": summary.inline_bytes}))
             new[shard.shard_id] = {"fallbacks": count, "alerting": alerting}
         return alerts, new

@@ -73,9 +73,9 @@ WRITE_LATENCY = "Write latency (ms)"
 UPDATES_WRITTEN = "Updates written"
 UPPER = "Upper"
 BLOB_PUTS = "PUTs to blob storage"
-FELL_THROUGH = "Fell through (inline budget full)"
+FELL_BACK = "Fell back to blob (inline budget full)"
 SEQNO = "Seqno"
-SHARD_ID = "Shard id"
+SHARD_ID = "Shard ID"
 FILE = "File"
 FILE_IDENTITY = "File identity"
 
@@ -148,7 +148,7 @@ def write_metadata(client: PersistClient, shard: ShardConfig, result: WriteResul
         UPDATES_WRITTEN: planned.table.num_rows,
         UPPER: result.upper if result.upper is not None else -1,
         BLOB_PUTS: result.num_parts,
-        FELL_THROUGH: result.fell_back,
+        FELL_BACK: result.fell_back,
         **planned.metadata,
         SEQNO: result.seqno,
         SHARD_ID: shard.shard_id,

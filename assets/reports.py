@@ -31,14 +31,14 @@ def _field(name: str, type_: pa.DataType, description: str, nullable: bool = Fal
 #: The report's columns; descriptions show in the UI's column schema.
 HEALTH_SCHEMA = pa.schema([
     _field("shard", pa.string(), "shard name in pipeline.yaml"),
-    _field("shard_id", pa.string(), "s<uuid>"),
+    _field("shard_id", pa.string(), "the shard's id: 's' followed by a UUID"),
     _field("upper", pa.int64(), "write frontier (null: closed or never written)", True),
     _field("since", pa.int64(), "read frontier (null: closed or never written)", True),
     _field("inline_bytes", pa.int64(), "bytes inlined in consensus"),
     _field("inline_fill", pa.float64(), "inline_bytes / persist_inline_update_max_bytes"),
     _field("batches", pa.int32(), "batches in the shard's trace"),
     _field("pending_merges", pa.int32(), "merge requests waiting for compaction"),
-    _field("inline_fallthroughs", pa.int64(),
+    _field("inline_fallbacks", pa.int64(),
            "writes that went to blob storage because the inline budget was full"),
 ])
 
@@ -67,7 +67,7 @@ def build_report_asset(shards: Sequence[ShardConfig]) -> dg.AssetsDefinition:
                 "inline_fill": round(inline / limit, 4) if limit else 0.0,
                 "batches": s.num_batches if s else 0,
                 "pending_merges": s.pending_merges if s else 0,
-                "inline_fallthroughs": s.inline_fallbacks if s else 0})
+                "inline_fallbacks": s.inline_fallbacks if s else 0})
         return pa.Table.from_pylist(rows, schema=HEALTH_SCHEMA)
 
     return shard_health
