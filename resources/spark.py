@@ -9,7 +9,13 @@ nothing to compact never start a JVM; it lives as long as the run's process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -17,6 +23,41 @@ from dagster_pyspark import PySparkResource
 from dagster_pyspark.resources import spark_session_from_config
 
 from persist_pipeline.spark import prepare_spark_environment, spark_conf
+
+log = logging.getLogger(__name__)
+
+#: Where the Spark driver JVM's own output goes (``PERSIST_SPARK_LOG`` overrides): its
+#: start-up notices and log4j lines belong in a file, not among the run's messages.
+SPARK_LOG_ENV = "PERSIST_SPARK_LOG"
+
+
+def spark_log_path() -> Path:
+    """``$PERSIST_SPARK_LOG``, else ``$DAGSTER_HOME/logs/spark-driver.log``, else the same
+    under the temporary folder."""
+    given = os.environ.get(SPARK_LOG_ENV)
+    if given:
+        return Path(given)
+    home = os.environ.get("DAGSTER_HOME")
+    base = Path(home) if home else Path(tempfile.gettempdir()) / "persist-pipeline"
+    return base / "logs" / "spark-driver.log"
+
+
+@contextlib.contextmanager
+def _jvm_output_to(path: Path) -> Iterator[None]:
+    """Processes started inside this block write their stderr to ``path`` (this
+    process's own stderr is back as before when it ends)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(target, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(target)
 
 
 class PersistPySparkResource(PySparkResource):
@@ -38,7 +79,10 @@ class PersistPySparkResource(PySparkResource):
         if self._spark_session is None:
             prepare_spark_environment(self.master,
                                       self.spark_config.get("spark.pyspark.python"))
-            self._spark_session = spark_session_from_config(self.spark_config)
+            path = spark_log_path()
+            with _jvm_output_to(path):
+                self._spark_session = spark_session_from_config(self.spark_config)
+            log.info("Spark driver started (master %s); its own log: %s", self.master, path)
         return self._spark_session
 
     @property
