@@ -71,7 +71,8 @@ class _Op:
     lower: int | None
     token: str
     staged: Staged | None = None
-    skipped: WriteResult | None = None
+    #: Its outcome once known: committed, or left out (an append already written).
+    result: WriteResult | None = None
     contents: pa.Table | None = None
     encoding: Encoding | None = None
 
@@ -154,17 +155,14 @@ class Transaction:
         """
         self._check_open()
         shard_id = self._shard_id(shard)
-        if shard_id in self._ops:
-            raise InvalidInput(f"shard {shard_id} appears twice in one transaction; put all "
-                               f"of its updates in one append")
+        self._require_absent(shard_id)
         handle = self._handle(shard, shard_id)
         self._replace_encoded(handle, handle._encode_contents(table))
 
     def _replace_encoded(self, handle: WriteHandle, contents: pa.Table) -> None:
         """:meth:`replace_contents` of rows already encoded with ``handle``'s schema."""
         self._check_open()
-        if handle.shard_id in self._ops:
-            raise InvalidInput(f"shard {handle.shard_id} appears twice in one transaction")
+        self._require_absent(handle.shard_id)
         self._ops[handle.shard_id] = _Op(handle, Updates.coerce([]), 0, 1, None, new_token(),
                                   contents=contents)
 
@@ -176,13 +174,16 @@ class Transaction:
             raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
                                   f"({expected})")
         shard_id = self._shard_id(shard)
-        if shard_id in self._ops:
-            raise InvalidInput(f"shard {shard_id} appears twice in one transaction; put all "
-                               f"of its updates in one append")
+        self._require_absent(shard_id)
         handle = self._handle(shard, shard_id)
         data = handle._coerce(updates)
         check_times(data, expected, upper)
         self._ops[shard_id] = _Op(handle, data, expected, upper, lower, new_token())
+
+    def _require_absent(self, shard_id: str) -> None:
+        if shard_id in self._ops:
+            raise InvalidInput(f"shard {shard_id} appears twice in one transaction; put all "
+                               f"of its updates in one append")
 
     def _shard_id(self, shard: WriteHandle | ShardLike) -> str:
         if isinstance(shard, WriteHandle):
@@ -252,7 +253,7 @@ class Transaction:
                     # A replaced shard moved: back off a random while before reading it
                     # again, so that two replacing transactions do not keep colliding.
                     clock.sleep(random.uniform(0, min(0.1, 0.001 * 2 ** min(attempt, 10))))  # noqa: S311
-                live = [op for op in ops if op.skipped is None]
+                live = [op for op in ops if op.result is None]
                 for op in live:
                     if op.staged is None:
                         if op.contents is not None:
@@ -277,9 +278,9 @@ class Transaction:
                         continue
                     _raise_refusal(staged, results, states)
                 for op, s, result, state in zip(live, staged, results, states, strict=True):
-                    op.skipped = s.handle._finish(s, result, state)
-                    if op.contents is not None and op.skipped is not None:
-                        op.skipped = with_row_counts(op.skipped, op.data)
+                    op.result = s.handle._finish(s, result, state)
+                    if op.contents is not None and op.result is not None:
+                        op.result = with_row_counts(op.result, op.data)
                 return self._results(ops)
             raise AssertionError("unreachable")
         except CERTAINLY_NOT_COMMITTED:
@@ -319,15 +320,15 @@ class Transaction:
                     op.data = op.data.filter_times(current)
                     op.expected, op.token, op.staged = current, new_token(), None
                 else:
-                    op.skipped = WriteResult("none", 0, state.seqno, current, 0)
+                    op.result = WriteResult("none", 0, state.seqno, current, 0)
                 retry = True
         return retry
 
     def _results(self, ops: list[_Op]) -> dict[str, WriteResult]:
         out: dict[str, WriteResult] = {}
         for op in ops:
-            assert op.skipped is not None
-            out[op.handle.shard_id] = op.skipped
+            assert op.result is not None
+            out[op.handle.shard_id] = op.result
         return out
 
     def _expire_opened(self) -> None:

@@ -49,6 +49,12 @@ def snapshot_rows(client: PersistClient, shard: Any) -> list[tuple[bytes, bytes,
         reader.expire()
 
 
+def two_shards(client: PersistClient) -> tuple[ShardId, ShardId, Any, Any]:
+    """Two fresh shards and a writer of each."""
+    a, b = ShardId.new(), ShardId.new()
+    return a, b, client.open_writer(a), client.open_writer(b)
+
+
 def uppers(client: PersistClient, *shards: Any) -> list[Any]:
     return [client._machine(s).fetch_latest().upper for s in shards]
 
@@ -62,8 +68,7 @@ def blob_keys(client: PersistClient) -> set[str]:
 
 def test_a_transaction_commits_every_shard_at_once(open_client):
     client = open_client()
-    a, b = ShardId.new(), ShardId.new()
-    wa, wb = client.open_writer(a), client.open_writer(b)
+    a, b, wa, wb = two_shards(client)
     heads = [client.consensus.head(str(s)) for s in (a, b)]
     with client.transaction() as txn:
         txn.compare_and_append(wa, [(b"order", b"1", 0, 1)], 0, 1)
@@ -91,8 +96,7 @@ def test_a_transaction_commits_every_shard_at_once(open_client):
 
 def test_an_upper_mismatch_on_one_shard_changes_no_shard(open_client):
     client = open_client()
-    a, b = ShardId.new(), ShardId.new()
-    wa, wb = client.open_writer(a), client.open_writer(b)
+    a, b, wa, wb = two_shards(client)
     wb.compare_and_append([(b"x", b"", 0, 1)], 0, 1)
     before = blob_keys(client)
     big = [(f"k{i}".encode(), b"v" * 200, 0, 1) for i in range(50)]  # blob-sized
@@ -111,8 +115,7 @@ def test_an_upper_mismatch_on_one_shard_changes_no_shard(open_client):
 
 def test_an_exception_in_the_block_commits_nothing(open_client):
     client = open_client()
-    a, b = ShardId.new(), ShardId.new()
-    wa, wb = client.open_writer(a), client.open_writer(b)
+    a, b, wa, wb = two_shards(client)
     with pytest.raises(RuntimeError, match="boom"), client.transaction() as txn:
         txn.compare_and_append(wa, [(b"k", b"", 0, 1)], 0, 1)
         txn.compare_and_append(wb, [(b"k", b"", 0, 1)], 0, 1)
@@ -124,8 +127,7 @@ def test_an_exception_in_the_block_commits_nothing(open_client):
 
 def test_bad_input_is_refused_and_changes_nothing(open_client):
     client = open_client()
-    a, b = ShardId.new(), ShardId.new()
-    wa, wb = client.open_writer(a), client.open_writer(b)
+    a, b, wa, wb = two_shards(client)
     txn = client.transaction()
     with pytest.raises(InvalidInput, match="empty transaction"):
         txn.commit()
@@ -189,8 +191,7 @@ def test_an_untyped_transaction_write_into_a_shard_typed_meanwhile_is_refused(op
     """The schema an append was encoded with travels into the commit: a shard typed
     between adding the append and committing refuses it, and no shard changes."""
     client = open_client()
-    a, b = ShardId.new(), ShardId.new()
-    wa, wb = client.open_writer(a), client.open_writer(b)
+    a, b, wa, wb = two_shards(client)
     txn = client.transaction()
     txn.compare_and_append(wa, [(b"k", b"v", 0, 1)], 0, 1)
     txn.compare_and_append(wb, [(b"k", b"v", 0, 1)], 0, 1)
@@ -203,8 +204,7 @@ def test_an_untyped_transaction_write_into_a_shard_typed_meanwhile_is_refused(op
 
 def test_append_in_a_transaction_cuts_what_identical_writers_wrote(open_client):
     client = open_client()
-    a, b = ShardId.new(), ShardId.new()
-    wa, wb = client.open_writer(a), client.open_writer(b)
+    a, b, wa, wb = two_shards(client)
     wa.compare_and_append([(b"k", b"0", 0, 1)], 0, 1)
     wb.compare_and_append([(b"k", b"0", 0, 1), (b"k", b"1", 1, 1)], 0, 2)
     txn = client.transaction()
@@ -222,8 +222,7 @@ def test_a_full_inline_budget_sends_that_shard_to_blob(location):
     same transaction; the other stays inline."""
     policy = InlinePolicy(4096, 20_000)
     client = location.client(policy)
-    a, b = ShardId.new(), ShardId.new()
-    wa, wb = client.open_writer(a), client.open_writer(b)
+    a, b, wa, wb = two_shards(client)
     # Fill a's budget to just below the max with inline writes.
     upper = 0
     while client._machine(a).fetch_latest().inline_bytes + 3100 < policy.max_bytes:
@@ -402,8 +401,7 @@ def test_sqlite_transaction_is_one_round_trip(tmp_path: Path):
             return super().compare_and_set_many(writes)
 
     client = PersistClient(Counting(inner), open_blob(f"file://{tmp_path / 'b'}"))
-    a, b = ShardId.new(), ShardId.new()
-    wa, wb = client.open_writer(a), client.open_writer(b)
+    _, _, wa, wb = two_shards(client)
     calls.clear()
     with client.transaction() as txn:
         txn.compare_and_append(wa, [(b"k", b"", 0, 1)], 0, 1)
