@@ -1,0 +1,42 @@
+"""Landing locations (persist_pipeline.landing): listing, identities and reads of a local
+folder, and the typed errors of bad names and missing objects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from persist_pipeline.exceptions import InvalidInput, InvalidUpdates
+from persist_pipeline.landing import LandingLocation
+
+
+def test_a_folder_is_listed_statted_and_read(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.csv").write_text("k,v,t,d\nx,y,0,1\n")
+    landing = LandingLocation(str(tmp_path))
+    [obj] = landing.list()
+    assert obj.name == "sub/a.csv" and obj.size > 0
+    assert landing.stat("sub/a.csv") == obj
+    assert landing.stat("sub/missing.csv") is None
+    assert landing.read_updates("sub/a.csv").to_pylist() == [
+        {"k": b"x", "v": b"y", "t": 0, "d": 1}]
+
+
+@pytest.mark.parametrize("name", ["", "/etc/passwd", "../outside.csv", "a/../../b.csv"])
+def test_names_outside_the_location_are_refused(tmp_path: Path, name: str) -> None:
+    landing = LandingLocation(str(tmp_path))
+    with pytest.raises(InvalidInput, match="relative to its landing location"):
+        landing.stat(name)
+    with pytest.raises(InvalidInput):
+        landing.read_updates(name)
+
+
+def test_missing_folders_and_files_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        LandingLocation(str(tmp_path / "nope")).list()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError):
+        LandingLocation(str(tmp_path / "file")).list()
+    with pytest.raises(InvalidUpdates):
+        LandingLocation(str(tmp_path)).read_updates("absent.csv")
