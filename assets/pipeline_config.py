@@ -6,6 +6,11 @@ root. Relative paths in it are relative to the file. Strings may use ``${VAR}`` 
 webhook and S3 landing URIs keep their ``${...}`` templates until run time (they may hold
 secrets, see :mod:`resources.env`); everything else is expanded when the file is loaded.
 
+The file's shape is a set of pydantic models (:class:`PipelineFile` and its sections):
+each key, its type, bounds and default are written once, there. Loading validates the
+file against them without opening any database; the only store ever read is the name
+registry, and only when a ``shard_id`` is a registered name (below).
+
 A shard's ``shard_id`` may be a shard id or a name registered in the location's name
 registry (``PersistClient.resolve``): names are looked up when the file is loaded (one
 consensus query, only if the file uses any), so the name must be registered by then.
@@ -20,11 +25,22 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
 from persist_pipeline import PersistClient, ShardId
 from persist_pipeline.config import (
@@ -50,13 +66,131 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 TimesMode = Literal["ingest", "source"]
+FileFormat = Literal["csv", "jsonl", "parquet"]
+assert set(FORMATS.values()) == set(FileFormat.__args__)  # type: ignore[attr-defined]
 
 #: Reads the registered shard names of a location: ``{name: shard id}``.
 NameSource = Callable[[], Mapping[str, ShardId | str]]
 
 
-@dataclass(frozen=True)
-class FileSource:
+# --- value types: how a key's text is expanded before it is validated -------------------
+
+
+class _LoadContext:
+    """What validators need besides the value: the environment, the data folder and the
+    file (relative paths are relative to it)."""
+
+    def __init__(self, env: Mapping[str, str], data_dir: Path, file: Path) -> None:
+        self.env = env
+        self.data_dir = data_dir
+        self.file = file
+
+
+def _context(info: ValidationInfo) -> _LoadContext | None:
+    ctx = info.context
+    return ctx if isinstance(ctx, _LoadContext) else None
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str | int | float) or isinstance(value, bool):
+        raise ValueError(f"must be a string, got {type(value).__name__}")
+    return str(value)
+
+
+def _optional_text(value: Any) -> str:
+    return "" if value is None else _text(value)
+
+
+def _expanded(value: Any, info: ValidationInfo) -> str:
+    """``{data_dir}`` and ``${...}`` expanded now (models built in code take values as-is)."""
+    ctx = _context(info)
+    text = _text(value)
+    if ctx is None:
+        return text
+    text = text.replace("{data_dir}", str(ctx.data_dir))
+    try:
+        return expand_env(text, ctx.env)
+    except InvalidConfig as e:
+        raise ValueError(str(e).split(": ", 1)[-1]) from None
+
+
+def _kept_for_run_time(value: Any, info: ValidationInfo) -> str:
+    """``{data_dir}`` expanded, ``${...}`` kept: the value may hold a secret, so the
+    definitions (and the UI) show the template and it is expanded when used."""
+    ctx = _context(info)
+    text = _text(value)
+    return text if ctx is None else text.replace("{data_dir}", str(ctx.data_dir))
+
+
+def _integer(value: Any, info: ValidationInfo) -> Any:
+    if isinstance(value, str):
+        text = _expanded(value, info)
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"must be an integer, got {text!r}") from None
+    return value
+
+
+def _cron(value: str) -> str:
+    if len(value.split()) != 5:
+        raise ValueError(f"must be a 5-field cron expression, got {value!r}")
+    return value
+
+
+Expanded = Annotated[str, BeforeValidator(_expanded)]
+RunTime = Annotated[str, BeforeValidator(_kept_for_run_time)]
+Cron = Annotated[str, BeforeValidator(_expanded), AfterValidator(_cron)]
+Count = Annotated[StrictInt, BeforeValidator(_integer), Field(ge=0)]
+Positive = Annotated[StrictInt, BeforeValidator(_integer), Field(ge=1)]
+
+
+class _Section(BaseModel):
+    """A mapping of the file: unknown keys are errors; values never change after load.
+
+    Defaults are validated too, so a default's ``${VAR:-...}`` is expanded like a value's.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    #: Fields set by the loader, not keys a user writes.
+    _internal: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, raw: Any) -> Any:
+        if isinstance(raw, Mapping):
+            unknown = sorted(str(k) for k in raw if k not in cls.model_fields)
+            if unknown:
+                allowed = sorted(set(cls.model_fields) - cls._internal)
+                raise ValueError(f"unknown key(s) {', '.join(unknown)}; allowed: "
+                                 f"{', '.join(allowed)}")
+        return raw
+
+
+def _formats(value: Any) -> Any:
+    known = sorted(set(FORMATS.values()))
+    if not isinstance(value, list | tuple) or not value or any(f not in known for f in value):
+        raise ValueError(f"must be a list of {', '.join(known)}, got {value!r}")
+    return tuple(value)
+
+
+def _required_uri(value: str) -> str:
+    if not value.strip():
+        raise ValueError("is required (a folder or s3://bucket/prefix)")
+    return value
+
+
+def _shard_entries(value: Any) -> Any:
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError("must map at least one shard name to its settings")
+    return value
+
+
+# --- the sections ------------------------------------------------------------------------
+
+
+class FileSource(_Section):
     """Files landing in a local folder or under an S3 prefix.
 
     Attributes:
@@ -67,14 +201,38 @@ class FileSource:
             upper); ``source``: the file's ``t`` values are kept (all must be at or
             beyond the shard's upper) and the upper advances past the largest.
         sensor_interval_s: how often the landing sensor lists the location.
+        base_dir: the folder a relative ``uri`` is relative to (the config file's; not a
+            key of the file).
     """
 
-    uri: str
-    formats: tuple[str, ...] = ("csv", "jsonl", "parquet")
-    times: TimesMode = "ingest"
-    sensor_interval_s: int = 30
-    base_dir: str = "."
     kind: Literal["files"] = "files"
+    uri: Annotated[str, AfterValidator(_required_uri)] = ""
+    formats: Annotated[tuple[FileFormat, ...], BeforeValidator(_formats)] = (
+        "csv", "jsonl", "parquet")
+    times: TimesMode = "ingest"
+    sensor_interval_s: Positive = 30
+    base_dir: str = "."
+
+    _internal: ClassVar[frozenset[str]] = frozenset({"base_dir"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_file(cls, raw: Any, info: ValidationInfo) -> Any:
+        ctx = _context(info)
+        if ctx is None or not isinstance(raw, Mapping):
+            return raw
+        if "base_dir" in raw:
+            raise ValueError("unknown key base_dir (a relative uri is relative to the "
+                             "config file)")
+        out = {**raw, "base_dir": str(ctx.file.parent)}
+        if "uri" in raw:
+            text = _kept_for_run_time(raw["uri"], info)
+            if not (text.lower().startswith("s3://") or "${" in text):
+                # A folder: resolved now, so the definitions show where files land.
+                path = Path(_expanded(text, info)).expanduser()
+                text = str(path if path.is_absolute() else (ctx.file.parent / path).resolve())
+            out["uri"] = text
+        return out
 
     def location(self) -> str:
         """The expanded location: an S3 URI (may hold secrets) or an absolute folder."""
@@ -89,8 +247,7 @@ class FileSource:
         return self.location().lower().startswith("s3://")
 
 
-@dataclass(frozen=True)
-class SyntheticSource:
+class SyntheticSource(_Section):
     """The built-in change stream (inserts, updates and deletes as +1/-1 diffs).
 
     Attributes:
@@ -100,64 +257,136 @@ class SyntheticSource:
         value_bytes: approximate size of a value.
     """
 
-    keys: int = 200
-    events_per_write: int = 25
-    seed: int = 0
-    value_bytes: int = 24
     kind: Literal["synthetic"] = "synthetic"
+    keys: Positive = 200
+    events_per_write: Positive = 25
+    seed: Count = 0
+    value_bytes: Annotated[StrictInt, BeforeValidator(_integer), Field(ge=8)] = 24
 
 
-Source = FileSource | SyntheticSource
+Source = Annotated[FileSource | SyntheticSource, Field(discriminator="kind")]
+_SOURCE_KINDS = ("files", "synthetic")
 
 
-@dataclass(frozen=True)
-class ShardConfig:
-    """One shard: its name (asset keys use it), id and source.
+class ShardSpec(_Section):
+    """One shard's entry under ``shards:`` (its name is the entry's key).
 
     Attributes:
+        shard_id: a shard id, or a name registered in the location's name registry;
+            empty: an id derived from the shard's name (:func:`shard_id_for`).
+    """
+
+    shard_id: Annotated[str, BeforeValidator(_optional_text)] = ""
+    source: Source
+    description: Annotated[str, BeforeValidator(_text)] = ""
+    freshness_max_age_s: Positive = 3600
+
+
+class ShardConfig(ShardSpec):
+    """One shard, resolved: its name (asset keys use it), id and source.
+
+    Attributes:
+        shard_id: the shard's id.
         registered_name: the registered shard name the file gave as ``shard_id`` (which
             holds the id it was resolved to); empty when the file gave an id or none.
     """
 
     name: str
-    shard_id: str
-    source: Source
-    description: str = ""
-    freshness_max_age_s: int = 3600
     registered_name: str = ""
 
-
-@dataclass(frozen=True)
-class LocationConfig:
-    consensus_uri: str
-    blob_uri: str
-    wal_blob_uri: str = ""
+    _internal: ClassVar[frozenset[str]] = frozenset({"name", "registered_name"})
 
 
-@dataclass(frozen=True)
-class SparkConfig:
-    master: str = "local[*]"
-    conf: Mapping[str, str] = field(default_factory=dict)
+class LocationConfig(_Section):
+    """The persist location; each URI keeps its ``${...}`` until run time."""
+
+    consensus_uri: RunTime = "sqlite:///{data_dir}/consensus.db"
+    blob_uri: RunTime = "file://{data_dir}/blobs"
+    wal_blob_uri: Annotated[RunTime, BeforeValidator(_optional_text)] = ""
 
 
-@dataclass(frozen=True)
-class CompactionConfig:
-    high_water_fraction: float = 0.75
-    sensor_interval_s: int = 30
-    schedule: str = "0 * * * *"
+class InlinePolicyConfig(_Section):
+    """The inline-vs-blob decision (the ``inline_policy`` resource)."""
+
+    persist_inline_update_threshold_bytes: Count = INLINE_UPDATE_THRESHOLD_BYTES
+    persist_inline_update_max_bytes: Count = INLINE_UPDATE_MAX_BYTES
 
 
-@dataclass(frozen=True)
-class AlertsConfig:
-    webhook_url: str = ""
-    sensor_interval_s: int = 60
-    over_limit_for_s: int = 900
-    backlog_threshold: int = 16
+class SparkConfig(_Section):
+    master: Expanded = "${SPARK_MASTER:-local[*]}"
+    conf: Mapping[str, Expanded] = Field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class PipelineConfig:
-    """The whole file, validated."""
+def _fraction(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"must be a number in (0, 1], got {value!r}")
+    return float(value)
+
+
+class CompactionConfig(_Section):
+    high_water_fraction: Annotated[StrictFloat, BeforeValidator(_fraction),
+                                   Field(gt=0, le=1)] = 0.75
+    sensor_interval_s: Positive = 30
+    schedule: Cron = "0 * * * *"
+
+
+class ScheduleConfig(_Section):
+    schedule: Cron
+
+
+class GcConfig(ScheduleConfig):
+    schedule: Cron = "30 3 * * *"
+
+
+class ChecksConfig(ScheduleConfig):
+    schedule: Cron = "*/15 * * * *"
+
+
+class AlertsConfig(_Section):
+    webhook_url: Annotated[RunTime, BeforeValidator(_optional_text)] = ""
+    sensor_interval_s: Positive = 60
+    over_limit_for_s: Count = 900
+    backlog_threshold: Count = 16
+
+
+def _lower(value: Any) -> Any:
+    return value.lower() if isinstance(value, str) else value
+
+
+class AutomationConfig(_Section):
+    default_status: Annotated[Literal["running", "stopped"], BeforeValidator(_lower)] = \
+        "running"
+
+
+def _shard_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise ValueError("a shard name must be lowercase letters, digits and _ (starting "
+                         "with a letter)")
+    return name
+
+
+class PipelineFile(_Section):
+    """The whole file, as written (before shard names are resolved)."""
+
+    version: Literal[1] = 1
+    data_dir: str = ".persist/pipeline"  # read first by _data_dir: the others use it
+    location: LocationConfig = LocationConfig()
+    inline_policy: InlinePolicyConfig = InlinePolicyConfig()
+    spark: SparkConfig = SparkConfig()
+    compaction: CompactionConfig = CompactionConfig()
+    gc: GcConfig = GcConfig()
+    checks: ChecksConfig = ChecksConfig()
+    alerts: AlertsConfig = AlertsConfig()
+    automation: AutomationConfig = AutomationConfig()
+    timezone: Expanded = "UTC"
+    shards: Annotated[dict[Annotated[str, AfterValidator(_shard_name)], ShardSpec],
+                      BeforeValidator(_shard_entries)]
+
+
+class PipelineConfig(BaseModel):
+    """The whole file, validated, with every shard's id resolved."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
 
     path: Path
     data_dir: Path
@@ -171,7 +400,7 @@ class PipelineConfig:
     alerts: AlertsConfig
     automation_running: bool
     shards: tuple[ShardConfig, ...]
-    timezone: str = "UTC"
+    timezone: str
 
     def shard(self, name: str) -> ShardConfig:
         for s in self.shards:
@@ -200,6 +429,10 @@ def load_pipeline_config(path: Path | str | None = None,
         env: the environment for ``${VAR}`` (default ``os.environ``).
         names: reads the registered shard names, used only if a ``shard_id`` is a name
             (default: read them from the file's own consensus location).
+
+    Raises:
+        InvalidConfig: the file cannot be read or is not valid; the message names the
+            file and the key.
     """
     env = os.environ if env is None else env
     file = Path(path).resolve() if path is not None else config_path(env)
@@ -209,7 +442,36 @@ def load_pipeline_config(path: Path | str | None = None,
         raise InvalidConfig(f"{file}: cannot read the pipeline config: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise InvalidConfig(f"{file}: not valid YAML: {e}") from None
-    return _Parser(file, env, names).parse(raw)
+    return parse_pipeline_config(raw, file, env, names)
+
+
+def parse_pipeline_config(raw: Any, file: Path, env: Mapping[str, str],
+                          names: NameSource | None = None) -> PipelineConfig:
+    """Validate the parsed YAML ``raw`` of ``file`` (see :func:`load_pipeline_config`)."""
+    if not isinstance(raw, Mapping):
+        raise InvalidConfig(f"{file}: top level: must be a mapping")
+    data_dir = _data_dir(raw, file, env)
+    # A missing or empty section (`gc:` with nothing under it) means its defaults, which
+    # are validated (and their templates expanded) like a value written in the file.
+    raw = {**{k: {} for k in _SECTIONS}, **raw}
+    raw = {k: ({} if v is None and k in _SECTIONS else v) for k, v in raw.items()}
+    try:
+        spec = PipelineFile.model_validate(raw, context=_LoadContext(env, data_dir, file))
+    except ValidationError as e:
+        raise InvalidConfig(f"{file}: {_describe(e)}") from None
+    shards = tuple(_shard(file, name, s) for name, s in spec.shards.items())
+    shards = _resolve_names(file, shards, spec.location, env, names)
+    ids = [s.shard_id for s in shards]
+    if len(set(ids)) != len(ids):
+        raise InvalidConfig(f"{file}: shards: two shards have the same shard_id")
+    return PipelineConfig(
+        path=file, data_dir=data_dir, location=spec.location,
+        threshold_bytes=spec.inline_policy.persist_inline_update_threshold_bytes,
+        max_bytes=spec.inline_policy.persist_inline_update_max_bytes,
+        spark=spec.spark, compaction=spec.compaction, gc_schedule=spec.gc.schedule,
+        checks_schedule=spec.checks.schedule, alerts=spec.alerts,
+        automation_running=spec.automation.default_status == "running", shards=shards,
+        timezone=spec.timezone)
 
 
 def register_shard_name(client: PersistClient, shard: ShardConfig) -> None:
@@ -228,6 +490,97 @@ def register_shard_name(client: PersistClient, shard: ShardConfig) -> None:
             "names never change, so give this shard that id or another name")
 
 
+# --- loading -------------------------------------------------------------------------------
+
+_SECTIONS = frozenset(name for name, f in PipelineFile.model_fields.items()
+                      if isinstance(f.annotation, type) and issubclass(f.annotation, _Section))
+
+
+def _data_dir(raw: Mapping[str, Any], file: Path, env: Mapping[str, str]) -> Path:
+    """The ``data_dir`` (needed to expand ``{data_dir}`` everywhere else)."""
+    value = raw.get("data_dir", PipelineFile.model_fields["data_dir"].default)
+    try:
+        text = _text(value)
+        text = expand_env(text, env, what="data_dir")
+    except (ValueError, InvalidConfig) as e:
+        raise InvalidConfig(f"{file}: data_dir: {str(e).split(': ', 1)[-1]}") from None
+    path = Path(text).expanduser()
+    return (path if path.is_absolute() else file.parent / path).resolve()
+
+
+def _describe(error: ValidationError) -> str:
+    """The first error of ``error`` as ``key.path: message``."""
+    first = error.errors(include_url=False)[0]
+    # A source's errors are located under its kind's tag (`source.files.uri`): the file
+    # has no such key, so the tag is dropped.
+    parts = [str(p) for p in first["loc"] if p != "[key]"]
+    loc = [p for i, p in enumerate(parts)
+           if not (i and parts[i - 1] == "source" and p in _SOURCE_KINDS)]
+    kind = first["type"]
+    message = first["msg"]
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        loc.append("kind")
+        message = (f"must be {' or '.join(_SOURCE_KINDS)}, got {first['input'].get('kind')!r}"
+                   if isinstance(first["input"], Mapping) else "must be a mapping with a kind")
+    elif kind in ("model_type", "dict_type", "model_attributes_type"):
+        message = "must be a mapping"
+    elif kind == "missing":
+        message = ("must map at least one shard name to its settings" if loc == ["shards"]
+                   else "is required")
+    elif kind.startswith(("value_error", "assertion_error")):
+        message = message.split(", ", 1)[-1]
+    else:
+        message = f"{message}, got {first['input']!r}"
+    return f"{'.'.join(loc) or 'top level'}: {message}"
+
+
+def _shard(file: Path, name: str, spec: ShardSpec) -> ShardConfig:
+    """``spec`` with its id: given, derived from the name, or (if it is a registered
+    name) left for :func:`_resolve_names`."""
+    shard_id, registered_name = spec.shard_id or shard_id_for(name), ""
+    try:
+        shard_id = str(ShardId.parse(shard_id))
+    except InvalidShardId as e:
+        try:
+            registered_name = check_name(shard_id)
+        except InvalidShardName:
+            raise InvalidConfig(f"{file}: shards.{name}.shard_id: {e} (nor is it a valid "
+                                "shard name)") from None
+        shard_id = ""
+    return ShardConfig(name=name, shard_id=shard_id, source=spec.source,
+                       description=spec.description,
+                       freshness_max_age_s=spec.freshness_max_age_s,
+                       registered_name=registered_name)
+
+
+def _resolve_names(file: Path, shards: tuple[ShardConfig, ...], location: LocationConfig,
+                   env: Mapping[str, str], names: NameSource | None
+                   ) -> tuple[ShardConfig, ...]:
+    """``shards`` with each ``shard_id`` given as a registered name resolved to its id
+    (one registry read, only if any is)."""
+    named = [s for s in shards if s.registered_name]
+    if not named:
+        return shards
+    read = names or _location_names(location, env)
+    where = f"shards.{named[0].name}.shard_id"
+    try:
+        registry = {name: str(ShardId.parse(i)) for name, i in read().items()}
+    except PersistError as e:
+        raise type(e)(f"{file}: {where}: reading the registered shard names: {e}") from None
+    out = []
+    for s in shards:
+        if s.registered_name:
+            found = registry.get(s.registered_name)
+            if found is None:
+                raise InvalidConfig(
+                    f"{file}: shards.{s.name}.shard_id: {s.registered_name!r} is not a shard "
+                    "id, and no shard is registered under that name (register one with "
+                    f"`persist-pipeline new-shard --name {s.registered_name}`)")
+            s = s.model_copy(update={"shard_id": found})
+        out.append(s)
+    return tuple(out)
+
+
 def _location_names(location: LocationConfig, env: Mapping[str, str]) -> NameSource:
     """Reads the registered names from ``location``'s consensus store."""
 
@@ -238,246 +591,3 @@ def _location_names(location: LocationConfig, env: Mapping[str, str]) -> NameSou
             return client.shard_names()
 
     return read
-
-
-class _Parser:
-    def __init__(self, file: Path, env: Mapping[str, str], names: NameSource | None) -> None:
-        self.file = file
-        self.env = env
-        self.names = names
-        self.data_dir = file.parent
-
-    # --- helpers -----------------------------------------------------------------------
-
-    def error(self, where: str, message: str) -> InvalidConfig:
-        return InvalidConfig(f"{self.file}: {where}: {message}")
-
-    def section(self, raw: Mapping[str, Any], key: str, where: str = "") -> dict[str, Any]:
-        value = raw.get(key) or {}
-        if not isinstance(value, Mapping):
-            raise self.error(where + key, "must be a mapping")
-        return dict(value)
-
-    def check_keys(self, raw: Mapping[str, Any], allowed: set[str], where: str) -> None:
-        unknown = sorted(set(raw) - allowed)
-        if unknown:
-            raise self.error(where, f"unknown key(s) {', '.join(unknown)}; allowed: "
-                                    f"{', '.join(sorted(allowed))}")
-
-    def expand(self, value: Any, where: str, *, runtime: bool = False) -> str:
-        """Expand ``{data_dir}``, and ``${...}`` unless ``runtime`` (kept for run time)."""
-        if not isinstance(value, str | int | float) or isinstance(value, bool):
-            raise self.error(where, f"must be a string, got {type(value).__name__}")
-        text = str(value).replace("{data_dir}", str(self.data_dir))
-        if runtime:
-            return text
-        try:
-            return expand_env(text, self.env, what=where)
-        except InvalidConfig as e:
-            raise self.error(where, str(e).split(": ", 1)[-1]) from None
-
-    def integer(self, raw: Mapping[str, Any], key: str, default: int, where: str,
-                minimum: int = 0) -> int:
-        value = raw.get(key, default)
-        if isinstance(value, str):
-            value = self.expand(value, where + key)
-            try:
-                value = int(value)
-            except ValueError:
-                raise self.error(where + key, f"must be an integer, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.error(where + key, f"must be an integer >= {minimum}, got {value!r}")
-        return value
-
-    def path(self, value: Any, where: str) -> Path:
-        p = Path(self.expand(value, where)).expanduser()
-        return (p if p.is_absolute() else self.file.parent / p).resolve()
-
-    # --- sections ----------------------------------------------------------------------
-
-    def parse(self, raw: Any) -> PipelineConfig:
-        if not isinstance(raw, Mapping):
-            raise self.error("top level", "must be a mapping")
-        self.check_keys(raw, {"version", "data_dir", "location", "inline_policy", "spark",
-                              "compaction", "gc", "checks", "alerts", "automation",
-                              "shards", "timezone"}, "top level")
-        if raw.get("version", 1) != 1:
-            raise self.error("version", f"unsupported version {raw.get('version')!r}")
-        self.data_dir = self.path(raw.get("data_dir", ".persist/pipeline"), "data_dir")
-
-        loc = self.section(raw, "location")
-        self.check_keys(loc, {"consensus_uri", "blob_uri", "wal_blob_uri"}, "location")
-        location = LocationConfig(
-            consensus_uri=self.expand(
-                loc.get("consensus_uri", "sqlite:///{data_dir}/consensus.db"),
-                "location.consensus_uri", runtime=True),
-            blob_uri=self.expand(loc.get("blob_uri", "file://{data_dir}/blobs"),
-                                 "location.blob_uri", runtime=True),
-            wal_blob_uri=self.expand(loc.get("wal_blob_uri") or "", "location.wal_blob_uri",
-                                     runtime=True))
-
-        pol = self.section(raw, "inline_policy")
-        self.check_keys(pol, {"persist_inline_update_threshold_bytes",
-                              "persist_inline_update_max_bytes"}, "inline_policy")
-        threshold = self.integer(pol, "persist_inline_update_threshold_bytes",
-                                 INLINE_UPDATE_THRESHOLD_BYTES, "inline_policy.")
-        max_bytes = self.integer(pol, "persist_inline_update_max_bytes",
-                                 INLINE_UPDATE_MAX_BYTES, "inline_policy.")
-
-        sp = self.section(raw, "spark")
-        self.check_keys(sp, {"master", "conf"}, "spark")
-        conf = self.section(sp, "conf", "spark.")
-        spark = SparkConfig(
-            master=self.expand(sp.get("master", "${SPARK_MASTER:-local[*]}"), "spark.master"),
-            conf={str(k): self.expand(v, f"spark.conf.{k}") for k, v in conf.items()})
-
-        comp = self.section(raw, "compaction")
-        self.check_keys(comp, {"high_water_fraction", "sensor_interval_s", "schedule"},
-                        "compaction")
-        fraction = comp.get("high_water_fraction", 0.75)
-        if isinstance(fraction, bool) or not isinstance(fraction, int | float) \
-                or not 0 < fraction <= 1:
-            raise self.error("compaction.high_water_fraction",
-                             f"must be a number in (0, 1], got {fraction!r}")
-        compaction = CompactionConfig(
-            high_water_fraction=float(fraction),
-            sensor_interval_s=self.integer(comp, "sensor_interval_s", 30, "compaction.", 1),
-            schedule=self.cron(comp.get("schedule", "0 * * * *"), "compaction.schedule"))
-
-        gc = self.section(raw, "gc")
-        self.check_keys(gc, {"schedule"}, "gc")
-        checks = self.section(raw, "checks")
-        self.check_keys(checks, {"schedule"}, "checks")
-
-        al = self.section(raw, "alerts")
-        self.check_keys(al, {"webhook_url", "sensor_interval_s", "over_limit_for_s",
-                             "backlog_threshold"}, "alerts")
-        alerts = AlertsConfig(
-            webhook_url=self.expand(al.get("webhook_url") or "", "alerts.webhook_url",
-                                    runtime=True),
-            sensor_interval_s=self.integer(al, "sensor_interval_s", 60, "alerts.", 1),
-            over_limit_for_s=self.integer(al, "over_limit_for_s", 900, "alerts."),
-            backlog_threshold=self.integer(al, "backlog_threshold", 16, "alerts."))
-
-        auto = self.section(raw, "automation")
-        self.check_keys(auto, {"default_status"}, "automation")
-        status = str(auto.get("default_status", "running")).lower()
-        if status not in ("running", "stopped"):
-            raise self.error("automation.default_status",
-                             f"must be running or stopped, got {status!r}")
-
-        shards_raw = raw.get("shards")
-        if not isinstance(shards_raw, Mapping) or not shards_raw:
-            raise self.error("shards", "must map at least one shard name to its settings")
-        shards = tuple(self.shard(str(name), spec) for name, spec in shards_raw.items())
-        shards = self.resolve_names(shards, location)
-        ids = [s.shard_id for s in shards]
-        if len(set(ids)) != len(ids):
-            raise self.error("shards", "two shards have the same shard_id")
-
-        return PipelineConfig(
-            path=self.file, data_dir=self.data_dir, location=location,
-            threshold_bytes=threshold, max_bytes=max_bytes, spark=spark,
-            compaction=compaction,
-            gc_schedule=self.cron(gc.get("schedule", "30 3 * * *"), "gc.schedule"),
-            checks_schedule=self.cron(checks.get("schedule", "*/15 * * * *"),
-                                      "checks.schedule"),
-            alerts=alerts, automation_running=status == "running", shards=shards,
-            timezone=self.expand(raw.get("timezone", "UTC"), "timezone"))
-
-    def resolve_names(self, shards: tuple[ShardConfig, ...],
-                      location: LocationConfig) -> tuple[ShardConfig, ...]:
-        """``shards`` with each ``shard_id`` given as a registered name resolved to its id
-        (one registry read, only if any is)."""
-        named = [s for s in shards if s.registered_name]
-        if not named:
-            return shards
-        read = self.names or _location_names(location, self.env)
-        where = f"shards.{named[0].name}.shard_id"
-        try:
-            registry = {name: str(ShardId.parse(i)) for name, i in read().items()}
-        except PersistError as e:
-            raise type(e)(f"{self.file}: {where}: reading the registered shard names: "
-                          f"{e}") from None
-        out = []
-        for s in shards:
-            if s.registered_name:
-                found = registry.get(s.registered_name)
-                if found is None:
-                    raise self.error(
-                        f"shards.{s.name}.shard_id",
-                        f"{s.registered_name!r} is not a shard id, and no shard is "
-                        "registered under that name (register one with `persist-pipeline "
-                        f"new-shard --name {s.registered_name}`)")
-                s = replace(s, shard_id=found)
-            out.append(s)
-        return tuple(out)
-
-    def cron(self, value: Any, where: str) -> str:
-        text = self.expand(value, where)
-        if len(text.split()) != 5:
-            raise self.error(where, f"must be a 5-field cron expression, got {text!r}")
-        return text
-
-    def shard(self, name: str, spec: Any) -> ShardConfig:
-        where = f"shards.{name}"
-        if not _NAME.match(name):
-            raise self.error(where, "a shard name must be lowercase letters, digits and _ "
-                                    "(starting with a letter)")
-        if not isinstance(spec, Mapping):
-            raise self.error(where, "must be a mapping with a source")
-        self.check_keys(spec, {"shard_id", "source", "description", "freshness_max_age_s"},
-                        where)
-        shard_id = spec.get("shard_id") or shard_id_for(name)
-        registered_name = ""
-        try:
-            shard_id = str(ShardId.parse(str(shard_id)))
-        except InvalidShardId as e:
-            try:
-                registered_name = check_name(str(shard_id))  # resolved by resolve_names
-            except InvalidShardName:
-                raise self.error(where + ".shard_id", f"{e} (nor is it a valid shard "
-                                                      "name)") from None
-            shard_id = ""
-        src = spec.get("source")
-        if not isinstance(src, Mapping):
-            raise self.error(where + ".source", "must be a mapping with a kind")
-        kind = src.get("kind")
-        source: Source
-        sw = where + ".source."
-        if kind == "files":
-            self.check_keys(src, {"kind", "uri", "formats", "times", "sensor_interval_s"},
-                            where + ".source")
-            if "uri" not in src:
-                raise self.error(sw + "uri", "is required (a folder or s3://bucket/prefix)")
-            raw_uri = str(src["uri"])
-            uri = (self.expand(raw_uri, sw + "uri", runtime=True)
-                   if raw_uri.lower().startswith("s3://") or "${" in raw_uri
-                   else str(self.path(raw_uri, sw + "uri")))
-            formats = src.get("formats", ["csv", "jsonl", "parquet"])
-            known = sorted(set(FORMATS.values()))
-            if not isinstance(formats, list) or not formats or any(
-                    f not in known for f in formats):
-                raise self.error(sw + "formats", f"must be a list of {', '.join(known)}")
-            times = src.get("times", "ingest")
-            if times not in ("ingest", "source"):
-                raise self.error(sw + "times", f"must be ingest or source, got {times!r}")
-            source = FileSource(uri=uri, formats=tuple(formats), times=times,
-                                base_dir=str(self.file.parent),
-                                sensor_interval_s=self.integer(src, "sensor_interval_s", 30,
-                                                               sw, 1))
-        elif kind == "synthetic":
-            self.check_keys(src, {"kind", "keys", "events_per_write", "seed", "value_bytes"},
-                            where + ".source")
-            source = SyntheticSource(
-                keys=self.integer(src, "keys", 200, sw, 1),
-                events_per_write=self.integer(src, "events_per_write", 25, sw, 1),
-                seed=self.integer(src, "seed", 0, sw),
-                value_bytes=self.integer(src, "value_bytes", 24, sw, 8))
-        else:
-            raise self.error(sw + "kind", f"must be files or synthetic, got {kind!r}")
-        return ShardConfig(
-            name=name, shard_id=shard_id, source=source,
-            description=str(spec.get("description", "")),
-            freshness_max_age_s=self.integer(spec, "freshness_max_age_s", 3600, where + ".", 1),
-            registered_name=registered_name)

@@ -1,0 +1,212 @@
+"""``pipeline.yaml`` parsing (:mod:`assets.pipeline_config`): pure logic, no Dagster run.
+
+Covers: every default comes from the models (written once) and a default's ``${VAR}`` is
+expanded like a written value; loading opens no database unless a shard id is a
+registered name; errors name the file and the key as the user wrote it; secrets'
+templates are kept until run time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from assets.pipeline_config import (
+    AlertsConfig,
+    ChecksConfig,
+    CompactionConfig,
+    FileSource,
+    GcConfig,
+    InlinePolicyConfig,
+    PipelineFile,
+    ShardSpec,
+    SyntheticSource,
+    load_pipeline_config,
+    shard_id_for,
+)
+from persist_pipeline.exceptions import InvalidConfig, PersistError
+
+MINIMAL = "shards:\n  a:\n    source: {kind: synthetic}\n"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    return path
+
+
+def _error(tmp_path: Path, text: str) -> str:
+    path = _write(tmp_path, text)
+    with pytest.raises(InvalidConfig) as info:
+        load_pipeline_config(path, env={})
+    message = str(info.value)
+    assert message.startswith(f"{path}: "), message
+    return message[len(f"{path}: "):]
+
+
+def test_a_minimal_file_gets_the_models_defaults(tmp_path: Path) -> None:
+    config = load_pipeline_config(_write(tmp_path, MINIMAL), env={})
+    assert config.compaction == CompactionConfig()
+    assert config.alerts == AlertsConfig()
+    policy = InlinePolicyConfig()
+    assert (config.threshold_bytes, config.max_bytes) == (
+        policy.persist_inline_update_threshold_bytes, policy.persist_inline_update_max_bytes)
+    assert (config.gc_schedule, config.checks_schedule) == ("30 3 * * *", "*/15 * * * *")
+    assert config.automation_running and config.timezone == "UTC"
+    data_dir = tmp_path / ".persist" / "pipeline"
+    assert config.data_dir == data_dir
+    # Defaults are validated like written values: {data_dir} and ${VAR:-...} expanded.
+    assert config.location.consensus_uri == f"sqlite:///{data_dir}/consensus.db"
+    assert config.location.blob_uri == f"file://{data_dir}/blobs"
+    assert config.spark.master == "local[*]"
+    shard = config.shard("a")
+    assert shard.source == SyntheticSource()
+    assert shard.shard_id == shard_id_for("a") and shard.freshness_max_age_s == 3600
+
+
+def test_a_defaults_template_reads_the_environment(tmp_path: Path) -> None:
+    path = _write(tmp_path, "spark:\ngc:\n" + MINIMAL)  # empty sections: their defaults
+    config = load_pipeline_config(path, env={"SPARK_MASTER": "spark://10.0.0.1:7077"})
+    assert config.spark.master == "spark://10.0.0.1:7077"
+    assert config.gc_schedule == "30 3 * * *"
+
+
+def test_values_written_as_templates_are_expanded_and_checked(tmp_path: Path) -> None:
+    path = _write(tmp_path, "inline_policy:\n"
+                            "  persist_inline_update_threshold_bytes: ${T:-100}\n"
+                            "automation: {default_status: STOPPED}\n"
+                            "timezone: ${TZ_NAME}\n" + MINIMAL)
+    config = load_pipeline_config(path, env={"TZ_NAME": "Europe/Paris"})
+    assert config.threshold_bytes == 100
+    assert not config.automation_running
+    assert config.timezone == "Europe/Paris"
+    with pytest.raises(InvalidConfig, match="timezone: environment variable TZ_NAME is "
+                                            "not set"):
+        load_pipeline_config(path, env={})
+
+
+def test_secrets_templates_are_kept_until_run_time(tmp_path: Path) -> None:
+    path = _write(tmp_path, "location:\n"
+                            "  consensus_uri: postgresql://app:${DB_PASSWORD}@db/persist\n"
+                            "alerts: {webhook_url: '${HOOK}'}\n"
+                            "shards:\n  a:\n    source:\n      kind: files\n"
+                            "      uri: s3://bucket/landing?secret_access_key=${KEY}\n")
+    config = load_pipeline_config(path, env={})  # unset: only needed at run time
+    assert config.location.consensus_uri == "postgresql://app:${DB_PASSWORD}@db/persist"
+    assert config.alerts.webhook_url == "${HOOK}"
+    source = config.shard("a").source
+    assert isinstance(source, FileSource)
+    assert source.uri == "s3://bucket/landing?secret_access_key=${KEY}"
+
+
+def test_a_relative_landing_folder_is_relative_to_the_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "shards:\n  a:\n    source: {kind: files, uri: land/a}\n")
+    source = load_pipeline_config(path, env={}).shard("a").source
+    assert isinstance(source, FileSource)
+    assert source.uri == str(tmp_path / "land" / "a")
+    assert source.location() == str(tmp_path / "land" / "a")
+    assert source.formats == ("csv", "jsonl", "parquet") and source.times == "ingest"
+
+
+def test_loading_opens_no_database(tmp_path: Path) -> None:
+    """Nothing listens on port 9: only a registered name as a shard id reads the store."""
+    unreachable = "location: {consensus_uri: 'postgresql://u@127.0.0.1:9/none'}\n"
+    config = load_pipeline_config(_write(tmp_path, unreachable + MINIMAL), env={})
+    assert config.shard("a").shard_id == shard_id_for("a")
+    named = unreachable + "shards:\n  a:\n    shard_id: clicks-prod\n" \
+                          "    source: {kind: synthetic}\n"
+    with pytest.raises(PersistError, match=r"shards\.a\.shard_id: reading the registered "
+                                           r"shard names"):
+        load_pipeline_config(_write(tmp_path, named), env={})
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("shards: [", "not valid YAML"),
+    ("- 1\n", "top level: must be a mapping"),
+    ("version: 1\n", "shards: must map at least one shard name to its settings"),
+    ("version: 2\n" + MINIMAL, "version: Input should be 1, got 2"),
+    ("bogus: 1\n" + MINIMAL, "top level: unknown key(s) bogus; allowed: alerts, "),
+    ("gc: 5\n" + MINIMAL, "gc: must be a mapping"),
+    ("shards:\n  Orders:\n    source: {kind: synthetic}\n",
+     "shards.Orders: a shard name must be lowercase letters, digits and _"),
+    ("shards:\n  a: 3\n", "shards.a: must be a mapping"),
+    ("shards:\n  a:\n    sink: 1\n    source: {kind: synthetic}\n",
+     "shards.a: unknown key(s) sink; allowed: description, freshness_max_age_s, shard_id, "
+     "source"),
+    ("shards:\n  a:\n    source: {kind: kafka}\n",
+     "shards.a.source.kind: must be files or synthetic, got 'kafka'"),
+    ("shards:\n  a:\n    source: {keys: 3}\n",
+     "shards.a.source.kind: must be files or synthetic, got None"),
+    ("shards:\n  a:\n    source: {kind: synthetic, keys: 0}\n",
+     "shards.a.source.keys: Input should be greater than or equal to 1, got 0"),
+    ("shards:\n  a:\n    source: {kind: synthetic, keys: true}\n",
+     "shards.a.source.keys: Input should be a valid integer, got True"),
+    ("shards:\n  a:\n    source: {kind: files}\n",
+     "shards.a.source.uri: is required (a folder or s3://bucket/prefix)"),
+    ("shards:\n  a:\n    source: {kind: files, uri: x, formats: [xml]}\n",
+     "shards.a.source.formats: must be a list of csv, jsonl, parquet, got ['xml']"),
+    ("shards:\n  a:\n    source: {kind: files, uri: x, base_dir: /}\n",
+     "shards.a.source: unknown key base_dir"),
+    ("shards:\n  a:\n    shard_id: 'Not A Name!'\n    source: {kind: synthetic}\n",
+     "shards.a.shard_id: malformed shard id"),
+    ("inline_policy: {persist_inline_update_max_bytes: -1}\n" + MINIMAL,
+     "inline_policy.persist_inline_update_max_bytes: Input should be greater than or "
+     "equal to 0, got -1"),
+    ("inline_policy: {persist_inline_update_threshold_bytes: abc}\n" + MINIMAL,
+     "inline_policy.persist_inline_update_threshold_bytes: must be an integer, got 'abc'"),
+    ("compaction: {high_water_fraction: 2}\n" + MINIMAL,
+     "compaction.high_water_fraction: Input should be less than or equal to 1, got 2"),
+    ("compaction: {schedule: '* *'}\n" + MINIMAL,
+     "compaction.schedule: must be a 5-field cron expression, got '* *'"),
+    ("automation: {default_status: maybe}\n" + MINIMAL,
+     "automation.default_status: Input should be 'running' or 'stopped', got 'maybe'"),
+    ("spark: {master: '${NOPE_UNSET}'}\n" + MINIMAL,
+     "spark.master: environment variable NOPE_UNSET is not set"),
+    ("spark: {conf: {a: [1]}}\n" + MINIMAL, "spark.conf.a: must be a string, got list"),
+    ("data_dir: ${NOPE}\n" + MINIMAL, "data_dir: environment variable NOPE is not set"),
+    ("shards:\n  a:\n    source: {kind: synthetic}\n  b:\n    shard_id: " + shard_id_for("a")
+     + "\n    source: {kind: synthetic}\n", "shards: two shards have the same shard_id"),
+])
+def test_errors_name_the_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
+    assert expected in _error(tmp_path, text)
+
+
+def _documented_defaults() -> dict[str, str]:
+    """``{key: row}`` of the key table in docs/pipeline.md."""
+    rows = {}
+    text = (Path(__file__).resolve().parent.parent / "docs" / "pipeline.md").read_text()
+    for line in text.splitlines():
+        if line.startswith("| `"):
+            key, _, rest = line[3:].partition("`")
+            rows[key] = rest
+    return rows
+
+
+def test_the_documented_defaults_are_the_models() -> None:
+    """docs/pipeline.md states each default; the models are where it is written."""
+    rows = _documented_defaults()
+    compaction, alerts, policy = CompactionConfig(), AlertsConfig(), InlinePolicyConfig()
+    expected = {
+        "inline_policy.persist_inline_update_threshold_bytes":
+            str(policy.persist_inline_update_threshold_bytes),
+        "compaction.high_water_fraction": str(compaction.high_water_fraction),
+        "compaction.sensor_interval_s": str(compaction.sensor_interval_s),
+        "compaction.schedule": compaction.schedule,
+        "gc.schedule": "30 3 * * *",
+        "checks.schedule": "*/15 * * * *",
+        "alerts.over_limit_for_s": str(alerts.over_limit_for_s),
+        "alerts.backlog_threshold": str(alerts.backlog_threshold),
+        "alerts.sensor_interval_s": str(alerts.sensor_interval_s),
+        "timezone": "UTC",
+        "data_dir": ".persist/pipeline",
+        "shards.NAME.freshness_max_age_s": str(ShardSpec.model_fields[
+            "freshness_max_age_s"].default),
+    }
+    for key, default in expected.items():
+        assert key in rows, f"docs/pipeline.md documents no {key}"
+        assert f"({default}" in rows[key] or f"(`{default}`" in rows[key], (key, rows[key])
+    assert GcConfig().schedule == expected["gc.schedule"]
+    assert ChecksConfig().schedule == expected["checks.schedule"]
+    assert PipelineFile.model_fields["timezone"].default == expected["timezone"]
+    assert PipelineFile.model_fields["data_dir"].default == expected["data_dir"]
