@@ -25,8 +25,13 @@ from assets.compaction import build_compaction_assets
 from assets.compaction_sensors import build_inline_pressure_sensor
 from assets.gc import build_gc_assets
 from assets.ingestion import build_ingestion_assets
-from assets.landing_sensor import build_landing_sensor
-from assets.pipeline_config import FileSource, PipelineConfig, load_pipeline_config
+from assets.landing_sensor import build_landing_sensor, build_route_landing_sensor
+from assets.pipeline_config import (
+    FileSource,
+    PipelineConfig,
+    is_landed,
+    load_pipeline_config,
+)
 from assets.reports import build_report_asset
 from assets.schedules import build_automation_sensor, build_checks_schedule
 from resources.alerts import AlertsResource
@@ -60,19 +65,20 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
     """Assets, checks, jobs, sensors and schedules for ``config``."""
     shards = config.shards
     running = config.automation_running
-    ingestion = build_ingestion_assets(shards)
+    ingestion = build_ingestion_assets(shards, config.routes)
     compaction = build_compaction_assets(shards, cron=config.compaction.schedule,
                                          timezone=config.timezone)
     gc = build_gc_assets(shards, cron=config.gc_schedule, timezone=config.timezone)
     checks = build_shard_checks(shards)
 
-    synthetic = [shard_key(s.name) for s in shards if not isinstance(s.source, FileSource)]
+    synthetic = [shard_key(s.name) for s in shards if not is_landed(s)]
     jobs = []
-    files = [shard_key(s.name) for s in shards if isinstance(s.source, FileSource)]
+    files = [shard_key(s.name) for s in shards if is_landed(s)]
     landing_job = dg.define_asset_job(
         LANDING_JOB, selection=dg.AssetSelection.assets(*files),
-        description="Ingests one landed file (a partition SHARD/path) into its shard; the "
-                    "landing sensors launch it selecting one ingest/SHARD asset.")
+        description="Ingests one landed file (a partition SHARD/path or ROUTE/path) into "
+                    "its shard, or into every shard of its route in one transaction; the "
+                    "landing sensors launch it selecting those ingest/SHARD assets.")
     if files:
         jobs.append(landing_job)
     if synthetic:  # file shards are written by their landing sensors, one file per run
@@ -93,6 +99,8 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
     sensors = [
         *(build_landing_sensor(s, landing_job, running=running)
           for s in shards if isinstance(s.source, FileSource)),
+        *(build_route_landing_sensor(r, landing_job, running=running)
+          for r in config.routes),
         build_inline_pressure_sensor(
             shards, high_water_fraction=config.compaction.high_water_fraction,
             interval_s=config.compaction.sensor_interval_s, job=compaction_job,

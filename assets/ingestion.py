@@ -20,6 +20,13 @@ the updates it wrote, the shard's upper, blob PUTs. Sources:
   one fails without writing. The file is read and validated before anything touches the
   shard, so a bad file fails its run with a message naming the file and line and writes
   nothing.
+- ``routed``: the rows of a *route*'s landed files whose route column names the shard.
+  A route's file is a partition ``ROUTE/path`` of every shard routed from it, and one
+  run writes it to all of them in one transaction (:meth:`PersistClient.transaction`):
+  each shard gets its rows (none is a write of no rows that still advances its upper),
+  and either every shard has the file or none has. A row naming no routed shard fails
+  the file before anything is written. Exactly-once holds for the file as for a
+  ``files`` shard's.
 - ``synthetic``: the built-in change stream (:mod:`assets.change_stream`).
 """
 
@@ -27,7 +34,7 @@ the updates it wrote, the shard's upper, blob PUTs. Sources:
 # decorated functions (context, config and resource parameters) at definition time.
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -47,8 +54,11 @@ from assets.asset_keys import (
 from assets.change_stream import ChangeStream
 from assets.pipeline_config import (
     FileSource,
+    RouteConfig,
+    RoutedSource,
     ShardConfig,
     SyntheticSource,
+    is_landed,
     register_shard_name,
 )
 from assets.sources import display_name, read_landed, stat_landed
@@ -78,6 +88,8 @@ SEQNO = "Seqno"
 SHARD_ID = "Shard ID"
 FILE = "File"
 FILE_IDENTITY = "File identity"
+ROUTE = "Route"
+ROUTE_SHARDS = "Shards in the transaction"
 
 #: The columns of every shard (the ingestion assets' ``dagster/column_schema``).
 UPDATES_SCHEMA = dg.TableSchema(columns=[
@@ -218,11 +230,18 @@ def change_stream(source: SyntheticSource) -> ChangeStream:
     return ChangeStream(source.keys, source.events_per_write, source.seed, source.value_bytes)
 
 
+def _describe_files(src: FileSource) -> str:
+    where = redact_uri(src.uri)  # as configured: templates are not expanded here
+    return f"files ({', '.join(src.formats)}) landing in {where}; times: {src.times}"
+
+
 def _describe_source(shard: ShardConfig) -> str:
     src = shard.source
     if isinstance(src, FileSource):
-        where = redact_uri(src.uri)  # as configured: templates are not expanded here
-        return f"files ({', '.join(src.formats)}) landing in {where}; times: {src.times}"
+        return _describe_files(src)
+    if isinstance(src, RoutedSource):
+        return (f"rows of route {src.route} whose route column is "
+                f"{src.value or shard.name!r}")
     return (f"synthetic change stream: {src.keys} keys, {src.events_per_write} changes per "
             f"write, seed {src.seed}")
 
@@ -264,6 +283,9 @@ def _spec(shard: ShardConfig) -> dg.AssetSpec:
     source = shard.source
     what = ("Each landed file is one partition and one compare_and_append; a file is "
             "ingested exactly once." if isinstance(source, FileSource) else
+            "Each landed file of the route is one partition, committed to every shard of "
+            "the route in one transaction; a file is ingested exactly once."
+            if isinstance(source, RoutedSource) else
             "Each materialization is one compare_and_append of the next step of the stream.")
     description = (shard.description or f"Shard {shard.name}.") + \
         f" {what} Source: {_describe_source(shard)}. Watch the 'Inline bytes' plot: the " \
@@ -275,26 +297,28 @@ def _spec(shard: ShardConfig) -> dg.AssetSpec:
     return dg.AssetSpec(
         shard_key(shard.name), group_name=INGESTION_GROUP, description=description,
         kinds={"persist"}, freshness_policy=freshness,
-        skippable=isinstance(source, FileSource),  # a file already ingested writes nothing
+        skippable=is_landed(shard),  # a file already ingested writes nothing
         metadata={"shard_id": shard.shard_id, "source": _describe_source(shard),
                   "dagster/column_schema": UPDATES_SCHEMA})
 
 
-def build_ingestion_assets(shards: Sequence[ShardConfig]) -> list[dg.AssetsDefinition]:
+def build_ingestion_assets(shards: Sequence[ShardConfig],
+                           routes: Sequence[RouteConfig] = ()) -> list[dg.AssetsDefinition]:
     """The ingestion assets ``ingest/NAME`` of every shard: one multi-asset for the
-    synthetic shards and one (partitioned by landed file) for the files shards.
+    synthetic shards and one (partitioned by landed file) for the files and routed
+    shards.
 
     Two op definitions, whatever the number of shards: the code location loads in
     seconds with 1,000 shards (an op per shard cost a few milliseconds each, and every
     job pays for every op).
     """
-    synthetic = [s for s in shards if not isinstance(s.source, FileSource)]
-    files = [s for s in shards if isinstance(s.source, FileSource)]
+    synthetic = [s for s in shards if not is_landed(s)]
+    files = [s for s in shards if is_landed(s)]
     out = []
     if synthetic:
         out.append(_build_synthetic(synthetic))
     if files:
-        out.append(_build_files(files))
+        out.append(_build_files(files, routes))
     return out
 
 
@@ -326,8 +350,10 @@ def _build_synthetic(shards: Sequence[ShardConfig]) -> dg.AssetsDefinition:
     return synthetic_ingestion
 
 
-def _build_files(shards: Sequence[ShardConfig]) -> dg.AssetsDefinition:
+def _build_files(shards: Sequence[ShardConfig],
+                 routes: Sequence[RouteConfig]) -> dg.AssetsDefinition:
     by_name = {s.name: s for s in shards}
+    by_route = {r.name: r for r in routes}
 
     @dg.multi_asset(name="file_ingestion", specs=[_spec(s) for s in shards],
                     partitions_def=LANDED_FILES, can_subset=True)
@@ -336,6 +362,11 @@ def _build_files(shards: Sequence[ShardConfig]) -> dg.AssetsDefinition:
         partition = context.partition_key
         owner, name = split_file_partition(partition)
         selected = {k.path[-1] for k in context.selected_asset_keys}
+        if owner in by_route:
+            client = persist.client(inline_policy.policy())
+            yield from _ingest_routed(context, client, by_route[owner], by_name, name,
+                                      selected)
+            return
         if owner not in selected or owner not in by_name:
             # All files shards share the landed_files partitions, so "Materialize all" of
             # ingest/NAME also covers other shards' files: nothing to do for those.
@@ -379,3 +410,135 @@ def _build_files(shards: Sequence[ShardConfig]) -> dg.AssetsDefinition:
         yield _write(context, client, shard, file_plan(table, source, shown, landed.identity))
 
     return file_ingestion
+
+
+def split_routed(table: pa.Table, route: RouteConfig, shown: str) -> dict[str, pa.Table]:
+    """``{shard name: its k/v/t/d rows}`` of a route's file (every shard of the route,
+    with no rows where the file has none).
+
+    Raises:
+        InvalidUpdates: a row's route column names no shard of the route.
+    """
+    column = table.column(route.column)
+    unknown = pc.invert(pc.is_in(column, value_set=pa.array(list(route.targets),
+                                                             pa.string())))
+    bad = pc.sum(unknown).as_py() or 0
+    if bad:
+        first = unknown.to_pylist().index(True)
+        values = sorted(set(pc.filter(column, unknown).to_pylist()))
+        shown_values = ", ".join(repr(v) for v in values[:5]) + (", ..." if len(values) > 5
+                                                                  else "")
+        raise InvalidUpdates(
+            f"{shown}: row {first + 1}: {bad} row(s) have a {route.column} that names no "
+            f"shard of route {route.name} ({shown_values}); accepted: "
+            f"{', '.join(repr(v) for v in route.targets)}")
+    updates = table.drop_columns([route.column])
+    return {shard: updates.filter(pc.equal(column, value))
+            for value, shard in route.targets.items()}
+
+
+def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
+                   route: RouteConfig, by_name: Mapping[str, ShardConfig], name: str,
+                   selected: set[str]) -> Iterator[dg.MaterializeResult]:
+    """Write the route's landed file ``name`` to every shard of the route at once."""
+    partition = context.partition_key
+    shards = [by_name[s] for s in route.targets.values()]
+    keys = [shard_key(s.name) for s in shards]
+    wanted = ", ".join(f"ingest/{s.name}" for s in shards)
+    if not selected & {s.name for s in shards}:
+        context.log.warning(f"partition {partition} is a file of route {route.name}: "
+                            f"nothing written (materialize it on {wanted})")
+        return
+    if not {s.name for s in shards} <= selected:
+        # Writing some of the route's shards would break the file's atomicity.
+        raise dg.Failure(description=f"partition {partition} is a file of route "
+                                     f"{route.name}, committed to {wanted} together: "
+                                     "select all of them")
+    source = route.source
+    shown = display_name(source, name)
+    meta = {"file": shown, "route": route.name}
+    try:
+        landed = stat_landed(source, name)
+    except InvalidUpdates as e:
+        raise dg.Failure(description=str(e), metadata=meta) from None
+    # The shards commit together, so one recorded materialization means all committed.
+    for key in keys:
+        done = ingested_by(context.instance, key, partition, landed.identity)
+        if done is not None:
+            context.log.info(f"{shown} ({landed.identity}) was already ingested by run "
+                             f"{done}: nothing written (each file is ingested once)")
+            return
+    other = earlier_active_run(context.instance, context.run.run_id, keys[0], partition)
+    if other is not None:
+        raise dg.Failure(description=f"run {other} is already ingesting {shown}: this "
+                                     "run writes nothing, so the file is ingested once "
+                                     "(re-run this partition if that run fails)")
+    try:
+        table = read_landed(source, name, route=route.column)  # before touching a shard
+        if stat_landed(source, name).identity != landed.identity:
+            raise InvalidUpdates(f"{shown}: changed while it was read; the landing "
+                                 "sensor ingests the new version")
+        parts = split_routed(table, route, shown)
+    except InvalidUpdates as e:
+        raise dg.Failure(description=str(e), metadata=meta) from None
+    for shard in shards:
+        try:
+            register_shard_name(client, shard)
+        except InvalidConfig as e:  # the config name is another shard's
+            raise dg.Failure(description=str(e), metadata={"shard": shard.name}) from None
+    writers = {s.name: client.open_writer(s.shard_id, debug=f"dagster run "
+                                                           f"{context.run.run_id}")
+               for s in shards}
+    try:
+        try:
+            results, plans, latency_ms = commit_routed(client, writers, parts, source,
+                                                        shown, landed.identity)
+        except InvalidUpdates as e:
+            raise dg.Failure(description=str(e), metadata=meta) from None
+    finally:
+        for writer in writers.values():
+            writer.expire()
+    context.log.info(f"{shown}: route {route.name} committed "
+                     f"{sum(p.table.num_rows for p in plans.values())} rows to "
+                     f"{len(shards)} shards in one transaction in {latency_ms:.2f} ms")
+    for shard in shards:
+        metadata = write_metadata(client, shard, results[shard.name], plans[shard.name],
+                                  latency_ms)
+        metadata[ROUTE] = route.name
+        metadata[ROUTE_SHARDS] = len(shards)
+        yield dg.MaterializeResult(asset_key=shard_key(shard.name), metadata=metadata)
+
+
+def commit_routed(client: PersistClient, writers: Mapping[str, WriteHandle],
+                   parts: Mapping[str, pa.Table], source: FileSource, shown: str,
+                   identity: str) -> tuple[dict[str, WriteResult], dict[str, Planned],
+                                           float]:
+    """One transaction writing each shard's part at its upper, re-planned when another
+    writer moved an upper. Returns the results and plans by shard name, and the commit's
+    latency in ms."""
+    plans_of = {name: file_plan(parts[name], source, shown, identity) for name in writers}
+    uppers = {name: w.fetch_recent_upper() for name, w in writers.items()}
+    for _ in range(MAX_ATTEMPTS):
+        closed = [name for name, upper in uppers.items() if upper is None]
+        if closed:
+            raise dg.Failure(f"shard(s) {', '.join(closed)} closed: they take no more "
+                             "writes, so no shard of the route was written")
+        plans = {name: plans_of[name](upper) for name, upper in uppers.items()
+                 if upper is not None}
+        txn = client.transaction()
+        for name, planned in plans.items():
+            upper = uppers[name]
+            assert upper is not None
+            txn.compare_and_append(writers[name], planned.table, upper, planned.new_upper)
+        started = time.perf_counter()
+        try:
+            committed = txn.commit()
+        except UpperMismatch:
+            # Nothing committed: re-plan every shard at its current upper.
+            uppers = {name: w.fetch_recent_upper() for name, w in writers.items()}
+            continue
+        latency_ms = (time.perf_counter() - started) * 1000
+        results = {name: committed[str(w.shard_id)] for name, w in writers.items()}
+        return results, plans, latency_ms
+    raise dg.Failure(f"the uppers of {', '.join(writers)} kept moving; gave up after "
+                     f"{MAX_ATTEMPTS} attempts")

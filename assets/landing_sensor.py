@@ -1,8 +1,9 @@
-"""The landing sensor of a ``files`` shard.
+"""The landing sensor of a ``files`` shard or of a route.
 
-``NAME_landing_sensor`` (one per ``files`` shard): each new landed file becomes a
-dynamic partition ``NAME/<file>`` of ``ingest/NAME`` and one run of ``ingest_files_job`` whose run
-key is the file's identity (name, size, mtime). The cursor remembers the identities
+``NAME_landing_sensor`` (one per ``files`` shard and one per route): each new landed file
+becomes a dynamic partition ``NAME/<file>`` of ``ingest/NAME`` (of every shard routed from
+route ``NAME``) and one run of ``ingest_files_job`` whose run key is the file's identity
+(name, size, mtime). The cursor remembers the identities
 already requested, Dagster never reuses a run key, files already ingested by a run
 launched by hand are not requested, and the asset itself writes nothing for a file
 version it already ingested: a file is ingested exactly once. A bad file's failed run
@@ -29,7 +30,7 @@ from assets.asset_keys import (
     shard_key,
 )
 from assets.ingestion import LANDED_FILES, ingested_by
-from assets.pipeline_config import FileSource, ShardConfig
+from assets.pipeline_config import FileSource, RouteConfig, ShardConfig
 from assets.sensor_support import load_cursor, sensor_status
 from assets.sources import describe, scan_landing
 from resources.env import redact_text
@@ -43,16 +44,31 @@ def build_landing_sensor(shard: ShardConfig, job: AssetJob, *,
     ``shard``."""
     source = shard.source
     assert isinstance(source, FileSource), "landing sensors watch files sources"
-    key = shard_key(shard.name)
+    return _landing_sensor(shard.name, source, [shard.name], job, running,
+                           what=f"ingest/{shard.name}")
 
-    @dg.sensor(name=f"{shard.name}_landing_sensor", job=job,
+
+def build_route_landing_sensor(route: RouteConfig, job: AssetJob, *,
+                               running: bool = True) -> dg.SensorDefinition:
+    """One partition and one ingestion run (writing every shard of the route in one
+    transaction) per new file landed for ``route``."""
+    shards = list(route.targets.values())
+    return _landing_sensor(route.name, route.source, shards, job, running,
+                           what=", ".join(f"ingest/{s}" for s in shards) + " (route "
+                                f"{route.name}, one transaction per file)")
+
+
+def _landing_sensor(owner: str, source: FileSource, shards: list[str], job: AssetJob,
+                    running: bool, what: str) -> dg.SensorDefinition:
+    keys = [shard_key(s) for s in shards]
+
+    @dg.sensor(name=f"{owner}_landing_sensor", job=job,
                minimum_interval_seconds=source.sensor_interval_s,
                default_status=sensor_status(running),
                description=f"Each new file in {describe_source_template(source)} becomes a "
-                           f"partition of ingest/{shard.name} ({shard.name}/<file>) and one "
-                           f"run of {LANDING_JOB} (run key: the file's name, size and "
-                           "mtime). Fails the tick if the location is missing or cannot be "
-                           "listed.")
+                           f"partition of {what} ({owner}/<file>) and one run of "
+                           f"{LANDING_JOB} (run key: the file's name, size and mtime). "
+                           "Fails the tick if the location is missing or cannot be listed.")
     def landing_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         seen = set(load_cursor(context.cursor).get("seen", []))
         landing = scan_landing(source)  # LandingLocationError fails the tick, clearly
@@ -60,17 +76,18 @@ def build_landing_sensor(shard: ShardConfig, job: AssetJob, *,
         for f in landing.files:
             if f.identity in seen:
                 continue
-            partition = file_partition_key(shard.name, f.name)
+            partition = file_partition_key(owner, f.name)
             if context.instance.has_dynamic_partition(FILES_PARTITIONS, partition):
-                if ingested_by(context.instance, key, partition, f.identity):
+                if ingested_by(context.instance, keys[0], partition, f.identity):
                     already.append(f.name)  # e.g. materialized by hand: not again
                     continue
             else:
                 added.append(partition)
             requests.append(dg.RunRequest(
-                run_key=f"{shard.name}:{f.identity}", partition_key=partition,
-                asset_selection=[key],
-                tags={TAG_SHARDS: shard.name, TAG_FILE: f.name, TAG_TRIGGER: "landing"}))
+                run_key=f"{owner}:{f.identity}", partition_key=partition,
+                asset_selection=keys,
+                tags={TAG_SHARDS: ",".join(shards), TAG_FILE: f.name,
+                      TAG_TRIGGER: "landing"}))
         # Only identities still landed are kept: the cursor stays as small as the folder.
         cursor = json.dumps({"seen": sorted(f.identity for f in landing.files)})
         notes = []

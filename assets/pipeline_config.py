@@ -181,6 +181,12 @@ def _required_uri(value: str) -> str:
     return value
 
 
+def _route_column(value: str) -> str:
+    if value in ("k", "v", "t", "d") or not value:
+        raise ValueError(f"must name a column besides k, v, t and d, got {value!r}")
+    return value
+
+
 def _shard_entries(value: Any) -> Any:
     if not isinstance(value, Mapping) or not value:
         raise ValueError("must map at least one shard name to its settings")
@@ -264,8 +270,22 @@ class SyntheticSource(_Section):
     value_bytes: Annotated[StrictInt, BeforeValidator(_integer), Field(ge=8)] = 24
 
 
-Source = Annotated[FileSource | SyntheticSource, Field(discriminator="kind")]
-_SOURCE_KINDS = ("files", "synthetic")
+class RoutedSource(_Section):
+    """Rows of a route's landed files: those whose route column holds ``value``.
+
+    Attributes:
+        route: the route's name (a key of ``routes:``).
+        value: the route column's value that selects this shard's rows; empty: the
+            shard's name.
+    """
+
+    kind: Literal["routed"] = "routed"
+    route: str
+    value: Annotated[str, BeforeValidator(_optional_text)] = ""
+
+
+Source = Annotated[FileSource | SyntheticSource | RoutedSource, Field(discriminator="kind")]
+_SOURCE_KINDS = ("files", "synthetic", "routed")
 
 
 class ShardSpec(_Section):
@@ -295,6 +315,33 @@ class ShardConfig(ShardSpec):
     registered_name: str = ""
 
     _internal: ClassVar[frozenset[str]] = frozenset({"name", "registered_name"})
+
+
+class RouteSpec(_Section):
+    """One entry under ``routes:``: a landing location whose files hold rows of several
+    shards, each landed file committed to all of them in one transaction.
+
+    Attributes:
+        source: where the files land (as a ``files`` shard's source).
+        column: the column naming each row's shard (its ``routed`` source's ``value``).
+    """
+
+    source: FileSource
+    column: Annotated[str, AfterValidator(_route_column)] = "shard"
+    description: Annotated[str, BeforeValidator(_text)] = ""
+
+
+class RouteConfig(RouteSpec):
+    """A route, resolved: its name and which shard each route-column value feeds.
+
+    Attributes:
+        targets: ``{value: shard name}``, in the order of ``shards:``.
+    """
+
+    name: str
+    targets: Mapping[str, str]
+
+    _internal: ClassVar[frozenset[str]] = frozenset({"name", "targets"})
 
 
 class LocationConfig(_Section):
@@ -381,6 +428,8 @@ class PipelineFile(_Section):
     timezone: Expanded = "UTC"
     shards: Annotated[dict[Annotated[str, AfterValidator(_shard_name)], ShardSpec],
                       BeforeValidator(_shard_entries)]
+    routes: dict[Annotated[str, AfterValidator(_shard_name)], RouteSpec] = Field(
+        default_factory=dict)
 
 
 class PipelineConfig(BaseModel):
@@ -400,6 +449,7 @@ class PipelineConfig(BaseModel):
     alerts: AlertsConfig
     automation_running: bool
     shards: tuple[ShardConfig, ...]
+    routes: tuple[RouteConfig, ...]
     timezone: str
 
     def shard(self, name: str) -> ShardConfig:
@@ -407,6 +457,18 @@ class PipelineConfig(BaseModel):
             if s.name == name:
                 return s
         raise KeyError(name)
+
+    def route(self, name: str) -> RouteConfig:
+        for r in self.routes:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+
+def is_landed(shard: ShardConfig) -> bool:
+    """Whether ``shard`` is written from landed files (its own, or a route's): its
+    ingestion asset is partitioned by landed file."""
+    return isinstance(shard.source, FileSource | RoutedSource)
 
 
 def shard_id_for(name: str) -> str:
@@ -464,6 +526,7 @@ def parse_pipeline_config(raw: Any, file: Path, env: Mapping[str, str],
     ids = [s.shard_id for s in shards]
     if len(set(ids)) != len(ids):
         raise InvalidConfig(f"{file}: shards: two shards have the same shard_id")
+    routes = _routes(file, spec, shards)
     return PipelineConfig(
         path=file, data_dir=data_dir, location=spec.location,
         threshold_bytes=spec.inline_policy.persist_inline_update_threshold_bytes,
@@ -471,7 +534,7 @@ def parse_pipeline_config(raw: Any, file: Path, env: Mapping[str, str],
         spark=spec.spark, compaction=spec.compaction, gc_schedule=spec.gc.schedule,
         checks_schedule=spec.checks.schedule, alerts=spec.alerts,
         automation_running=spec.automation.default_status == "running", shards=shards,
-        timezone=spec.timezone)
+        routes=routes, timezone=spec.timezone)
 
 
 def register_shard_name(client: PersistClient, shard: ShardConfig) -> None:
@@ -520,7 +583,8 @@ def _describe(error: ValidationError) -> str:
     message = first["msg"]
     if kind in ("union_tag_invalid", "union_tag_not_found"):
         loc.append("kind")
-        message = (f"must be {' or '.join(_SOURCE_KINDS)}, got {first['input'].get('kind')!r}"
+        kinds = f"{', '.join(_SOURCE_KINDS[:-1])} or {_SOURCE_KINDS[-1]}"
+        message = (f"must be {kinds}, got {first['input'].get('kind')!r}"
                    if isinstance(first["input"], Mapping) else "must be a mapping with a kind")
     elif kind in ("model_type", "dict_type", "model_attributes_type"):
         message = "must be a mapping"
@@ -551,6 +615,41 @@ def _shard(file: Path, name: str, spec: ShardSpec) -> ShardConfig:
                        description=spec.description,
                        freshness_max_age_s=spec.freshness_max_age_s,
                        registered_name=registered_name)
+
+
+def _routes(file: Path, spec: PipelineFile, shards: tuple[ShardConfig, ...]
+            ) -> tuple[RouteConfig, ...]:
+    """Each route with the shards routed from it; every routed shard's route exists and
+    every route feeds a shard (a landed file's partition key starts with its owner's
+    name, so route and shard names must differ)."""
+    targets: dict[str, dict[str, str]] = {name: {} for name in spec.routes}
+    for shard in shards:
+        source = shard.source
+        if not isinstance(source, RoutedSource):
+            continue
+        where = f"{file}: shards.{shard.name}.source"
+        if source.route not in targets:
+            known = ", ".join(sorted(targets)) or "none"
+            raise InvalidConfig(f"{where}.route: no route named {source.route!r} (routes: "
+                                f"{known})")
+        value = source.value or shard.name
+        other = targets[source.route].get(value)
+        if other is not None:
+            raise InvalidConfig(f"{where}.value: shard {other} already takes the rows whose "
+                                f"{spec.routes[source.route].column} is {value!r}")
+        targets[source.route][value] = shard.name
+    names = {s.name for s in shards}
+    out = []
+    for name, route in spec.routes.items():
+        if name in names:
+            raise InvalidConfig(f"{file}: routes.{name}: a route and a shard cannot share a "
+                                "name (both name landed-file partitions)")
+        if not targets[name]:
+            raise InvalidConfig(f"{file}: routes.{name}: no shard is routed from it (give "
+                                f"one `source: {{kind: routed, route: {name}}}`)")
+        out.append(RouteConfig(name=name, targets=targets[name], source=route.source,
+                               column=route.column, description=route.description))
+    return tuple(out)
 
 
 def _resolve_names(file: Path, shards: tuple[ShardConfig, ...], location: LocationConfig,

@@ -128,8 +128,9 @@ def display_name(source: FileSource, name: str) -> str:
     return LandingLocation(source.location()).describe(name)
 
 
-def read_landed(source: FileSource, name: str) -> pa.Table:
-    """Read the landed file ``name`` into a k/v/t/d table.
+def read_landed(source: FileSource, name: str, *, route: str | None = None) -> pa.Table:
+    """Read the landed file ``name`` into a k/v/t/d table (and the route column
+    ``route``, each row's shard, if given).
 
     Raises:
         InvalidUpdates: the file is missing, outside the landing location, of a format
@@ -140,4 +141,4 @@ def read_landed(source: FileSource, name: str) -> pa.Table:
     if not _accepted(name, source):
         raise InvalidUpdates(f"{display_name(source, name)}: not an accepted file (formats: "
                              f"{', '.join(source.formats)})")
-    return LandingLocation(source.location()).read_updates(rel.as_posix())
+    return LandingLocation(source.location()).read_updates(rel.as_posix(), route=route)

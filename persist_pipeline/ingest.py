@@ -2,8 +2,10 @@
 
 Every format carries columns ``k``, ``v``, ``t`` and optionally ``d`` (default 1). In
 CSV and JSONL, ``k`` and ``v`` are text (stored as UTF-8 bytes) and ``t``/``d`` integers;
-in Parquet, ``k``/``v`` may be binary or string. Errors name the file and line (or row)
-and nothing is returned for a file with any bad row.
+in Parquet, ``k``/``v`` may be binary or string. A file whose rows go to several shards
+also carries a *route column* (text, named by the caller) saying each row's shard; it is
+returned as a fifth column. Errors name the file and line (or row) and nothing is
+returned for a file with any bad row.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from persist_pipeline.exceptions import InvalidUpdates
+from persist_pipeline.exceptions import InvalidInput, InvalidUpdates
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.updates import SCHEMA
 
@@ -60,42 +63,70 @@ def _text(value: Any, name: str, where: str) -> bytes:
     return value.encode("utf-8")
 
 
-def _row(record: dict[str, Any], where: str) -> tuple[bytes, bytes, int, int]:
-    missing = [c for c in ("k", "v", "t") if c not in record or record[c] is None]
+Row = tuple[bytes, bytes, int, int] | tuple[bytes, bytes, int, int, str]
+
+
+def _row(record: dict[str, Any], where: str, route: str | None = None) -> Row:
+    required = ("k", "v", "t") if route is None else ("k", "v", "t", route)
+    missing = [c for c in required if c not in record or record[c] is None]
     if missing:
         raise InvalidUpdates(f"{where}: missing column(s) {', '.join(missing)}")
     d = record.get("d", 1)
-    return (_text(record["k"], "k", where), _text(record["v"], "v", where),
-            _int(record["t"], "t", where, 0, MAX_TIME),
-            _int(1 if d in (None, "") else d, "d", where, *_DIFF_RANGE))
+    row = (_text(record["k"], "k", where), _text(record["v"], "v", where),
+           _int(record["t"], "t", where, 0, MAX_TIME),
+           _int(1 if d in (None, "") else d, "d", where, *_DIFF_RANGE))
+    if route is None:
+        return row
+    value = record[route]
+    if not isinstance(value, str) or not value:
+        raise InvalidUpdates(f"{where}: column {route} must name a shard, got {value!r}")
+    return (*row, value)
 
 
-def _table(rows: list[tuple[bytes, bytes, int, int]]) -> pa.Table:
-    cols: list[tuple[Any, ...]] = list(zip(*rows, strict=True)) if rows else [(), (), (), ()]
+def route_schema(route: str | None) -> pa.Schema:
+    """The columns the readers return: k/v/t/d, and the route column if there is one."""
+    return SCHEMA if route is None else SCHEMA.append(pa.field(route, pa.string(), False))
+
+
+def _table(rows: list[Row], route: str | None = None) -> pa.Table:
+    schema = route_schema(route)
+    cols: list[tuple[Any, ...]] = (list(zip(*rows, strict=True)) if rows
+                                   else [()] * len(schema))
     return pa.Table.from_arrays(
-        [pa.array(list(cols[0]), pa.binary()), pa.array(list(cols[1]), pa.binary()),
-         pa.array(list(cols[2]), pa.int64()), pa.array(list(cols[3]), pa.int64())],
-        schema=SCHEMA)
+        [pa.array(list(col), field.type) for col, field in zip(cols, schema, strict=True)],
+        schema=schema)
 
 
-def read_csv(path: Path) -> pa.Table:
+def _check_route_column(route: str | None) -> None:
+    if route is not None and route in SCHEMA.names:
+        raise InvalidInput(f"the route column cannot be {route!r}: k, v, t and d are the "
+                           "updates' own columns")
+
+
+def _needed(route: str | None) -> str:
+    return "k, v, t" + (f", {route}" if route else "")
+
+
+def read_csv(path: Path, route: str | None = None) -> pa.Table:
     rows = []
     with path.open(newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
-        if reader.fieldnames is None or not {"k", "v", "t"} <= set(reader.fieldnames):
-            raise InvalidUpdates(f"{path}: line 1: the header must name columns k, v, t "
-                                 f"(and optionally d); got {reader.fieldnames}")
+        needed = {"k", "v", "t"} | ({route} if route else set())
+        if reader.fieldnames is None or not needed <= set(reader.fieldnames):
+            raise InvalidUpdates(f"{path}: line 1: the header must name columns "
+                                 f"{_needed(route)} (and optionally d); got "
+                                 f"{reader.fieldnames}")
         for record in reader:
             where = f"{path}: line {reader.line_num}"
             if None in record:
                 raise InvalidUpdates(f"{where}: more fields than the header has")
             if any(record.get(c) is None for c in reader.fieldnames):
                 raise InvalidUpdates(f"{where}: fewer fields than the header has")
-            rows.append(_row(record, where))
-    return _table(rows)
+            rows.append(_row(record, where, route))
+    return _table(rows, route)
 
 
-def read_jsonl(path: Path) -> pa.Table:
+def read_jsonl(path: Path, route: str | None = None) -> pa.Table:
     rows = []
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, start=1):
@@ -108,23 +139,23 @@ def read_jsonl(path: Path) -> pa.Table:
                 raise InvalidUpdates(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict):
                 raise InvalidUpdates(f"{where}: each line must be a JSON object")
-            rows.append(_row(record, where))
-    return _table(rows)
+            rows.append(_row(record, where, route))
+    return _table(rows, route)
 
 
-def read_parquet(path: Path) -> pa.Table:
+def read_parquet(path: Path, route: str | None = None) -> pa.Table:
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
         raise InvalidUpdates(f"{path}: not a readable Parquet file: {e}") from None
-    if not {"k", "v", "t"} <= set(table.column_names):
-        raise InvalidUpdates(f"{path}: needs columns k, v, t (and optionally d); got "
-                             f"{table.column_names}")
+    if not {"k", "v", "t"} | ({route} if route else set()) <= set(table.column_names):
+        raise InvalidUpdates(f"{path}: needs columns {_needed(route)} (and optionally d); "
+                             f"got {table.column_names}")
     if "d" not in table.column_names:
         table = table.append_column("d", pa.array([1] * table.num_rows, pa.int64()))
     arrays = []
-    for name, typ in (("k", pa.binary()), ("v", pa.binary()), ("t", pa.int64()),
-                      ("d", pa.int64())):
+    schema = route_schema(route)
+    for name, typ in zip(schema.names, schema.types, strict=True):
         col = table.column(name)
         try:
             arrays.append(col.cast(typ, safe=True))
@@ -134,25 +165,41 @@ def read_parquet(path: Path) -> pa.Table:
         if col.null_count:
             first = col.is_null().to_pylist().index(True)
             raise InvalidUpdates(f"{path}: row {first + 1}: column {name} is null")
-    out = pa.Table.from_arrays(arrays, schema=SCHEMA)
+    out = pa.Table.from_arrays(arrays, schema=schema)
+    if route is not None:
+        empty = pc.equal(out.column(route), "").to_pylist()
+        if any(empty):
+            raise InvalidUpdates(f"{path}: row {empty.index(True) + 1}: column {route} must "
+                                 "name a shard, got ''")
     negative = [i for i, t in enumerate(out.column("t").to_pylist()) if t < 0]
     if negative:
         raise InvalidUpdates(f"{path}: row {negative[0] + 1}: column t is negative")
     return out
 
 
-def read_updates_file(path: Path | str, fmt: str | None = None) -> pa.Table:
-    """Read a file of updates into a k/v/t/d table; raises :class:`InvalidUpdates`."""
+def read_updates_file(path: Path | str, fmt: str | None = None, *,
+                      route: str | None = None) -> pa.Table:
+    """Read a file of updates into a k/v/t/d table; raises :class:`InvalidUpdates`.
+
+    Args:
+        route: the route column: each row's shard (non-empty text), returned as a fifth
+            column of that name.
+
+    Raises:
+        InvalidUpdates: no such file, or a bad row (the message names file and line).
+        InvalidInput: ``route`` is one of k, v, t, d.
+    """
+    _check_route_column(route)
     path = Path(path)
     kind = detect_format(path, fmt)
     if not path.is_file():
         raise InvalidUpdates(f"{path}: no such file")
     try:
         if kind == "csv":
-            return read_csv(path)
+            return read_csv(path, route)
         if kind == "jsonl":
-            return read_jsonl(path)
-        return read_parquet(path)
+            return read_jsonl(path, route)
+        return read_parquet(path, route)
     except UnicodeDecodeError as e:
         raise InvalidUpdates(f"{path}: not UTF-8 text (byte {e.start})") from None
 

@@ -99,8 +99,9 @@ class LandingLocation:
             return None
         return LandedObject(rel, st.st_size, float(st.st_mtime_ns))
 
-    def read_updates(self, name: str) -> pa.Table:
-        """The object ``name`` read as updates (CSV, JSON lines or Parquet by suffix).
+    def read_updates(self, name: str, *, route: str | None = None) -> pa.Table:
+        """The object ``name`` read as updates (CSV, JSON lines or Parquet by suffix),
+        with the route column ``route`` if given (see :func:`read_updates_file`).
 
         Raises:
             InvalidUpdates: no such object, or a bad row (the message names the object
@@ -109,7 +110,7 @@ class LandingLocation:
         """
         rel = self._relative(name)
         if not self.is_s3:
-            return read_updates_file(Path(self.location) / rel)
+            return read_updates_file(Path(self.location) / rel, route=route)
         shown = self.describe(rel)
         blob = open_blob(self.location)
         try:
@@ -122,7 +123,7 @@ class LandingLocation:
             local = Path(tmp) / PurePosixPath(rel).name
             local.write_bytes(data)
             try:
-                return read_updates_file(local)
+                return read_updates_file(local, route=route)
             except InvalidUpdates as e:
                 raise InvalidUpdates(str(e).replace(str(local), shown)) from None
 

@@ -22,6 +22,7 @@ from assets.pipeline_config import (
     PipelineFile,
     ShardSpec,
     SyntheticSource,
+    is_landed,
     load_pipeline_config,
     shard_id_for,
 )
@@ -135,9 +136,9 @@ def test_loading_opens_no_database(tmp_path: Path) -> None:
      "shards.a: unknown key(s) sink; allowed: description, freshness_max_age_s, shard_id, "
      "source"),
     ("shards:\n  a:\n    source: {kind: kafka}\n",
-     "shards.a.source.kind: must be files or synthetic, got 'kafka'"),
+     "shards.a.source.kind: must be files, synthetic or routed, got 'kafka'"),
     ("shards:\n  a:\n    source: {keys: 3}\n",
-     "shards.a.source.kind: must be files or synthetic, got None"),
+     "shards.a.source.kind: must be files, synthetic or routed, got None"),
     ("shards:\n  a:\n    source: {kind: synthetic, keys: 0}\n",
      "shards.a.source.keys: Input should be greater than or equal to 1, got 0"),
     ("shards:\n  a:\n    source: {kind: synthetic, keys: true}\n",
@@ -210,3 +211,39 @@ def test_the_documented_defaults_are_the_models() -> None:
     assert ChecksConfig().schedule == expected["checks.schedule"]
     assert PipelineFile.model_fields["timezone"].default == expected["timezone"]
     assert PipelineFile.model_fields["data_dir"].default == expected["data_dir"]
+
+
+ROUTES = ("routes:\n  commerce:\n    column: table\n"
+          "    source: {kind: files, uri: land/commerce}\n")
+ROUTED = ("shards:\n  orders:\n    source: {kind: routed, route: commerce, value: order}\n"
+          "  refunds:\n    source: {kind: routed, route: commerce}\n")
+
+
+def test_a_route_feeds_the_shards_routed_from_it(tmp_path: Path) -> None:
+    config = load_pipeline_config(_write(tmp_path, ROUTES + ROUTED), env={})
+    route = config.route("commerce")
+    assert route.column == "table"
+    assert dict(route.targets) == {"order": "orders", "refunds": "refunds"}
+    assert route.source.uri == str(tmp_path / "land" / "commerce")
+    assert is_landed(config.shard("orders")) and is_landed(config.shard("refunds"))
+    assert config.routes == (route,)
+    # No routes: an empty tuple, and a plain config is unchanged.
+    assert load_pipeline_config(_write(tmp_path, MINIMAL), env={}).routes == ()
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (ROUTED, "shards.orders.source.route: no route named 'commerce' (routes: none)"),
+    (ROUTES + MINIMAL, "routes.commerce: no shard is routed from it"),
+    (ROUTES + ROUTED + "  commerce:\n    source: {kind: synthetic}\n",
+     "routes.commerce: a route and a shard cannot share a name"),
+    (ROUTES + ROUTED + "  more:\n    source: {kind: routed, route: commerce, value: order}\n",
+     "shards.more.source.value: shard orders already takes the rows whose table is 'order'"),
+    (ROUTES.replace("column: table", "column: k") + ROUTED,
+     "routes.commerce.column: must name a column besides k, v, t and d, got 'k'"),
+    (ROUTES.replace("    column: table\n", "") + ROUTED.replace("route: commerce}", "}"),
+     "shards.refunds.source.route: is required"),
+    (ROUTES.replace("kind: files", "kind: synthetic") + ROUTED,
+     "routes.commerce.source.kind: Input should be 'files', got 'synthetic'"),
+])
+def test_route_errors_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
+    assert expected in _error(tmp_path, text)

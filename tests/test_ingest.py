@@ -1,0 +1,80 @@
+"""Reading landed files (:mod:`persist_pipeline.ingest`) with a route column.
+
+Covers: each format returns k/v/t/d plus the route column, in file order; a missing,
+empty, null or non-text route value is an error naming the file and row and returns
+nothing; the route column cannot be one of the updates' own columns.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from persist_pipeline.exceptions import InvalidInput, InvalidUpdates
+from persist_pipeline.ingest import read_updates_file, route_schema
+
+ROWS = [{"k": "a", "v": "1", "t": 0, "table": "orders"},
+        {"k": "b", "v": "2", "t": 1, "d": -1, "table": "refunds"}]
+
+
+def _write(path: Path, rows: list[dict[str, object]]) -> Path:
+    if path.suffix == ".csv":
+        columns = ["k", "v", "t", "d", "table"]
+        lines = [",".join(columns)] + [",".join(str(r.get(c, "")) for c in columns)
+                                       for r in rows]
+        path.write_text("\n".join(lines) + "\n")
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        pq.write_table(pa.Table.from_pylist([{"d": 1, **r} for r in rows]), path)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_a_route_column_is_returned_beside_the_updates(tmp_path: Path, suffix: str) -> None:
+    table = read_updates_file(_write(tmp_path / f"f{suffix}", ROWS), route="table")
+    assert table.schema == route_schema("table")
+    assert table.to_pylist() == [
+        {"k": b"a", "v": b"1", "t": 0, "d": 1, "table": "orders"},
+        {"k": b"b", "v": b"2", "t": 1, "d": -1, "table": "refunds"}]
+    # Without a route, the same file reads as plain updates (the column is ignored).
+    assert read_updates_file(tmp_path / f"f{suffix}").column_names == ["k", "v", "t", "d"]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_a_row_without_a_route_value_is_an_error(tmp_path: Path, suffix: str) -> None:
+    path = _write(tmp_path / f"f{suffix}", [ROWS[0], {**ROWS[1], "table": ""}])
+    with pytest.raises(InvalidUpdates, match=r"(line 3|line 2|row 2): column table must "
+                                             r"name a shard"):
+        read_updates_file(path, route="table")
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_a_file_without_the_route_column_is_an_error(tmp_path: Path, suffix: str) -> None:
+    path = _write(tmp_path / f"f{suffix}", [{k: v for k, v in r.items() if k != "table"}
+                                            for r in ROWS])
+    with pytest.raises(InvalidUpdates, match=str(path)) as info:
+        read_updates_file(path, route="table")
+    assert "table" in str(info.value)
+
+
+def test_a_non_text_or_null_route_value_is_an_error(tmp_path: Path) -> None:
+    path = _write(tmp_path / "f.jsonl", [ROWS[0], {**ROWS[1], "table": 7}])
+    with pytest.raises(InvalidUpdates, match="line 2: column table must name a shard, got 7"):
+        read_updates_file(path, route="table")
+    path = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"k": ["a"], "v": ["1"], "t": [0],
+                             "table": pa.array([None], pa.string())}), path)
+    with pytest.raises(InvalidUpdates, match="row 1: column table is null"):
+        read_updates_file(path, route="table")
+
+
+@pytest.mark.parametrize("column", ["k", "v", "t", "d"])
+def test_the_route_column_cannot_be_an_update_column(tmp_path: Path, column: str) -> None:
+    path = _write(tmp_path / "f.csv", ROWS)
+    with pytest.raises(InvalidInput, match="the route column cannot be"):
+        read_updates_file(path, route=column)

@@ -1,0 +1,195 @@
+"""Routes: one landed file written to several shards in one transaction (Dagster runs on
+the embedded default).
+
+Covers: the route's landing sensor requests one run per file selecting every routed
+shard; the file's rows go to the shard their route column names, all shards commit
+together (each advancing its upper, with no rows where the file has none); a row naming
+no shard fails the run and writes nothing anywhere; a file is ingested once however its
+run was launched; a run selecting only some of the route's shards writes nothing; a
+writer moving one shard's upper mid-run makes the commit re-plan, never half-apply.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from assets.ingestion import (
+    ROUTE,
+    ROUTE_SHARDS,
+    UPDATES_WRITTEN,
+    UPPER,
+    commit_routed,
+    split_routed,
+)
+from assets.pipeline_config import FileSource, RouteConfig
+from persist_pipeline import PersistClient
+from persist_pipeline.exceptions import InvalidUpdates
+from persist_pipeline.ingest import read_updates_file
+from tests.pipeline_support import Pipeline, failure_messages, make_pipeline, materializations
+
+#: The full tier only (``make test``): Dagster runs.
+pytestmark = pytest.mark.slow
+
+__all__ = ["make_pipeline"]  # the fixture, imported for pytest
+
+SENSOR = "commerce_landing_sensor"
+ROUTED = {"orders": {"source": {"kind": "routed", "route": "commerce", "value": "order"}},
+          "refunds": {"source": {"kind": "routed", "route": "commerce", "value": "refund"}}}
+ROUTES = {"commerce": {"column": "table", "description": "orders and refunds together",
+                       "source": {"kind": "files", "uri": "{data_dir}/landing/commerce"}}}
+
+
+def _pipeline(make_pipeline: Any) -> tuple[Pipeline, Path]:
+    pipeline: Pipeline = make_pipeline(ROUTED, routes=ROUTES)
+    landing = pipeline.data_dir / "landing" / "commerce"
+    landing.mkdir(parents=True)
+    return pipeline, landing
+
+
+def _land(landing: Path, name: str, text: str, order: int) -> Path:
+    path = landing / name
+    path.write_text(text)
+    stamp = 1_700_000_000 + order
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def _contents(client: PersistClient, shard_id: str) -> list[tuple[bytes, bytes, int]]:
+    """The shard's (k, v, d) at its latest readable time."""
+    reader = client.open_reader(shard_id)
+    try:
+        upper = client.shard_summaries()[shard_id].upper
+        if not upper:
+            return []
+        snap = reader.snapshot(upper - 1)
+    finally:
+        reader.expire()
+    return sorted(zip(*(snap.column(c).to_pylist() for c in "kvd"), strict=True))
+
+
+def _state(pipeline: Pipeline) -> dict[str, Any]:
+    client = pipeline.client()
+    summaries = client.shard_summaries()
+    return {name: (summaries[pipeline.shard_id(name)].upper
+                   if pipeline.shard_id(name) in summaries else None,
+                   _contents(client, pipeline.shard_id(name))
+                   if pipeline.shard_id(name) in summaries else [])
+            for name in ROUTED}
+
+
+def test_a_routed_file_commits_to_every_shard_at_once(make_pipeline: Any) -> None:
+    pipeline, landing = _pipeline(make_pipeline)
+    _land(landing, "a.csv", "k,v,t,table\no1,10,0,order\nr1,-10,0,refund\no2,20,0,order\n", 1)
+    tick = pipeline.ticker(SENSOR).tick()
+    [request] = tick.run_requests
+    assert request.partition_key == "commerce/a.csv"
+    assert sorted(k.path[-1] for k in request.asset_selection or []) == ["orders", "refunds"]
+    [result] = pipeline.launch_all(SENSOR, tick)
+    assert result.success
+    meta = materializations(result)
+    assert set(meta) == {"ingest/orders", "ingest/refunds"}
+    assert meta["ingest/orders"][UPDATES_WRITTEN] == 2
+    assert meta["ingest/refunds"][UPDATES_WRITTEN] == 1
+    for m in meta.values():
+        assert m[ROUTE] == "commerce" and m[ROUTE_SHARDS] == 2 and m[UPPER] == 1
+    assert _state(pipeline) == {
+        "orders": (1, [(b"o1", b"10", 1), (b"o2", b"20", 1)]),
+        "refunds": (1, [(b"r1", b"-10", 1)])}
+
+    # A file with rows for one shard only still advances both: they stay in step.
+    _land(landing, "b.jsonl", '{"k": "o3", "v": "30", "t": 9, "table": "order"}\n', 2)
+    [result] = pipeline.launch_all(SENSOR, pipeline.ticker(SENSOR).tick())
+    assert result.success
+    meta = materializations(result)
+    assert meta["ingest/refunds"][UPDATES_WRITTEN] == 0
+    state = _state(pipeline)
+    assert state["orders"][0] == state["refunds"][0] == 2
+    assert (b"o3", b"30", 1) in state["orders"][1] and len(state["refunds"][1]) == 1
+
+    # Once per file: the sensor does not request it again, a re-run writes nothing.
+    assert pipeline.ticker(SENSOR).tick().run_requests == []
+    job = pipeline.defs.resolve_job_def("ingest_files_job")
+    rerun = job.execute_in_process(instance=pipeline.instance,
+                                   partition_key="commerce/a.csv", raise_on_error=False)
+    assert rerun.success and materializations(rerun) == {}
+    assert _state(pipeline) == state
+
+    # Materializing one shard of a route's file would break its atomicity: refused.
+    _land(landing, "c.csv", "k,v,t,table\no4,40,0,order\nr4,-40,0,refund\n", 3)
+    pipeline.instance.add_dynamic_partitions("landed_files", ["commerce/c.csv"])
+    partial = job.execute_in_process(instance=pipeline.instance, raise_on_error=False,
+                                     partition_key="commerce/c.csv",
+                                     asset_selection=[dg.AssetKey(["ingest", "orders"])])
+    assert not partial.success
+    [message] = failure_messages(partial)
+    assert "ingest/orders, ingest/refunds together: select all of them" in message
+    assert _state(pipeline) == state
+
+
+def test_a_row_naming_no_shard_fails_the_file_and_writes_nothing(make_pipeline: Any
+                                                                 ) -> None:
+    pipeline, landing = _pipeline(make_pipeline)
+    _land(landing, "a.csv", "k,v,t,table\no1,10,0,order\n", 1)
+    [first] = pipeline.launch_all(SENSOR, pipeline.ticker(SENSOR).tick())
+    assert first.success
+    before = _state(pipeline)
+    bad = _land(landing, "b.csv", "k,v,t,table\no2,20,0,order\nx,1,0,invoice\n"
+                                  "y,1,0,invoice\n", 2)
+    [result] = pipeline.launch_all(SENSOR, pipeline.ticker(SENSOR).tick())
+    assert not result.success and materializations(result) == {}
+    [message] = failure_messages(result)
+    assert f"{bad}: row 2: 2 row(s) have a table that names no shard of route commerce " \
+           "('invoice'); accepted: 'order', 'refund'" in message
+    assert _state(pipeline) == before
+
+
+def test_a_moved_upper_replans_the_whole_transaction(tmp_path: Path) -> None:
+    """Another writer appends to one shard between the run's read of the uppers and its
+    commit: the transaction is refused as a whole and re-planned, so each shard gets the
+    file exactly once and the other writer's rows stay."""
+    path = tmp_path / "f.csv"
+    path.write_text("k,v,t,table\no1,10,0,order\nr1,-10,0,refund\n")
+    source = FileSource(uri=str(tmp_path))
+    route = RouteConfig(name="commerce", targets={"order": "orders", "refund": "refunds"},
+                        source=source, column="table")
+    parts = split_routed(read_updates_file(path, route="table"), route, str(path))
+    with PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}",
+                            f"file://{tmp_path / 'blobs'}") as client:
+        writers = {"orders": client.open_writer(client.resolve("orders", create=True)),
+                   "refunds": client.open_writer(client.resolve("refunds", create=True))}
+        other = client.open_writer(writers["orders"].shard_id)
+        real = writers["orders"].fetch_recent_upper
+        calls = []
+
+        def stale_then_real() -> int | None:
+            upper = real()
+            if not calls:  # the other writer commits right after this read
+                other.compare_and_append([(b"other", b"x", 0, 1)], 0, 1)
+            calls.append(upper)
+            return upper
+
+        writers["orders"].fetch_recent_upper = stale_then_real  # type: ignore[method-assign]
+        results, plans, _ = commit_routed(client, writers, parts, source, str(path), "id")
+        assert plans["orders"].new_upper == 2 and plans["refunds"].new_upper == 1
+        assert calls == [0, 1]  # planned at 0, refused, re-planned at 1
+        assert results["orders"].upper == 2 and results["refunds"].upper == 1
+        orders = _contents(client, str(writers["orders"].shard_id))
+        assert orders == [(b"o1", b"10", 1), (b"other", b"x", 1)]
+        assert _contents(client, str(writers["refunds"].shard_id)) == [(b"r1", b"-10", 1)]
+
+
+def test_split_routed_names_unknown_values(tmp_path: Path) -> None:
+    route = RouteConfig(name="r", targets={"a": "sa"}, source=FileSource(uri=str(tmp_path)),
+                        column="c")
+    path = tmp_path / "f.jsonl"
+    path.write_text("".join(f'{{"k": "k", "v": "v", "t": 0, "c": "{c}"}}\n'
+                            for c in ["a", "b1", "b2", "b3", "b4", "b5", "b6"]))
+    with pytest.raises(InvalidUpdates, match=r"row 2: 6 row\(s\) have a c that names no "
+                                             r"shard of route r \('b1', 'b2', 'b3', 'b4', "
+                                             r"'b5', \.\.\.\); accepted: 'a'"):
+        split_routed(read_updates_file(path, route="c"), route, str(path))
