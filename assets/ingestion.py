@@ -12,12 +12,16 @@ beside the inline encoding size the placement compared with the threshold, its l
 the updates it wrote, the shard's upper, blob PUTs. Sources:
 
 - ``files``: one dynamic partition per landed file (the partition key is
-  ``SHARD/path``, the file's path in the landing location; all files shards share the
-  ``landed_files`` partitions; the landing sensor adds partitions and requests their
+  ``SHARD/path``, the file's path in the landing location, with a long path shortened
+  to ``SHARD/<head>~<digest>~<tail>`` so the key fits the UI; the run's ``persist/file``
+  tag and the ``File`` metadata keep the full path; a long path's key from before keys
+  were shortened still works: see :mod:`assets.landed_partitions`); all files shards
+  share the ``landed_files`` partitions; the landing sensor adds partitions and requests their
   runs, and any partition can be re-run from the UI). A file is ingested exactly once whichever
   way its run was launched: a run whose file (same name, size and mtime) was already
-  ingested writes nothing, and of two runs of the same file at the same time, the later
-  one fails without writing. The file is read and validated before anything touches the
+  ingested writes nothing, of two runs of the same file at the same time the later one
+  fails without writing, and a run that died between its commit and its materialization
+  is settled by the next run from the write it recorded first (:func:`settle_intents`). The file is read and validated before anything touches the
   shard, so a bad file fails its run with a message naming the file and line and writes
   nothing.
 - ``routed``: the rows of a *route*'s landed files whose route column names the shard.
@@ -48,10 +52,12 @@ from assets.asset_keys import (
     FILES_PARTITIONS,
     INGESTION_GROUP,
     LANDING_JOB,
+    file_partition_keys,
     shard_key,
     split_file_partition,
 )
 from assets.change_stream import ChangeStream
+from assets.landed_partitions import landed_file_of
 from assets.pipeline_config import (
     FileSource,
     RouteConfig,
@@ -65,6 +71,7 @@ from assets.sources import display_name, read_landed, stat_landed
 from persist_pipeline import PersistClient, UpperMismatch, WriteHandle, WriteResult
 from persist_pipeline.blob import redact_uri
 from persist_pipeline.exceptions import InvalidConfig, InvalidUpdates, PersistError
+from persist_pipeline.ids import new_token
 from resources.inline_policy import InlinePolicyResource
 from resources.persist import PersistResource
 
@@ -90,6 +97,9 @@ FILE = "File"
 FILE_IDENTITY = "File identity"
 ROUTE = "Route"
 ROUTE_SHARDS = "Shards in the transaction"
+WRITE_ID = "Write id"  # the write's idempotency token: names its batch
+EXPECTED_UPPER = "Expected upper"
+RECOVERED_FROM = "Committed by run"
 
 #: The columns of every shard (the ingestion assets' ``dagster/column_schema``).
 UPDATES_SCHEMA = dg.TableSchema(columns=[
@@ -123,8 +133,12 @@ class Planned:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def append(writer: WriteHandle, plan: Callable[[int], Planned]) -> tuple[WriteResult, Planned,
-                                                                         float]:
+#: Called with (expected upper, idempotency token) just before each commit attempt.
+Intent = Callable[[int, str], None]
+
+
+def append(writer: WriteHandle, plan: Callable[[int], Planned], intent: Intent | None = None
+           ) -> tuple[WriteResult, Planned, float]:
     """Write ``plan(upper)`` at the shard's upper, re-planning on an upper mismatch.
 
     Returns the result, the plan that was written and the write latency in ms.
@@ -134,9 +148,13 @@ def append(writer: WriteHandle, plan: Callable[[int], Planned]) -> tuple[WriteRe
         if upper is None:
             raise dg.Failure(f"shard {writer.shard_id} is closed: it takes no more writes")
         planned = plan(upper)
+        token = new_token()
+        if intent is not None:
+            intent(upper, token)
         started = time.perf_counter()
         try:
-            result = writer.compare_and_append(planned.table, upper, planned.new_upper)
+            result = writer.compare_and_append(planned.table, upper, planned.new_upper,
+                                               idempotency_token=token)
         except UpperMismatch as mismatch:
             upper = mismatch.current
             continue
@@ -168,7 +186,8 @@ def write_metadata(client: PersistClient, shard: ShardConfig, result: WriteResul
 
 
 def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: ShardConfig,
-           plan: Callable[[int], Planned]) -> dg.MaterializeResult:
+           plan: Callable[[int], Planned], intent: Intent | None = None
+           ) -> dg.MaterializeResult:
     try:
         register_shard_name(client, shard)
     except InvalidConfig as e:  # the config name is another shard's
@@ -176,7 +195,7 @@ def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: Shar
     writer = client.open_writer(shard.shard_id, debug=f"dagster run {context.run.run_id}")
     try:
         try:
-            result, planned, latency_ms = append(writer, plan)
+            result, planned, latency_ms = append(writer, plan, intent)
         except InvalidUpdates as e:
             raise dg.Failure(description=str(e), metadata={"shard": shard.name}) from None
     finally:
@@ -246,11 +265,14 @@ def _describe_source(shard: ShardConfig) -> str:
             f"write, seed {src.seed}")
 
 
-def ingested_by(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str,
-                identity: str) -> str | None:
-    """The run that already ingested this version of a landed file, if any."""
+def ingested_by(instance: dg.DagsterInstance, key: dg.AssetKey,
+                partition: str | Sequence[str], identity: str) -> str | None:
+    """The run that already ingested this version of a landed file, if any, under its
+    partition (or any of its partitions: :func:`assets.asset_keys.file_partition_keys`)."""
+    partitions = [partition] if isinstance(partition, str) else list(partition)
     records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1000).records
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=partitions),
+        limit=1000).records
     for record in records:
         materialization = record.asset_materialization
         entry = materialization.metadata.get(FILE_IDENTITY) if materialization else None
@@ -260,14 +282,17 @@ def ingested_by(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str,
 
 
 def earlier_active_run(instance: dg.DagsterInstance, run_id: str, key: dg.AssetKey,
-                       partition: str) -> str | None:
-    """Another unfinished run ingesting the same file that was created before this one."""
+                       partition: str | Sequence[str]) -> str | None:
+    """Another unfinished run ingesting the same file (under its partition, or any of its
+    partitions) that was created before this one."""
     mine = instance.get_run_record_by_id(run_id)
     if mine is None:
         return None
     job = LANDING_JOB
-    for record in instance.get_run_records(filters=dg.RunsFilter(
-            tags={"dagster/partition": partition}, statuses=ACTIVE_STATUSES)):
+    partitions = [partition] if isinstance(partition, str) else list(partition)
+    records = [r for p in partitions for r in instance.get_run_records(filters=dg.RunsFilter(
+        tags={"dagster/partition": p}, statuses=ACTIVE_STATUSES))]
+    for record in records:
         run = record.dagster_run
         if run.run_id == run_id:
             continue
@@ -363,9 +388,11 @@ def _build_files(shards: Sequence[ShardConfig],
         owner, name = split_file_partition(partition)
         selected = {k.path[-1] for k in context.selected_asset_keys}
         if owner in by_route:
+            route = by_route[owner]
+            if selected & set(route.targets.values()):
+                name = _landed_name(context, route.source, owner)
             client = persist.client(inline_policy.policy())
-            yield from _ingest_routed(context, client, by_route[owner], by_name, name,
-                                      selected)
+            yield from _ingest_routed(context, client, route, by_name, name, selected)
             return
         if owner not in selected or owner not in by_name:
             # All files shards share the landed_files partitions, so "Materialize all" of
@@ -382,18 +409,21 @@ def _build_files(shards: Sequence[ShardConfig],
         source = shard.source
         assert isinstance(source, FileSource)
         key = shard_key(owner)
+        name = _landed_name(context, source, owner)
         shown = display_name(source, name)
         try:
             landed = stat_landed(source, name)
         except InvalidUpdates as e:
             raise dg.Failure(description=str(e),
                              metadata={"file": shown, "shard": shard.name}) from None
-        done = ingested_by(context.instance, key, partition, landed.identity)
+        # A long path's partition from before keys were shortened counts too: once.
+        partitions = file_partition_keys(owner, name)
+        done = ingested_by(context.instance, key, partitions, landed.identity)
         if done is not None:
             context.log.info(f"{shown} ({landed.identity}) was already ingested by run "
                              f"{done}: nothing written (each file is ingested once)")
             return
-        other = earlier_active_run(context.instance, context.run.run_id, key, partition)
+        other = earlier_active_run(context.instance, context.run.run_id, key, partitions)
         if other is not None:
             raise dg.Failure(description=f"run {other} is already ingesting {shown}: this "
                                          "run writes nothing, so the file is ingested once "
@@ -407,9 +437,25 @@ def _build_files(shards: Sequence[ShardConfig],
             raise dg.Failure(description=str(e),
                              metadata={"file": shown, "shard": shard.name}) from None
         client = persist.client(inline_policy.policy())
-        yield _write(context, client, shard, file_plan(table, source, shown, landed.identity))
+        recovered = settle_intents(context, client, [shard], partition, landed.identity, shown)
+        if recovered:
+            yield from recovered
+            return
+        yield _write(context, client, shard, file_plan(table, source, shown, landed.identity),
+                     intent=lambda upper, token: record_intent(
+                         context, key, partition, landed.identity, token, upper))
 
     return file_ingestion
+
+
+def _landed_name(context: dg.AssetExecutionContext, source: FileSource, owner: str) -> str:
+    """The path of the run's partition's file (a shortened key is looked up)."""
+    try:
+        return landed_file_of(context.instance, context.run.tags, context.partition_key,
+                              source)
+    except InvalidUpdates as e:
+        raise dg.Failure(description=str(e), metadata={
+            "partition": context.partition_key, "owner": owner}) from None
 
 
 def split_routed(table: pa.Table, route: RouteConfig, shown: str) -> dict[str, pa.Table]:
@@ -486,13 +532,21 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
             register_shard_name(client, shard)
         except InvalidConfig as e:  # the config name is another shard's
             raise dg.Failure(description=str(e), metadata={"shard": shard.name}) from None
+    recovered = settle_intents(context, client, shards, partition, landed.identity, shown)
+    if recovered:
+        yield from recovered
+        return
     writers = {s.name: client.open_writer(s.shard_id, debug=f"dagster run "
                                                            f"{context.run.run_id}")
                for s in shards}
+
+    def intent(name: str, upper: int, token: str) -> None:
+        record_intent(context, shard_key(name), partition, landed.identity, token, upper)
+
     try:
         try:
             results, plans, latency_ms = commit_routed(client, writers, parts, source,
-                                                        shown, landed.identity)
+                                                        shown, landed.identity, intent)
         except InvalidUpdates as e:
             raise dg.Failure(description=str(e), metadata=meta) from None
     finally:
@@ -510,9 +564,9 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
 
 
 def commit_routed(client: PersistClient, writers: Mapping[str, WriteHandle],
-                   parts: Mapping[str, pa.Table], source: FileSource, shown: str,
-                   identity: str) -> tuple[dict[str, WriteResult], dict[str, Planned],
-                                           float]:
+                  parts: Mapping[str, pa.Table], source: FileSource, shown: str,
+                  identity: str, intent: Callable[[str, int, str], None] | None = None
+                  ) -> tuple[dict[str, WriteResult], dict[str, Planned], float]:
     """One transaction writing each shard's part at its upper, re-planned when another
     writer moved an upper. Returns the results and plans by shard name, and the commit's
     latency in ms."""
@@ -529,7 +583,11 @@ def commit_routed(client: PersistClient, writers: Mapping[str, WriteHandle],
         for name, planned in plans.items():
             upper = uppers[name]
             assert upper is not None
-            txn.compare_and_append(writers[name], planned.table, upper, planned.new_upper)
+            token = new_token()
+            if intent is not None:
+                intent(name, upper, token)
+            txn.compare_and_append(writers[name], planned.table, upper, planned.new_upper,
+                                   idempotency_token=token)
         started = time.perf_counter()
         try:
             committed = txn.commit()
@@ -542,3 +600,91 @@ def commit_routed(client: PersistClient, writers: Mapping[str, WriteHandle],
         return results, plans, latency_ms
     raise dg.Failure(f"the uppers of {', '.join(writers)} kept moving; gave up after "
                      f"{MAX_ATTEMPTS} attempts")
+
+
+# --- exactly once, across a run that died between its commit and its materialization --
+
+
+def record_intent(context: dg.AssetExecutionContext, key: dg.AssetKey, partition: str,
+                  identity: str, token: str, expected_upper: int) -> None:
+    """Record, before a landed file's commit, which write it is (an observation in the
+    event log): if the run dies after the commit and before Dagster stores the
+    materialization, the next run of the file settles it (:func:`settle_intents`) instead
+    of writing the file a second time."""
+    context.log_event(dg.AssetObservation(
+        asset_key=key, partition=partition,
+        metadata={FILE_IDENTITY: identity, WRITE_ID: token,
+                  EXPECTED_UPPER: expected_upper}))
+
+
+def _intents(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str,
+             identity: str) -> list[tuple[str, str, int]]:
+    """``(run id, token, expected upper)`` of every recorded write of this file version."""
+    records = instance.fetch_observations(
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1000).records
+    out = []
+    for record in records:
+        observation = record.asset_observation
+        meta = observation.metadata if observation is not None else {}
+        values = {k: getattr(v, "value", v) for k, v in meta.items()}
+        if values.get(FILE_IDENTITY) == identity and WRITE_ID in values:
+            out.append((record.run_id, str(values[WRITE_ID]),
+                        int(values[EXPECTED_UPPER])))
+    return out
+
+
+def settle_intents(context: dg.AssetExecutionContext, client: PersistClient,
+                   shards: Sequence[ShardConfig], partition: str, identity: str,
+                   shown: str) -> list[dg.MaterializeResult]:
+    """The materializations an earlier run committed but never recorded (its process
+    died in between), recorded now; empty when no earlier write of this file version
+    committed, so the file is to be written.
+
+    A file's shards commit together, so one committed write means all of them did.
+
+    Raises:
+        dg.Failure: an earlier run's write cannot be settled (GC truncated the history
+            that would tell): writing again could duplicate the file.
+    """
+    pending = {s.name: _intents(context.instance, shard_key(s.name), partition, identity)
+               for s in shards}
+    if not any(pending.values()):
+        return []
+    committed_by = None
+    for shard in shards:
+        if not pending[shard.name]:
+            continue
+        writer = client.open_writer(shard.shard_id, debug=f"dagster run {context.run.run_id}")
+        try:
+            for run_id, token, expected in pending[shard.name]:
+                found = writer.committed(token, expected)
+                if found is None:
+                    raise dg.Failure(
+                        description=f"{shown}: run {run_id} wrote it to shard {shard.name} "
+                                    "and stopped before recording the outcome, and the "
+                                    "shard's history no longer tells whether that write "
+                                    "committed; nothing written, so the file is not "
+                                    "duplicated (check the shard, then land the file "
+                                    "again under a new name if it is missing)",
+                        metadata={"file": shown, "shard": shard.name})
+                if found:
+                    committed_by = run_id
+                    break
+        finally:
+            writer.expire()
+        if committed_by is not None:
+            break
+    if committed_by is None:
+        return []
+    context.log.warning(f"{shown}: run {committed_by} committed it and stopped before "
+                        "recording it; recorded now, nothing written again")
+    summaries = client.shard_summaries()
+    out = []
+    for shard in shards:
+        summary = summaries.get(shard.shard_id)
+        out.append(dg.MaterializeResult(asset_key=shard_key(shard.name), metadata={
+            FILE: shown, FILE_IDENTITY: identity, RECOVERED_FROM: committed_by,
+            UPPER: summary.upper if summary is not None and summary.upper is not None
+            else -1,
+            SHARD_ID: shard.shard_id}))
+    return out

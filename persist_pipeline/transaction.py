@@ -112,11 +112,14 @@ class Transaction:
         self._finished = False
 
     def compare_and_append(self, shard: WriteHandle | ShardLike, updates: object,
-                           expected_upper: int, new_upper: Frontier) -> None:
+                           expected_upper: int, new_upper: Frontier, *,
+                           idempotency_token: str | None = None) -> None:
         """Add an append of ``updates`` to ``shard`` iff its upper is ``expected_upper``
         at commit; it then advances to ``new_upper``. Arguments and validation are those
         of :meth:`WriteHandle.compare_and_append`; bad input raises here and leaves the
-        transaction as it was.
+        transaction as it was. ``idempotency_token`` names the shard's batch, so a
+        process that recorded it before committing can ask
+        :meth:`WriteHandle.committed` afterwards (default: a fresh token).
 
         Raises:
             InvalidInput: the shard is already in this transaction, the handle belongs
@@ -126,7 +129,7 @@ class Transaction:
         expected = check_frontier(expected_upper, "expected_upper")
         if expected is None:
             raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
-        self._add(shard, updates, expected, new_upper, lower=None)
+        self._add(shard, updates, expected, new_upper, lower=None, token=idempotency_token)
 
     def append(self, shard: WriteHandle | ShardLike, updates: object, lower: int,
                upper: Frontier) -> None:
@@ -167,7 +170,7 @@ class Transaction:
                                   contents=contents)
 
     def _add(self, shard: WriteHandle | ShardLike, updates: object, expected: int,
-             new_upper: Frontier, lower: int | None) -> None:
+             new_upper: Frontier, lower: int | None, token: str | None = None) -> None:
         self._check_open()
         upper = check_frontier(new_upper, "new_upper")
         if not less_than(expected, upper):
@@ -178,7 +181,7 @@ class Transaction:
         handle = self._handle(shard, shard_id)
         data = handle._coerce(updates)
         check_times(data, expected, upper)
-        self._ops[shard_id] = _Op(handle, data, expected, upper, lower, new_token())
+        self._ops[shard_id] = _Op(handle, data, expected, upper, lower, token or new_token())
 
     def _require_absent(self, shard_id: str) -> None:
         if shard_id in self._ops:

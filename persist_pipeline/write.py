@@ -250,6 +250,22 @@ class WriteHandle:
             return WriteResult("none", 0, state.seqno, state.upper, 0,
                                already_committed=True)
 
+    def committed(self, idempotency_token: str, expected_upper: int) -> bool | None:
+        """Whether the write made with ``idempotency_token`` at ``expected_upper`` was
+        committed: how a process that recorded its intent before a write, and died before
+        recording the outcome, settles it later.
+
+        Returns:
+            True if the shard's state or its kept history holds the write's batch; False
+            if it certainly never committed; None if GC truncated the history that would
+            tell. A write of no updates leaves no batch: it reads as False.
+        """
+        self._check_open()
+        expected = check_frontier(expected_upper, "expected_upper")
+        if expected is None:
+            raise InvalidFrontier("expected_upper must be a time")
+        return self._machine.batch_committed(batch_id_of(idempotency_token), expected)
+
     def compare_and_append_parts(
         self, parts: tuple[HollowPart, ...], num_updates: int, expected_upper: int,
         new_upper: Frontier, *, idempotency_token: str, upload_started_s: float,

@@ -433,3 +433,32 @@ def test_every_state_version_respects_the_inline_bound(location):
     assert all(s.inline_bytes == sum(b.inline_bytes for b in s.batches.values())
                for s in versions)
     client.close()
+
+
+def test_committed_tells_whether_a_tokened_write_landed(open_client):
+    """A process records (token, expected upper) before a write and dies before it learns
+    the outcome: ``committed`` settles it afterwards, through compaction and for writes
+    in a transaction, and never claims a write that did not land."""
+    from persist_pipeline.ids import new_token
+
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    landed, refused, in_txn = new_token(), new_token(), new_token()
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1, idempotency_token=landed)
+    with pytest.raises(UpperMismatch):  # a stale attempt: nothing written
+        writer.compare_and_append([(b"b", b"1", 0, 1)], 0, 1, idempotency_token=refused)
+    with client.transaction() as txn:
+        txn.compare_and_append(writer, [(b"c", b"1", 1, 1)], 1, 2, idempotency_token=in_txn)
+    assert writer.committed(landed, 0) is True
+    assert writer.committed(in_txn, 1) is True
+    assert writer.committed(refused, 0) is False
+    assert writer.committed(new_token(), 2) is False  # never attempted
+    # Compaction merges the batches away; the kept history still tells.
+    client.compact(shard)
+    assert writer.committed(landed, 0) is True and writer.committed(refused, 0) is False
+    with pytest.raises(InvalidFrontier):
+        writer.committed(landed, None)
+    writer.expire()
+    with pytest.raises(LeaseExpired):
+        writer.committed(landed, 0)

@@ -6,7 +6,10 @@ shard; the file's rows go to the shard their route column names, all shards comm
 together (each advancing its upper, with no rows where the file has none); a row naming
 no shard fails the run and writes nothing anywhere; a file is ingested once however its
 run was launched; a run selecting only some of the route's shards writes nothing; a
-writer moving one shard's upper mid-run makes the commit re-plan, never half-apply.
+writer moving one shard's upper mid-run makes the commit re-plan, never half-apply; a
+run that died between its commit and Dagster's record of it is settled by the next run
+(for a files shard too), never written twice, while a run that died before its commit
+leaves the file to be written.
 """
 
 from __future__ import annotations
@@ -193,3 +196,86 @@ def test_split_routed_names_unknown_values(tmp_path: Path) -> None:
                                              r"shard of route r \('b1', 'b2', 'b3', 'b4', "
                                              r"'b5', \.\.\.\); accepted: 'a'"):
         split_routed(read_updates_file(path, route="c"), route, str(path))
+
+
+class _Died(Exception):
+    """Stands for the run's process dying after its commit, before Dagster recorded it."""
+
+
+def _die_after_commit(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The next ingestion write commits and then its run dies (once)."""
+    import assets.ingestion as ingestion
+
+    real, died = ingestion.write_metadata, []
+
+    def dying(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        if not died:
+            died.append(1)
+            raise _Died("killed between the commit and the materialization")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ingestion, "write_metadata", dying)
+    return died
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["files", "route"])
+def test_a_run_that_died_after_its_commit_is_settled_not_written_twice(
+        make_pipeline: Any, monkeypatch: pytest.MonkeyPatch, routed: bool) -> None:
+    if routed:
+        pipeline, landing = _pipeline(make_pipeline)
+        sensor, partition, names = SENSOR, "commerce/a.csv", list(ROUTED)
+        text = "k,v,t,table\no1,10,0,order\nr1,-10,0,refund\n"
+    else:
+        pipeline = make_pipeline({"orders": {"source": {
+            "kind": "files", "uri": "{data_dir}/landing/orders"}}})
+        landing = pipeline.data_dir / "landing" / "orders"
+        landing.mkdir(parents=True)
+        sensor, partition, names = "orders_landing_sensor", "orders/a.csv", ["orders"]
+        text = "k,v,t\no1,10,0\n"
+    _land(landing, "a.csv", text, 1)
+    died = _die_after_commit(monkeypatch)
+    [crashed] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
+    assert died and not crashed.success and materializations(crashed) == {}
+    client = pipeline.client()
+    committed = {n: client.shard_summaries()[pipeline.shard_id(n)].upper for n in names}
+    assert set(committed.values()) == {1}  # the commit happened; Dagster never heard
+
+    # Re-running the partition (from the UI, a retry) settles it: no second write.
+    job = pipeline.defs.resolve_job_def("ingest_files_job")
+    rerun = job.execute_in_process(instance=pipeline.instance, partition_key=partition,
+                                   raise_on_error=False)
+    assert rerun.success
+    meta = materializations(rerun)
+    assert set(meta) == {f"ingest/{n}" for n in names}
+    for m in meta.values():
+        assert m["Committed by run"] == crashed.run_id and m[UPPER] == 1
+    for n in names:
+        summary = client.shard_summaries()[pipeline.shard_id(n)]
+        assert summary.upper == 1
+        assert all(d == 1 for _, _, d in _contents(client, pipeline.shard_id(n)))
+    # And from then on the file is ingested: nothing more to do.
+    again = job.execute_in_process(instance=pipeline.instance, partition_key=partition,
+                                   raise_on_error=False)
+    assert again.success and materializations(again) == {}
+
+    # A recorded write that never committed (the run died after recording its intent,
+    # before its commit) does not stop the file's first real write.
+    from persist_pipeline.transaction import Transaction
+    from persist_pipeline.write import WriteHandle
+
+    def killed(*args: Any, **kwargs: Any) -> Any:
+        raise _Died("killed before the commit")
+
+    _land(landing, "b.csv", text.replace("o1", "o2").replace("r1", "r2"), 2)
+    with monkeypatch.context() as patch:
+        patch.setattr(Transaction, "commit", killed)
+        patch.setattr(WriteHandle, "compare_and_append", killed)
+        [before] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
+    assert not before.success
+    assert {client.shard_summaries()[pipeline.shard_id(n)].upper for n in names} == {1}
+    b_partition = partition.replace("a.csv", "b.csv")
+    retried = job.execute_in_process(instance=pipeline.instance, partition_key=b_partition,
+                                     raise_on_error=False)
+    assert retried.success
+    assert all("Committed by run" not in m for m in materializations(retried).values())
+    assert {client.shard_summaries()[pipeline.shard_id(n)].upper for n in names} == {2}
