@@ -270,6 +270,20 @@ def group_reports_held_appends() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def settle_from_latest_state_only() -> Iterator[None]:
+    """A write's outcome settled from the shard's latest state alone: a batch that
+    compaction merged away reads as never committed, so the pipeline's next run writes a
+    landed file a second time."""
+    from persist_pipeline.ids import batch_id
+
+    def latest_only(self: write.WriteHandle, token: str, expected_upper: int) -> bool:
+        return batch_id(token) in self._machine.fetch_latest().batches
+
+    with _patched(write.WriteHandle, "committed", latest_only):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -289,4 +303,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "environment_overrides_config": environment_overrides_config,
     "non_atomic_transactions": non_atomic_transactions,
     "group_reports_held_appends": group_reports_held_appends,
+    "settle_from_latest_state_only": settle_from_latest_state_only,
 }

@@ -18,7 +18,7 @@ from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.exceptions import Indeterminate, PersistError
 from persist_pipeline.ids import ShardId, new_critical_reader_id, seeded_ids
 from persist_pipeline.internal.sync import lock_factory
-from persist_pipeline.sim import actors, seams, transactions
+from persist_pipeline.sim import actors, ingestion, seams, transactions
 from persist_pipeline.sim.monitor import Model, Monitor, Monitors
 from persist_pipeline.sim.scheduler import Nemesis, Process, Scheduler, SimClock, SimLock
 from persist_pipeline.sim.seams import SeamState
@@ -31,7 +31,7 @@ T = TypeVar("T")
 INLINE_SETTINGS = (InlinePolicy(1024, 3000), InlinePolicy(0, 0), InlinePolicy(1024, 0))
 
 #: Every simulated process kind, by role name.
-ROLES = {**actors.ROLES, **seams.ROLES, **transactions.ROLES}
+ROLES = {**actors.ROLES, **seams.ROLES, **transactions.ROLES, **ingestion.ROLES}
 
 #: The share of seeds whose processes (and blob stores) have skewed wall clocks (their
 #: offsets: up to past half the orphan sweep's age, 8 s in ``sim_config``, and near the
@@ -98,10 +98,12 @@ PROFILES: dict[str, Profile] = {
                       nemesis=Nemesis(pause_at_cas=0.25, pause_choices_s=(1.0, 2.0, 3.5),
                                       pause_then_lose=0.08)),
     # Multi-shard transactions racing each other and lone writers of one of their
-    # shards, and threads of one process whose appends meet in its group-commit funnel,
-    # with lost replies, pauses and maintenance on every shard.
+    # shards, threads of one process whose appends meet in its group-commit funnel, and
+    # pipeline ingestion of landed files whose runs die between commit and record, with
+    # lost replies, pauses and maintenance on every shard.
     "transactions": Profile({"transactor": (1, 2), "grouped_writer": (1, 2),
-                             "writer": (0, 1), "compactor": (1, 1), "gc": (1, 2)},
+                             "ingester": (1, 2), "writer": (0, 1), "compactor": (1, 1),
+                             "gc": (1, 2)},
                             nemesis=Nemesis(pause_at_cas=0.1, pause_then_lose=0.05)),
 }
 
@@ -168,6 +170,7 @@ class SimRun:
                                                            else {})})
         self.seams = SeamState()
         self.txns = transactions.TxnLedger()
+        self.ingestion = ingestion.Ingestion()
         self.spark_blob_uri = f"sim://{seed}/main"
         self.spark_wal_uri = f"sim://{seed}/wal" if self.wal else None
         self.stopping = False
@@ -309,6 +312,7 @@ class SimRun:
                 client.gc(shard)
             seams.final_check(self, client)
             transactions.check(self, client, "final check")
+            ingestion.check(self, client, "final check")
             upper = client._machine(self.shard).fetch_latest().upper
             if upper:
                 reader = client.open_reader(self.shard)
