@@ -1,4 +1,5 @@
-"""Shared test helpers: a reference model of a collection, and state-history replay."""
+"""Shared test helpers: a reference model of a collection, state-history replay, and
+clocks that let a test pass time without sleeping."""
 
 from __future__ import annotations
 
@@ -7,21 +8,29 @@ import io
 import logging
 import os
 import subprocess
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, ClassVar
 from unittest import mock
 
 import pyarrow as pa
 
-from persist_pipeline import PersistClient
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig
+from persist_pipeline.blob import open_blob
 from persist_pipeline.blob.base import Blob, BlobMeta
+from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.internal import state_codec
 from persist_pipeline.internal.state import State
+from tests.fixtures.location import Location
 
 Update = tuple[bytes, bytes, int, int]
+
+#: How long any wait for another thread or process may take before the test fails.
+WAIT_S = 10.0
 
 
 def expected_snapshot(updates: Iterable[Update], as_of: int) -> list[tuple[bytes, bytes, int]]:
@@ -141,6 +150,66 @@ class StoreOnClock(Blob):
 
     def describe(self) -> str:
         return self.inner.describe()
+
+
+class HandClock:
+    """Real time plus an offset the test advances, for the wall and monotonic clocks of
+    the clients that use it and, through :class:`StoreOnClock`, for the clock of their
+    blob stores; sleeps are real (the library's retry backoffs and polls still wait)."""
+
+    def __init__(self) -> None:
+        self._offset_ms = 0
+        self._lock = threading.Lock()
+
+    @property
+    def offset_s(self) -> float:
+        with self._lock:
+            return self._offset_ms / 1000
+
+    def now_ms(self) -> int:
+        with self._lock:
+            return int(time.time() * 1000) + self._offset_ms
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset_s
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self._offset_ms += int(seconds * 1000)
+
+
+def client_on_clock(location: Location, clock: HandClock, policy: InlinePolicy | None = None,
+                    config: PersistConfig | None = None) -> PersistClient:
+    """What ``location.client(policy, config)`` opens, on the real backends, with its time
+    on ``clock``: the client's leases, walltimes and commit deadlines, and (through
+    :class:`StoreOnClock`) the stamps and the time of its blob stores, which GC's orphan
+    sweep measures ages with. ``clock.advance`` is then time passing for this client and
+    its stores, without a sleep."""
+    cfg = config or PersistConfig()
+    if policy is not None:
+        cfg = replace(cfg, inline_policy=policy)
+    consensus = open_consensus(location.consensus_uri)
+    try:
+        blob: Blob = StoreOnClock(open_blob(location.blob_uri), clock)
+        wal = (StoreOnClock(open_blob(location.wal_blob_uri), clock)
+               if location.wal_blob_uri else None)
+    except BaseException:
+        consensus.close()
+        raise
+    return PersistClient(consensus, blob, wal, cfg, clock)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    """Return once ``condition()`` holds (checked every few milliseconds); fail the test
+    saying ``what`` was awaited if it does not within ``timeout_s``. For waiting on a
+    background thread or another process, whose progress the test can only observe."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.005)
 
 
 class SkewedClock:

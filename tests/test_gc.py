@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from persist_pipeline import InlinePolicy, PersistConfig, ShardId
 from persist_pipeline.exceptions import CommitDeadlineExceeded
 from persist_pipeline.updates import Updates, encode_parquet
 from tests.fixtures.location import Location
-from tests.helpers import expected_snapshot, rows
+from tests.helpers import HandClock, client_on_clock, expected_snapshot, rows
 
 BLOB_ONLY = InlinePolicy(0, 0)
 
@@ -55,14 +53,17 @@ def test_gc_never_deletes_an_uncommitted_part_of_a_write_in_flight(location: Loc
 
 def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Location):
     cfg = PersistConfig(gc_orphan_min_age_s=3.0)
-    client = location.client(BLOB_ONLY, cfg)
+    # Time passes on the client's clock and its store's, by hand: ages on the store's
+    # clock and the writer's commit deadline see it as they would a real pause.
+    clock = HandClock()
+    client = client_on_clock(location, clock, BLOB_ONLY, cfg)
     shard = ShardId.new()
     writer = client.open_writer(shard)
     writer.compare_and_append([(b"a", b"b", 0, 1)], 0, 1)
     orphan = f"{shard}/p/b-crashed-writer-0000.parquet"
     client.blobs.main.set(orphan, b"left behind by a writer that died before its CaS")
     # Older than the orphan age on the store's clock, whose stamps may be rounded down.
-    time.sleep(3.1 + client.blobs.main.stamp_resolution_s)
+    clock.advance(3.1 + client.blobs.main.stamp_resolution_s)
     metrics = client.gc(shard)
     assert metrics["orphans_deleted"] == 1
     assert client.blobs.main.get(orphan) is None
@@ -72,7 +73,7 @@ def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Locat
     real_transition = slow._transition
 
     def stalled_transition(staged):
-        time.sleep(1.6)  # past half the orphan age, between the upload and the commit
+        clock.advance(1.6)  # past half the orphan age, between the upload and the commit
         return real_transition(staged)
 
     slow._transition = stalled_transition  # type: ignore[method-assign]

@@ -4,7 +4,6 @@ round trips through the client's funnel, and each still succeeds or fails on its
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -87,10 +86,29 @@ def test_bad_group_commit_settings_are_refused(bad):
         PersistConfig(**bad)
 
 
+class _WaitWatchingClock:
+    """The real clock, telling the test when someone sleeps on it: the funnel sleeps
+    between its checks of an admission that found no room."""
+
+    def __init__(self) -> None:
+        self.slept = threading.Event()
+
+    def now_ms(self) -> int:
+        return SYSTEM_CLOCK.now_ms()
+
+    def monotonic(self) -> float:
+        return SYSTEM_CLOCK.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.set()
+        SYSTEM_CLOCK.sleep(seconds)
+
+
 def test_the_in_flight_bound_blocks_writers_beyond_it():
     """With a bound of 100 bytes, a second 80-byte append waits until the first is
     done; a lone append larger than the bound still goes."""
-    funnel = Funnel(SYSTEM_CLOCK, MachineMetrics(), window_s=0.0, max_inflight_bytes=100)
+    clock = _WaitWatchingClock()
+    funnel = Funnel(clock, MachineMetrics(), window_s=0.0, max_inflight_bytes=100)
     from persist_pipeline.internal.funnel import _Entry
 
     first = _Entry(None, None, None, 80)  # type: ignore[arg-type]
@@ -99,7 +117,9 @@ def test_the_in_flight_bound_blocks_writers_beyond_it():
     second = _Entry(None, None, None, 80)  # type: ignore[arg-type]
     t = threading.Thread(target=lambda: (funnel._admit(second), admitted.set()))
     t.start()
-    time.sleep(0.1)
+    # The second admission has found no room (it sleeps before looking again), not
+    # merely not run yet.
+    assert clock.slept.wait(5), "the second append was never refused"
     assert not admitted.is_set() and funnel._inflight == 80
     with funnel._queue_lock:
         funnel._inflight -= first.size  # the first append is done

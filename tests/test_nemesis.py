@@ -19,7 +19,7 @@ from persist_pipeline.internal import state_codec, transitions
 from persist_pipeline.nemesis import checker, runner, workload
 from persist_pipeline.sim import controls
 from tests.fixtures.location import Location
-from tests.helpers import expected_snapshot, rows
+from tests.helpers import WAIT_S, HandClock, client_on_clock, expected_snapshot, rows
 
 #: The full tier only (``make test``): processes, servers or Dagster runs.
 pytestmark = pytest.mark.slow
@@ -124,9 +124,12 @@ def test_control_gc_that_ignores_what_is_live_is_caught(location, monkeypatch):
     shard = _two_batches(writing)
     for t in range(2, 6):
         writing.open_writer(shard).compare_and_append([], t, t + 1)
-    client = location.client(InlinePolicy(0, 0), PersistConfig(rollup_threshold=2,
-                                                                gc_orphan_min_age_s=1))
-    time.sleep(2.1)  # every part is now old enough for the orphan sweep (S3 stamps: seconds)
+    clock = HandClock()  # GC's time: its store's clock is what ages the parts
+    collecting = PersistConfig(rollup_threshold=2, gc_orphan_min_age_s=1)
+    client = client_on_clock(location, clock, InlinePolicy(0, 0), collecting)
+    # Every part is now old enough for the orphan sweep on the store's clock, whose
+    # stamps may be rounded down (S3: to the second).
+    clock.advance(collecting.gc_orphan_min_age_s + client.blobs.main.stamp_resolution_s + 0.1)
     from persist_pipeline import gc
 
     # The broken build: the orphan sweep believes no version references anything.
@@ -214,11 +217,13 @@ def test_control_regressing_upper_and_undecodable_state_are_caught(location):
 
 
 def test_control_gc_without_orphan_sweep_leaks_and_is_caught(location, monkeypatch):
-    client = location.client(InlinePolicy(0, 0), PersistConfig(gc_orphan_min_age_s=3))
+    clock = HandClock()
+    client = client_on_clock(location, clock, InlinePolicy(0, 0),
+                             PersistConfig(gc_orphan_min_age_s=3))
     shard = _two_batches(client)
     client.blobs.main.set(f"{shard}/p/b-crashed-0000.parquet", b"orphan of a dead writer")
     # Older than the orphan age on the store's clock, whose stamps may be rounded down.
-    time.sleep(3.1 + client.blobs.main.stamp_resolution_s)
+    clock.advance(3.1 + client.blobs.main.stamp_resolution_s)
     monkeypatch.setattr("persist_pipeline.gc._sweep_orphans", lambda machine: 0)
     result = _check(client, shard, [b"a", b"b"], 0)
     assert result.leaked_blobs == 1
@@ -227,15 +232,25 @@ def test_control_gc_without_orphan_sweep_leaks_and_is_caught(location, monkeypat
 
 
 def test_control_listen_that_drops_updates_is_caught(tmp_path, monkeypatch):
-    from persist_pipeline.read import Listen
+    from persist_pipeline.read import Listen, ReadHandle
 
-    real_emit = Listen._emit
+    real_emit, real_snapshot = Listen._emit, ReadHandle.snapshot
+    writes = 5
+    reading, caught_up = threading.Event(), threading.Event()
 
     def lossy_emit(self, state):
         events = real_emit(self, state)
-        return [e for e in events if e.kind == "progress"]  # drops every update
+        kept = [e for e in events if e.kind == "progress"]  # drops every update
+        if any(e.upper is not None and e.upper >= writes for e in kept):
+            caught_up.set()  # the listener handles these before it next looks for "stop"
+        return kept
+
+    def signalling_snapshot(self, as_of):
+        reading.set()  # the listener chose its as_of (the upper it found) just before
+        return real_snapshot(self, as_of)
 
     monkeypatch.setattr(Listen, "_emit", lossy_emit)
+    monkeypatch.setattr(ReadHandle, "snapshot", signalling_snapshot)
     setup = workload.NemesisSetup(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
                                   None, str(ShardId.new()), str(tmp_path), 0, 0.0,
                                   InlinePolicy(), PersistConfig())
@@ -243,10 +258,12 @@ def test_control_listen_that_drops_updates_is_caught(tmp_path, monkeypatch):
     writer = client.open_writer(setup.shard)
     thread = threading.Thread(target=workload.listener, args=(setup, "listener"))
     thread.start()
-    time.sleep(0.5)
-    for t in range(5):
+    # The listener's as_of is chosen before any write (its snapshot waits for the first),
+    # so every later write reaches it only through its listen.
+    assert reading.wait(WAIT_S), "the listener never read its snapshot"
+    for t in range(writes):
         writer.compare_and_append([(b"k%d" % t, b"v", t, 1)], t, t + 1)
-    time.sleep(1.0)
+    assert caught_up.wait(WAIT_S), "the listen never reached the last write"
     (tmp_path / "stop").touch()
     thread.join(timeout=30)
     import json

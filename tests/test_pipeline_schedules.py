@@ -16,6 +16,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from assets import checks as checks_module
 from assets.runner import launch
 from tests.pipeline_support import (
     SYNTHETIC,
@@ -97,7 +98,19 @@ def test_gc_run_collects_every_shard(make_pipeline: Any) -> None:
         assert {"seqnos_truncated", "blobs_deleted", "bytes_deleted", "live_blobs"} <= set(m)
 
 
-def test_checks_schedule_runs_the_shard_checks(make_pipeline: Any) -> None:
+class _WallClockAhead:
+    """The ``time`` module as the shard checks read it, ``by_s`` seconds ahead: their wall
+    clock (the one clock the freshness check reads) has moved on as a wait would."""
+
+    def __init__(self, by_s: float) -> None:
+        self.by_s = by_s
+
+    def time(self) -> float:
+        return time.time() + self.by_s
+
+
+def test_checks_schedule_runs_the_shard_checks(make_pipeline: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     pipeline: Pipeline = make_pipeline(SHARDS)
     assert pipeline.ingest("clicks", "stock").success
     data = pipeline.evaluate_schedule("shard_checks_schedule")
@@ -114,8 +127,9 @@ def test_checks_schedule_runs_the_shard_checks(make_pipeline: Any) -> None:
     # Never written: nothing to be fresh about yet, so no warning.
     idle = checks["ingest/idle:upper_advanced_recently"]
     assert idle.passed and "never been written" in idle.description
-    # Written once, longer ago than its 1 s limit: stale, a warning.
-    time.sleep(1.2)
+    # Written once, longer ago than its 1 s limit: stale, a warning. The age is the
+    # check's wall clock minus the run's materialization time in Dagster's event log.
+    monkeypatch.setattr(checks_module, "time", _WallClockAhead(1.2))
     again = pipeline.launch_schedule_request("shard_checks_schedule", request)
     assert again is not None and again.success
     stale = check_results(again)["ingest/stock:upper_advanced_recently"]

@@ -7,7 +7,6 @@ WAL store too, on shards holding compacted, blob, WAL and inline parts at once.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.exceptions import InvalidConfig, NotYetAvailable, SinceViolation
 from persist_pipeline.plan import SnapshotPlan
 from tests.fixtures.location import Location, location_kinds, make_location
-from tests.helpers import expected_snapshot, rows
+from tests.helpers import HandClock, client_on_clock, expected_snapshot, rows, wait_until
 
 INLINE_ON = InlinePolicy(4096, 1 << 20)
 Update = tuple[bytes, bytes, int, int]
@@ -173,10 +172,17 @@ def test_gc_never_deletes_a_file_of_a_plan_in_use(kind: str, request: pytest.Fix
     with client.open_writer(shard) as writer:
         for t in range(12, 20):
             writer.compare_and_append([], t, t + 1)
+
+    def last_heartbeat_ms() -> int:
+        return client._machine(shard).fetch_latest().leased_readers[
+            reader.reader_id].last_heartbeat_ms
+
     for _ in range(3):
         metrics = client.gc(shard)
         assert metrics["blobs_deleted"] == 0, metrics
-        time.sleep(0.1)
+        beat = last_heartbeat_ms()
+        wait_until(lambda beat=beat: last_heartbeat_ms() > beat,
+                   "a background heartbeat of the reader before the next GC")
     assert all(_exists(plan))
     assert rows(plan.to_table(), 11) == expected
     plan.close()
@@ -195,8 +201,9 @@ def test_gc_never_deletes_a_file_of_a_plan_in_use(kind: str, request: pytest.Fix
 def test_plan_files_may_go_once_its_readers_lease_ran_out(tmp_path: Path) -> None:
     """Documented limit: the hold lives as long as the reader's lease."""
     cfg = PersistConfig(reader_lease_duration_s=0.5, heartbeat_interval_s=0)
-    client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
-                                inline_policy=InlinePolicy(0, 0), config=cfg)
+    clock = HandClock()
+    embedded = Location("embedded", f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}")
+    client = client_on_clock(embedded, clock, InlinePolicy(0, 0), cfg)
     shard = str(ShardId.new())
     with client.open_writer(shard) as writer:
         for t in range(4):
@@ -205,7 +212,7 @@ def test_plan_files_may_go_once_its_readers_lease_ran_out(tmp_path: Path) -> Non
     plan = reader.snapshot_plan(3)
     client.compact(shard)
     assert client.gc(shard)["blobs_deleted"] == 0
-    time.sleep(0.7)  # no heartbeat: the lease runs out, GC expires the reader
+    clock.advance(0.7)  # no heartbeat: the lease runs out, GC expires the reader
     assert client.gc(shard)["blobs_deleted"] >= 4
     assert not any(_exists(plan))
     with pytest.raises((OSError, pa.ArrowException)):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -44,50 +43,21 @@ from persist_pipeline.read import Listen, ListenEvent, ReadHandle
 from persist_pipeline.sim import controls
 from tests.fixtures.location import Location, location_kinds, make_location
 from tests.helpers import (
+    WAIT_S,
     ForwardingConsensus,
+    HandClock,
     StoreOnClock,
+    client_on_clock,
     expected_snapshot,
     rows,
     state_history,
 )
 
 BLOB_ONLY = InlinePolicy(0, 0)
-#: How long any wait for another thread may take before the test fails (never a sleep).
-WAIT_S = 10.0
-
 Update = tuple[bytes, bytes, int, int]
 
 
-# --- helpers: a hand-advanced clock, hooked backends, clients -----------------------------
-
-
-class HandClock:
-    """Real time plus an offset the test advances, for the wall and monotonic clocks of
-    the clients that use it and, through :class:`~tests.helpers.StoreOnClock`, for the
-    clock of their blob stores; sleeps are real."""
-
-    def __init__(self) -> None:
-        self._offset_ms = 0
-        self._lock = threading.Lock()
-
-    @property
-    def offset_s(self) -> float:
-        with self._lock:
-            return self._offset_ms / 1000
-
-    def now_ms(self) -> int:
-        with self._lock:
-            return int(time.time() * 1000) + self._offset_ms
-
-    def monotonic(self) -> float:
-        return time.monotonic() + self.offset_s
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-    def advance(self, seconds: float) -> None:
-        with self._lock:
-            self._offset_ms += int(seconds * 1000)
+# --- helpers: hooked backends, clients ----------------------------------------------------
 
 
 Hook = Callable[..., None]
@@ -998,7 +968,8 @@ def test_rollups_a_killed_gc_dropped_are_swept_by_the_next_gc(location: Location
         rollup_threshold=2, background_maintenance=False))
     config = PersistConfig(rollup_threshold=2, gc_orphan_min_age_s=1,
                            background_maintenance=False)
-    client = location.client(InlinePolicy(0, 0), config)
+    clock = HandClock()  # GC's time: its store's clock is what ages the dropped rollups
+    client = client_on_clock(location, clock, InlinePolicy(0, 0), config)
     shard = ShardId.new()
     writer = writing.open_writer(shard)
     for t in range(12):
@@ -1017,7 +988,9 @@ def test_rollups_a_killed_gc_dropped_are_swept_by_the_next_gc(location: Location
     assert dropped > 0
     monkeypatch.undo()
     writer.compare_and_append([], 12, 13)
-    time.sleep(2.1)  # the dropped rollups are now old enough for the sweep (S3 stamps: seconds)
+    # The dropped rollups are now old enough for the sweep on the store's clock, whose
+    # stamps may be rounded down (S3: to the second).
+    clock.advance(config.gc_orphan_min_age_s + client.blobs.main.stamp_resolution_s + 0.1)
     client.gc(shard)
     head = client._machine(shard).fetch_latest()
     listed = {m.key for m in client.blobs.main.list_keys(f"{shard}/") if "/rollup/" in m.key}

@@ -12,7 +12,6 @@ import multiprocessing
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     SchemaMismatch,
 )
-from tests.helpers import rows
+from tests.helpers import rows, wait_until
 
 
 def snapshot_rows(client: PersistClient, shard: Any) -> list[tuple[bytes, bytes, int]]:
@@ -340,8 +339,10 @@ def test_lost_replies_at_the_commit_are_settled_all_or_nothing(durable_location)
     setup.close()
 
 
-def _txn_loop(consensus_uri: str, blob_uri: str, a: str, b: str, ready: Any) -> None:
-    """A spawned process: commits pair transactions forever (until killed)."""
+def _txn_loop(consensus_uri: str, blob_uri: str, a: str, b: str, ready: Any,
+              commits: Any) -> None:
+    """A spawned process: commits pair transactions forever (until killed), counting the
+    ones that committed in ``commits``."""
     client = PersistClient.open(consensus_uri, blob_uri)
     wa, wb = client.open_writer(a), client.open_writer(b)
     ready.set()
@@ -355,6 +356,7 @@ def _txn_loop(consensus_uri: str, blob_uri: str, a: str, b: str, ready: Any) -> 
         txn.compare_and_append(wb, [(key, b"", tb, 1)], tb, tb + 1)
         with contextlib.suppress(UpperMismatch):
             txn.commit()
+            commits.value += 1  # this process is the only writer
         i += 1
 
 
@@ -368,15 +370,22 @@ def test_a_process_killed_mid_transaction_leaves_every_pair_whole(durable_locati
     setup.create_shard(b)
     ctx = multiprocessing.get_context("spawn")
     for round_ in range(3):
-        procs = []
+        procs, commits = [], []
         for _ in range(2):
-            ready = ctx.Event()
+            ready, committed = ctx.Event(), ctx.Value("i", 0)
             p = ctx.Process(target=_txn_loop, args=(durable_location.consensus_uri,
-                                                    durable_location.blob_uri, a, b, ready))
+                                                    durable_location.blob_uri, a, b, ready,
+                                                    committed))
             p.start()
             assert ready.wait(60)
             procs.append(p)
-        time.sleep(0.5 + 0.4 * round_)
+            commits.append(committed)
+        # Kill once each process has committed pairs of its own (more each round): both
+        # are then racing mid-loop, however slowly either started under load.
+        target = 10 * (round_ + 1)
+        wait_until(lambda commits=commits, target=target:
+                   all(c.value >= target for c in commits),
+                   f"each process to commit {target} pair transactions", timeout_s=60)
         for p in procs:
             os.kill(p.pid, signal.SIGKILL)  # type: ignore[arg-type]
             p.join(10)
