@@ -3,7 +3,10 @@
 ``NAME_landing_sensor`` (one per ``files`` shard and one per route): each new landed file
 becomes a dynamic partition ``NAME/<file>`` of ``ingest/NAME`` (of every shard routed from
 route ``NAME``) and one run of ``ingest_files_job`` whose run key is the file's identity
-(name, size, mtime). The cursor remembers the identities
+(name, size, mtime). A long path's key is shortened so it fits the UI
+(:func:`assets.asset_keys.file_partition_key`; the run's ``persist/file`` tag has the
+path), and a file that already has a partition under its full path keeps it. The cursor
+remembers the identities
 already requested, Dagster never reuses a run key, files already ingested by a run
 launched by hand are not requested, and the asset itself writes nothing for a file
 version it already ingested: a file is ingested exactly once. A bad file's failed run
@@ -26,7 +29,7 @@ from assets.asset_keys import (
     TAG_SHARDS,
     TAG_TRIGGER,
     AssetJob,
-    file_partition_key,
+    file_partition_keys,
     shard_key,
 )
 from assets.ingestion import LANDED_FILES, ingested_by
@@ -76,9 +79,14 @@ def _landing_sensor(owner: str, source: FileSource, shards: list[str], job: Asse
         for f in landing.files:
             if f.identity in seen:
                 continue
-            partition = file_partition_key(owner, f.name)
-            if context.instance.has_dynamic_partition(FILES_PARTITIONS, partition):
-                if ingested_by(context.instance, keys[0], partition, f.identity):
+            # A long path's partition from before keys were shortened is kept: one
+            # partition per file, and its runs' history stays with it.
+            candidates = file_partition_keys(owner, f.name)
+            existing = [p for p in candidates
+                        if context.instance.has_dynamic_partition(FILES_PARTITIONS, p)]
+            partition = existing[0] if existing else candidates[0]
+            if existing:
+                if ingested_by(context.instance, keys[0], candidates, f.identity):
                     already.append(f.name)  # e.g. materialized by hand: not again
                     continue
             else:
