@@ -29,17 +29,21 @@ log = logging.getLogger(__name__)
 #: Where the Spark driver JVM's own output goes (``PERSIST_SPARK_LOG`` overrides): its
 #: start-up notices and log4j lines belong in a file, not among the run's messages.
 SPARK_LOG_ENV = "PERSIST_SPARK_LOG"
+#: The folder of the default log under ``$DAGSTER_HOME``. Not ``logs``: that is Dagster's
+#: telemetry spool, whose files the webserver and the daemon (``dagster dev``) send to
+#: Dagster's telemetry server and delete, whatever dagster.yaml's ``telemetry`` says.
+SPARK_LOG_DIR = "spark"
 
 
 def spark_log_path() -> Path:
-    """``$PERSIST_SPARK_LOG``, else ``$DAGSTER_HOME/logs/spark-driver.log``, else the same
+    """``$PERSIST_SPARK_LOG``, else ``$DAGSTER_HOME/spark/spark-driver.log``, else the same
     under the temporary folder."""
     given = os.environ.get(SPARK_LOG_ENV)
     if given:
         return Path(given)
     home = os.environ.get("DAGSTER_HOME")
     base = Path(home) if home else Path(tempfile.gettempdir()) / "persist-pipeline"
-    return base / "logs" / "spark-driver.log"
+    return base / SPARK_LOG_DIR / "spark-driver.log"
 
 
 @contextlib.contextmanager
