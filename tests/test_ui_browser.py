@@ -2,20 +2,31 @@
 
 A module fixture runs the pipeline on a throwaway instance of the embedded default
 (``python -m assets.run_demo`` with its own ``DAGSTER_HOME`` and data dir: ingestion runs,
-a bad landing file, sensor-requested Spark compactions, the schedules' runs), then starts
-``dagster dev`` on that instance exactly as ``make ui`` does, on a free port of 127.0.0.1.
-Headless Chromium (``/usr/bin/chromium`` or ``$PERSIST_CHROMIUM``; ``make browser``
-installs it) then checks what a user sees:
+a bad landing file, sensor-requested Spark compactions, the schedules' runs), lands one
+more file with a long name (a partner's export in dated folders) and ingests it through
+the landing sensor, then starts ``dagster dev`` on that instance exactly as ``make ui``
+does, on a free port of 127.0.0.1. Headless Chromium (``/usr/bin/chromium`` or
+``$PERSIST_CHROMIUM``; ``make browser`` installs it), in a 1920x1080 window, then checks
+what a user sees:
 
 * the ingestion asset ``ingest/clicks``: its materializations (as many as the instance
-  recorded), their metadata (``Placement`` ``inline``; ``blob`` for the large Parquet file
-  of ``ingest/orders``, a partition named after the file), and the plots, the first of
-  which is ``Inline bytes``, drawn on its canvas, with no duplicate entries;
+  recorded), their metadata (``Placement`` ``inline``, every label as named), and the
+  plots, the first of which is ``Inline bytes``, drawn on its canvas, with no duplicate
+  entries;
+* ``ingest/orders``: its latest write, the long-named file, placed in ``blob``; its
+  bounded partition key beside (not over) the check results badge, and whole in the
+  partitions list, with the full path in the ``File`` metadata;
+* the demo's file malformed on purpose: a failed partition whose run's failure names the
+  file (``...-malformed-on-purpose.csv``) and its bad line;
+* the snapshot check of a shard the automation's compaction run had nothing to do for:
+  passed, saying it was skipped and why;
 * ``report/shard_health``, stored by ``PersistIOManager``: its column schema and row count;
 * the automation page lists every sensor and schedule of the code location, running;
 * the runs list names the landing sensor's job (no anonymous asset job), and the
   compaction run that ``inline_pressure_sensor`` requested succeeded, in the runs list
-  and on the run's page.
+  and on the run's page, with none of the Spark driver JVM's own output in its stderr,
+  event log or the demo's terminal (it is in ``$DAGSTER_HOME/spark/spark-driver.log``,
+  still there after ``dagster dev`` ran).
 
 Screenshots go to ``results/ui/`` (linked from the README). Without Chromium the tests
 fail with a message saying how to install it; they never skip.
@@ -32,6 +43,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,7 +53,9 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from assets.asset_keys import MAX_FILE_PARTITION_KEY, TAG_FILE, file_partition_key
 from assets.pipeline_config import CONFIG_ENV, REPO_ROOT
+from assets.run_demo import BAD_FILE
 from tests.pipeline_support import PIPELINE_ENV
 
 CHROMIUM = Path(os.environ.get("PERSIST_CHROMIUM", "/usr/bin/chromium"))
@@ -54,6 +68,16 @@ SHOTS = REPO_ROOT / "results" / "ui"
 ROUNDS = 12          # enough for inline_pressure_sensor to request compaction of clicks
 INGESTED = "clicks"  # the ingestion asset whose page is checked: ingest/clicks
 TIMEOUT_MS = 30_000
+#: The commonest desktop size, and the one landed-file partition keys are bounded for
+#: (see assets.asset_keys.MAX_FILE_PARTITION_KEY).
+VIEWPORT = {"width": 1920, "height": 1080}
+#: A landed file with a long name, ingested last so that it is ingest/orders' latest
+#: materialization (whose partition key the asset page's status row shows). Large, so
+#: its write goes to blob storage.
+LONG_FILE = ("partner-acme-logistics/exports/2024-11-25/orders-export-full-refresh-region-"
+             "eu-west-1-warehouse-rotterdam-batch-000017-of-000032.parquet")
+#: Text only the Spark driver JVM writes (its notice of the jdk.incubator modules).
+JVM_NOTICE = "incubator"
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.timeout(420)]
 
 
@@ -67,6 +91,10 @@ class Facts:
     compaction_inline_before: int   # its inline_bytes_before for clicks
     sensors: list[str]
     schedules: list[str]
+    long_partition: str             # the partition of LONG_FILE
+    bad_partition: str              # the partition of the demo's file malformed on purpose
+    bad_run_id: str                 # its failed run
+    skipped_check_shard: str        # a shard whose snapshot check the automation skipped
 
 
 @dataclass
@@ -76,6 +104,7 @@ class DagsterUI:
     url: str
     facts: Facts
     log: Path
+    home: Path                      # its DAGSTER_HOME
 
 
 def _free_port() -> int:
@@ -105,8 +134,48 @@ def _require_browser() -> None:
                     pytrace=False)
 
 
+def _land_long_file(defs: dg.Definitions, instance: dg.DagsterInstance, data: Path) -> str:
+    """Land LONG_FILE in the orders landing folder and run the landing sensor's request
+    for it, as the daemon would; returns its partition."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from assets.runner import SensorTicker, launch_sensor_requests
+
+    path = data / "landing" / "orders" / LONG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 4000  # above the inline threshold, as the demo's Parquet file
+    pq.write_table(pa.table({"k": [f"order-{i}".encode() for i in range(50_000, 50_000 + n)],
+                             "v": [f"{{\"qty\": {i % 9}}}".encode() for i in range(n)],
+                             "t": pa.array([0] * n, pa.int64())}), path)
+    ticker = SensorTicker(defs, instance, "orders_landing_sensor")
+    tick = ticker.tick()  # a new cursor: the demo's files are ingested or their keys used
+    partition = file_partition_key("orders", LONG_FILE)
+    assert [(r.partition_key, (r.tags or {}).get(TAG_FILE)) for r in tick.run_requests
+            if (r.tags or {}).get(TAG_FILE) != BAD_FILE] == [(partition, LONG_FILE)]
+    quiet = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+    [result] = launch_sensor_requests(ticker, tick, run_config=quiet)
+    assert result.success
+    return partition
+
+
+def _skipped_check_shard(instance: dg.DagsterInstance) -> str:
+    """A shard whose snapshot check the automation's compaction run passed as skipped."""
+    runs = instance.get_runs(filters=dg.RunsFilter(
+        job_name="compaction_job", tags={"dagster/sensor_name": "persist_automation_sensor"}))
+    assert runs, "the demo's automation launched no compaction run"
+    for record in instance.get_records_for_run(
+            runs[0].run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION).records:
+        event = record.event_log_entry.dagster_event
+        data: Any = event.event_specific_data if event else None
+        if data is not None and "skipped" in data.metadata:
+            return str(data.asset_key.path[-1])
+    raise AssertionError("the automation's compaction run skipped no shard's check")
+
+
 def _facts(home: Path, env: dict[str, str]) -> Facts:
-    """Read the ground truth from the instance and the code location's definitions."""
+    """Land the long-named file, then read the ground truth from the instance and the
+    code location's definitions."""
     from assets.workspace import load_workspace_definitions
 
     with pytest.MonkeyPatch.context() as mp:
@@ -114,8 +183,17 @@ def _facts(home: Path, env: dict[str, str]) -> Facts:
             mp.delenv(name, raising=False)
         mp.setenv("PERSIST_PIPELINE_DATA_DIR", env["PERSIST_PIPELINE_DATA_DIR"])
         defs = load_workspace_definitions()
+        instance = dg.DagsterInstance.from_config(str(home))
+        try:
+            long_partition = _land_long_file(defs, instance,
+                                             Path(env["PERSIST_PIPELINE_DATA_DIR"]))
+        finally:
+            instance.dispose()
     instance = dg.DagsterInstance.from_config(str(home))
     try:
+        bad_runs = instance.get_runs(filters=dg.RunsFilter(
+            tags={TAG_FILE: BAD_FILE}, statuses=[dg.DagsterRunStatus.FAILURE]))
+        assert len(bad_runs) == 1, bad_runs
         key = dg.AssetKey(["ingest", INGESTED])
         records = instance.fetch_materializations(key, limit=1000).records
         runs = instance.get_runs(filters=dg.RunsFilter(
@@ -134,7 +212,10 @@ def _facts(home: Path, env: dict[str, str]) -> Facts:
             materializations=len(records), latest_run_id=records[0].run_id,
             compaction_run_id=first.run_id, compaction_inline_before=int(before[0]),
             sensors=sorted(s.name for s in defs.sensors or []),
-            schedules=sorted(s.name for s in defs.schedules or []))
+            schedules=sorted(s.name for s in defs.schedules or []),
+            long_partition=long_partition,
+            bad_partition=bad_runs[0].tags["dagster/partition"], bad_run_id=bad_runs[0].run_id,
+            skipped_check_shard=_skipped_check_shard(instance))
     finally:
         instance.dispose()
 
@@ -164,6 +245,9 @@ def dagster_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagsterUI]:
     (root / "run_demo.log").write_text(demo.stdout + demo.stderr)
     assert demo.returncode == 0, demo.stdout[-3000:] + demo.stderr[-3000:]
     assert "inline_pressure_sensor fired" in demo.stdout, demo.stdout[-3000:]
+    # The Spark driver JVM's own output went to its log file, not to the terminal.
+    assert JVM_NOTICE not in demo.stdout + demo.stderr, demo.stderr[-3000:]
+    assert (home / "spark" / "spark-driver.log").stat().st_size > 0
     facts = _facts(home, env)
 
     port = _free_port()
@@ -192,7 +276,7 @@ def dagster_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagsterUI]:
                 assert loaded[0]["__typename"] == "RepositoryLocation", loaded
                 break
             time.sleep(1)
-        yield DagsterUI(url, facts, log)
+        yield DagsterUI(url, facts, log, home)
     finally:  # dagster dev and its children are their own process group
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -206,14 +290,14 @@ def dagster_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagsterUI]:
 
 @pytest.fixture(scope="module")
 def page(dagster_ui: DagsterUI, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """One headless Chromium page (fresh profile, UTC, 1600x1000) for the module."""
+    """One headless Chromium page (fresh profile, UTC, VIEWPORT) for the module."""
     from playwright.sync_api import sync_playwright
 
     SHOTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
             str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM),
-            headless=True, args=CHROMIUM_ARGS, viewport={"width": 1600, "height": 1000},
+            headless=True, args=CHROMIUM_ARGS, viewport=VIEWPORT,
             timezone_id="UTC", locale="en-US", color_scheme="light")
         try:
             context.set_default_timeout(TIMEOUT_MS)
@@ -280,7 +364,9 @@ def test_ingestion_asset_page_shows_materializations_placement_and_inline_bytes_
     page.get_by_text("Latest materialization").first.wait_for()
     assert re.search(r"\binline\b", _metadata_value(page, "Placement"))
     for key in ("Inline bytes", "Stored size (bytes)", "Inline encoding size (bytes)",
-                "Inline limit (bytes)", "Write latency (ms)", "Updates written", "Upper"):
+                "Inline limit (bytes)", "Write latency (ms)", "Updates written", "Upper",
+                "PUTs to blob storage", "Fell back to blob (inline budget full)", "Seqno",
+                "Shard ID"):
         _metadata_value(page, key)
     for gone in ("updates_stored", "rows", "shard_inline_bytes"):  # the old duplicates
         assert page.get_by_text(gone, exact=True).count() == 0, gone
@@ -325,13 +411,76 @@ def test_ingestion_asset_page_shows_materializations_placement_and_inline_bytes_
     _settle(page)
     page.screenshot(path=str(SHOTS / "asset-clicks-events.png"))
 
-    # The large Parquet file of the files shard went to blob storage: placement blob.
+
+def _box(locator: Any) -> dict[str, float]:
+    box = locator.bounding_box()
+    assert box is not None, locator
+    return dict(box)
+
+
+def test_a_long_file_name_has_a_bounded_partition_key_clear_of_the_badges(
+        dagster_ui: DagsterUI, page: Any) -> None:
+    key = dagster_ui.facts.long_partition
+    assert len(key) <= MAX_FILE_PARTITION_KEY and key.startswith("orders/"), key
+    # ingest/orders' latest write is the long-named Parquet file, placed in blob storage.
     _open(page, f"{dagster_ui.url}/assets/ingest/orders")
     page.get_by_text("Latest materialization").first.wait_for()
     assert re.search(r"\bblob\b", _metadata_value(page, "Placement"))
-    assert ".parquet" in _metadata_value(page, "File")
+    assert LONG_FILE in _metadata_value(page, "File")  # the full path, in the metadata
+    # The status row: the partition key, untruncated after the materialization's age,
+    # ends before the next column, where the check results badge is.
+    shown = page.get_by_text(key, exact=True).first
+    shown.wait_for()
+    checks = page.get_by_text("Latest check results", exact=True).first.locator("xpath=..")
+    checks.locator(":scope > *").nth(1).wait_for()  # the badge
+    key_box, checks_box = _box(shown), _box(checks)
+    assert abs(key_box["y"] - checks_box["y"]) < checks_box["height"], (key_box, checks_box)
+    assert key_box["x"] + key_box["width"] <= checks_box["x"] - 4, (key_box, checks_box)
     _settle(page)
     page.screenshot(path=str(SHOTS / "asset-orders-overview.png"))
+
+    # The partitions list shows the key whole (Dagster truncates longer ones in the
+    # middle); the partition's panel has the full path.
+    _open(page, f"{dagster_ui.url}/assets/ingest/orders?view=partitions&partition="
+                f"{urllib.parse.quote(key, safe='')}")
+    shown = page.get_by_title(key, exact=True)  # in the list, and as the panel's title
+    shown.nth(1).wait_for()
+    for i in range(shown.count()):  # not truncated in the middle
+        assert shown.nth(i).locator("span").first.inner_text() == key
+    assert LONG_FILE in _metadata_value(page, "File")
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "asset-orders-long-partition-key.png"))
+
+
+def test_the_file_malformed_on_purpose_is_a_failed_partition_saying_why(
+        dagster_ui: DagsterUI, page: Any) -> None:
+    facts = dagster_ui.facts
+    _open(page, f"{dagster_ui.url}/assets/ingest/orders?view=partitions&partition="
+                f"{urllib.parse.quote(facts.bad_partition, safe='')}")
+    page.get_by_text("failed, and did not materialize this asset").first.wait_for()
+    page.get_by_text(facts.bad_run_id[:8], exact=True).first.wait_for()
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "asset-orders-failed-partition.png"))
+
+    # Its run (the panel's "View logs"): the step failed saying which file, the line and
+    # what is wrong with it; the file's name says it is malformed on purpose.
+    _open(page, f"{dagster_ui.url}/runs/{facts.bad_run_id}?logs=type%3ASTEP_FAILURE")
+    page.get_by_text("STEP_FAILURE", exact=True).first.wait_for()
+    page.get_by_text(re.compile(rf"{re.escape(BAD_FILE)}: line 3: column t must be an "
+                                r"integer")).first.wait_for()
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "run-malformed-file-failure.png"))
+
+
+def test_a_skipped_snapshot_check_says_why(dagster_ui: DagsterUI, page: Any) -> None:
+    shard = dagster_ui.facts.skipped_check_shard
+    _open(page, f"{dagster_ui.url}/assets/compact/{shard}?view=checks")
+    page.get_by_text("snapshot_unchanged", exact=True).first.click()
+    page.get_by_text(re.compile(r"^skipped: nothing to compact \(no pending merges or "
+                                r"inline data\)")).first.wait_for()
+    page.get_by_text("Passed", exact=True).first.wait_for()
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "check-snapshot-skipped.png"))
 
 
 def test_io_managed_asset_shows_its_schema_and_row_count(dagster_ui: DagsterUI,
@@ -400,3 +549,29 @@ def test_sensor_requested_compaction_run_succeeded(dagster_ui: DagsterUI, page: 
     assert page.get_by_text("RUN_FAILURE").count() == 0
     _settle(page)
     page.screenshot(path=str(SHOTS / "compaction-run.png"))
+
+    # Spark started in this run: the driver JVM's own output is not in the run's stderr
+    # (nor in its event log, read from the instance: the UI renders only what is seen).
+    instance = dg.DagsterInstance.from_config(str(dagster_ui.home))
+    try:
+        messages = [r.event_log_entry.user_message or "" for r in
+                    instance.get_records_for_run(facts.compaction_run_id, limit=10_000).records]
+    finally:
+        instance.dispose()
+    assert messages and not [m for m in messages if JVM_NOTICE in m]
+    page.get_by_role("button", name="stderr").click()
+    page.get_by_placeholder("Select a step…").click()
+    page.get_by_text("spark_compaction", exact=True).last.click()
+    page.get_by_text("Download", exact=True).first.wait_for()  # the step's capture is shown
+    page.wait_for_timeout(1000)  # and loaded ("No log file available" when empty)
+    assert JVM_NOTICE not in page.locator("body").inner_text()
+    _settle(page)
+    page.screenshot(path=str(SHOTS / "compaction-run-stderr.png"))
+
+
+def test_the_spark_driver_log_outlives_dagster_dev(dagster_ui: DagsterUI) -> None:
+    """The driver log is not in $DAGSTER_HOME/logs, which dagster dev's webserver and
+    daemon upload to Dagster's telemetry server and empty as soon as they start."""
+    driver_log = dagster_ui.home / "spark" / "spark-driver.log"
+    assert driver_log.stat().st_size > 0
+    assert not list((dagster_ui.home / "logs").glob("spark*")), "in the telemetry spool"
