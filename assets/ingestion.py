@@ -16,12 +16,13 @@ the updates it wrote, the shard's upper, blob PUTs. Sources:
   to ``SHARD/<head>~<digest>~<tail>`` so the key fits the UI; the run's ``persist/file``
   tag and the ``File`` metadata keep the full path; a long path's key from before keys
   were shortened still works: see :mod:`assets.landed_partitions`); all files shards
-  share the ``landed_files`` partitions; the landing sensor adds partitions and requests their
-  runs, and any partition can be re-run from the UI). A file is ingested exactly once whichever
-  way its run was launched: a run whose file (same name, size and mtime) was already
-  ingested writes nothing, of two runs of the same file at the same time the later one
-  fails without writing, and a run that died between its commit and its materialization
-  is settled by the next run from the write it recorded first (:func:`settle_intents`). The file is read and validated before anything touches the
+  share the ``landed_files`` partitions; the landing sensor adds partitions and requests
+  their runs, and any partition can be re-run from the UI). A file is ingested exactly
+  once whichever way its run was launched: a run whose file (same name, size and mtime)
+  was already ingested writes nothing, of two runs of the same file at the same time
+  the later one fails without writing, and a run that died between its commit and its
+  materialization is settled by the next run from the write it recorded first
+  (:func:`settle_intents`). The file is read and validated before anything touches the
   shard, so a bad file fails its run with a message naming the file and line and writes
   nothing.
 - ``routed``: the rows of a *route*'s landed files whose route column names the shard.
@@ -437,7 +438,8 @@ def _build_files(shards: Sequence[ShardConfig],
             raise dg.Failure(description=str(e),
                              metadata={"file": shown, "shard": shard.name}) from None
         client = persist.client(inline_policy.policy())
-        recovered = settle_intents(context, client, [shard], partition, landed.identity, shown)
+        recovered = settle_intents(context, client, [shard], partitions, landed.identity,
+                                   shown)
         if recovered:
             yield from recovered
             return
@@ -508,13 +510,14 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
     except InvalidUpdates as e:
         raise dg.Failure(description=str(e), metadata=meta) from None
     # The shards commit together, so one recorded materialization means all committed.
+    partitions = file_partition_keys(route.name, name)
     for key in keys:
-        done = ingested_by(context.instance, key, partition, landed.identity)
+        done = ingested_by(context.instance, key, partitions, landed.identity)
         if done is not None:
             context.log.info(f"{shown} ({landed.identity}) was already ingested by run "
                              f"{done}: nothing written (each file is ingested once)")
             return
-    other = earlier_active_run(context.instance, context.run.run_id, keys[0], partition)
+    other = earlier_active_run(context.instance, context.run.run_id, keys[0], partitions)
     if other is not None:
         raise dg.Failure(description=f"run {other} is already ingesting {shown}: this "
                                      "run writes nothing, so the file is ingested once "
@@ -532,7 +535,7 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
             register_shard_name(client, shard)
         except InvalidConfig as e:  # the config name is another shard's
             raise dg.Failure(description=str(e), metadata={"shard": shard.name}) from None
-    recovered = settle_intents(context, client, shards, partition, landed.identity, shown)
+    recovered = settle_intents(context, client, shards, partitions, landed.identity, shown)
     if recovered:
         yield from recovered
         return
@@ -617,11 +620,13 @@ def record_intent(context: dg.AssetExecutionContext, key: dg.AssetKey, partition
                   EXPECTED_UPPER: expected_upper}))
 
 
-def _intents(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str,
+def _intents(instance: dg.DagsterInstance, key: dg.AssetKey, partitions: Sequence[str],
              identity: str) -> list[tuple[str, str, int]]:
-    """``(run id, token, expected upper)`` of every recorded write of this file version."""
+    """``(run id, token, expected upper)`` of every recorded write of this file version,
+    under any of its partition keys."""
     records = instance.fetch_observations(
-        dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1000).records
+        dg.AssetRecordsFilter(asset_key=key, asset_partitions=list(partitions)),
+        limit=1000).records
     out = []
     for record in records:
         observation = record.asset_observation
@@ -634,7 +639,7 @@ def _intents(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str,
 
 
 def settle_intents(context: dg.AssetExecutionContext, client: PersistClient,
-                   shards: Sequence[ShardConfig], partition: str, identity: str,
+                   shards: Sequence[ShardConfig], partitions: Sequence[str], identity: str,
                    shown: str) -> list[dg.MaterializeResult]:
     """The materializations an earlier run committed but never recorded (its process
     died in between), recorded now; empty when no earlier write of this file version
@@ -646,7 +651,7 @@ def settle_intents(context: dg.AssetExecutionContext, client: PersistClient,
         dg.Failure: an earlier run's write cannot be settled (GC truncated the history
             that would tell): writing again could duplicate the file.
     """
-    pending = {s.name: _intents(context.instance, shard_key(s.name), partition, identity)
+    pending = {s.name: _intents(context.instance, shard_key(s.name), partitions, identity)
                for s in shards}
     if not any(pending.values()):
         return []
