@@ -26,12 +26,11 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     NotYetAvailable,
     PersistError,
-    ShardNotFound,
     SinceViolation,
     UpperMismatch,
 )
 from persist_pipeline.ids import new_token
-from persist_pipeline.sim.transactions import _ledger, _open_writers
+from persist_pipeline.sim.transactions import _ledger, _open_writers, latest_diffs
 
 if TYPE_CHECKING:
     from persist_pipeline.client import PersistClient
@@ -150,23 +149,6 @@ def ingester(run: SimRun, proc: Process) -> None:
         run.ops += 1
 
 
-def _diffs(client: PersistClient, shard: str) -> dict[bytes, int] | None:
-    """``{key: d}`` of the landed files' rows in ``shard`` at its latest complete time."""
-    try:
-        upper = client._machine(shard).fetch_latest().upper
-    except ShardNotFound:
-        return {}
-    if not upper:
-        return None
-    reader = client.open_reader(shard)
-    try:
-        table = reader.snapshot(upper - 1)
-    finally:
-        reader.expire()
-    return {k: d for k, d in zip(table.column("k").to_pylist(), table.column("d").to_pylist(),
-                                 strict=True) if k.startswith(FILE_PREFIX)}
-
-
 def check(run: SimRun, client: PersistClient, where: str) -> None:
     """No file twice in a shard; every recorded file in both."""
     ingestion: Ingestion = run.ingestion
@@ -175,7 +157,7 @@ def check(run: SimRun, client: PersistClient, where: str) -> None:
         return
     recorded = [f.key for f in ingestion.files if f.recorded]  # before the reads
     for shard in ledger.pair:
-        diffs = _diffs(client, shard)
+        diffs = latest_diffs(client, shard, FILE_PREFIX)
         if diffs is None:
             continue
         twice = sorted(k for k, d in diffs.items() if d != 1)

@@ -107,13 +107,13 @@ def _commit(run: SimRun, client: PersistClient, ledger: TxnLedger,
         entry.status = "unknown"
 
 
-def _keys(client: PersistClient, shard: str, prefix: bytes = TXN_PREFIX) -> set[bytes] | None:
-    """The keys with ``prefix`` of ``shard`` at its latest complete time (None: no time
-    yet)."""
+def latest_diffs(client: PersistClient, shard: str, prefix: bytes) -> dict[bytes, int] | None:
+    """``{key: d}`` of the keys with ``prefix`` in ``shard`` at its latest complete time
+    (None: no time yet)."""
     try:
         upper = client._machine(shard).fetch_latest().upper
     except ShardNotFound:
-        return set()  # never created (its opener crashed first): it holds nothing
+        return {}  # never created (its opener crashed first): it holds nothing
     if not upper:
         return None
     reader = client.open_reader(shard)
@@ -121,7 +121,15 @@ def _keys(client: PersistClient, shard: str, prefix: bytes = TXN_PREFIX) -> set[
         table = reader.snapshot(upper - 1)
     finally:
         reader.expire()
-    return {k for k in table.column("k").to_pylist() if k.startswith(prefix)}
+    return {k: d for k, d in zip(table.column("k").to_pylist(), table.column("d").to_pylist(),
+                                 strict=True) if k.startswith(prefix)}
+
+
+def _keys(client: PersistClient, shard: str, prefix: bytes = TXN_PREFIX) -> set[bytes] | None:
+    """The keys with ``prefix`` of ``shard`` at its latest complete time (None: no time
+    yet)."""
+    diffs = latest_diffs(client, shard, prefix)
+    return None if diffs is None else set(diffs)
 
 
 def check(run: SimRun, client: PersistClient, where: str) -> None:
