@@ -29,9 +29,12 @@ class Backoff:
         retries: how many times it slept (for metrics).
     """
 
-    def __init__(self, deadline_s: float, what: str, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(self, deadline_s: float, what: str, clock: Clock = SYSTEM_CLOCK, *,
+                 started_s: float | None = None) -> None:
+        """``started_s``: when the retried work started (``clock.monotonic()``), if
+        before now: the deadline counts from then."""
         self.clock = clock
-        self.deadline = clock.monotonic() + deadline_s
+        self.deadline = (clock.monotonic() if started_s is None else started_s) + deadline_s
         self.deadline_s = deadline_s
         self.what = what
         self.attempt = 0

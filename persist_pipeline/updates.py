@@ -181,6 +181,8 @@ class Updates:
         """
         if isinstance(updates, Updates):
             return updates
+        if type(updates) is list and len(updates) <= _SMALL_WRITE_ROWS:
+            return cls(_from_rows(updates), None)  # the common small write, checked as below
         if isinstance(updates, pa.RecordBatch):
             updates = pa.Table.from_batches([updates])
         elif not isinstance(updates, pa.Table):
@@ -240,24 +242,19 @@ class Updates:
 
     def encode_inline(self) -> bytes:
         """The ``InlineUpdates`` protobuf encoding (its size decides inline vs blob)."""
-        msg = pb.InlineUpdates()
         if self._lists is not None:
             ks, vs, ts, ds = self._lists
         else:
             t = self.table()
             ks, vs = t.column("k").to_pylist(), t.column("v").to_pylist()
             ts, ds = t.column("t").to_pylist(), t.column("d").to_pylist()
-        msg.keys.extend(ks)
-        msg.vals.extend(vs)
-        msg.times.extend(ts)
-        msg.diffs.extend(ds)
-        return msg.SerializeToString()
+        return pb.InlineUpdates(keys=ks, vals=vs, times=ts, diffs=ds).SerializeToString()
 
     def estimated_inline_size(self) -> int:
         """An upper-bound guess of the inline encoding's size without encoding it."""
         if self._lists is not None:
             ks, vs, _, _ = self._lists
-            return sum(len(k) + len(v) for k, v in zip(ks, vs, strict=True)) + 24 * len(ks)
+            return sum(map(len, ks)) + sum(map(len, vs)) + 24 * len(ks)
         t = self.table()
         return int(t.column("k").nbytes + t.column("v").nbytes + 20 * t.num_rows)
 

@@ -34,6 +34,7 @@ from persist_pipeline.internal.funnel import Funnel
 from persist_pipeline.internal.heartbeat import Heartbeater
 from persist_pipeline.internal.lookup import current_rows
 from persist_pipeline.internal.machine import Machine
+from persist_pipeline.internal.records import quick_init
 from persist_pipeline.internal.state import Batch, Description, HollowPart, InlinePart, Store
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import SCHEMA, Updates, empty_table
@@ -80,6 +81,7 @@ CERTAINLY_NOT_COMMITTED = (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates
                            SchemaMismatch)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Staged:
     """A write ready to commit: its batch (inline, or parts already uploaded), where it
@@ -107,6 +109,7 @@ class Staged:
         return tuple(p for p in self.batch.parts if isinstance(p, HollowPart))
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class WriteResult:
     """What a successful write did.

@@ -17,6 +17,8 @@ MAX_SEQNO = 2**63 - 1
 
 def check_shard(shard: object) -> str:
     """Returns ``shard`` if it is a non-empty string without NUL characters."""
+    if type(shard) is str and shard and "\x00" not in shard:
+        return shard  # the usual case, decided without the checks that explain a refusal
     if not isinstance(shard, str):
         raise InvalidInput(f"shard must be a str, got {type(shard).__name__}")
     if not shard:
@@ -48,6 +50,10 @@ def check_cas(expected: object, new: object) -> None:
     ``expected`` is None or a seqno >= 1, ``new`` a :class:`VersionedData` with bytes
     ``data`` and ``summary`` whose seqno is ``expected + 1`` (1 when ``expected`` is None).
     """
+    if (type(expected) is int and type(new) is VersionedData and type(new.data) is bytes
+            and type(new.summary) is bytes and type(new.seqno) is int
+            and 1 <= expected < MAX_SEQNO and new.seqno == expected + 1):
+        return  # the usual case, decided without the checks that explain a refusal
     previous = None if expected is None else check_int(expected, "expected", 1)
     if not isinstance(new, VersionedData):
         raise InvalidInput(f"new must be a VersionedData, got {type(new).__name__}")

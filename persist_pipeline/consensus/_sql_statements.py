@@ -9,7 +9,8 @@ executes a ready string on a raw DBAPI cursor.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -227,10 +228,26 @@ class Rendered:
     names: tuple[str, ...]
     defaults: Mapping[str, Any]
     prepare: str | None = None
+    _getter: Callable[[Mapping[str, Any]], Any] = field(init=False, repr=False,
+                                                         compare=False)
+
+    def __post_init__(self) -> None:
+        # Picks every name's value in one C call when ``params`` has them all (the
+        # compare-and-set does): itemgetter of two or more names returns a tuple.
+        object.__setattr__(self, "_getter", itemgetter(*self.names)
+                           if len(self.names) >= 2 else self._args_with_defaults)
 
     def args(self, params: Mapping[str, Any]) -> tuple[Any, ...]:
         """The positional arguments for ``sql`` from named ``params``."""
-        return tuple(params[n] if n in params else self.defaults[n] for n in self.names)
+        try:
+            args: tuple[Any, ...] = self._getter(params)
+            return args
+        except KeyError:
+            return self._args_with_defaults(params)
+
+    def _args_with_defaults(self, params: Mapping[str, Any]) -> tuple[Any, ...]:
+        defaults = self.defaults
+        return tuple([params[n] if n in params else defaults[n] for n in self.names])
 
 
 def _plain(stmt: ClauseElement, dialect: Dialect) -> Rendered:

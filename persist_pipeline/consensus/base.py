@@ -6,7 +6,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from persist_pipeline.internal.records import quick_init
 
+
+@quick_init
 @dataclass(frozen=True, slots=True)
 class VersionedData:
     """One consensus record.
@@ -23,6 +26,7 @@ class VersionedData:
     summary: bytes = b""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class CasWrite:
     """One shard's part of :meth:`Consensus.compare_and_set_many`: append ``new`` iff

@@ -75,6 +75,8 @@ _KEEP_CONNECTIONS = 4  # below the pool's default size of 5
 _MAX_ATTEMPTS = 30  # of a statement aborted by a serialization failure or deadlock
 _SERIALIZABLE = "-c default_transaction_isolation=serializable"
 _PREPARED = "persist_pipeline.prepared"
+_POLLER = "persist_pipeline.poller"
+_CURSOR = "persist_pipeline.cursor"
 
 
 class _CockroachDialect(PGDialect_psycopg2):
@@ -201,13 +203,33 @@ def _quiet(conn: PoolProxiedConnection) -> bool:
             return False
         fd = fileno()
         if hasattr(select, "poll"):
-            poller = select.poll()
-            poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+            # The poller is kept with the connection (its info is cleared when the
+            # connection is replaced); it is re-made if the socket changed.
+            kept = conn.info.get(_POLLER)
+            if kept is not None and kept[0] == fd:
+                poller = kept[1]
+            else:
+                poller = select.poll()
+                poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+                conn.info[_POLLER] = (fd, poller)
             return not poller.poll(0)
         readable, _, _ = select.select([fd], [], [], 0)
         return not readable
     except (OSError, ValueError, psycopg2.Error):
         return False
+
+
+def _kept_cursor(conn: PoolProxiedConnection) -> Any:
+    """The cursor kept with ``conn`` for statements that return no rows: made once per
+    driver connection (the connection's info is cleared when it is replaced, and the
+    cursor is checked to belong to the current one)."""
+    dbapi_connection: Any = conn.dbapi_connection
+    kept = conn.info.get(_CURSOR)
+    if kept is not None and kept[0] is dbapi_connection and not kept[1].closed:
+        return kept[1]
+    cursor = dbapi_connection.cursor()
+    conn.info[_CURSOR] = (dbapi_connection, cursor)
+    return cursor
 
 
 class _Connections:
@@ -346,6 +368,10 @@ class SqlConsensus(Consensus):
         self, action: str, name: str | Rendered, params: Mapping[str, Any],
         consume: Callable[[Any], T],
     ) -> T:
+        # Statements that return no rows (every write, the compare-and-set first) run on
+        # a cursor kept with the connection, as a plain psycopg2 client would; reads get
+        # a cursor of their own, closed at once, so no result stays referenced.
+        keep_cursor = consume is _rowcount and self._kind != "sqlite"
         if self._closed:
             raise ConsensusError(f"{self!r} is closed")
         statement = self._statements[name] if isinstance(name, str) else name
@@ -355,7 +381,7 @@ class SqlConsensus(Consensus):
             # The pool raises the driver's own error when it cannot connect.
             raise map_error(exc, self._url, action) from exc
         try:
-            result = self._execute(conn, statement, params, consume)
+            result = self._execute(conn, statement, params, consume, keep_cursor)
         except _LostRace:
             self._conns.release(conn)  # the statement failed; the connection is healthy
             raise
@@ -373,8 +399,9 @@ class SqlConsensus(Consensus):
         statement: Rendered,
         params: Mapping[str, Any],
         consume: Callable[[Any], T],
+        keep_cursor: bool = False,
     ) -> T:
-        cursor = conn.cursor()
+        cursor = _kept_cursor(conn) if keep_cursor else conn.cursor()
         try:
             args = statement.args(params)
             for attempt in range(_MAX_ATTEMPTS):
@@ -400,8 +427,9 @@ class SqlConsensus(Consensus):
                     time.sleep(random.uniform(0, min(0.02, 0.0002 * 2**attempt)))  # noqa: S311
             raise AssertionError("unreachable")
         finally:
-            with contextlib.suppress(Exception):
-                cursor.close()
+            if not keep_cursor:
+                with contextlib.suppress(Exception):
+                    cursor.close()
 
     def _prepare(self, conn: PoolProxiedConnection, cursor: Any) -> None:
         prepares = [s.prepare for s in self._statements.values() if s.prepare is not None]

@@ -114,7 +114,14 @@ class Funnel:
                 while not entry.finished:
                     if self._window_s:
                         self._clock.sleep(self._window_s)
-                    self._commit_group(self._take())
+                    group = self._take()
+                    if len(group) == 1 and group[0] is entry:
+                        # Nobody else is waiting: a group of one, committed as
+                        # Machine.apply commits it (no per-append result capture).
+                        self._metrics.group_commits += 1
+                        self._metrics.group_commit_appends += 1
+                        return machine.apply(transition, proves_done=proves_done)
+                    self._commit_group(group)
         finally:
             with self._queue_lock:
                 self._inflight -= entry.size

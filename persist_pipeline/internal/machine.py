@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Generic, Literal, TypeVar
 
 from persist_pipeline.config import PersistConfig
@@ -41,6 +41,7 @@ from persist_pipeline.internal import state_codec, transitions
 from persist_pipeline.internal.blobs import ShardBlobs
 from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
 from persist_pipeline.internal.maintenance import RollupMaintenance
+from persist_pipeline.internal.records import quick_init
 from persist_pipeline.internal.state import State
 from persist_pipeline.internal.sync import LockLike, new_lock
 from persist_pipeline.retry import Backoff
@@ -84,7 +85,8 @@ class _Attempt(Generic[R]):
     resolution: Resolution = "pending"
 
 
-@dataclass(frozen=True)
+@quick_init
+@dataclass(frozen=True, slots=True)
 class Step(Generic[R]):
     """One shard's part of :func:`apply_many`: a transition on its machine's state."""
 
@@ -92,7 +94,8 @@ class Step(Generic[R]):
     transition: Callable[[State], tuple[State, R]]
 
 
-@dataclass(frozen=True)
+@quick_init
+@dataclass(frozen=True, slots=True)
 class Applied(Generic[R]):
     """What :func:`apply_many` did.
 
@@ -109,7 +112,7 @@ class Applied(Generic[R]):
     committed: bool
     results: list[R]
     states: list[State]
-    refused: list[bool] = field(default_factory=list)
+    refused: Sequence[bool] = ()
 
 
 class Machine:
@@ -341,11 +344,11 @@ class Machine:
             self.maintenance.after_commit(new)
 
     def _bump(self, new: State, base: State) -> State:
-        return replace(new, seqno=base.seqno + 1,
-                       walltime_ms=max(new.walltime_ms, self.now_ms()))
+        return new.evolve(seqno=base.seqno + 1, walltime_ms=max(new.walltime_ms, self.now_ms()))
 
-    def _backoff(self) -> Backoff:
-        return Backoff(self.config.retry_deadline_s, f"shard {self.shard_id}", self.clock)
+    def _backoff(self, started_s: float | None = None) -> Backoff:
+        return Backoff(self.config.retry_deadline_s, f"shard {self.shard_id}", self.clock,
+                       started_s=started_s)
 
     # --- maintenance (see RollupMaintenance) -----------------------------------------------
 
@@ -403,77 +406,93 @@ def apply_many(steps: Sequence[Step[R]], *, routine: bool = True,
         Indeterminate: a CaS reply was lost and whether it committed cannot be told,
             or consensus stayed unavailable past the retry deadline.
     """
-    machines = [step.machine for step in steps]
-    if not machines:
+    if not steps:
         raise ValueError("apply_many needs at least one step")
+    if len(steps) == 1:
+        with steps[0].machine._lock:
+            return _apply_locked(steps, routine, proves_done)
+    with _holding([s.machine._lock for s in sorted(steps, key=lambda s: s.machine.shard_id)]):
+        return _apply_locked(steps, routine, proves_done)
+
+
+def _refresh_all(machines: list[Machine]) -> list[State]:
+    return [m._refresh() for m in machines]
+
+
+def _apply_locked(steps: Sequence[Step[R]], routine: bool,
+                  proves_done: Callable[[R], bool] | None) -> Applied[R]:
+    """:func:`apply_many` once every step's machine lock is held."""
+    machines = [step.machine for step in steps]
     lead = machines[0]
-    with _holding([m._lock for m in sorted(machines, key=lambda m: m.shard_id)]):
-        backoff = lead._backoff()
-        attempts: list[_Attempt[R]] = []
-        states = [m.state for m in machines]
-        confirmed = not lead.confirm_negative_answers
-
-        def refresh() -> list[State]:
-            return [m._refresh() for m in machines]
-
-        while True:
-            outputs: list[tuple[State, R]] = []
-            try:
-                for step, state in zip(steps, states, strict=True):
-                    outputs.append(step.transition(state))
-            except PersistError:
-                if not confirmed:
-                    lead.metrics.negative_answers_confirmed += 1
-                    states, confirmed = refresh(), True
-                    continue
+    # The retry deadline runs from the call's start; the Backoff that enforces it is
+    # only built once a reply is lost (most calls never need one).
+    started_s = lead.clock.monotonic()
+    backoff: Backoff | None = None
+    attempts: list[_Attempt[R]] = []
+    states = [m.state for m in machines]
+    confirmed = not lead.confirm_negative_answers
+    while True:
+        outputs: list[State] = []
+        results: list[R] = []
+        try:
+            for step, state in zip(steps, states, strict=True):
+                new, result = step.transition(state)
+                outputs.append(new)
+                results.append(result)
+        except PersistError:
+            if not confirmed:
+                lead.metrics.negative_answers_confirmed += 1
+                states, confirmed = _refresh_all(machines), True
+                continue
+            _require_settled(attempts)
+            raise
+        unchanged = [new is state for new, state in zip(outputs, states, strict=True)]
+        if True in unchanged:
+            if not confirmed:
+                lead.metrics.negative_answers_confirmed += 1
+                states, confirmed = _refresh_all(machines), True
+                continue
+            done = bool(attempts) and proves_done is not None and all(
+                proves_done(r) for r in results)
+            if not done:
                 _require_settled(attempts)
-                raise
-            results = [result for _, result in outputs]
-            unchanged = [new is state for (new, _), state in zip(outputs, states, strict=True)]
-            if any(unchanged):
-                if not confirmed:
-                    lead.metrics.negative_answers_confirmed += 1
-                    states, confirmed = refresh(), True
-                    continue
-                done = bool(attempts) and proves_done is not None and all(
-                    proves_done(r) for r in results)
-                if not done:
-                    _require_settled(attempts)
-                return Applied(done, results, states, [] if done else unchanged)
-            news = [m.maintenance.fold_ready(m._bump(new, state))
-                    for m, (new, _), state in zip(machines, outputs, states, strict=True)]
-            writes = [CasWrite(m.shard_id, state.seqno,
-                               VersionedData(new.seqno, state_codec.encode_diff(state, new),
-                                             state_codec.encode_summary(new)))
-                      for m, new, state in zip(machines, news, states, strict=True)]
-            lead.metrics.cas_attempts += 1
-            try:
-                if len(writes) == 1:
-                    won = lead.consensus.compare_and_set(writes[0].shard, writes[0].expected,
-                                                         writes[0].new)
-                else:
-                    won = lead.consensus.compare_and_set_many(writes)
-                if won:
-                    for m, new in zip(machines, news, strict=True):
-                        m._committed(new, routine)
-                    return Applied(True, results, news)
-                lead.metrics.cas_mismatches += 1
-            except Unavailable as e:
-                lead.metrics.cas_indeterminate += 1
-                lead.metrics.transient_retries += 1
-                attempts.append(_Attempt(writes, news, results))
-                lost_reply: Unavailable | None = e
+            return Applied(done, results, states, [] if done else unchanged)
+        news = [m.maintenance.fold_ready(m._bump(new, state))
+                for m, new, state in zip(machines, outputs, states, strict=True)]
+        writes = [CasWrite(m.shard_id, state.seqno,
+                           VersionedData(new.seqno, state_codec.encode_diff(state, new),
+                                         state_codec.encode_summary(new)))
+                  for m, new, state in zip(machines, news, states, strict=True)]
+        lead.metrics.cas_attempts += 1
+        try:
+            if len(writes) == 1:
+                only = writes[0]
+                won = lead.consensus.compare_and_set(only.shard, only.expected, only.new)
             else:
-                lost_reply = None
-            # Settle lost replies first: however late it is (a pause past the retry
-            # deadline), a commit that landed is reported as such.
-            states, confirmed = refresh(), True
-            landed = lead._resolve(attempts)
-            if landed is not None:
-                lead.metrics.cas_resolved_committed += 1
-                for m, new, latest in zip(machines, landed.news, states, strict=True):
-                    m._committed(new, routine, latest=latest)
-                return Applied(True, landed.results, landed.news)
-            if lost_reply is not None:
-                backoff.wait(lost_reply)
-                states = refresh()
+                won = lead.consensus.compare_and_set_many(writes)
+            if won:
+                for m, new in zip(machines, news, strict=True):
+                    m._committed(new, routine)
+                return Applied(True, results, news)
+            lead.metrics.cas_mismatches += 1
+        except Unavailable as e:
+            lead.metrics.cas_indeterminate += 1
+            lead.metrics.transient_retries += 1
+            attempts.append(_Attempt(writes, news, results))
+            lost_reply: Unavailable | None = e
+        else:
+            lost_reply = None
+        # Settle lost replies first: however late it is (a pause past the retry
+        # deadline), a commit that landed is reported as such.
+        states, confirmed = _refresh_all(machines), True
+        landed = lead._resolve(attempts)
+        if landed is not None:
+            lead.metrics.cas_resolved_committed += 1
+            for m, new, latest in zip(machines, landed.news, states, strict=True):
+                m._committed(new, routine, latest=latest)
+            return Applied(True, landed.results, landed.news)
+        if lost_reply is not None:
+            if backoff is None:
+                backoff = lead._backoff(started_s)
+            backoff.wait(lost_reply)
+            states = _refresh_all(machines)

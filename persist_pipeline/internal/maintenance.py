@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from persist_pipeline.exceptions import PersistError
@@ -111,7 +111,7 @@ class RollupMaintenance:
                 self._delete(ready)
             return new
         ready.folded = True
-        return replace(new, rollups={**new.rollups, ready.rollup.seqno: ready.rollup})
+        return new.evolve(rollups={**new.rollups, ready.rollup.seqno: ready.rollup})
 
     def recorded(self, state: State) -> None:
         """Forget the ready rollup once a committed state holds it."""

@@ -54,9 +54,9 @@ def frontier_from_proto(p: pb.Frontier) -> Frontier:
 
 
 def _desc_to(d: Description, out: pb.Description) -> None:
-    frontier_to_proto(d.lower, out.lower)
+    out.lower.time = d.lower  # lower and since are times, never empty
     frontier_to_proto(d.upper, out.upper)
-    frontier_to_proto(d.since, out.since)
+    out.since.time = d.since
 
 
 def _desc_from(p: pb.Description) -> Description:
@@ -162,8 +162,15 @@ def _rollup_from(p: pb.Rollup) -> Rollup:
 
 def _scalars_to(s: State, out: pb.Scalars) -> None:
     out.walltime_ms, out.created_ms = s.walltime_ms, s.created_ms
-    frontier_to_proto(s.upper, out.upper)
-    frontier_to_proto(s.since, out.since)
+    # frontier_to_proto, written out: this runs in every commit.
+    if s.upper is not None:
+        out.upper.time = s.upper
+    else:
+        out.upper.SetInParent()
+    if s.since is not None:
+        out.since.time = s.since
+    else:
+        out.since.SetInParent()
     out.inline_bytes, out.inline_fallbacks = s.inline_bytes, s.inline_fallbacks
     out.orphan_sweep_ms = s.orphan_sweep_ms
 
@@ -242,6 +249,15 @@ def _map_diff(old: Mapping[K, V], new: Mapping[K, V]) -> tuple[list[V], list[K]]
     return upserts, deletes
 
 
+def _batch_diff(old: State, new: State) -> tuple[list[Batch], list[str]]:
+    """The batches added and removed from ``old`` to ``new``: as the append that made
+    ``new`` noted (:meth:`State.note_batch_added`), else by comparing the maps."""
+    added = new.batch_added
+    if added is not None and added[0] is old.batches and added[1] is new.batches:
+        return [new.batches[added[2]]], []
+    return _immutable_map_diff(old.batches, new.batches)
+
+
 def _immutable_map_diff(old: Mapping[K, V], new: Mapping[K, V]) -> tuple[list[V], list[K]]:
     """The diff of a map whose entries never change once written (batches, rollups):
     only added and removed keys matter, found by set operations in C."""
@@ -287,22 +303,42 @@ _MAP_FIELDS = (
 
 
 def encode_diff(old: State, new: State) -> bytes:
-    """The ``StateDiff`` that turns ``old`` into ``new`` (``new.seqno == old.seqno + 1``)."""
+    """The ``StateDiff`` that turns ``old`` into ``new`` (``new.seqno == old.seqno + 1``).
+
+    Written out map by map (in :data:`_MAP_FIELDS` order) rather than looping over
+    them: it runs in every commit, and most maps are shared by both states.
+    """
     msg = pb.StateDiff(format_version=FORMAT_VERSION, shard_id=new.shard_id, seqno=new.seqno)
     _scalars_to(new, msg.scalars)
-    for f in _MAP_FIELDS:
-        before, after = getattr(old, f.attr), getattr(new, f.attr)
-        if before is after:  # most maps are shared by both states
-            continue
-        differ = _immutable_map_diff if f.immutable else _map_diff
-        ups, dels = differ(before, after)
-        out = getattr(msg, f.upserts)
-        for value in ups:
-            f.to_proto(value, out.add())
-        getattr(msg, f.deletes).extend(dels)
+    if old.batches is not new.batches:
+        _emit(_batch_diff(old, new), msg.batch_upserts, msg.batch_deletes, _batch_to)
+    if old.spine is not new.spine:
+        _emit(_map_diff(old.spine, new.spine), msg.spine_upserts, msg.spine_deletes,
+              _spine_to)
+    if old.leased_readers is not new.leased_readers:
+        _emit(_map_diff(old.leased_readers, new.leased_readers), msg.reader_upserts,
+              msg.reader_deletes, _reader_to)
+    if old.critical_readers is not new.critical_readers:
+        _emit(_map_diff(old.critical_readers, new.critical_readers), msg.critical_upserts,
+              msg.critical_deletes, _critical_to)
+    if old.writers is not new.writers:
+        _emit(_map_diff(old.writers, new.writers), msg.writer_upserts, msg.writer_deletes,
+              _writer_to)
+    if old.rollups is not new.rollups:
+        _emit(_immutable_map_diff(old.rollups, new.rollups), msg.rollup_upserts,
+              msg.rollup_deletes, _rollup_to)
     if new.schema != old.schema:
         msg.schema = new.schema
     return msg.SerializeToString()
+
+
+def _emit(diff: tuple[list[Any], list[Any]], upserts: Any, deletes: Any,
+          to_proto: Callable[[Any, Any], None]) -> None:
+    ups, dels = diff
+    for value in ups:
+        to_proto(value, upserts.add())
+    if dels:
+        deletes.extend(dels)
 
 
 def decode_diff(data: bytes, where: str) -> pb.StateDiff:
@@ -361,18 +397,23 @@ def diff_blob_refs(diff: pb.StateDiff) -> set[tuple[Store, str]]:
 
 
 def encode_summary(state: State) -> bytes:
-    msg = pb.ShardSummary(
-        inline_bytes=state.inline_bytes,
-        num_batches=len(state.batches),
-        num_inline_parts=state.num_inline_parts(),
-        pending_merges=state.pending_merges(),
-        walltime_ms=state.walltime_ms,
-        inline_fallbacks=state.inline_fallbacks,
-    )
+    msg = pb.ShardSummary()
     frontier_to_proto(state.upper, msg.upper)
     frontier_to_proto(state.since, msg.since)
-    latest = state.latest_rollup()
-    if latest is not None:
+    msg.inline_bytes = state.inline_bytes
+    msg.num_batches = len(state.batches)
+    # State.num_inline_parts() and pending_merges(), in one pass over the spine.
+    inline_parts = pending = 0
+    for entry in state.spine.values():
+        inline_parts += entry.num_inline_parts
+        if entry.pending:
+            pending += 1
+    msg.num_inline_parts = inline_parts
+    msg.pending_merges = pending
+    msg.walltime_ms = state.walltime_ms
+    msg.inline_fallbacks = state.inline_fallbacks
+    if state.rollups:
+        latest = state.rollups[max(state.rollups)]  # State.latest_rollup()
         msg.latest_rollup_seqno = latest.seqno
         msg.latest_rollup_key = latest.key
     return msg.SerializeToString()

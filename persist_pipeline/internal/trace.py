@@ -60,19 +60,19 @@ def push_batch(
     spine: dict[int, SpineEntry], batch: Batch
 ) -> None:
     """Add a new (latest, non-empty) batch to ``spine`` in place, fusing levels."""
-    spine[batch.desc.lower] = SpineEntry(
-        lower=batch.desc.lower, upper=batch.desc.upper, level=_level_for(batch.num_updates),
-        num_batches=1, num_inline_parts=batch.num_inline_parts)
-    while len(spine) >= 2:
-        lowers = sorted(spine)[-2:]
-        prev, last = spine[lowers[0]], spine[lowers[1]]
+    desc = batch.desc
+    spine[desc.lower] = SpineEntry(desc.lower, desc.upper, _level_for(batch.num_updates), 1,
+                                   batch.num_inline_parts)
+    lowers = sorted(spine)  # once: fusing only ever removes the last entry
+    while len(lowers) >= 2:
+        prev, last = spine[lowers[-2]], spine[lowers[-1]]
         if last.level < prev.level:
             break
         del spine[last.lower]
+        lowers.pop()
         spine[prev.lower] = SpineEntry(
-            lower=prev.lower, upper=last.upper, level=max(prev.level, last.level) + 1,
-            num_batches=prev.num_batches + last.num_batches,
-            num_inline_parts=prev.num_inline_parts + last.num_inline_parts)
+            prev.lower, last.upper, max(prev.level, last.level) + 1,
+            prev.num_batches + last.num_batches, prev.num_inline_parts + last.num_inline_parts)
 
 
 def merge_requests(state: State) -> list[MergeReq]:

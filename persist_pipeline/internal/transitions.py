@@ -78,6 +78,9 @@ class SchemaChanged:
     recorded: bytes
 
 
+#: The result of an append that committed (results are immutable: one is shared).
+APPENDED = Appended()
+
 AppendResult = (Appended | UpperMismatchResult | InlineBudgetExceeded | DeadlineExceeded
                 | SchemaChanged)
 
@@ -152,20 +155,26 @@ def compare_and_append(
     if inline and state.inline_bytes + inline > inline_max_bytes:
         return state, InlineBudgetExceeded(state.inline_bytes)
     writers = dict(state.writers)
-    base = writer if writer is not None else Writer(writer_id, now_ms, lease_ms)
-    writers[writer_id] = replace(base, last_heartbeat_ms=now_ms, most_recent_write_token=token,
-                                 most_recent_write_upper=new_upper)
-    changes: dict[str, object] = {
-        "upper": new_upper, "writers": writers, "walltime_ms": now_ms,
-        "inline_fallbacks": state.inline_fallbacks + (1 if fell_back else 0),
-    }
+    # Every field of Writer is named here (cheaper than dataclasses.replace on the
+    # commit path): a new field must be carried over here too.
+    if writer is None:
+        writers[writer_id] = Writer(writer_id, now_ms, lease_ms, token, new_upper)
+    else:
+        writers[writer_id] = Writer(writer_id, now_ms, writer.lease_duration_ms, token,
+                                    new_upper, writer.debug)
+    fallbacks = state.inline_fallbacks + 1 if fell_back else state.inline_fallbacks
     if batch is not None and batch.num_updates > 0:
         batches = dict(state.batches)
         batches[batch.id] = batch
         spine = dict(state.spine)
         push_batch(spine, batch)
-        changes.update(batches=batches, spine=spine, inline_bytes=state.inline_bytes + inline)
-    return replace(state, **changes), Appended()  # type: ignore[arg-type]
+        new = state.evolve(upper=new_upper, writers=writers, walltime_ms=now_ms,
+                           inline_fallbacks=fallbacks, batches=batches, spine=spine,
+                           inline_bytes=state.inline_bytes + inline)
+        new.note_batch_added(state.batches, batches, batch.id)
+        return new, APPENDED
+    return state.evolve(upper=new_upper, writers=writers, walltime_ms=now_ms,
+                        inline_fallbacks=fallbacks), APPENDED
 
 
 def record_schema(state: State, requested: ShardSchema, now_ms: int
