@@ -296,7 +296,8 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
         table.add(label, f"{job['seconds']:.2f}", si(rows_in / job["seconds"]),
                   ratio(one_s, job["seconds"]),
                   f"{job['tasks']} tasks ({job['task_s']:.1f} task-s, "
-                  f"{job['task_cpu_s']:.1f} CPU-s), 1 commit")
+                  f"{job['task_cpu_s']:.1f} CPU-s), 1 commit; plan {job['plan_s']:.2f} s, "
+                  f"Spark job {job['run_s']:.2f} s, commit {job['commit_s']:.2f} s")
     table.add("snapshot_batches() before compaction, fresh process",
               f"{streamed['seconds']:.2f}", si(streamed["rows"] / streamed["seconds"]), "-",
               f"peak RSS {streamed['peak_rss_bytes'] / GIB:.2f} GiB, "
@@ -325,7 +326,8 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
         "All copies hold the same data (one location cloned); every compacted copy's "
         f"snapshot fingerprint equals the one-process result: {same}.",
         "Each application runs in a process of its own (a fresh driver); session times are "
-        "the driver's start and the executors' registration, before any job.",
+        "the driver's start and the executors' registration, before any job. Sessions are "
+        "local_spark_session's (its JVM options: persist_pipeline.spark.JIT_OPTIONS).",
     ]
     result.tables.append(table)
     shutil.rmtree(root, ignore_errors=True)

@@ -5,7 +5,9 @@ each, in order; prints JSON with the session's start (and prestart) time and eac
 Each ``LOCATION`` is ``consensus_uri|blob_uri|shard_id``. ``PRESTART`` is ``1`` to build
 the session with :func:`persist_pipeline.spark.local_spark_session` (which prestarts the
 Python workers) or ``0`` for the same session without it. A process of its own, so the
-application (and its driver) is fresh: its first job is Spark's cold start.
+application (and its driver) is fresh: its first job is Spark's cold start. Each job
+reports its wall time on the driver split into planning (states, split points), the
+Spark job and the commit.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def main(argv: list[str]) -> int:
             jobs.append({"seconds": time.perf_counter() - job_started,
                          "tasks": metrics["spark_tasks"], "task_s": metrics["task_s"],
                          "task_cpu_s": metrics["task_cpu_s"],
-                         "applied": metrics["applied"]})
+                         "applied": metrics["applied"],
+                         **{k: metrics[k] for k in ("plan_s", "run_s", "commit_s")}})
         finally:
             client.close()
     spark.stop()

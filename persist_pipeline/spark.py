@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "JIT_OPTIONS",
     "LOOPBACK",
     "SparkCompactionFailed",
     "compact_shards",
@@ -70,6 +71,20 @@ __all__ = [
 #: The address a local Spark driver binds to (the machine's other interfaces may be
 #: unreachable or firewalled).
 LOOPBACK = "127.0.0.1"
+
+#: JVM options of a session's driver and executors: HotSpot's optimizing compiler (C2)
+#: only for code that runs hot (tens of thousands of calls, millions of loop
+#: iterations), not for Spark's start-up and scheduling code, which runs a few thousand
+#: times and is done before C2's work pays off. A compaction session's JVMs only move
+#: pickled tasks and results, so on a small machine C2 compiling them competed with the
+#: Python workers for the cores: on 2 cores, starting a standalone application (driver
+#: and 2 executors) took 11-13 s and 13-14 JVM CPU-s with the defaults and 7-8 s and 9
+#: CPU-s with these, and a compaction job's JVM CPU went from 0.5-0.8 to 0.3 CPU-s; a
+#: JVM-bound query (an aggregation of 60M rows) ran as fast, its hot loops still
+#: reaching C2. Unknown to a non-HotSpot JVM, they are ignored there.
+JIT_OPTIONS = ("-XX:+IgnoreUnrecognizedVMOptions -XX:Tier4InvocationThreshold=100000 "
+               "-XX:Tier4MinInvocationThreshold=50000 -XX:Tier4CompileThreshold=120000 "
+               "-XX:Tier4BackEdgeThreshold=2000000")
 
 
 class SparkCompactionFailed(PersistError):
@@ -121,7 +136,10 @@ def spark_conf(master: str = "local[*]", app_name: str = "persist-pipeline",
 
     A local master binds the driver to loopback; a cluster master (``spark://``,
     ``k8s://``, ``yarn``) keeps Spark's defaults so executors can reach the driver.
-    ``extra`` is applied last.
+    The driver's and executors' JVMs take :data:`JIT_OPTIONS` (applied when the JVMs
+    start: to a session not started yet). ``extra`` is applied last: its own
+    ``spark.driver.extraJavaOptions`` or ``spark.executor.extraJavaOptions`` replaces
+    them (add :data:`JIT_OPTIONS` to yours to keep them).
     """
     python = python or os.environ.get("PYSPARK_PYTHON") or sys.executable
     conf = {
@@ -131,6 +149,8 @@ def spark_conf(master: str = "local[*]", app_name: str = "persist-pipeline",
         "spark.pyspark.driver.python": python,
         "spark.python.worker.reuse": "true",
         "spark.ui.showConsoleProgress": "false",
+        "spark.driver.extraJavaOptions": JIT_OPTIONS,
+        "spark.executor.extraJavaOptions": JIT_OPTIONS,
     }
     if is_local_master(master):
         conf["spark.driver.bindAddress"] = LOOPBACK
@@ -170,14 +190,18 @@ def prestart_workers(spark: SparkSession, timeout_s: float = 60.0) -> float:
     """Pay Spark's cold start before the first compaction: wait for the executors to
     register, then run one small job that starts a Python worker on every executor
     core (workers are reused: ``spark.python.worker.reuse``) and runs a tiny merge in
-    each (the imports of pyarrow, pandas and this library, the Parquet codecs, and the
+    each (the imports of pyarrow and this library, the Parquet codecs, and the
     executors' JVM path of Python tasks, all paid once).
 
-    Measured on a standalone cluster (2 workers x 1 core) on 2 cores: the first job of a
-    fresh application took 3-4 s longer than the next ones, of which about 1.5 s was
-    starting the Python daemon and workers, 0.5-1 s the imports, and the rest the JVM
-    running its first Python tasks; after this, the first compaction job runs like the
-    second. Idempotent per SparkContext; returns the seconds it took (0 when done before).
+    Measured on a standalone cluster (2 workers x 1 core) on 2 cores, a 20M-update split
+    merge: without this, the first job of a fresh application took 3-5 s longer than the
+    next ones: 1.9 s before its first task ran (0.7 s until the executor started the
+    Python daemon, 0.5 s until the daemon forked a worker, 0.7 s of the worker's imports
+    and unpickling), 1.5 CPU-s of the executors' JVMs on their first Python tasks, and
+    0.5 CPU-s more in each worker's first merge. After this, the first compaction job
+    runs like the second but for the kernel's first touch of a merge-sized heap in each
+    worker (0.2-0.3 CPU-s). Idempotent per SparkContext; returns the seconds it took (0
+    when done before).
     """
     sc = spark.sparkContext
     app = str(sc.applicationId)
@@ -346,7 +370,9 @@ def compact_shards(
         (the CPU seconds of those tasks' processes meanwhile),
         ``spark_jobs`` (0 or 1, the same for every shard: one job serves them all),
         ``spark_job_group`` (the Spark job group of that job, "" if none),
-        ``failed_tasks`` and ``found`` (False for a shard that does not exist).
+        ``plan_s`` / ``run_s`` / ``commit_s`` (the run's wall time on the driver:
+        reading states and split points, the Spark job, committing; the same for every
+        shard), ``failed_tasks`` and ``found`` (False for a shard that does not exist).
 
     Raises:
         InvalidConfig: a blob URI is ``mem://`` (unreachable from executors).
@@ -487,8 +513,10 @@ def drive_compaction(
 
     results: list[_TaskResult] = []
     group = ""
+    planned = time.monotonic()
     if tasks:
         results, group = run_tasks(tasks)
+    ran = time.monotonic()
 
     failures: dict[str, list[str]] = {}
     by_request: dict[int, list[_TaskResult]] = {}
@@ -522,14 +550,17 @@ def drive_compaction(
             continue
         metrics[shard_id].record(req, res, outcome)
 
-    duration = time.monotonic() - started
+    finished = time.monotonic()
+    duration = finished - started
+    # Where the run's wall time went, the same for every shard (like duration_s).
+    phases = {"plan_s": planned - started, "run_s": ran - planned, "commit_s": finished - ran}
     out: dict[str, dict[str, Any]] = {}
     for shard_id, m in metrics.items():
         if extra[shard_id]["found"]:
             m.inline_bytes_after = client._machine(shard_id).fetch_latest().inline_bytes
         m.duration_s = duration
         out[shard_id] = {**m.as_dict(), **extra[shard_id], "spark_jobs": 1 if tasks else 0,
-                         "spark_job_group": group,
+                         "spark_job_group": group, **phases,
                          "failed_tasks": len(failures.get(shard_id, []))}
     if failures:
         raise SparkCompactionFailed(failures, out)

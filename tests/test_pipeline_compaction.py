@@ -21,7 +21,13 @@ from assets.change_stream import ChangeStream
 from assets.runner import Tick
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.exceptions import InvalidConfig
-from persist_pipeline.spark import SparkCompactionFailed, compact_shards, prestart_workers
+from persist_pipeline.spark import (
+    JIT_OPTIONS,
+    SparkCompactionFailed,
+    compact_shards,
+    prestart_workers,
+    spark_conf,
+)
 from tests.pipeline_support import (
     SYNTHETIC,
     Pipeline,
@@ -191,6 +197,22 @@ def test_the_session_comes_with_its_python_workers_started(spark_session: Any) -
     assert all(sc.parallelize(range(4), 4).map(_loaded).collect())
 
 
+def test_the_sessions_jvms_take_the_jit_options(spark_session: Any) -> None:
+    """The driver's and executors' JVM options (C2 for hot code only) are in the
+    configuration of every master, reach the running JVM, and give way to a caller's."""
+    for master in ("local[2]", "spark://127.0.0.1:7077"):
+        conf = spark_conf(master)
+        assert conf["spark.driver.extraJavaOptions"] == JIT_OPTIONS
+        assert conf["spark.executor.extraJavaOptions"] == JIT_OPTIONS
+    mine = spark_conf("local[2]", extra={"spark.executor.extraJavaOptions": "-Xss4m"})
+    assert mine["spark.executor.extraJavaOptions"] == "-Xss4m"
+    assert mine["spark.driver.extraJavaOptions"] == JIT_OPTIONS
+    jvm = spark_session.sparkContext._jvm
+    args = list(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean()
+                .getInputArguments())
+    assert set(JIT_OPTIONS.split()) <= set(args), args
+
+
 def test_spark_executor_failures_and_bad_uris(tmp_path: Path, spark_session: Any) -> None:
     client, blob, _ = _client(tmp_path, wal=False)
     good, broken = ShardId.new(), ShardId.new()
@@ -236,6 +258,9 @@ def test_spark_splits_a_large_merge_by_key_range_and_commits_it_once(
     assert m["requests"] == m["applied"] == m["split_requests"] == 1
     assert m["spark_tasks"] > 2  # one request, several key-range tasks, one commit
     assert m["spark_jobs"] == 1 and m["failed_tasks"] == 0
+    # The run's wall time on the driver, by phase: planning, the Spark job, committing.
+    phases = [m["plan_s"], m["run_s"], m["commit_s"]]
+    assert min(phases) >= 0 and sum(phases) == pytest.approx(m["duration_s"])
     state = client._machine(str(shard)).fetch_latest()
     # The first four batches (one Spine entry) were replaced by one; the fifth stays.
     [batch] = [b for b in state.batches.values() if b.desc.lower == 0]
