@@ -20,13 +20,16 @@ import pytest
 from assets.change_stream import ChangeStream
 from assets.runner import Tick
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
+from persist_pipeline.compaction import merge_requests
 from persist_pipeline.exceptions import InvalidConfig
+from persist_pipeline.internal.blobs import key_starts, split_keys
 from persist_pipeline.spark import (
     JIT_OPTIONS,
     SparkCompactionFailed,
     compact_shards,
     prestart_workers,
     spark_conf,
+    split_points,
 )
 from tests.pipeline_support import (
     SYNTHETIC,
@@ -253,6 +256,13 @@ def test_spark_splits_a_large_merge_by_key_range_and_commits_it_once(
     reader = client.open_reader(shard)
     before = reader.snapshot_fingerprint(4)
     expected = reader.snapshot(4)
+
+    # The driver reads the parts' footers concurrently: the same split points as one
+    # after the other.
+    [req] = merge_requests(client._machine(str(shard)).fetch_latest())
+    serial = [s for b in req.inputs for p in b.hollow_parts()
+              for s in key_starts(client.blobs, p, "test")]
+    assert split_points(req, 4, client.blobs) == split_keys(serial, 4) != []
 
     [m] = compact_shards(spark_session, client, [shard], blob_uri=blob).values()
     assert m["requests"] == m["applied"] == m["split_requests"] == 1
