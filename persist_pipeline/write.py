@@ -556,18 +556,18 @@ class WriteHandle:
         batch_id = batch_id_of(token)
         desc_since = self._machine.state.since
         desc = Description(expected, upper, desc_since if desc_since is not None else 0)
-        if len(data) == 0:
+        n = len(data)
+        if n == 0:
             return Staged(self, None, expected, upper, token, encoding, "none", 0, 0)
         inline_size = data.estimated_inline_size()
-        if not to_blob and self.policy.threshold_bytes and \
-                inline_size < 4 * self.policy.threshold_bytes:
+        threshold = self.policy.threshold_bytes
+        if not to_blob and threshold and inline_size < 4 * threshold:
             encoded_inline = data.encode_inline()
             inline_size = len(encoded_inline)
-            if self.policy.is_candidate(len(encoded_inline)):
-                inline = Batch(batch_id, desc, (InlinePart(token, encoded_inline, len(data)),),
-                               len(data))
+            if self.policy.is_candidate(inline_size):
+                inline = Batch(batch_id, desc, (InlinePart(token, encoded_inline, n),), n)
                 return Staged(self, inline, expected, upper, token, encoding, "inline",
-                              len(encoded_inline), 0, inline_size=inline_size)
+                              inline_size, 0, inline_size=inline_size)
         machine = self._machine
         started_s = machine.monotonic()
         # Typed columns are decoded with the schema the rows were encoded with, never

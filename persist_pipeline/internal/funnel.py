@@ -144,6 +144,10 @@ class Funnel:
     def _take(self) -> list[_Entry]:
         """The oldest waiting append of each shard (a group holds a shard once)."""
         with self._queue_lock:
+            queue = self._queue
+            if len(queue) == 1:  # the usual case: one append waiting
+                self._queue = []
+                return queue
             group: list[_Entry] = []
             shards: set[str] = set()
             rest: list[_Entry] = []

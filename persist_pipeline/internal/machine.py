@@ -422,23 +422,30 @@ def _refresh_all(machines: list[Machine]) -> list[State]:
 def _apply_locked(steps: Sequence[Step[R]], routine: bool,
                   proves_done: Callable[[R], bool] | None) -> Applied[R]:
     """:func:`apply_many` once every step's machine lock is held."""
-    machines = [step.machine for step in steps]
+    # Plain loops rather than comprehensions below: each comprehension is a function
+    # call of its own, and this loop runs in every commit.
+    machines: list[Machine] = []
+    states: list[State] = []
+    for step in steps:
+        machines.append(step.machine)
+        states.append(step.machine.state)
     lead = machines[0]
     # The retry deadline runs from the call's start; the Backoff that enforces it is
     # only built once a reply is lost (most calls never need one).
     started_s = lead.clock.monotonic()
     backoff: Backoff | None = None
     attempts: list[_Attempt[R]] = []
-    states = [m.state for m in machines]
     confirmed = not lead.confirm_negative_answers
     while True:
         outputs: list[State] = []
         results: list[R] = []
+        unchanged: list[bool] = []
         try:
             for step, state in zip(steps, states, strict=True):
                 new, result = step.transition(state)
                 outputs.append(new)
                 results.append(result)
+                unchanged.append(new is state)
         except PersistError:
             if not confirmed:
                 lead.metrics.negative_answers_confirmed += 1
@@ -446,7 +453,6 @@ def _apply_locked(steps: Sequence[Step[R]], routine: bool,
                 continue
             _require_settled(attempts)
             raise
-        unchanged = [new is state for new, state in zip(outputs, states, strict=True)]
         if True in unchanged:
             if not confirmed:
                 lead.metrics.negative_answers_confirmed += 1
@@ -457,12 +463,13 @@ def _apply_locked(steps: Sequence[Step[R]], routine: bool,
             if not done:
                 _require_settled(attempts)
             return Applied(done, results, states, [] if done else unchanged)
-        news = [m.maintenance.fold_ready(m._bump(new, state))
-                for m, new, state in zip(machines, outputs, states, strict=True)]
-        writes = [CasWrite(m.shard_id, state.seqno,
-                           VersionedData(new.seqno, state_codec.encode_diff(state, new),
-                                         state_codec.encode_summary(new)))
-                  for m, new, state in zip(machines, news, states, strict=True)]
+        news: list[State] = []
+        writes: list[CasWrite] = []
+        for m, new, state in zip(machines, outputs, states, strict=True):
+            new = m.maintenance.fold_ready(m._bump(new, state))
+            news.append(new)
+            writes.append(CasWrite(m.shard_id, state.seqno, VersionedData(
+                new.seqno, state_codec.encode_diff(state, new), state_codec.encode_summary(new))))
         lead.metrics.cas_attempts += 1
         try:
             if len(writes) == 1:

@@ -244,8 +244,12 @@ def _check_version(version: int, where: str) -> None:
 def _map_diff(old: Mapping[K, V], new: Mapping[K, V]) -> tuple[list[V], list[K]]:
     if old is new:
         return [], []
-    upserts = [v for k, v in new.items() if old.get(k) is not v]
-    deletes = [k for k in old if k not in new]
+    upserts = []
+    for k, v in new.items():  # a loop, not a comprehension: maps here are small
+        if old.get(k) is not v:
+            upserts.append(v)
+    # Usually nothing was removed, which the key views tell in C.
+    deletes = [] if old.keys() <= new.keys() else [k for k in old if k not in new]
     return upserts, deletes
 
 
