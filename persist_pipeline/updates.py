@@ -90,8 +90,10 @@ def _from_rows(rows: Iterable[Any]) -> tuple[list[bytes], list[bytes], list[int]
     vs: list[bytes] = []
     ts: list[int] = []
     ds: list[int] = []
-    for (k, v, t), d in sorted(sums.items()):
+    for key in sorted(sums):  # the keys alone: (k, v, t) are distinct, diffs never compared
+        d = sums[key]
         if d != 0:
+            k, v, t = key
             if not _MIN_DIFF <= d <= _MAX_DIFF:
                 raise InvalidUpdates(f"the write's {DiffOverflow(k, v, t, d).what}")
             ks.append(k)

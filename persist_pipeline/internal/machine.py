@@ -272,7 +272,8 @@ class Machine:
             Indeterminate: a CaS reply was lost and whether it committed cannot be told,
                 or consensus stayed unavailable past the retry deadline.
         """
-        applied = apply_many([Step(self, transition)], routine=routine, proves_done=proves_done)
+        with self._lock:  # apply_many of this one step
+            applied = _apply_locked((Step(self, transition),), routine, proves_done)
         return applied.results[0], applied.states[0]
 
     def batch_committed(self, batch_id: str, lower: int) -> bool | None:
@@ -339,9 +340,7 @@ class Machine:
         if latest is None or latest.seqno < new.seqno:
             latest = new
         self._state = latest
-        self.maintenance.recorded(new)
-        if routine:
-            self.maintenance.after_commit(new)
+        self.maintenance.committed(new, routine)
 
     def _bump(self, new: State, base: State) -> State:
         return new.evolve(seqno=base.seqno + 1, walltime_ms=max(new.walltime_ms, self.now_ms()))

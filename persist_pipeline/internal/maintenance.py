@@ -54,10 +54,8 @@ class RollupMaintenance:
         since_rollup = state.seqno - (latest.seqno if latest else 0)
         return since_rollup >= self._machine.config.rollup_threshold
 
-    def after_commit(self, state: State) -> None:
-        """Called after every routine commit: start a rollup if one is due."""
-        if not self.due(state):
-            return
+    def _start(self, state: State) -> None:
+        """Start the rollup of ``state`` (one is due)."""
         machine = self._machine
         if not machine.config.background_maintenance:
             try:
@@ -113,12 +111,15 @@ class RollupMaintenance:
         ready.folded = True
         return new.evolve(rollups={**new.rollups, ready.rollup.seqno: ready.rollup})
 
-    def recorded(self, state: State) -> None:
-        """Forget the ready rollup once a committed state holds it."""
+    def committed(self, state: State, routine: bool) -> None:
+        """After every commit of ``state``: forget the ready rollup once the committed
+        state holds it; then, after a ``routine`` commit, start a rollup if one is due."""
         with self._lock:
             ready = self._ready
         if ready is not None and state.rollups.get(ready.rollup.seqno) == ready.rollup:
             self._clear(ready)
+        if routine and self.due(state):
+            self._start(state)
 
     def _clear(self, ready: _Ready) -> None:
         with self._lock:

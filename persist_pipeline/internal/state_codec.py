@@ -315,34 +315,38 @@ def encode_diff(old: State, new: State) -> bytes:
     msg = pb.StateDiff(format_version=FORMAT_VERSION, shard_id=new.shard_id, seqno=new.seqno)
     _scalars_to(new, msg.scalars)
     if old.batches is not new.batches:
-        _emit(_batch_diff(old, new), msg.batch_upserts, msg.batch_deletes, _batch_to)
+        _emit(_batch_diff(old, new), msg, "batch_upserts", "batch_deletes", _batch_to)
     if old.spine is not new.spine:
-        _emit(_map_diff(old.spine, new.spine), msg.spine_upserts, msg.spine_deletes,
+        _emit(_map_diff(old.spine, new.spine), msg, "spine_upserts", "spine_deletes",
               _spine_to)
     if old.leased_readers is not new.leased_readers:
-        _emit(_map_diff(old.leased_readers, new.leased_readers), msg.reader_upserts,
-              msg.reader_deletes, _reader_to)
+        _emit(_map_diff(old.leased_readers, new.leased_readers), msg, "reader_upserts",
+              "reader_deletes", _reader_to)
     if old.critical_readers is not new.critical_readers:
-        _emit(_map_diff(old.critical_readers, new.critical_readers), msg.critical_upserts,
-              msg.critical_deletes, _critical_to)
+        _emit(_map_diff(old.critical_readers, new.critical_readers), msg, "critical_upserts",
+              "critical_deletes", _critical_to)
     if old.writers is not new.writers:
-        _emit(_map_diff(old.writers, new.writers), msg.writer_upserts, msg.writer_deletes,
+        _emit(_map_diff(old.writers, new.writers), msg, "writer_upserts", "writer_deletes",
               _writer_to)
     if old.rollups is not new.rollups:
-        _emit(_immutable_map_diff(old.rollups, new.rollups), msg.rollup_upserts,
-              msg.rollup_deletes, _rollup_to)
+        _emit(_immutable_map_diff(old.rollups, new.rollups), msg, "rollup_upserts",
+              "rollup_deletes", _rollup_to)
     if new.schema != old.schema:
         msg.schema = new.schema
     return msg.SerializeToString()
 
 
-def _emit(diff: tuple[list[Any], list[Any]], upserts: Any, deletes: Any,
+def _emit(diff: tuple[list[Any], list[Any]], msg: pb.StateDiff, upserts: str, deletes: str,
           to_proto: Callable[[Any, Any], None]) -> None:
+    """Add a map's upserted entries and deleted keys to ``msg`` (its repeated fields are
+    only touched when there is something to add: each access makes a wrapper)."""
     ups, dels = diff
-    for value in ups:
-        to_proto(value, upserts.add())
+    if ups:
+        out = getattr(msg, upserts)
+        for value in ups:
+            to_proto(value, out.add())
     if dels:
-        deletes.extend(dels)
+        getattr(msg, deletes).extend(dels)
 
 
 def decode_diff(data: bytes, where: str) -> pb.StateDiff:
