@@ -51,10 +51,15 @@ def test_gc_never_deletes_an_uncommitted_part_of_a_write_in_flight(location: Loc
     client.close()
 
 
+ORPHAN_AGE_S = 120.0
+
+
 def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Location):
-    cfg = PersistConfig(gc_orphan_min_age_s=3.0)
-    # Time passes on the client's clock and its store's, by hand: ages on the store's
-    # clock and the writer's commit deadline see it as they would a real pause.
+    # An orphan age long enough that no real delay of a loaded machine (an upload and a
+    # CaS taking seconds) reaches half of it; time passes on the client's clock and its
+    # store's, by hand: ages on the store's clock and the writer's commit deadline see
+    # it as they would a real pause.
+    cfg = PersistConfig(gc_orphan_min_age_s=ORPHAN_AGE_S)
     clock = HandClock()
     client = client_on_clock(location, clock, BLOB_ONLY, cfg)
     shard = ShardId.new()
@@ -63,7 +68,7 @@ def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Locat
     orphan = f"{shard}/p/b-crashed-writer-0000.parquet"
     client.blobs.main.set(orphan, b"left behind by a writer that died before its CaS")
     # Older than the orphan age on the store's clock, whose stamps may be rounded down.
-    clock.advance(3.1 + client.blobs.main.stamp_resolution_s)
+    clock.advance(ORPHAN_AGE_S + 0.1 + client.blobs.main.stamp_resolution_s)
     metrics = client.gc(shard)
     assert metrics["orphans_deleted"] == 1
     assert client.blobs.main.get(orphan) is None
@@ -73,7 +78,7 @@ def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Locat
     real_transition = slow._transition
 
     def stalled_transition(staged):
-        clock.advance(1.6)  # past half the orphan age, between the upload and the commit
+        clock.advance(ORPHAN_AGE_S / 2 + 0.1)  # past half the orphan age, before the CaS
         return real_transition(staged)
 
     slow._transition = stalled_transition  # type: ignore[method-assign]
