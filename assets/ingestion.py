@@ -149,8 +149,11 @@ def append(writer: WriteHandle, plan: Callable[[int], Planned], intent: Intent |
         if upper is None:
             raise dg.Failure(f"shard {writer.shard_id} is closed: it takes no more writes")
         planned = plan(upper)
-        token = new_token()
+        # A token only for a recorded write: with one, a refused attempt also searches
+        # the shard's history, which a write nobody will settle later does not need.
+        token = None
         if intent is not None:
+            token = new_token()
             intent(upper, token)
         started = time.perf_counter()
         try:
