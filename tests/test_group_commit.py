@@ -159,3 +159,47 @@ def test_many_threads_on_many_shards_all_commit(durable_location):
         assert _read(client, shard) == sorted((b"r%d" % t, b"", 1) for t in range(20))
     assert client.metrics.group_commits - before < 32 * 20
     client.close()
+
+
+def test_a_group_commits_while_another_waits_for_its_round_trip(monkeypatch):
+    """While one group's compare-and-set is held up in consensus, an append to another
+    shard commits as a group of its own; an append to the held shard waits for that
+    group and then commits after it, in order."""
+    client = PersistClient.open("mem://", "mem://", inline_policy=InlinePolicy())
+    a, b = ShardId.new(), ShardId.new()
+    first_a, second_a, only_b = (client.open_writer(a), client.open_writer(a),
+                                 client.open_writer(b))
+    gate, held = threading.Event(), threading.Event()
+    real_cas = client.consensus.compare_and_set
+
+    def gated(shard, expected, new):
+        if shard == str(a) and not gate.is_set():
+            held.set()
+            assert gate.wait(30)
+        return real_cas(shard, expected, new)
+
+    monkeypatch.setattr(client.consensus, "compare_and_set", gated)
+    results: dict[str, object] = {}
+
+    def append(name, writer, lo):
+        try:
+            results[name] = writer.compare_and_append([(name.encode(), b"", lo, 1)], lo, lo + 1)
+        except Exception as e:  # asserted below
+            results[name] = e
+
+    t_a = threading.Thread(target=append, args=("a1", first_a, 0))
+    t_a.start()
+    assert held.wait(30)  # a's group is in its round trip
+    t_b = threading.Thread(target=append, args=("b", only_b, 0))
+    t_b.start()
+    t_b.join(10)  # a group at a time would hold b behind a's until the gate opens
+    assert not t_b.is_alive() and results["b"].upper == 1 and t_a.is_alive()
+    t_a2 = threading.Thread(target=append, args=("a2", second_a, 1))
+    t_a2.start()
+    gate.set()
+    t_a.join(30)
+    t_a2.join(30)
+    assert results["a1"].upper == 1 and results["a2"].upper == 2
+    assert _read(client, a) == [(b"a1", b"", 1), (b"a2", b"", 1)]
+    assert _read(client, b) == [(b"b", b"", 1)]
+    client.close()

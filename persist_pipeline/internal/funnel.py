@@ -2,10 +2,16 @@
 
 Appends from several threads to different shards that are waiting at the same moment
 are committed together, with one multi-shard compare-and-set (one SQL round trip), by
-whichever of them holds the funnel's commit lock: the *leader*. The others find their
-append done when they get the lock. Nothing waits for a timer unless
+one of their threads: the group's *leader*. The others sleep until their append is done
+and are woken by the leader, each on its own event, so a finished group releases its
+threads at once instead of one by one through a lock. Nothing waits for a timer unless
 ``group_commit_window_s`` asks for it: appends that arrive while a group is committing
 form the next group, so a lone writer pays nothing and a busy process shares round trips.
+
+Up to :data:`GROUPS_IN_FLIGHT` groups commit at once, on disjoint shards: while one group
+waits for its round trip (most of it the database's commit flush), the threads it does
+not hold build their next appends and commit them as the next group. A shard is in at
+most one group at a time and its appends commit in the order they arrived.
 
 Each append still succeeds or fails on its own: a group whose commit is refused because
 some shards' transitions changed nothing (an upper mismatch, a lease expired, ...) gives
@@ -13,7 +19,7 @@ those appends their confirmed answers and commits the rest again, on fresh state
 an outcome that is unknown for the group as a whole (a lost reply that cannot be
 settled) is reported to every append in it, which is true of each: all or none landed.
 
-Only mutexes (from :func:`~persist_pipeline.internal.sync.new_lock`) and the clock's
+Only mutexes and events (from :mod:`~persist_pipeline.internal.sync`) and the clock's
 sleep are used, so the deterministic simulation runs every interleaving of it.
 """
 
@@ -27,15 +33,22 @@ from typing import TYPE_CHECKING, Any
 from persist_pipeline.exceptions import Indeterminate, PersistError
 from persist_pipeline.internal.clock import Clock
 from persist_pipeline.internal.machine import Machine, MachineMetrics, Step, apply_many
-from persist_pipeline.internal.sync import new_lock
+from persist_pipeline.internal.sync import new_event, new_lock
 
 if TYPE_CHECKING:
     from persist_pipeline.internal.state import State
 
 #: Shards one group commits at most (one statement's rows).
 MAX_GROUP = 128
+#: Groups of one client committing at once (on disjoint shards): one prepares while the
+#: other waits for the database, which is what a round trip's time mostly is.
+GROUPS_IN_FLIGHT = 2
 #: How long a writer over the in-flight bound sleeps before looking again.
 _ADMIT_POLL_S = 0.001
+#: A waiting append looks again after this long even without a wake-up: a guard for
+#: liveness only (every hand-off wakes someone; the simulation's events have no timeout,
+#: so a forgotten wake-up fails there as a deadlock).
+_WAKE_GUARD_S = 1.0
 
 
 @dataclass
@@ -60,7 +73,9 @@ class _Entry:
         self.transition = transition
         self.proves_done = proves_done
         self.size = size
+        self.taken = False  # in a group being committed
         self.finished = False
+        self.wake = new_event()
         self.outcome: _Outcome | None = None
         self.state: State | None = None
         self.error: BaseException | None = None
@@ -97,8 +112,11 @@ class Funnel:
         self._window_s = window_s
         self._max_inflight = max_inflight_bytes
         self._queue_lock = new_lock()
-        self._commit_lock = new_lock()
+        # Under _queue_lock: appends not yet in a group (oldest first), the shards of
+        # the groups being committed, and how many groups those are.
         self._queue: list[_Entry] = []
+        self._busy: set[str] = set()
+        self._leaders = 0
         self._inflight = 0
 
     def commit(self, machine: Machine, transition: Callable[[State], tuple[State, Any]],
@@ -110,18 +128,24 @@ class Funnel:
         entry = _Entry(machine, transition, proves_done, size)
         self._admit(entry)
         try:
-            with self._commit_lock:
-                while not entry.finished:
-                    if self._window_s:
-                        self._clock.sleep(self._window_s)
-                    group = self._take()
-                    if len(group) == 1 and group[0] is entry:
-                        # Nobody else is waiting: a group of one, committed as
-                        # Machine.apply commits it (no per-append result capture).
-                        self._metrics.group_commits += 1
-                        self._metrics.group_commit_appends += 1
-                        return machine.apply(transition, proves_done=proves_done)
-                    self._commit_group(group)
+            while True:
+                with self._queue_lock:
+                    if entry.finished:
+                        break
+                    lead = (not entry.taken and self._leaders < GROUPS_IN_FLIGHT
+                            and machine.shard_id not in self._busy)
+                    if lead:
+                        self._leaders += 1
+                    else:
+                        entry.wake.clear()
+                if not lead:
+                    # Woken when its group finished it, or when a group ended and it may
+                    # lead the next one.
+                    entry.wake.wait(_WAKE_GUARD_S)
+                    continue
+                alone = self._lead(entry)
+                if alone is not None:
+                    return alone
         finally:
             with self._queue_lock:
                 self._inflight -= entry.size
@@ -141,24 +165,62 @@ class Funnel:
                     return
             self._clock.sleep(_ADMIT_POLL_S)
 
+    def _lead(self, entry: _Entry) -> tuple[Any, State] | None:
+        """Commit one group as its leader (one of :data:`GROUPS_IN_FLIGHT` slots is
+        held). Returns ``entry``'s result when the group was ``entry`` alone, committed
+        as :meth:`Machine.apply` commits it; otherwise None, every append of the group
+        finished (``entry`` may be in another group)."""
+        group: list[_Entry] = []
+        try:
+            if self._window_s:
+                self._clock.sleep(self._window_s)
+            group = self._take()
+            if len(group) == 1 and group[0] is entry:
+                self._metrics.group_commits += 1
+                self._metrics.group_commit_appends += 1
+                return entry.machine.apply(entry.transition, proves_done=entry.proves_done)
+            if group:
+                self._commit_group(group)
+            return None
+        finally:
+            self._hand_off(group)
+
     def _take(self) -> list[_Entry]:
-        """The oldest waiting append of each shard (a group holds a shard once)."""
+        """The oldest waiting append of each shard not in a group being committed."""
         with self._queue_lock:
-            queue = self._queue
-            if len(queue) == 1:  # the usual case: one append waiting
+            queue, busy = self._queue, self._busy
+            if len(queue) == 1 and not busy:  # the usual case: one append waiting
+                only = queue[0]
+                only.taken = True
+                busy.add(only.machine.shard_id)
                 self._queue = []
                 return queue
             group: list[_Entry] = []
-            shards: set[str] = set()
             rest: list[_Entry] = []
-            for entry in self._queue:
-                if entry.machine.shard_id in shards or len(group) >= MAX_GROUP:
+            for entry in queue:
+                shard = entry.machine.shard_id
+                if shard in busy or len(group) >= MAX_GROUP:
                     rest.append(entry)
                 else:
-                    shards.add(entry.machine.shard_id)
+                    busy.add(shard)
+                    entry.taken = True
                     group.append(entry)
             self._queue = rest
             return group
+
+    def _hand_off(self, group: list[_Entry]) -> None:
+        """End a group: free its slot and shards, wake its appends and the oldest
+        waiting append that may now lead the next group."""
+        with self._queue_lock:
+            self._leaders -= 1
+            for entry in group:
+                self._busy.discard(entry.machine.shard_id)
+            successor = next((e for e in self._queue
+                              if e.machine.shard_id not in self._busy), None)
+        for entry in group:
+            entry.wake.set()
+        if successor is not None:
+            successor.wake.set()
 
     def _commit_group(self, group: list[_Entry]) -> None:
         """Commit ``group``, giving every entry its outcome whatever happens."""

@@ -273,6 +273,24 @@ def group_reports_held_appends() -> Iterator[None]:
 
 
 @contextmanager
+def funnel_forgets_successor() -> Iterator[None]:
+    """A group commit that ends wakes only its own appends, not the oldest append left
+    waiting, which may never be woken when its process appends nothing more."""
+    from persist_pipeline.internal import funnel
+
+    def hand_off(self: funnel.Funnel, group: list[Any]) -> None:
+        with self._queue_lock:
+            self._leaders -= 1
+            for entry in group:
+                self._busy.discard(entry.machine.shard_id)
+        for entry in group:
+            entry.wake.set()
+
+    with _patched(funnel.Funnel, "_hand_off", hand_off):
+        yield
+
+
+@contextmanager
 def settle_from_latest_state_only() -> Iterator[None]:
     """A write's outcome settled from the shard's latest state alone: a batch that
     compaction merged away reads as never committed, so the pipeline's next run writes a
@@ -306,4 +324,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "non_atomic_transactions": non_atomic_transactions,
     "group_reports_held_appends": group_reports_held_appends,
     "settle_from_latest_state_only": settle_from_latest_state_only,
+    "funnel_forgets_successor": funnel_forgets_successor,
 }

@@ -17,10 +17,18 @@ from persist_pipeline.client import PersistClient
 from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.exceptions import Indeterminate, PersistError
 from persist_pipeline.ids import ShardId, new_critical_reader_id, seeded_ids
-from persist_pipeline.internal.sync import lock_factory
+from persist_pipeline.internal.sync import event_factory, lock_factory
 from persist_pipeline.sim import actors, ingestion, seams, transactions
 from persist_pipeline.sim.monitor import Model, Monitor, Monitors
-from persist_pipeline.sim.scheduler import Nemesis, Process, Scheduler, SimClock, SimLock
+from persist_pipeline.sim.scheduler import (
+    Nemesis,
+    Process,
+    Scheduler,
+    SimClock,
+    SimDeadlock,
+    SimEvent,
+    SimLock,
+)
 from persist_pipeline.sim.seams import SeamState
 from persist_pipeline.sim.stores import SimBlob, SimConsensus
 
@@ -257,6 +265,7 @@ class SimRun:
             stack.enter_context(seeded_ids(random.Random(self.seed)))
             stack.enter_context(lock_factory(lambda reentrant: SimLock(self.scheduler,
                                                                         reentrant)))
+            stack.enter_context(event_factory(lambda: SimEvent(self.scheduler)))
             stack.enter_context(_seeded_jitter(self.seed))
             stack.enter_context(_spark_blobs(self))
             stack.enter_context(_spark_markers())
@@ -291,14 +300,19 @@ class SimRun:
                 r in self._roles.values() for r in ("compactor", "spark_compactor")):
             self.start("compactor")
         done = 0
-        while done < self.steps:
-            ran = s.run(min(50, self.steps - done))
-            restart_crashed()
-            if ran == 0:
-                break
-            done += ran
-        self.stopping = True
-        s.run(DRAIN_STEPS)
+        try:
+            while done < self.steps:
+                ran = s.run(min(50, self.steps - done))
+                restart_crashed()
+                if ran == 0:
+                    break
+                done += ran
+            self.stopping = True
+            s.run(DRAIN_STEPS)
+        except SimDeadlock as e:
+            # A liveness failure: a thread waits for a wake-up nobody will give.
+            self.stopping = True
+            self.violation(str(e))
         s.kill_all()
 
     def _final_checks(self) -> None:

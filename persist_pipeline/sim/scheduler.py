@@ -46,7 +46,7 @@ class Task:
     process: Process
     glet: greenlet
     wake_at: float = 0.0
-    blocked_on: SimLock | None = None
+    blocked_on: SimLock | SimEvent | None = None
     done: bool = False
 
 
@@ -81,6 +81,10 @@ class Stats:
     crashes: int = 0
     ops: int = 0
     counters: dict[str, int] = field(default_factory=dict)
+
+
+class SimDeadlock(RuntimeError):
+    """Every simulated thread left waits for a lock or an event nobody will release."""
 
 
 class Scheduler:
@@ -128,8 +132,8 @@ class Scheduler:
             if not runnable:
                 waiting = [t.wake_at for t in self.tasks if t.blocked_on is None]
                 if not waiting:
-                    raise RuntimeError("simulated deadlock: every thread waits on a lock: "
-                                       + ", ".join(t.name for t in self.tasks))
+                    raise SimDeadlock("simulated deadlock: every thread waits on a lock or "
+                                      "an event: " + ", ".join(t.name for t in self.tasks))
                 self.now = max(self.now, min(waiting))
                 continue
             task = runnable[self.rng.randrange(len(runnable))]
@@ -244,6 +248,36 @@ class SimClock:
 
     def sleep(self, seconds: float) -> None:
         self._s.sleep(seconds)
+
+
+class SimEvent:
+    """An event for simulated threads: a waiter yields until another thread sets it.
+
+    ``wait`` ignores its timeout on purpose: a wake-up the code under test forgets to
+    give leaves the waiter blocked, and a run where every thread is blocked fails as a
+    simulated deadlock instead of being rescued by a timer."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._s = scheduler
+        self._flag = False
+
+    def set(self) -> None:
+        self._flag = True
+        for t in self._s.tasks:
+            if t.blocked_on is self:
+                t.blocked_on = None
+
+    def clear(self) -> None:
+        self._flag = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        me = self._s.current
+        if me is None:  # the driver, outside every simulated thread
+            return self._flag
+        while not self._flag:
+            me.blocked_on = self
+            self._s._switch_out()
+        return True
 
 
 class SimLock:

@@ -210,13 +210,15 @@ def _grouped_loop(run: SimRun, client: PersistClient, shard: str) -> None:
 
 
 def grouped_writer(run: SimRun, proc: Process) -> None:
-    """Three threads of one process (one client, one funnel) appending to different
-    shards at once: one of the pair each, and one of its own; then checks."""
+    """Four threads of one process (one client, one funnel) appending at once: one to
+    each shard of the pair, one to a shard of its own, and one more to that shard, so
+    groups commit side by side on different shards while an append waits for its
+    shard's group to end; then checks."""
     client = run.client(proc)
     ledger = _ledger(run)
     assert ledger.pair is not None
     own = str(ShardId.new())
-    for i, shard in enumerate((ledger.pair[1], own)):
+    for i, shard in enumerate((ledger.pair[1], own, own)):
         run.spawn(f"{proc.name}-g{i}", proc,
                   functools.partial(_grouped_loop, run, client, shard))
     _grouped_loop(run, client, ledger.pair[0])
