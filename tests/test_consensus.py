@@ -840,6 +840,27 @@ def test_compare_and_set_many_writes_every_record_or_none(store: Consensus) -> N
     assert [h.seqno for h in store.list_heads().values()] == [3, 3, 3]
 
 
+@pytest.mark.parametrize("width", [1, 2, 8, 9, 40])
+def test_compare_and_set_many_at_every_width(store: Consensus, width: int) -> None:
+    """Every width commits all or nothing, whatever statement the backend picks for it
+    (PostgreSQL: a prepared statement per width up to 8, the array form beyond)."""
+    shards = [f"w{i:02d}" for i in range(width)]
+    for shard in shards:
+        fill(store, shard, 1, shard)
+    assert store.compare_and_set_many([CasWrite(s_, 1, vd(2, s_)) for s_ in shards]) is True
+    assert all(store.head(s_) == vd(2, s_) for s_ in shards)
+    # The last shard's head is stale: nothing changes, in any shard.
+    stale = [CasWrite(s_, 2, vd(3, "x")) for s_ in shards[:-1]] + [
+        CasWrite(shards[-1], 1, vd(2, "x"))]
+    assert store.compare_and_set_many(stale) is False
+    assert all(store.head(s_) == vd(2, s_) for s_ in shards)
+    # A competitor took the last shard's next seqno: the insert loses as a whole.
+    assert store.compare_and_set(shards[-1], 2, vd(3, "won"))
+    assert store.compare_and_set_many([CasWrite(s_, 2, vd(3, "lost")) for s_ in shards]) is False
+    assert store.head(shards[-1]) == vd(3, "won")
+    assert all(store.head(s_) == vd(2, s_) for s_ in shards[:-1])
+
+
 MANY_INVALID: list[tuple[str, Callable[[Consensus], object]]] = [
     ("empty", lambda s: s.compare_and_set_many([])),
     ("not-a-sequence", lambda s: s.compare_and_set_many(cast(Any, {"a": 1}))),

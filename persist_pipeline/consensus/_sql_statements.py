@@ -208,6 +208,11 @@ def multi_cas_arrays() -> ClauseElement:
     )
 
 
+#: Multi-shard compare-and-sets of up to this many shards are prepared on PostgreSQL in
+#: :func:`multi_cas`'s fixed shape, one statement per width: cheaper per call than the
+#: array form (no array literals to build, parse and unnest), which serves wider ones.
+SMALL_MULTI_CAS = 8
+
 PG_STATEMENTS = _statements(postgresql.insert, lateral=True)
 SQLITE_STATEMENTS = _statements(sqlite.insert, lateral=False)
 
@@ -288,6 +293,8 @@ def compile_all(kind: str, dialect: Dialect) -> dict[str, Rendered]:
     if kind == "postgresql":
         prepared = {name: _prepared(name, stmt) for name, stmt in PG_STATEMENTS.items()}
         prepared["cas_many"] = _prepared("cas_many", multi_cas_arrays())
+        for n in range(1, SMALL_MULTI_CAS + 1):
+            prepared[f"cas_many_{n}"] = _prepared(f"cas_many_{n}", multi_cas(n))
         return prepared
     if kind == "cockroachdb":
         fmt = PGDialect_psycopg2(paramstyle="format")  # type: ignore[no-untyped-call]

@@ -462,19 +462,24 @@ class SqlConsensus(Consensus):
     def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
         ordered = check_cas_many(writes)
         n = len(ordered)
-        statement: Rendered | None = self._statements.get("cas_many")
+        # PostgreSQL: a prepared statement of this width if there is one, else one
+        # prepared statement taking the rows as arrays; other engines: a plain statement
+        # of this width, rendered once.
+        statement: Rendered | None = self._statements.get(f"cas_many_{n}")
         params: dict[str, Any] = {}
-        if statement is not None:  # PostgreSQL: one prepared statement, rows as arrays
+        if statement is None and "cas_many" in self._statements:
+            statement = self._statements["cas_many"]
             params = {"shards": [w.shard for w in ordered],
                       "seqnos": [w.new.seqno for w in ordered],
                       "datas": [w.new.data for w in ordered],
                       "summaries": [w.new.summary for w in ordered],
                       "expecteds": [w.expected for w in ordered]}
         else:
-            statement = self._multi_cas.get(n)
             if statement is None:
-                statement = compile_multi_cas(self._kind, self._engine.dialect, n)
-                self._multi_cas[n] = statement
+                statement = self._multi_cas.get(n)
+                if statement is None:
+                    statement = compile_multi_cas(self._kind, self._engine.dialect, n)
+                    self._multi_cas[n] = statement
             for i, write in enumerate(ordered):
                 params.update({f"shard_{i}": write.shard, f"seqno_{i}": write.new.seqno,
                                f"data_{i}": write.new.data, f"summary_{i}": write.new.summary,
