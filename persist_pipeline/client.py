@@ -192,6 +192,12 @@ class PersistClient:
         """The shared :class:`Machine` of a shard: internal to the library (its handles,
         the Spark compaction driver, GC); users go through handles and the methods
         here."""
+        if type(shard) is str:
+            # A known id is canonical (only parsed ids are keys) and machines are never
+            # dropped: one dict lookup, atomic, instead of parsing the id again.
+            known = self._machines.get(shard)
+            if known is not None:
+                return known
         shard_id = str(ShardId.parse(shard))
         with self._lock:
             m = self._machines.get(shard_id)
