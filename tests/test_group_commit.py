@@ -4,6 +4,8 @@ round trips through the client's funnel, and each still succeeds or fails on its
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -111,10 +113,13 @@ def test_the_in_flight_bound_blocks_writers_beyond_it():
     funnel = Funnel(clock, MachineMetrics(), window_s=0.0, max_inflight_bytes=100)
     from persist_pipeline.internal.funnel import _Entry
 
-    first = _Entry(None, None, None, 80)  # type: ignore[arg-type]
+    def on(shard: str) -> Any:
+        return SimpleNamespace(shard_id=shard)  # all the funnel reads of a machine
+
+    first = _Entry(on("a"), None, None, 80)  # type: ignore[arg-type]
     funnel._admit(first)
     admitted = threading.Event()
-    second = _Entry(None, None, None, 80)  # type: ignore[arg-type]
+    second = _Entry(on("b"), None, None, 80)  # type: ignore[arg-type]
     t = threading.Thread(target=lambda: (funnel._admit(second), admitted.set()))
     t.start()
     # The second admission has found no room (it sleeps before looking again), not
@@ -127,7 +132,7 @@ def test_the_in_flight_bound_blocks_writers_beyond_it():
     t.join()
     with funnel._queue_lock:
         funnel._inflight = 0
-    huge = _Entry(None, None, None, 1000)  # type: ignore[arg-type]
+    huge = _Entry(on("c"), None, None, 1000)  # type: ignore[arg-type]
     funnel._admit(huge)
     assert funnel._inflight == 1000
 

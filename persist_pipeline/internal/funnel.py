@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from persist_pipeline.exceptions import Indeterminate, PersistError
 from persist_pipeline.internal.clock import Clock
 from persist_pipeline.internal.machine import Machine, MachineMetrics, Step, apply_many
-from persist_pipeline.internal.sync import new_event, new_lock
+from persist_pipeline.internal.sync import EventLike, new_event, new_lock
 
 if TYPE_CHECKING:
     from persist_pipeline.internal.state import State
@@ -75,7 +75,9 @@ class _Entry:
         self.size = size
         self.taken = False  # in a group being committed
         self.finished = False
-        self.wake = new_event()
+        # Made (under the funnel's lock) only when the append has to wait: most appends
+        # commit alone and never do.
+        self.wake: EventLike | None = None
         self.outcome: _Outcome | None = None
         self.state: State | None = None
         self.error: BaseException | None = None
@@ -126,7 +128,8 @@ class Funnel:
         threads' appends: what :meth:`Machine.apply` does for one append. ``size`` is
         what the append holds in memory until it commits (its inline bytes)."""
         entry = _Entry(machine, transition, proves_done, size)
-        self._admit(entry)
+        if self._admit(entry):
+            return self._commit_alone(entry)
         try:
             while True:
                 with self._queue_lock:
@@ -137,11 +140,15 @@ class Funnel:
                     if lead:
                         self._leaders += 1
                     else:
-                        entry.wake.clear()
+                        wake = entry.wake
+                        if wake is None:
+                            wake = entry.wake = new_event()
+                        else:
+                            wake.clear()
                 if not lead:
                     # Woken when its group finished it, or when a group ended and it may
                     # lead the next one.
-                    entry.wake.wait(_WAKE_GUARD_S)
+                    wake.wait(_WAKE_GUARD_S)
                     continue
                 alone = self._lead(entry)
                 if alone is not None:
@@ -154,16 +161,34 @@ class Funnel:
         assert entry.outcome is not None and entry.state is not None
         return entry.outcome.value, entry.state
 
-    def _admit(self, entry: _Entry) -> None:
+    def _admit(self, entry: _Entry) -> bool:
         """Queue ``entry`` once the in-flight bytes leave room for it (a lone append
-        larger than the bound still goes, alone)."""
+        larger than the bound still goes, alone). True when nothing else waits and no
+        window is set: then ``entry`` is not queued but taken at once, as a group of
+        its own, whose slot its thread holds."""
+        shard = entry.machine.shard_id
         while True:
             with self._queue_lock:
                 if self._inflight == 0 or self._inflight + entry.size <= self._max_inflight:
                     self._inflight += entry.size
+                    if not self._queue and not self._window_s and \
+                            self._leaders < GROUPS_IN_FLIGHT and shard not in self._busy:
+                        self._leaders += 1
+                        self._busy.add(shard)
+                        entry.taken = True
+                        return True
                     self._queue.append(entry)
-                    return
+                    return False
             self._clock.sleep(_ADMIT_POLL_S)
+
+    def _commit_alone(self, entry: _Entry) -> tuple[Any, State]:
+        """Commit ``entry`` as a group of one, as :meth:`Machine.apply` commits it."""
+        try:
+            self._metrics.group_commits += 1
+            self._metrics.group_commit_appends += 1
+            return entry.machine.apply(entry.transition, proves_done=entry.proves_done)
+        finally:
+            self._hand_off([entry], released=entry.size)
 
     def _lead(self, entry: _Entry) -> tuple[Any, State] | None:
         """Commit one group as its leader (one of :data:`GROUPS_IN_FLIGHT` slots is
@@ -208,19 +233,25 @@ class Funnel:
             self._queue = rest
             return group
 
-    def _hand_off(self, group: list[_Entry]) -> None:
-        """End a group: free its slot and shards, wake its appends and the oldest
-        waiting append that may now lead the next group."""
+    def _hand_off(self, group: list[_Entry], released: int = 0) -> None:
+        """End a group: free its slot and shards (and ``released`` in-flight bytes),
+        wake its appends and the oldest waiting append that may now lead the next
+        group. Which events to set is decided under the lock, where a waiter makes its
+        event before it waits, so no wake-up is missed."""
         with self._queue_lock:
             self._leaders -= 1
+            self._inflight -= released
+            busy = self._busy
             for entry in group:
-                self._busy.discard(entry.machine.shard_id)
-            successor = next((e for e in self._queue
-                              if e.machine.shard_id not in self._busy), None)
-        for entry in group:
-            entry.wake.set()
-        if successor is not None:
-            successor.wake.set()
+                busy.discard(entry.machine.shard_id)
+            wakes = [e.wake for e in group if e.wake is not None]
+            for waiting in self._queue:
+                if waiting.machine.shard_id not in busy:
+                    if waiting.wake is not None:
+                        wakes.append(waiting.wake)
+                    break
+        for wake in wakes:
+            wake.set()
 
     def _commit_group(self, group: list[_Entry]) -> None:
         """Commit ``group``, giving every entry its outcome whatever happens."""

@@ -278,13 +278,15 @@ def funnel_forgets_successor() -> Iterator[None]:
     waiting, which may never be woken when its process appends nothing more."""
     from persist_pipeline.internal import funnel
 
-    def hand_off(self: funnel.Funnel, group: list[Any]) -> None:
+    def hand_off(self: funnel.Funnel, group: list[Any], released: int = 0) -> None:
         with self._queue_lock:
             self._leaders -= 1
+            self._inflight -= released
             for entry in group:
                 self._busy.discard(entry.machine.shard_id)
-        for entry in group:
-            entry.wake.set()
+            wakes = [e.wake for e in group if e.wake is not None]
+        for wake in wakes:
+            wake.set()
 
     with _patched(funnel.Funnel, "_hand_off", hand_off):
         yield
