@@ -132,20 +132,19 @@ class Funnel:
             return self._commit_alone(entry)
         try:
             while True:
+                wake: EventLike | None = None
                 with self._queue_lock:
                     if entry.finished:
                         break
-                    lead = (not entry.taken and self._leaders < GROUPS_IN_FLIGHT
-                            and machine.shard_id not in self._busy)
-                    if lead:
+                    if (not entry.taken and self._leaders < GROUPS_IN_FLIGHT
+                            and machine.shard_id not in self._busy):
                         self._leaders += 1
                     else:
+                        if entry.wake is None:
+                            entry.wake = new_event()
                         wake = entry.wake
-                        if wake is None:
-                            wake = entry.wake = new_event()
-                        else:
-                            wake.clear()
-                if not lead:
+                        wake.clear()
+                if wake is not None:
                     # Woken when its group finished it, or when a group ended and it may
                     # lead the next one.
                     wake.wait(_WAKE_GUARD_S)
