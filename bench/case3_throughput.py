@@ -84,6 +84,7 @@ class WriterPool:
         self.commands = [ctx.Queue() for _ in range(n)]
         self.procs = [ctx.Process(target=_worker, args=(q, self.results), daemon=True)
                       for q in self.commands]
+        self.closed = False
         for p in self.procs:
             p.start()
 
@@ -115,6 +116,9 @@ class WriterPool:
         return out
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         for q in self.commands:
             q.put(None)
         for p in self.procs:
@@ -175,6 +179,9 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
                                   median["retries"],
                                   f"{median['cas'] / max(1, median['appends']):.2f}")
             finally:
+                # The writers close their clients, which finish background maintenance
+                # (commits), while the database still exists.
+                pool.close()
                 setup.close()
     finally:
         pool.close()
