@@ -121,8 +121,10 @@ def _appends(svc: Services, scale: Scale, result: CaseResult,
         table.add(f"ours: {key}", placements[key], ms(t.p50), ms(t.p90), ms(t.p99),
                   ratio(t.p50, base))
     typed_ratio = timings["typed Arrow table"].p50 / base
-    result.targets.append(Target("case12", "typed append p50", "<= 1.3x untyped p50",
-                                 f"{typed_ratio:.2f}x", typed_ratio <= 1.3))
+    result.targets.append(Target(
+        "12", "typed append p50 <= 1.3x the untyped append p50", "<= 1.30x",
+        f"{typed_ratio:.2f}x", typed_ratio <= 1.3,
+        "met" if typed_ratio <= 1.3 else f"missed by {typed_ratio / 1.3:.2f}x"))
     table.notes.append("Each write is 10 rows of about 100 bytes; the typed rows carry the "
                        "same bytes as an int64 key and string, float64 and timestamp "
                        "values. Shards rotate every "
