@@ -518,8 +518,14 @@ def test_automation_lists_the_sensor_and_schedules_running(dagster_ui: DagsterUI
         link = link.first
         link.wait_for()
         row = page.locator("[data-index]").filter(has=link).first
+        # While the row loads its status it shows a "loading" progress bar and no switch
+        # (its last checkbox is then the row's selection box): wait for the loaded row as
+        # long as every other wait here, not expect()'s 5 s default, which a busy
+        # machine overruns.
+        expect(row.get_by_role("progressbar", name="loading")).to_have_count(
+            0, timeout=TIMEOUT_MS)
         toggle = row.get_by_role("checkbox").last  # the running/stopped switch
-        expect(toggle, f"{name} is not running").to_be_checked()
+        expect(toggle, f"{name} is not running").to_be_checked(timeout=TIMEOUT_MS)
     _settle(page)
     page.screenshot(path=str(SHOTS / "automation.png"))
 
