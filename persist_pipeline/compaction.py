@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import pyarrow as pa
@@ -25,8 +27,9 @@ from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import PartWriter, ShardBlobs, in_key_range
 from persist_pipeline.internal.machine import Machine
-from persist_pipeline.internal.merge import MemoryPlan, memory_plan, merge_runs
+from persist_pipeline.internal.merge import ROUNDS_IN_FLIGHT, MemoryPlan, memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, Part
+from persist_pipeline.internal.sync import new_worker
 from persist_pipeline.internal.trace import ApplyMergeOutcome, MergeReq, MergeRes, merge_requests
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import consolidate
@@ -96,10 +99,9 @@ def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
             group_plan = memory_plan(memory_bound_bytes, len(group), target_size_bytes)
             writer = PartWriter(shard_id, f"{batch_id}-pass", main, "main",
                                 group_plan.part_bytes)
-            for table in merge_runs(_sources(blobs, group, group_plan, since, keys),
-                                    group_plan.chunk_bytes, overflow="split"):
-                writer.write(table)
-            parts = writer.finish()
+            parts = _write_merged(writer, merge_runs(
+                _sources(blobs, group, group_plan, since, keys), group_plan.chunk_bytes,
+                overflow="split"))
             temporary.extend(parts)
             if parts:
                 runs.append(_Run(parts, f"intermediate run of {where}"))
@@ -107,14 +109,29 @@ def run_merge(req: MergeReq, shard_id: str, main: Blob, wal: Blob | None,
         schema = ShardSchema.from_bytes(req.schema) if req.schema else None
         writer = PartWriter(shard_id, batch_id, main, "main",
                             min(target_size_bytes, plan.part_bytes), schema)
-        for table in merge_runs(_sources(blobs, runs, plan, since, keys), plan.chunk_bytes,
-                                overflow="split"):
-            writer.write(table)
-        parts = writer.finish()
+        parts = _write_merged(writer, merge_runs(_sources(blobs, runs, plan, since, keys),
+                                                 plan.chunk_bytes, overflow="split"))
     finally:
         _delete_temporary(main, temporary)
     return MergeRes(req.input_ids, Batch(batch_id, req.desc, parts,
                                          sum(p.num_updates for p in parts)))
+
+
+def _write_merged(writer: PartWriter, merged: Generator[pa.Table, None, None]
+                  ) -> tuple[HollowPart, ...]:
+    """Write a merge's output tables as parts, encoding and uploading each on a worker
+    thread while this one merges the next round (pyarrow encodes Parquet without holding
+    the GIL). A round's output waits for the one before it, so at most
+    :data:`~persist_pipeline.internal.merge.ROUNDS_IN_FLIGHT` is held beyond the round
+    being merged, as the merge's memory plan counts. An error on either side stops both;
+    parts already uploaded are left to GC's orphan sweep, as after a crash."""
+    with closing(merged), new_worker(ROUNDS_IN_FLIGHT, "persist-merge-writer") as worker:
+        for table in merged:
+            worker.wait()
+            worker.submit(partial(writer.write, table))
+        worker.wait()
+        writer.finish()
+    return writer.parts
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,9 +15,11 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 import subprocess
 import sys
 import textwrap
+import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline import spark as spark_driver
 from persist_pipeline.blob.memory import MemoryBlob
 from persist_pipeline.compaction import KeyRange, merge_requests, run_merge
-from persist_pipeline.exceptions import CorruptPart
+from persist_pipeline.exceptions import BlobUnavailable, CorruptPart, PartMissing
 from persist_pipeline.internal import blobs as blobs_module
 from persist_pipeline.internal import merge as merge_module
 from persist_pipeline.internal.blobs import PartWriter
@@ -190,7 +192,7 @@ def _request(blob: MemoryBlob, runs: list[list[Update]], part_bytes: int,
 
 
 #: With ``tiny_memory``: 64 KiB for the output part, and room for three runs a pass.
-THREE_RUNS_A_PASS = (64 << 10) + 3 * (256 + 4 * 16 + 64 * 5)
+THREE_RUNS_A_PASS = (64 << 10) + 3 * (256 + 4 * 16 + 64 * merge_module._CHUNKS_PER_RUN)
 
 
 @settings(max_examples=examples(60), deadline=None,
@@ -529,4 +531,67 @@ def test_bad_streaming_settings_are_refused_with_typed_errors(open_client: Any) 
         with pytest.raises(InvalidInput):
             list(reader.snapshot_batches(0, max_rows=max_rows))
     assert client._machine(str(shard)).fetch_latest().seqno == seqno  # nothing changed
+    reader.expire()
+
+
+def _merge_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("persist-merge")]
+
+
+class _FailingSets(MemoryBlob):
+    """A store whose writes of keys containing ``marker`` fail, as a full or gone S3."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__()
+        self.marker = marker
+
+    def set(self, key: str, value: bytes) -> None:
+        if self.marker in key:
+            raise BlobUnavailable(f"the store refused {key}")
+        super().set(key, value)
+
+
+def test_an_output_upload_failing_on_the_writer_thread_fails_the_merge(
+        tiny_memory: None) -> None:
+    """Output parts are encoded and uploaded on the merge's writer thread: its error is
+    the merge's error, and neither of the merge's threads outlives it."""
+    runs = [[(bytes([n, i]), b"v", n, 1) for i in range(40)] for n in range(6)]
+    blob = _FailingSets("never")
+    req = _request(blob, runs, 512)
+    blob.marker = "/"  # every write from now on: the merge's first output part
+    with pytest.raises(BlobUnavailable, match="refused"):
+        run_merge(req, "s1", blob, None, 512, THREE_RUNS_A_PASS)
+    assert _merge_threads() == []
+
+
+def test_a_part_missing_on_the_reader_thread_fails_the_merge(tiny_memory: None) -> None:
+    runs = [[(bytes([n, i]), b"v", n, 1) for i in range(40)] for n in range(3)]
+    blob = MemoryBlob()
+    req = _request(blob, runs, 512)
+    last = list(req.inputs[-1].hollow_parts())[-1]
+    blob.delete(last.key)  # read late in the merge, on the reader thread
+    with pytest.raises(PartMissing, match=re.escape(last.key)):
+        run_merge(req, "s1", blob, None, 512, THREE_RUNS_A_PASS)
+    assert _merge_threads() == []
+
+
+def test_an_abandoned_snapshot_iterator_ends_its_reader_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from persist_pipeline import read as read_module
+
+    monkeypatch.setattr(read_module, "WHOLE_FETCH_MAX_BYTES", 0)  # every batch streamed
+    client = PersistClient.open("mem://", "mem://", inline_policy=InlinePolicy(0, 0),
+                                config=PersistConfig(blob_target_size_bytes=2048))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    for n in range(3):
+        writer.compare_and_append([(bytes([n, i % 250, i // 250]), b"v", n, 1)
+                                   for i in range(2000)], n, n + 1)
+    reader = client.open_reader(shard)
+    batches = reader.snapshot_batches(2, max_rows=100)
+    first = next(batches)
+    assert first.num_rows == 100
+    assert _merge_threads() == ["persist-merge-reader"]  # reading the next round
+    del batches  # dropped before the end, as a caller that found what it wanted
+    assert _merge_threads() == []
     reader.expire()

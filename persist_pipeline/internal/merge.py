@@ -25,14 +25,16 @@ that is done in passes (see :mod:`persist_pipeline.compaction`).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist_pipeline.exceptions import CorruptPart, DiffOverflow
+from persist_pipeline.internal.sync import new_worker
 from persist_pipeline.updates import (
     SCHEMA,
     OverflowMode,
@@ -55,6 +57,9 @@ RUN_OVERHEAD_BYTES = 512 << 10
 #: Read buffers a run holds (``k`` and ``v`` of a large part; a small part, fetched
 #: whole, compressed and decoded, counts as several).
 _READ_BUFFERS = 4
+#: Merged rounds' outputs a compaction holds beyond the round being merged: the one its
+#: writer thread is encoding as Parquet (each round waits for the one before).
+ROUNDS_IN_FLIGHT = 1
 #: A round's working set is about this many times the rows it takes (the concatenation,
 #: the merged copy and the consolidated output), on top of the runs' buffers.
 _ROUND_COPIES = 3
@@ -77,9 +82,14 @@ class MemoryPlan:
     part_bytes: int
 
 
+#: Chunks of updates a run costs: two buffered (what a round leaves, refilled on the
+#: merge's reader thread while the round is merged), its share of the round being merged
+#: and of the output in flight.
+_CHUNKS_PER_RUN = 2 + _ROUND_COPIES + ROUNDS_IN_FLIGHT
+
+
 def _per_run(chunk_bytes: int, read_bytes: int) -> int:
-    return RUN_OVERHEAD_BYTES + _READ_BUFFERS * read_bytes + \
-        (2 + _ROUND_COPIES) * chunk_bytes
+    return RUN_OVERHEAD_BYTES + _READ_BUFFERS * read_bytes + _CHUNKS_PER_RUN * chunk_bytes
 
 
 def memory_plan(bound_bytes: int, num_runs: int, target_part_bytes: int) -> MemoryPlan:
@@ -87,9 +97,8 @@ def memory_plan(bound_bytes: int, num_runs: int, target_part_bytes: int) -> Memo
 
     A quarter (at most ``target_part_bytes``) buffers the output part being written; the
     rest is shared by the runs merged at once, each costing :data:`RUN_OVERHEAD_BYTES`,
-    its read buffers, 1.5 chunks of buffered updates and a round's share
-    (:data:`_ROUND_COPIES` copies of what it takes). The fan-in is how many runs fit at
-    the smallest chunk and read buffer; fewer runs get larger ones.
+    its read buffers and :data:`_CHUNKS_PER_RUN` chunks. The fan-in is how many runs fit
+    at the smallest chunk and read buffer; fewer runs get larger ones.
     """
     part_bytes = max(64 << 10, min(target_part_bytes, bound_bytes // 4))
     for_runs = max(0, bound_bytes - part_bytes)
@@ -97,7 +106,7 @@ def memory_plan(bound_bytes: int, num_runs: int, target_part_bytes: int) -> Memo
     runs = max(1, min(num_runs, fan_in))
     budget = max(0, for_runs // runs - RUN_OVERHEAD_BYTES)
     read = min(MAX_READ_BYTES, max(MIN_READ_BYTES, budget // 16))
-    chunk = (budget - _READ_BUFFERS * read) // (2 + _ROUND_COPIES)
+    chunk = (budget - _READ_BUFFERS * read) // _CHUNKS_PER_RUN
     return MemoryPlan(max(MIN_CHUNK_BYTES, chunk), read, int(fan_in), int(part_bytes))
 
 
@@ -208,8 +217,12 @@ def _not_sorted(where: str) -> CorruptPart:
 
 
 def merge_runs(runs: Iterable[tuple[Iterator[pa.Table], str]], chunk_bytes: int,
-               overflow: OverflowMode = "raise") -> Iterator[pa.Table]:
+               overflow: OverflowMode = "raise") -> Generator[pa.Table, None, None]:
     """Merge sorted runs into consolidated, sorted tables, in order.
+
+    The runs' next chunks are read and decoded on a worker thread while this one merges
+    a round (they are what the round leaves buffered, refilled, so within the memory
+    plan): a merge overlaps its reads with its work, one hand-off per round.
 
     Args:
         runs: ``(chunks, description)`` per run: the run's rows as tables in
@@ -223,35 +236,44 @@ def merge_runs(runs: Iterable[tuple[Iterator[pa.Table], str]], chunk_bytes: int,
     cursors = [_Cursor(chunks, where) for chunks, where in runs]
     low = max(1, chunk_bytes // 2)
     emitted: Row | None = None
-    while True:
-        for c in cursors:
-            c.fill(low)
-        cursors = [c for c in cursors if c.rows or not c.done]
-        if not cursors:
-            return
-        open_runs = [c for c in cursors if not c.done]
-        bound = min(c.last() for c in open_runs) if open_runs else None
-        taken: list[tuple[_Cursor, list[pa.Table]]] = []
-        for c in cursors:
-            n = c.rows if bound is None else c.count_below(bound)
-            if n:
-                taken.append((c, c.take(n)))
-        if not taken:
-            # A run's whole buffer equals the bound (one (k, v, t) repeated past its
-            # chunk, e.g. many times advanced to one since): read more of it.
-            for c in open_runs:
-                if c.last() == bound:
-                    c.fill(c.nbytes + chunk_bytes)
-            continue
-        out = _merge_round(taken, overflow)
-        if out.num_rows:
-            first = _row(out, 0)
-            if emitted is not None and first <= emitted:
-                raise CorruptPart("rows came out of order merging "
-                                  f"{', '.join(c.where for c, _ in taken)}: one of them "
-                                  "is not sorted by (k, v, t)")
-            emitted = _row(out, out.num_rows - 1)
-            yield out
+    with new_worker(1, "persist-merge-reader") as reader:
+        # The cursors are the reader's between a submit and the wait that follows it.
+        reader.submit(partial(_fill, cursors, low))
+        while True:
+            reader.wait()
+            cursors = [c for c in cursors if c.rows or not c.done]
+            if not cursors:
+                return
+            open_runs = [c for c in cursors if not c.done]
+            bound = min(c.last() for c in open_runs) if open_runs else None
+            taken: list[tuple[_Cursor, list[pa.Table]]] = []
+            for c in cursors:
+                n = c.rows if bound is None else c.count_below(bound)
+                if n:
+                    taken.append((c, c.take(n)))
+            if not taken:
+                # A run's whole buffer equals the bound (one (k, v, t) repeated past its
+                # chunk, e.g. many times advanced to one since): read more of it.
+                for c in open_runs:
+                    if c.last() == bound:
+                        c.fill(c.nbytes + chunk_bytes)
+                reader.submit(partial(_fill, cursors, low))
+                continue
+            reader.submit(partial(_fill, cursors, low))
+            out = _merge_round(taken, overflow)
+            if out.num_rows:
+                first = _row(out, 0)
+                if emitted is not None and first <= emitted:
+                    raise CorruptPart("rows came out of order merging "
+                                      f"{', '.join(c.where for c, _ in taken)}: one of "
+                                      "them is not sorted by (k, v, t)")
+                emitted = _row(out, out.num_rows - 1)
+                yield out
+
+
+def _fill(cursors: list[_Cursor], min_bytes: int) -> None:
+    for c in cursors:
+        c.fill(min_bytes)
 
 
 def _row(table: pa.Table, i: int) -> Row:

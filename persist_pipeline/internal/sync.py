@@ -1,13 +1,16 @@
-"""The locks of the library's handles and machines, made by one factory.
+"""The locks, events and worker threads of the library, made by one factory.
 
-Production gets :mod:`threading` locks and events. The deterministic simulation runs many
-simulated threads on one OS thread and swaps in locks that yield to its scheduler when
-contended (and events whose waiters yield until set), so every interleaving of two
-threads of one process is reachable there too.
+Production gets :mod:`threading` locks and events, and workers that run tasks on a thread
+of their own. The deterministic simulation runs many simulated threads on one OS thread
+and swaps in locks that yield to its scheduler when contended (and events whose waiters
+yield until set), so every interleaving of two threads of one process is reachable there
+too; its workers run each task at once, on the submitting thread, since a real thread
+would step outside its scheduler.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,10 +35,31 @@ class EventLike(Protocol):
     def wait(self, timeout: float | None = None) -> bool: ...
 
 
+class Worker(Protocol):
+    """Runs tasks in the order submitted, beside the submitting thread.
+
+    Used as a context manager: leaving the block (an error in the submitting thread, or
+    a generator closed early) cancels what has not started, waits for what has and ends
+    the thread.
+    """
+
+    def submit(self, task: Callable[[], object]) -> None:
+        """Queue ``task``; blocks while the worker is a full queue behind. Raises the
+        error of an earlier task (the tasks after a failed one never run)."""
+
+    def wait(self) -> None:
+        """Wait until every submitted task ran; raise the first one's error, if any."""
+
+    def __enter__(self) -> Worker: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
 LockFactory = Callable[[bool], LockLike]
 EventFactory = Callable[[], EventLike]
 _FACTORY: LockFactory | None = None
 _EVENT_FACTORY: EventFactory | None = None
+_INLINE_WORKERS = False
 
 
 def new_lock(reentrant: bool = False) -> LockLike:
@@ -50,6 +74,92 @@ def new_event() -> EventLike:
     if _EVENT_FACTORY is not None:
         return _EVENT_FACTORY()
     return threading.Event()
+
+
+def new_worker(depth: int, name: str) -> Worker:
+    """A worker that runs tasks on a thread named ``name`` with at most ``depth`` tasks
+    waiting (what bounds the memory they hold), or, inside :func:`inline_workers`, one
+    that runs each at once on the submitting thread."""
+    if _INLINE_WORKERS:
+        return _InlineWorker()
+    return _ThreadWorker(depth, name)
+
+
+class _ThreadWorker:
+    def __init__(self, depth: int, name: str) -> None:
+        self._queue: queue.Queue[Callable[[], object] | None] = queue.Queue(
+            maxsize=max(1, depth))
+        self._name = name
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._cancelled = False
+
+    def submit(self, task: Callable[[], object]) -> None:
+        self._raise_error()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._queue.put(task)
+
+    def _run(self) -> None:
+        while True:
+            task = self._queue.get()
+            try:
+                if task is None:
+                    return
+                # After a failure (or a cancel) the rest only drains: the queue never
+                # stays full, so a submitter is never blocked for good.
+                if self._error is None and not self._cancelled:
+                    task()
+            except BaseException as e:  # handed to the submitter, raised there
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def wait(self) -> None:
+        self._queue.join()
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            self._cancelled = True
+            raise error
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._cancelled = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+
+class _InlineWorker:
+    def submit(self, task: Callable[[], object]) -> None:
+        task()
+
+    def wait(self) -> None:
+        pass
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@contextmanager
+def inline_workers() -> Iterator[None]:
+    """Run every worker created inside this block inline (the simulation's workers)."""
+    global _INLINE_WORKERS
+    previous, _INLINE_WORKERS = _INLINE_WORKERS, True
+    try:
+        yield
+    finally:
+        _INLINE_WORKERS = previous
 
 
 @contextmanager
@@ -74,5 +184,5 @@ def lock_factory(factory: LockFactory) -> Iterator[None]:
         _FACTORY = previous
 
 
-__all__ = ["EventFactory", "EventLike", "LockFactory", "LockLike", "event_factory",
-           "lock_factory", "new_event", "new_lock"]
+__all__ = ["EventFactory", "EventLike", "LockFactory", "LockLike", "Worker", "event_factory",
+           "inline_workers", "lock_factory", "new_event", "new_lock", "new_worker"]

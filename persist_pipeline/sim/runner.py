@@ -17,7 +17,7 @@ from persist_pipeline.client import PersistClient
 from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.exceptions import Indeterminate, PersistError
 from persist_pipeline.ids import ShardId, new_critical_reader_id, seeded_ids
-from persist_pipeline.internal.sync import event_factory, lock_factory
+from persist_pipeline.internal.sync import event_factory, inline_workers, lock_factory
 from persist_pipeline.sim import actors, ingestion, seams, transactions
 from persist_pipeline.sim.monitor import Model, Monitor, Monitors
 from persist_pipeline.sim.scheduler import (
@@ -266,6 +266,7 @@ class SimRun:
             stack.enter_context(lock_factory(lambda reentrant: SimLock(self.scheduler,
                                                                         reentrant)))
             stack.enter_context(event_factory(lambda: SimEvent(self.scheduler)))
+            stack.enter_context(inline_workers())
             stack.enter_context(_seeded_jitter(self.seed))
             stack.enter_context(_spark_blobs(self))
             stack.enter_context(_spark_markers())

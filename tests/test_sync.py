@@ -1,0 +1,136 @@
+"""The library's worker threads (:func:`persist_pipeline.internal.sync.new_worker`).
+
+A merge reads its runs' next chunks on one worker and encodes its output on another;
+what it relies on: tasks run in order, off the submitting thread; an error reaches the
+submitter and stops the rest; memory stays bounded (a full queue blocks the submitter);
+leaving the block, as an abandoned generator does, ends the thread; the simulation's
+workers run inline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from persist_pipeline.internal.sync import inline_workers, new_worker
+
+
+def _threads_named(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == name]
+
+
+def _wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_tasks_run_in_order_off_the_submitting_thread() -> None:
+    ran: list[tuple[int, str]] = []
+    with new_worker(2, "test-worker") as worker:
+        for n in range(50):
+            worker.submit(lambda n=n: ran.append((n, threading.current_thread().name)))
+        worker.wait()
+        assert [n for n, _ in ran] == list(range(50))
+        assert {name for _, name in ran} == {"test-worker"}
+        worker.submit(lambda: ran.append((50, threading.current_thread().name)))
+        worker.wait()  # the thread outlives a wait
+    assert len(ran) == 51
+    assert not _threads_named("test-worker")
+
+
+def test_an_error_reaches_the_submitter_and_stops_the_rest() -> None:
+    ran: list[int] = []
+    failed = threading.Event()
+
+    def fail() -> None:
+        failed.set()
+        raise OSError("disk full")
+
+    with new_worker(4, "test-failing") as worker:
+        worker.submit(fail)
+        failed.wait(5)
+        # The worker records the error as the task returns: a later submit raises it
+        # (what it submitted meanwhile is skipped).
+        deadline = time.monotonic() + 10
+        with pytest.raises(OSError, match="disk full"):
+            while time.monotonic() < deadline:
+                worker.submit(lambda: ran.append(1))
+                time.sleep(0.01)
+        worker.submit(lambda: ran.append(2))  # after the error was raised: skipped
+        worker.wait()
+    assert ran == []
+    with new_worker(4, "test-failing") as worker:
+        worker.submit(fail)
+        worker.submit(lambda: ran.append(3))
+        with pytest.raises(OSError, match="disk full"):
+            worker.wait()
+    assert ran == []
+    assert not _threads_named("test-failing")
+
+
+def test_a_full_queue_blocks_the_submitter() -> None:
+    """What bounds the memory a merge holds in flight: ``depth`` tasks wait, no more."""
+    release = threading.Event()
+    submitted: list[int] = []
+    with new_worker(1, "test-bounded") as worker:
+        def submit_three() -> None:
+            for n in range(3):
+                worker.submit(lambda: release.wait(10))
+                submitted.append(n)
+
+        submitter = threading.Thread(target=submit_three)
+        submitter.start()
+        try:
+            _wait_until(lambda: len(submitted) >= 2)
+            time.sleep(0.3)
+            # One task runs (blocked), one waits in the queue; the third cannot be queued.
+            assert submitted == [0, 1]
+        finally:
+            release.set()
+        submitter.join(5)
+        assert submitted == [0, 1, 2]
+        worker.wait()
+
+
+def test_leaving_the_block_cancels_what_has_not_started() -> None:
+    started, release = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def first() -> None:
+        started.set()
+        release.wait(5)
+        ran.append(1)
+
+    def leave_early() -> None:
+        with new_worker(4, "test-cancel") as worker:
+            worker.submit(first)
+            worker.submit(lambda: ran.append(2))
+            started.wait(5)
+
+            def release_once_cancelled() -> None:
+                _wait_until(lambda: worker._cancelled)  # type: ignore[attr-defined]
+                release.set()
+
+            threading.Thread(target=release_once_cancelled).start()
+            raise KeyboardInterrupt  # an error in the submitting thread
+
+    with pytest.raises(KeyboardInterrupt):
+        leave_early()
+    assert ran == [1]  # the running task finished; the queued one never ran
+    assert not _threads_named("test-cancel")
+
+
+def test_inline_workers_run_each_task_at_submit_on_the_caller() -> None:
+    ran: list[str] = []
+    with inline_workers(), new_worker(1, "test-inline") as worker:
+        worker.submit(lambda: ran.append(threading.current_thread().name))
+        assert ran == [threading.current_thread().name]
+        with pytest.raises(ValueError):
+            worker.submit(lambda: int("x"))
+        worker.wait()
+    assert not _threads_named("test-inline")
