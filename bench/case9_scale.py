@@ -48,6 +48,7 @@ from bench.common import CaseResult, Scale, Table, Target, ratio, si
 from bench.services import Services
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.examples.merge_data import run_table_from_ids, write_runs
+from persist_pipeline.internal.sync import inline_workers
 
 TITLE = ("One large merge at any number of runs (rows/s, peak RSS) and split over a Spark "
          "standalone cluster (cold and warm)")
@@ -252,7 +253,8 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
     shard = _write_shard(client, n, seed=1)
     rows_in = sum(b.num_updates for b in client._machine(shard).fetch_latest().batches.values())
     client.close()
-    clones = {name: root / name for name in ("nostart", "first", "second", "snap")}
+    clones = {name: root / name for name in ("nostart", "first", "second", "snap",
+                                             "onethread")}
     for where in clones.values():
         _clone(base, where)
 
@@ -261,10 +263,18 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
 
     log("  Spark split: client.compact (one process)")
     client = client_of(base)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     one = client.compact(shard)
-    one_s = time.perf_counter() - started
+    one_s, one_cpu = time.perf_counter() - started, time.process_time() - cpu
     expected = client.open_reader(shard).snapshot_fingerprint(RUNS - 1)
+    client.close()
+    log("  Spark split: client.compact (one process, no reader or writer thread)")
+    client = client_of(clones["onethread"])
+    started, cpu = time.perf_counter(), time.process_time()
+    with inline_workers():
+        alone = client.compact(shard)
+    alone_s, alone_cpu = time.perf_counter() - started, time.process_time() - cpu
+    same_alone = client.open_reader(shard).snapshot_fingerprint(RUNS - 1) == expected
     client.close()
 
     def location(where: Path) -> str:
@@ -283,9 +293,15 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
         c = client_of(clones[name])
         same = same and c.open_reader(shard).snapshot_fingerprint(RUNS - 1) == expected
         c.close()
+    same = same and same_alone
     jobs = {"nostart": cold["jobs"][0], "first": warm["jobs"][0], "second": warm["jobs"][1]}
     table.add("client.compact(): one merge, one process", f"{one_s:.2f}", si(rows_in / one_s),
-              "1.00x", f"{one['parts_out']} parts out")
+              "1.00x", f"{one['parts_out']} parts out; {one_cpu:.1f} CPU-s "
+              f"({one_cpu / one_s:.2f} cores)")
+    table.add("the same on one thread (no reader or writer thread)", f"{alone_s:.2f}",
+              si(rows_in / alone_s), ratio(one_s, alone_s),
+              f"{alone['parts_out']} parts out; {alone_cpu:.1f} CPU-s; same snapshot: "
+              f"{same_alone}")
     labels = {
         "nostart": f"cluster, first job of an application without prestart (session "
                    f"{cold['session_s']:.1f} s)",
@@ -332,6 +348,14 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
         f"without prestart (session + first job), {first_commit['first']:.1f} s with it "
         "(session + prestart + first job): prestart moves Spark's cold start out of the "
         "first job, into the session's start.",
+        f"One process merges on one thread while a reader thread decodes its inputs and "
+        f"a writer thread encodes its output: it used {one_cpu / one_s:.2f} of this "
+        f"machine's 2 cores, so 2 workers x 1 core can gain at most about "
+        f"{2 / max(one_cpu / one_s, 1.0):.2f}x over it here; against the same merge on "
+        f"one thread the cluster's jobs ran at "
+        + ", ".join(f"{alone_s / jobs[k]['seconds']:.2f}x" for k in ("nostart", "first",
+                                                                       "second"))
+        + " (without prestart, prestarted, second job).",
         "All copies hold the same data (one location cloned); every compacted copy's "
         f"snapshot fingerprint equals the one-process result: {same}.",
         "Each application runs in a process of its own (a fresh driver); session times are "
