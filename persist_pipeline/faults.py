@@ -11,7 +11,9 @@ under a lock and, in this order:
 
 Three numbers are drawn for every call whatever happens, so the fault sequence depends
 only on the seed and the sequence of calls (in a single thread; with several threads,
-on the order in which they reach the lock).
+on the order in which they reach the lock). A merge reads and writes blobs on worker
+threads of its own (:func:`~persist_pipeline.internal.sync.new_worker`), so its blob
+faults replay exactly only in the deterministic simulation, which runs workers inline.
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ class ReadHandle:
         read in bounded memory (about ``compaction_memory_bound_bytes``, whatever the
         shard's size): every batch of the shard is a sorted run, merged as it streams.
         A reader does not write, so unlike a merge it cannot go in passes: runs past the
-        fan-in (about 140 at the default bound) each cost a read buffer beyond the bound,
+        fan-in (128 at the default bound) each cost a read buffer beyond the bound,
         which compaction keeps few (the Spine holds O(log n) batches).
 
         The state being read stays held (its parts are not collected) until the

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -366,6 +368,75 @@ def test_merge_memory_is_bounded_not_proportional_to_data(tmp_path: Path) -> Non
     assert control["rows_out"] == streamed["rows_out"]
     assert control["peak_rss_bytes"] - control["baseline_rss_bytes"] > \
         3 * (_ALLOWED_GROWTH_MIB << 20)
+
+
+_EXIT_WITH_AN_OPEN_SNAPSHOT = textwrap.dedent("""
+    import sys
+    from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
+    from persist_pipeline import read as read_module
+    read_module.WHOLE_FETCH_MAX_BYTES = 0  # every batch streamed through the merge
+    folder = sys.argv[1]
+    # Small parts (about 1,000 a batch): a read is under way whenever one could be.
+    client = PersistClient.open(f"sqlite:///{folder}/c.db", f"file://{folder}/blobs",
+                                inline_policy=InlinePolicy(0, 0),
+                                config=PersistConfig(blob_target_size_bytes=2048))
+    if sys.argv[2] == "write":
+        shard = ShardId.new()
+        writer = client.open_writer(shard)
+        for n in range(4):
+            writer.compare_and_append([(bytes([n]) + i.to_bytes(4, "big"), b"v" * 16, n, 1)
+                                       for i in range(100_000)], n, n + 1)
+        print(shard)
+    else:
+        snapshot = client.open_reader(ShardId.parse(sys.argv[2])).snapshot_batches(
+            3, max_rows=1000)
+        next(snapshot)  # the process ends with the iterator open, as a script may
+""")
+
+
+@pytest.mark.slow
+def test_a_process_ending_with_a_snapshot_iterator_open_exits_cleanly(tmp_path: Path) -> None:
+    """No read runs on the merge's reader thread while the iterator is suspended: at
+    interpreter exit, a daemon thread inside pyarrow would abort the process (SIGABRT,
+    "terminate called") or hang it."""
+    def run(arg: str) -> subprocess.CompletedProcess[str]:
+        try:
+            return subprocess.run([sys.executable, "-c", _EXIT_WITH_AN_OPEN_SNAPSHOT,
+                                   str(tmp_path), arg], capture_output=True, text=True,
+                                  timeout=60, check=False)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the process hung at exit ({arg})")
+
+    written = run("write")
+    assert written.returncode == 0, written.stderr
+    shard = written.stdout.strip()
+    for _ in range(6):
+        ended = run(shard)
+        assert ended.returncode == 0 and "terminate" not in ended.stderr, \
+            (ended.returncode, ended.stderr[-2000:])
+
+
+def test_a_forked_child_continues_a_suspended_snapshot(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    from persist_pipeline import read as read_module
+
+    monkeypatch.setattr(read_module, "WHOLE_FETCH_MAX_BYTES", 0)  # every batch streamed
+    client = PersistClient.open("mem://", "mem://", inline_policy=InlinePolicy(0, 0),
+                                config=PersistConfig(blob_target_size_bytes=2048))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    for n in range(3):
+        writer.compare_and_append([(bytes([n]) + i.to_bytes(4, "big"), b"v", n, 1)
+                                   for i in range(5000)], n, n + 1)
+    snapshot = client.open_reader(shard).snapshot_batches(2, max_rows=100)
+    rows = next(snapshot).num_rows
+    pid = os.fork()
+    if pid == 0:  # the child continues the iteration the parent started
+        signal.alarm(20)
+        os._exit(0 if rows + sum(b.num_rows for b in snapshot) == 15_000 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert rows + sum(b.num_rows for b in snapshot) == 15_000
 
 
 # --- split merges: exactly once, and failures isolated ------------------------------------

@@ -9,6 +9,8 @@ workers run inline.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -134,3 +136,38 @@ def test_inline_workers_run_each_task_at_submit_on_the_caller() -> None:
             worker.submit(lambda: int("x"))
         worker.wait()
     assert not _threads_named("test-inline")
+
+
+def test_leaving_from_the_workers_own_thread_ends_it() -> None:
+    """As when a task's allocation lets the garbage collector finalize the generator
+    that owns the worker: no join of the current thread, and the thread ends."""
+    worker = new_worker(2, "test-own-exit")
+    worker.__enter__()
+    done = threading.Event()
+
+    def leave() -> None:
+        worker.__exit__(None, None, None)
+        done.set()
+
+    worker.submit(leave)
+    assert done.wait(10)
+    worker.wait()  # raises if leaving failed on the worker's thread
+    _wait_until(lambda: not _threads_named("test-own-exit"))
+
+
+def test_a_forked_child_gets_a_worker_of_its_own() -> None:
+    ran: list[int] = []
+    with new_worker(1, "test-fork") as worker:
+        worker.submit(lambda: ran.append(1))
+        worker.wait()
+        pid = os.fork()
+        if pid == 0:  # the child: the worker's thread stayed in the parent
+            signal.alarm(10)
+            worker.submit(lambda: ran.append(2))
+            worker.wait()
+            os._exit(0 if ran == [1, 2] else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        worker.submit(lambda: ran.append(3))
+        worker.wait()
+    assert ran == [1, 3]

@@ -222,7 +222,9 @@ def merge_runs(runs: Iterable[tuple[Iterator[pa.Table], str]], chunk_bytes: int,
 
     The runs' next chunks are read and decoded on a worker thread while this one merges
     a round (they are what the round leaves buffered, refilled, so within the memory
-    plan): a merge overlaps its reads with its work, one hand-off per round.
+    plan): a merge overlaps its reads with its work, one hand-off per round. The reader
+    is idle whenever this generator is suspended: a caller that stops iterating, forks
+    or exits never leaves a read running on another thread.
 
     Args:
         runs: ``(chunks, description)`` per run: the run's rows as tables in
@@ -240,7 +242,7 @@ def merge_runs(runs: Iterable[tuple[Iterator[pa.Table], str]], chunk_bytes: int,
         # The cursors are the reader's between a submit and the wait that follows it.
         reader.submit(partial(_fill, cursors, low))
         while True:
-            reader.wait()
+            reader.wait()  # the first fill, and the refill of a round that took nothing
             cursors = [c for c in cursors if c.rows or not c.done]
             if not cursors:
                 return
@@ -261,6 +263,7 @@ def merge_runs(runs: Iterable[tuple[Iterator[pa.Table], str]], chunk_bytes: int,
                 continue
             reader.submit(partial(_fill, cursors, low))
             out = _merge_round(taken, overflow)
+            reader.wait()  # done before the yield (an error here leaves through the with)
             if out.num_rows:
                 first = _row(out, 0)
                 if emitted is not None and first <= emitted:

@@ -10,6 +10,8 @@ would step outside its scheduler.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -87,23 +89,31 @@ def new_worker(depth: int, name: str) -> Worker:
 
 class _ThreadWorker:
     def __init__(self, depth: int, name: str) -> None:
-        self._queue: queue.Queue[Callable[[], object] | None] = queue.Queue(
-            maxsize=max(1, depth))
+        self._depth = max(1, depth)
+        self._queue: queue.Queue[Callable[[], object] | None] = queue.Queue(self._depth)
         self._name = name
         self._thread: threading.Thread | None = None
+        self._pid = 0
         self._error: BaseException | None = None
-        self._cancelled = False
+        self._cancelled = False  # tasks are skipped: after an error, or when leaving
+        self._leaving = False
 
     def submit(self, task: Callable[[], object]) -> None:
         self._raise_error()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        if self._thread is None or self._pid != os.getpid():
+            if self._thread is not None:
+                # A forked child: the thread stayed in the parent, and so do the tasks
+                # it was given; this process starts its own.
+                self._queue = queue.Queue(self._depth)
+            self._thread = threading.Thread(target=self._run, args=(self._queue,),
+                                            name=self._name, daemon=True)
+            self._pid = os.getpid()
             self._thread.start()
         self._queue.put(task)
 
-    def _run(self) -> None:
+    def _run(self, tasks: queue.Queue[Callable[[], object] | None]) -> None:
         while True:
-            task = self._queue.get()
+            task = tasks.get()
             try:
                 if task is None:
                     return
@@ -114,10 +124,13 @@ class _ThreadWorker:
             except BaseException as e:  # handed to the submitter, raised there
                 self._error = e
             finally:
-                self._queue.task_done()
+                tasks.task_done()
+            if self._leaving and tasks.empty():
+                return  # the owner left: nothing more will be queued
 
     def wait(self) -> None:
-        self._queue.join()
+        if self._pid == os.getpid():  # in a forked child, nothing of this process waits
+            self._queue.join()
         self._raise_error()
 
     def _raise_error(self) -> None:
@@ -130,11 +143,18 @@ class _ThreadWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._cancelled = True
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+        self._cancelled = self._leaving = True
+        thread, self._thread = self._thread, None
+        if thread is None or self._pid != os.getpid():
+            return
+        if thread is threading.current_thread():
+            # Left on the worker's own thread (its owner garbage-collected by a task
+            # it runs): the loop ends after this task, as it skips what is queued.
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(None)
+            return
+        self._queue.put(None)
+        thread.join()
 
 
 class _InlineWorker:
