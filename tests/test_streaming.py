@@ -416,19 +416,25 @@ def test_a_process_ending_with_a_snapshot_iterator_open_exits_cleanly(tmp_path: 
             (ended.returncode, ended.stderr[-2000:])
 
 
-def test_a_forked_child_continues_a_suspended_snapshot(monkeypatch: pytest.MonkeyPatch
-                                                       ) -> None:
+def _streamed_shard(monkeypatch: pytest.MonkeyPatch, rows: int) -> Any:
+    """A reader of three blob batches of ``rows`` updates each, which snapshots stream
+    through the merge (none fetched whole)."""
     from persist_pipeline import read as read_module
 
-    monkeypatch.setattr(read_module, "WHOLE_FETCH_MAX_BYTES", 0)  # every batch streamed
+    monkeypatch.setattr(read_module, "WHOLE_FETCH_MAX_BYTES", 0)
     client = PersistClient.open("mem://", "mem://", inline_policy=InlinePolicy(0, 0),
                                 config=PersistConfig(blob_target_size_bytes=2048))
     shard = ShardId.new()
     writer = client.open_writer(shard)
     for n in range(3):
         writer.compare_and_append([(bytes([n]) + i.to_bytes(4, "big"), b"v", n, 1)
-                                   for i in range(5000)], n, n + 1)
-    snapshot = client.open_reader(shard).snapshot_batches(2, max_rows=100)
+                                   for i in range(rows)], n, n + 1)
+    return client.open_reader(shard)
+
+
+def test_a_forked_child_continues_a_suspended_snapshot(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    snapshot = _streamed_shard(monkeypatch, 5000).snapshot_batches(2, max_rows=100)
     rows = next(snapshot).num_rows
     pid = os.fork()
     if pid == 0:  # the child continues the iteration the parent started
@@ -648,21 +654,11 @@ def test_a_part_missing_on_the_reader_thread_fails_the_merge(tiny_memory: None) 
 
 def test_an_abandoned_snapshot_iterator_ends_its_reader_thread(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from persist_pipeline import read as read_module
-
-    monkeypatch.setattr(read_module, "WHOLE_FETCH_MAX_BYTES", 0)  # every batch streamed
-    client = PersistClient.open("mem://", "mem://", inline_policy=InlinePolicy(0, 0),
-                                config=PersistConfig(blob_target_size_bytes=2048))
-    shard = ShardId.new()
-    writer = client.open_writer(shard)
-    for n in range(3):
-        writer.compare_and_append([(bytes([n, i % 250, i // 250]), b"v", n, 1)
-                                   for i in range(2000)], n, n + 1)
-    reader = client.open_reader(shard)
+    reader = _streamed_shard(monkeypatch, 2000)
     batches = reader.snapshot_batches(2, max_rows=100)
     first = next(batches)
     assert first.num_rows == 100
-    assert _merge_threads() == ["persist-merge-reader"]  # reading the next round
+    assert _merge_threads() == ["persist-merge-reader"]  # idle while the caller holds it
     del batches  # dropped before the end, as a caller that found what it wanted
     assert _merge_threads() == []
     reader.expire()
