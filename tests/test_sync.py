@@ -39,8 +39,9 @@ def test_tasks_run_in_order_off_the_submitting_thread() -> None:
         worker.wait()
         assert [n for n, _ in ran] == list(range(50))
         assert {name for _, name in ran} == {"test-worker"}
+        assert not _threads_named("test-worker")  # a worker holds a thread only while busy
         worker.submit(lambda: ran.append((50, threading.current_thread().name)))
-        worker.wait()  # the thread outlives a wait
+        worker.wait()
     assert len(ran) == 51
     assert not _threads_named("test-worker")
 

@@ -10,7 +10,6 @@ would step outside its scheduler.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import threading
@@ -50,7 +49,8 @@ class Worker(Protocol):
         error of an earlier task (the tasks after a failed one never run)."""
 
     def wait(self) -> None:
-        """Wait until every submitted task ran; raise the first one's error, if any."""
+        """Wait until every submitted task ran, and for the thread to end (a worker holds
+        a thread only while it has tasks); raise the first task's error, if any."""
 
     def __enter__(self) -> Worker: ...
 
@@ -101,10 +101,10 @@ class _ThreadWorker:
     def submit(self, task: Callable[[], object]) -> None:
         self._raise_error()
         if self._thread is None or self._pid != os.getpid():
-            if self._thread is not None:
-                # A forked child: the thread stayed in the parent, and so do the tasks
-                # it was given; this process starts its own.
-                self._queue = queue.Queue(self._depth)
+            # A new thread (and queue: in a forked child the old one's tasks stayed
+            # with the parent's thread).
+            self._queue = queue.Queue(self._depth)
+            self._leaving = False
             self._thread = threading.Thread(target=self._run, args=(self._queue,),
                                             name=self._name, daemon=True)
             self._pid = os.getpid()
@@ -129,9 +129,24 @@ class _ThreadWorker:
                 return  # the owner left: nothing more will be queued
 
     def wait(self) -> None:
-        if self._pid == os.getpid():  # in a forked child, nothing of this process waits
-            self._queue.join()
+        # The thread ends here, not when the owner leaves: a worker idle between tasks
+        # (a generator suspended at a yield) holds no thread that a process exit could
+        # find (exits with one left idle aborted the interpreter now and then) or that
+        # a fork could leave behind.
+        self._stop()
         self._raise_error()
+
+    def _stop(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None or self._pid != os.getpid():
+            return  # in a forked child the thread and its tasks stayed behind
+        if thread is threading.current_thread():
+            # Left on the worker's own thread (its owner garbage-collected by a task
+            # it runs): the loop ends once this task and what is queued are done.
+            self._leaving = True
+            return
+        self._queue.put(None)
+        thread.join()
 
     def _raise_error(self) -> None:
         error, self._error = self._error, None
@@ -143,18 +158,8 @@ class _ThreadWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._cancelled = self._leaving = True
-        thread, self._thread = self._thread, None
-        if thread is None or self._pid != os.getpid():
-            return
-        if thread is threading.current_thread():
-            # Left on the worker's own thread (its owner garbage-collected by a task
-            # it runs): the loop ends after this task, as it skips what is queued.
-            with contextlib.suppress(queue.Full):
-                self._queue.put_nowait(None)
-            return
-        self._queue.put(None)
-        thread.join()
+        self._cancelled = True
+        self._stop()
 
 
 class _InlineWorker:
