@@ -233,7 +233,7 @@ class ShardSchema:
         t = columns["t"].to_pylist()
         d_column = columns["d"]
         d = [1] * n if d_column is _ONES.get(n) else d_column.to_pylist()
-        return Updates.coerce(list(zip(k, v, t, d, strict=True)))
+        return Updates.from_columns(k, v, t, d)
 
     def conform(self, table: object, *, with_times: bool = True) -> pa.Table:
         """The table with exactly the schema's columns (cast, missing nullable values

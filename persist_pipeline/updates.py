@@ -86,6 +86,26 @@ def _from_rows(rows: Iterable[Any]) -> tuple[list[bytes], list[bytes], list[int]
             raise _bad(i, f"diff must be a signed 64-bit int, got {d!r}")
         key = (k, v, t)
         sums[key] = sums.get(key, 0) + d
+    return _sorted_sums(sums)
+
+
+def _from_columns(ks: list[bytes], vs: list[bytes], ts: list[int], ds: list[int]
+                  ) -> tuple[list[bytes], list[bytes], list[int], list[int]]:
+    """:func:`_from_rows` of columns whose types are already right (read from non-null
+    binary and int64 Arrow columns, or encoded by a shard schema): only the sign of the
+    times is left to check."""
+    if ts and min(ts) < 0:
+        i = next(i for i, t in enumerate(ts) if t < 0)
+        raise _bad(i, f"ts must be a non-negative int in [0, 2**63-1], got {ts[i]!r}")
+    sums: dict[tuple[bytes, bytes, int], int] = {}
+    for k, v, t, d in zip(ks, vs, ts, ds, strict=True):
+        key = (k, v, t)
+        sums[key] = sums.get(key, 0) + d
+    return _sorted_sums(sums)
+
+
+def _sorted_sums(sums: dict[tuple[bytes, bytes, int], int]
+                 ) -> tuple[list[bytes], list[bytes], list[int], list[int]]:
     ks: list[bytes] = []
     vs: list[bytes] = []
     ts: list[int] = []
@@ -192,8 +212,7 @@ class Updates:
         if isinstance(updates, pa.Table):
             table = _check_table(updates)
             if table.num_rows <= _SMALL_WRITE_ROWS:  # as for tuples: plain Python is faster
-                return cls(_from_rows(zip(*(table.column(c).to_pylist() for c in SCHEMA.names),
-                                          strict=True)), None)
+                return cls.from_columns(*(table.column(c).to_pylist() for c in SCHEMA.names))
             if pc.min(table.column("t")).as_py() < 0:
                 raise InvalidUpdates("ts must be non-negative")
             try:
@@ -211,6 +230,15 @@ class Updates:
         return cls(None, pa.Table.from_arrays(
             [pa.array(lists[0], pa.binary()), pa.array(lists[1], pa.binary()),
              pa.array(lists[2], pa.int64()), pa.array(lists[3], pa.int64())], schema=SCHEMA))
+
+    @classmethod
+    def from_columns(cls, ks: list[bytes], vs: list[bytes], ts: list[int], ds: list[int]
+                     ) -> Updates:
+        """A small write given as columns of the right types (bytes keys and values,
+        64-bit int times and diffs: what non-null binary/int64 Arrow columns and a shard
+        schema's encoder give), consolidated; negative times are refused as in
+        :meth:`coerce`."""
+        return cls(_from_columns(ks, vs, ts, ds), None)
 
     def __len__(self) -> int:
         return len(self._lists[0]) if self._lists is not None else self.table().num_rows

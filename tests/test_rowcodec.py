@@ -113,6 +113,35 @@ def test_decode_inverts_encode_and_equal_rows_encode_equal(
             assert (encoded[i] == encoded[j]) == same, (rows[i], rows[j])
 
 
+_FIXED_WIDTH_TYPES: list[tuple[pa.DataType, st.SearchStrategy[Any]]] = [
+    *[(t, v) for t, v in _LEAF_TYPES if rowcodec._fixed_width(t) is not None],
+    (pa.int16(), st.integers(-(1 << 15), (1 << 15) - 1)),
+    (pa.uint8(), st.integers(0, 255)),
+    (pa.uint16(), st.integers(0, (1 << 16) - 1)),
+    (pa.int32(), st.integers(-(1 << 31), (1 << 31) - 1)),
+    (pa.time32("s"), st.integers(0, 86_399)),
+    (pa.date64(), st.dates()),
+]
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.data())
+def test_small_columns_without_nulls_encode_like_the_vectorized_path(data: st.DataObject
+                                                                     ) -> None:
+    # Small null-free fixed-width columns are read straight from their data buffer; a
+    # slice (a non-zero offset) must read its own values and give the vectorized bytes.
+    type_, values = data.draw(st.sampled_from(_FIXED_WIDTH_TYPES))
+    rows = data.draw(st.lists(values, min_size=1, max_size=rowcodec._PER_VALUE_ROWS + 3))
+    start = data.draw(st.integers(0, len(rows) - 1))
+    column = pa.array(rows, type_).slice(start)
+    if pa.types.is_timestamp(type_) or pa.types.is_duration(type_) or pa.types.is_time(type_):
+        column = pa.array(rows, pa.int64() if type_.bit_width == 64 else pa.int32()
+                          ).cast(type_).slice(start)
+    expected = rowcodec.encode_rows([column], len(column), strip_trailing_nulls=False)
+    assert rowcodec.encode_rows_list([column], len(column),
+                                     strip_trailing_nulls=False) == expected.to_pylist()
+
+
 @settings(max_examples=examples(50), deadline=None)
 @given(_tables())
 def test_sliced_and_chunked_inputs_encode_like_whole_ones(

@@ -236,6 +236,23 @@ def test_untyped_and_typed_never_mix(location: Location) -> None:
     client.close()
 
 
+def test_a_small_typed_write_with_a_negative_time_is_refused_and_changes_nothing() -> None:
+    client = PersistClient.open("mem://typed-negative", "mem://typed-negative")
+    shard = ShardId.new()
+    writer = client.open_writer(shard, schema=ShardSchema([("id", pa.int64())],
+                                                          [("score", pa.float64())]))
+    bad = pa.table({"id": [1, 2], "score": [0.5, -1.5], "t": [0, -3]})
+    with pytest.raises(InvalidUpdates, match=r"update #1: ts must be a non-negative"):
+        writer.compare_and_append(bad, 0, 1)
+    assert writer.upper == 0
+    good = pa.table({"id": [2, 1, 1], "score": [-1.5, 0.5, 0.5], "t": [0, 0, 0],
+                     "d": [1, 1, -1]})
+    writer.compare_and_append(good, 0, 1)
+    snapshot = client.open_reader(shard).snapshot(0)
+    assert snapshot.to_pylist() == [{"id": 2, "score": -1.5, "t": 0, "d": 1}]
+    client.close()
+
+
 def test_frames_and_row_dicts_are_accepted() -> None:
     pd = pytest.importorskip("pandas")
     pl = pytest.importorskip("polars")

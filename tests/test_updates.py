@@ -95,3 +95,15 @@ def test_tables_with_nulls_or_negative_times_are_rejected():
     negative = pa.table({"k": [b"k"], "v": [b"v"], "t": [-1], "d": [1]})
     with pytest.raises(InvalidUpdates, match="non-negative"):
         Updates.coerce(negative)
+    # A small table takes the plain-Python path; it names the offending row as tuples do.
+    late = pa.table({"k": [b"a", b"b", b"c"], "v": [b"v"] * 3, "t": [0, 4, -2], "d": [1] * 3})
+    with pytest.raises(InvalidUpdates, match=r"update #2: ts must be a non-negative"):
+        Updates.coerce(late)
+
+
+def test_small_tables_consolidate_like_tuples():
+    rows = [(b"b", b"v", 1, 2), (b"a", b"v", 0, 1), (b"b", b"v", 1, -2), (b"a", b"v", 0, 4)]
+    table = pa.table({"k": [r[0] for r in rows], "v": [r[1] for r in rows],
+                      "t": [r[2] for r in rows], "d": [r[3] for r in rows]})
+    assert Updates.coerce(table).table().to_pylist() == \
+        Updates.coerce(rows).table().to_pylist() == [{"k": b"a", "v": b"v", "t": 0, "d": 5}]

@@ -279,8 +279,67 @@ def _python_values(arr: pa.Array, w: int) -> list[Any] | None:
     return values
 
 
+#: ``struct`` format letters of the little-endian integers a fixed-width column holds,
+#: by (signed, width); temporal types are signed integers of their width.
+_INT_FORMATS = {(True, 1): "b", (True, 2): "h", (True, 4): "i", (True, 8): "q",
+                (False, 1): "B", (False, 2): "H", (False, 4): "I", (False, 8): "Q"}
+_SIGN_FLIP = {1: 1 << 7, 2: 1 << 15, 4: 1 << 31, 8: 1 << 63}
+_FLOAT_FORMATS = {4: ("f", "I"), 8: ("d", "Q")}
+_SMALL_FIXED: dict[pa.DataType, tuple[str, str, int] | None] = {}
+
+
+def _small_fixed_kind(type_: pa.DataType, w: int) -> tuple[str, str, int] | None:
+    """How :func:`_small_fixed_list` reads a column of ``type_``: ("int", format,
+    offset added before the big-endian write) or ("float", format, 0); None for the
+    general path (booleans, decimals, fixed-size binary)."""
+    try:
+        return _SMALL_FIXED[type_]
+    except KeyError:
+        pass
+    kind: tuple[str, str, int] | None = None
+    if pa.types.is_floating(type_) and w in _FLOAT_FORMATS:
+        kind = ("float", _FLOAT_FORMATS[w][0], 0)
+    elif ((pa.types.is_integer(type_) or pa.types.is_temporal(type_))
+          and (_is_signed(type_), w) in _INT_FORMATS):
+        signed = _is_signed(type_)
+        kind = ("int", _INT_FORMATS[signed, w], _SIGN_FLIP[w] if signed else 0)
+    if len(_SMALL_FIXED) < 1024:
+        _SMALL_FIXED[type_] = kind
+    return kind
+
+
+def _small_fixed_list(arr: pa.Array, width: int) -> list[bytes] | None:
+    """The per-value encoding of a small fixed-width column without nulls, read straight
+    from its data buffer (the bytes :func:`_fixed_values` gives); None where that path
+    is not this one's: nulls, booleans, decimals, fixed-size binary, NaN or zero floats
+    (which the general path canonicalizes)."""
+    if arr.null_count:
+        return None
+    kind = _small_fixed_kind(arr.type, width)
+    data = arr.buffers()[1]
+    if kind is None or data is None:
+        return None
+    n = len(arr)
+    what, letter, offset = kind
+    values = struct.unpack_from(f"<{n}{letter}", data, arr.offset * width)
+    if what == "int":
+        return [b"\x01" + (v + offset).to_bytes(width, "big") for v in values]
+    if any(v != v or v == 0 for v in values):
+        return None
+    sign = _SIGN_FLIP[width]
+    mask = (sign << 1) - 1
+    bits = struct.unpack(f">{n}{_FLOAT_FORMATS[width][1]}",
+                         struct.pack(f">{n}{letter}", *values))
+    # Negative floats: every bit flipped; others: the sign bit set (order-preserving).
+    return [b"\x01" + ((~b & mask) if b & sign else (b | sign)).to_bytes(width, "big")
+            for b in bits]
+
+
 def _fixed_list(arr: pa.Array, width: int) -> list[bytes]:
     if len(arr) <= _PER_VALUE_ROWS:
+        fast = _small_fixed_list(arr, width)
+        if fast is not None:
+            return fast
         values = _python_values(arr, width)
         if values is not None:
             return _fixed_values(arr.type, width, values)
