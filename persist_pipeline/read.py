@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -31,7 +29,7 @@ from persist_pipeline.internal.heartbeat import Heartbeater
 from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.merge import memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, State
-from persist_pipeline.internal.sync import new_lock
+from persist_pipeline.internal.sync import SharedPool, new_lock
 from persist_pipeline.plan import (
     LATEST,
     PlanFile,
@@ -49,18 +47,8 @@ SNAPSHOT_BATCH_ROWS = 64 * 1024
 _FETCH_THREADS = 8
 
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _fetch_pool() -> ThreadPoolExecutor:
-    """One shared pool for blob fetches (threads are reused across reads)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=_FETCH_THREADS,
-                                       thread_name_prefix="persist-fetch")
-        return _POOL
+#: One shared pool for blob fetches (threads are reused across reads).
+_FETCH_POOL = SharedPool(_FETCH_THREADS, "persist-fetch")
 
 
 def stream_snapshot(machine: Machine, batches: list[Batch], as_of: int) -> Iterator[pa.Table]:
@@ -113,7 +101,7 @@ def fetch_batches(machine: Machine, batches: list[Batch], where: str) -> pa.Tabl
     if len(hollow) == 1 or machine.config.read_fetch_threads <= 1:
         tables += [machine.blobs.fetch_part(p, where) for p in hollow]
     elif hollow:
-        tables += _fetch_pool().map(lambda p: machine.blobs.fetch_part(p, where), hollow)
+        tables += _FETCH_POOL.get().map(lambda p: machine.blobs.fetch_part(p, where), hollow)
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
 

@@ -230,12 +230,17 @@ class Transaction:
             Indeterminate: a lost reply whose outcome cannot be told; read the shards
                 (every shard or none has its batch). Uploaded parts are left for GC.
             InvalidInput: the transaction is empty or already finished.
+            LeaseExpired: a writer handle given was expired since; no shard changed.
         """
         self._check_open()
         if not self._ops:
             raise InvalidInput("an empty transaction: add at least one append before commit")
         self._finished = True
         try:
+            for op in self._ops.values():
+                # A handle expired after its append was added writes nothing more, here
+                # as through its own compare_and_append: no shard changes.
+                op.handle._check_open()
             return self._commit()
         finally:
             self._expire_opened()
@@ -272,9 +277,7 @@ class Transaction:
                     committed, results = applied.committed, applied.results
                     states = applied.states
                 except Indeterminate as e:
-                    # Every shard or none has its batch: any one found in history tells.
-                    first = staged[0]
-                    results = [first.handle._settle_in_history(first, e)] * len(staged)
+                    results = [_settle_in_history(staged, e)] * len(staged)
                     committed, states = True, [s.handle._machine.state for s in staged]
                 if not committed:
                     if self._retry_refused(live, results, clock.monotonic() < deadline):
@@ -350,6 +353,23 @@ class Transaction:
             self.commit()
         else:
             self.abort()
+
+
+def _settle_in_history(staged: list[Staged], error: Indeterminate
+                       ) -> transitions.AppendResult:
+    """A transaction's lost reply the CaS loop could not settle. Every shard or none has
+    its batch, so any one batch found in its shard's kept history tells it committed
+    (a shard whose append holds no rows has no batch to look for). Re-raises ``error``
+    when none is found."""
+    with_batch = [s for s in staged if s.batch is not None]
+    for s in with_batch:
+        assert s.batch is not None
+        if s.handle._found_in_history(s.batch.id, s.expected):
+            return transitions.Appended(already_committed=True)
+    if with_batch:
+        first = with_batch[0]
+        return first.handle._settle_in_history(first, error)  # raises, naming its batch
+    raise error
 
 
 def _raise_refusal(staged: list[Staged], results: list[transitions.AppendResult],

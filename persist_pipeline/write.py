@@ -25,7 +25,7 @@ from persist_pipeline.exceptions import (
     UnsettledCommit,
     UpperMismatch,
 )
-from persist_pipeline.frontier import Frontier, check_frontier, less_equal, less_than
+from persist_pipeline.frontier import MAX_TIME, Frontier, check_frontier, less_equal, less_than
 from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal import transitions
@@ -502,13 +502,17 @@ class WriteHandle:
         return Updates.coerce(pa.concat_tables(pieces)), time, encoding
 
     def _contents(self, state: State) -> pa.Table:
-        """Every row of ``state`` at its upper - 1 (k/v/t/d, consolidated)."""
+        """Every row of ``state`` (k/v/t/d, consolidated over all times).
+
+        Every update counts, whatever its time: compaction advances times to the since,
+        which readers may have moved up to the upper or past it, so a read at
+        ``upper - 1`` would miss rows that are still there, and a replacement computed
+        from it would store them twice."""
         from persist_pipeline.read import stream_snapshot
 
         if not state.upper:
             return empty_table()
-        tables = list(stream_snapshot(self._machine, list(state.ordered_batches),
-                                      state.upper - 1))
+        tables = list(stream_snapshot(self._machine, list(state.ordered_batches), MAX_TIME))
         return pa.concat_tables(tables) if tables else empty_table()
 
     def _attempt_encoding(self, state: State) -> Encoding:

@@ -1,10 +1,12 @@
-"""The library's worker threads (:func:`persist_pipeline.internal.sync.new_worker`).
+"""The library's worker threads (:func:`persist_pipeline.internal.sync.new_worker`) and
+shared pools (:class:`~persist_pipeline.internal.sync.SharedPool`).
 
 A merge reads its runs' next chunks on one worker and encodes its output on another;
 what it relies on: tasks run in order, off the submitting thread; an error reaches the
 submitter and stops the rest; memory stays bounded (a full queue blocks the submitter);
 leaving the block, as an abandoned generator does, ends the thread; the simulation's
-workers run inline.
+workers run inline. A forked child gets workers and pools of its own (only the forking
+thread survives a fork), so its reads and background rollups run.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from persist_pipeline.internal.sync import inline_workers, new_worker
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
+from persist_pipeline.internal.sync import SharedPool, inline_workers, new_worker
 
 
 def _threads_named(name: str) -> list[threading.Thread]:
@@ -172,3 +176,69 @@ def test_a_forked_child_gets_a_worker_of_its_own() -> None:
         worker.submit(lambda: ran.append(3))
         worker.wait()
     assert ran == [1, 3]
+
+
+def _in_a_forked_child(body: Callable[[], bool], alarm_s: int = 20) -> None:
+    """Run ``body`` in a forked child (killed by SIGALRM if it hangs); it must return
+    True."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(alarm_s)
+        try:
+            ok = body()
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert not os.WIFSIGNALED(status), "the forked child hung (killed by SIGALRM)"
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_a_forked_child_gets_a_shared_pool_of_its_own() -> None:
+    pool = SharedPool(2, "test-shared")
+    assert pool.get().submit(lambda: 1).result(10) == 1
+    parent_pool = pool.get()
+    # The parent's threads are idle now: the child's copy would count them and start
+    # none, so a task submitted to it would never run.
+    _in_a_forked_child(lambda: pool.get() is not parent_pool
+                       and pool.get().submit(lambda: 2).result(10) == 2)
+    assert pool.get() is parent_pool
+
+
+def test_a_forked_child_reads_blob_parts_through_the_fetch_pool(tmp_path: Path) -> None:
+    client = PersistClient.open(f"sqlite:///{tmp_path}/c.db", f"file://{tmp_path}/b",
+                                inline_policy=InlinePolicy(0, 0))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    for n in range(3):
+        writer.compare_and_append([(b"k%d" % n, b"v", n, 1)], n, n + 1)
+    reader = client.open_reader(shard)
+    assert reader.snapshot(2).num_rows == 3  # its small parts go through the fetch pool
+    time.sleep(0.5)  # the pool's threads go back to idle (the child would count them)
+    _in_a_forked_child(lambda: reader.snapshot(2).num_rows == 3)
+    client.close()
+
+
+def test_a_forked_child_writes_background_rollups(tmp_path: Path) -> None:
+    client = PersistClient.open(f"sqlite:///{tmp_path}/c.db", f"file://{tmp_path}/b",
+                                config=PersistConfig(rollup_threshold=2,
+                                                     background_maintenance=True))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+
+    def append(n: int) -> None:
+        writer.compare_and_append([(b"k%d" % n, b"v", n, 1)], n, n + 1)
+
+    for n in range(6):
+        append(n)
+    client.flush_maintenance(5)  # the parent's rollups ran on the maintenance pool
+
+    def child() -> bool:
+        for n in range(6, 12):
+            append(n)
+        client.flush_maintenance(5)
+        return max(client._machine(str(shard)).fetch_latest().rollups) > 8
+
+    _in_a_forked_child(child, alarm_s=30)
+    client.close()

@@ -29,6 +29,7 @@ from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.faults import FaultConfig, FaultyConsensus
 from persist_pipeline.exceptions import (
+    ConsensusUnavailable,
     Indeterminate,
     InvalidFrontier,
     InvalidInput,
@@ -37,6 +38,13 @@ from persist_pipeline.exceptions import (
     SchemaMismatch,
 )
 from tests.helpers import rows, wait_until
+from tests.test_regressions_lost_replies import (
+    NO_INLINE,
+    PAUSE_S,
+    SHORT_LEASE_S,
+    Clients,
+    LoseNextReply,
+)
 
 
 def snapshot_rows(client: PersistClient, shard: Any) -> list[tuple[bytes, bytes, int]]:
@@ -166,6 +174,22 @@ def test_bad_input_is_refused_and_changes_nothing(open_client):
     wa.expire()
     with pytest.raises(LeaseExpired):
         client.transaction().compare_and_append(wa, [], 1, 2)
+
+
+def test_a_writer_expired_after_its_append_was_added_makes_the_commit_change_nothing(
+        open_client):
+    client = open_client()
+    a, b, wa, wb = two_shards(client)
+    txn = client.transaction()
+    txn.compare_and_append(wa, [(b"k", b"v", 0, 1)], 0, 1)
+    txn.compare_and_append(wb, [(b"k", b"v", 0, 1)], 0, 1)
+    wa.expire()  # the handle cannot write afterwards, through a transaction either
+    with pytest.raises(LeaseExpired):
+        txn.commit()
+    assert uppers(client, a, b) == [0, 0]
+    assert wa.writer_id not in client._machine(str(a)).fetch_latest().writers
+    with pytest.raises(InvalidInput, match="already been committed"):
+        txn.commit()
 
 
 def test_typed_shards_keep_their_schema_checks(open_client):
@@ -337,6 +361,56 @@ def test_lost_replies_at_the_commit_are_settled_all_or_nothing(durable_location)
     assert ka <= set(reported) | set(unsure)
     client.close()
     setup.close()
+
+
+class LoseNextManyReply(LoseNextReply):
+    """:class:`LoseNextReply` for the multi-shard compare-and-set of a transaction."""
+
+    def compare_and_set_many(self, writes: Any) -> bool:
+        ok = self.inner.compare_and_set_many(writes)
+        if ok and self._armed:
+            self._armed = False
+            hook, self._hook = self._hook, None
+            if hook is not None:
+                hook()
+            self.lost += 1
+            raise ConsensusUnavailable("test: the transaction landed but its reply was lost")
+        return ok
+
+
+@pytest.mark.parametrize("rows_first", [False, True], ids=["empty-first", "rows-first"])
+def test_a_lost_reply_is_settled_by_any_shards_batch_in_history(location, rows_first):
+    """A transaction lands; its process pauses past its writers' leases, GC expires them
+    and truncates the records that would settle it; then its reply is lost. Only B's
+    batch is left to tell (A's append holds no rows: no batch), in B's kept history:
+    found there, the commit is reported, whichever shard was added first."""
+    clients = Clients(location)
+    try:
+        a, b = ShardId.new(), ShardId.new()
+        lossy = LoseNextManyReply(open_consensus(location.consensus_uri))
+        client = clients._open(lossy, NO_INLINE, reader_lease_duration_s=SHORT_LEASE_S)
+        wa, wb = client.open_writer(a), client.open_writer(b)
+        wa.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+        wb.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+        gc = clients.plain()
+
+        def pause_then_gc() -> None:
+            clients.clock.advance(PAUSE_S)
+            gc.gc(a)
+            gc.gc(b)
+
+        lossy.arm(pause_then_gc)
+        txn = client.transaction()
+        appends = [(wa, []), (wb, [(b"x", b"", 1, 1)])]
+        for writer, updates in reversed(appends) if rows_first else appends:
+            txn.compare_and_append(writer, updates, 1, 2)
+        results = txn.commit()
+        assert lossy.lost == 1
+        assert results[str(b)].already_committed and results[str(b)].upper == 2
+        assert results[str(a)].upper == 2
+        assert uppers(gc, a, b) == [2, 2]
+    finally:
+        clients.close()
 
 
 def _txn_loop(consensus_uri: str, blob_uri: str, a: str, b: str, ready: Any,

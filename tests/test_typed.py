@@ -253,6 +253,48 @@ def test_a_small_typed_write_with_a_negative_time_is_refused_and_changes_nothing
     client.close()
 
 
+def _compacted_with_since_at_the_upper(client: PersistClient, shard: ShardId) -> None:
+    """Its readers released every time below the upper (the API allows since == upper),
+    then compaction advanced the rows' times to the since: to the upper."""
+    reader = client.open_reader(shard)
+    reader.downgrade_since(client.inspect(shard)["upper"])
+    client.compact(shard)
+    reader.expire()
+
+
+def test_replace_contents_counts_rows_compaction_moved_to_the_upper(location: Location
+                                                                    ) -> None:
+    client = location.client()
+    shard = ShardId.new()
+    schema = ShardSchema([("id", pa.int64())], [("a", pa.string())])
+    table = pa.table({"id": [1, 2, 3], "a": ["x", "y", "z"]})
+    writer = client.open_writer(shard, schema=schema)
+    writer.replace_contents(table)
+    _compacted_with_since_at_the_upper(client, shard)
+    # The shard holds exactly the table already: replacing it with itself changes nothing.
+    result = writer.replace_contents(table)
+    assert (result.rows_added, result.rows_retracted) == (0, 0)
+    changed = writer.replace_contents(table.slice(0, 2))
+    assert (changed.rows_added, changed.rows_retracted) == (0, 1)
+    snapshot = client.open_reader(shard).snapshot(int(changed.upper) - 1)
+    assert sorted((r["id"], r["a"], r["d"]) for r in snapshot.to_pylist()) == [
+        (1, "x", 1), (2, "y", 1)]
+    client.close()
+
+
+def test_store_table_after_compaction_to_a_since_at_the_upper_loads_one_table(
+        location: Location) -> None:
+    from persist_pipeline.tables import load_table, store_table
+
+    client = location.client()
+    table = pa.table({"id": [1, 2, 3], "a": ["x", "y", "z"]})
+    stored = store_table(client, "seams/orders", table, ["id"])
+    _compacted_with_since_at_the_upper(client, stored.shard)
+    store_table(client, "seams/orders", table, ["id"])
+    assert load_table(client, "seams/orders").sort_by("id").to_pylist() == table.to_pylist()
+    client.close()
+
+
 def test_frames_and_row_dicts_are_accepted() -> None:
     pd = pytest.importorskip("pandas")
     pl = pytest.importorskip("polars")

@@ -13,15 +13,15 @@ blobs, a rollup is recorded only within the commit deadline of its upload.
 from __future__ import annotations
 
 import logging
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import os
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from persist_pipeline.exceptions import PersistError
 from persist_pipeline.internal import paths, state_codec, transitions
 from persist_pipeline.internal.state import Rollup, State
-from persist_pipeline.internal.sync import new_lock
+from persist_pipeline.internal.sync import SharedPool, new_lock
 
 if TYPE_CHECKING:
     from persist_pipeline.internal.machine import Machine
@@ -47,7 +47,13 @@ class RollupMaintenance:
         self._machine = machine
         self._lock = new_lock()
         self._pending: Future[None] | None = None
+        self._pending_pid = 0
         self._ready: _Ready | None = None
+
+    def _pending_here(self) -> Future[None] | None:
+        """The rollup started in this process (under the lock). One started by the
+        parent of a forked child runs on the parent's pool and never finishes here."""
+        return self._pending if self._pending_pid == os.getpid() else None
 
     def due(self, state: State) -> bool:
         latest = state.latest_rollup()
@@ -66,10 +72,12 @@ class RollupMaintenance:
                             machine.shard_id, state.seqno, e)
             return
         with self._lock:
-            busy = self._pending is not None and not self._pending.done()
+            pending = self._pending_here()
+            busy = pending is not None and not pending.done()
             if busy or self._ready is not None:
                 return
-            self._pending = _maintenance_pool().submit(self._store_quietly, state)
+            self._pending = _MAINTENANCE_POOL.get().submit(self._store_quietly, state)
+            self._pending_pid = os.getpid()
 
     def _store_quietly(self, state: State) -> None:
         try:
@@ -129,7 +137,7 @@ class RollupMaintenance:
     def wait(self, timeout_s: float | None = None) -> None:
         """Finish the background rollup started so far and record it now."""
         with self._lock:
-            pending = self._pending
+            pending = self._pending_here()
         if pending is not None:
             pending.result(timeout=timeout_s)
         with self._lock:
@@ -161,14 +169,5 @@ class RollupMaintenance:
         return added
 
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _maintenance_pool() -> ThreadPoolExecutor:
-    """The threads that write rollups off the writers' path (shared by all machines)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="persist-maintenance")
-        return _POOL
+#: The threads that write rollups off the writers' path (shared by all machines).
+_MAINTENANCE_POOL = SharedPool(2, "persist-maintenance")

@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Protocol, cast
 
@@ -149,9 +150,12 @@ class _ThreadWorker:
         thread.join()
 
     def _raise_error(self) -> None:
-        error, self._error = self._error, None
+        error = self._error
         if error is not None:
+            # Cancelled before the error is cleared: the thread skips tasks while either
+            # is set, so no task runs after a failed one, even one queued meanwhile.
             self._cancelled = True
+            self._error = None
             raise error
 
     def __enter__(self) -> Worker:
@@ -160,6 +164,37 @@ class _ThreadWorker:
     def __exit__(self, *exc: object) -> None:
         self._cancelled = True
         self._stop()
+
+
+class SharedPool:
+    """A thread pool shared by every caller in one process, made on first use.
+
+    A forked child gets a pool of its own: its copy of the parent's pool has no threads
+    (only the forking thread survives a fork) yet counts the parent's idle ones, so a
+    task submitted to it would never run and a read waiting for it would hang.
+    """
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        self._max_workers = max_workers
+        self._name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+        # The lock too is made anew: a parent thread may have held it at the fork.
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._lock = threading.Lock()
+        self._pool = None
+
+    def get(self) -> ThreadPoolExecutor:
+        """This process's pool."""
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid():
+                self._pool = ThreadPoolExecutor(max_workers=self._max_workers,
+                                                thread_name_prefix=self._name)
+                self._pid = os.getpid()
+            return self._pool
 
 
 class _InlineWorker:
@@ -209,5 +244,6 @@ def lock_factory(factory: LockFactory) -> Iterator[None]:
         _FACTORY = previous
 
 
-__all__ = ["EventFactory", "EventLike", "LockFactory", "LockLike", "Worker", "event_factory",
+__all__ = ["EventFactory", "EventLike", "LockFactory", "LockLike", "SharedPool", "Worker",
+           "event_factory",
            "inline_workers", "lock_factory", "new_event", "new_lock", "new_worker"]

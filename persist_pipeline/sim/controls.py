@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from persist_pipeline import client as client_module
 from persist_pipeline import gc, read, updates, write
@@ -306,6 +307,22 @@ def settle_from_latest_state_only() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def contents_read_at_the_upper() -> Iterator[None]:
+    """What a replacement retracts is the shard read at ``upper - 1``: rows compaction
+    advanced to a since at the upper are missed, and a store leaves them twice."""
+
+    def at_upper(self: write.WriteHandle, state: Any) -> Any:
+        if not state.upper:
+            return updates.empty_table()
+        tables = list(read.stream_snapshot(self._machine, list(state.ordered_batches),
+                                           state.upper - 1))
+        return pa.concat_tables(tables) if tables else updates.empty_table()
+
+    with _patched(write.WriteHandle, "_contents", at_upper):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -327,4 +344,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "group_reports_held_appends": group_reports_held_appends,
     "settle_from_latest_state_only": settle_from_latest_state_only,
     "funnel_forgets_successor": funnel_forgets_successor,
+    "contents_read_at_the_upper": contents_read_at_the_upper,
 }

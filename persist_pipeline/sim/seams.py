@@ -631,7 +631,10 @@ def table_writer(run: SimRun, proc: Process) -> None:
     while not run.stopping:
         run.think(scale=2.0)
         n += 1
-        if run.rng.random() < 0.6:
+        roll = run.rng.random()
+        if roll < 0.15:
+            _release_and_compact_table(run, client)
+        elif roll < 0.6:
             table, keys = _table_version(run, n)
             stored.append(_canonical(table))
             try:
@@ -653,6 +656,34 @@ def table_writer(run: SimRun, proc: Process) -> None:
                     run.violation(f"a loaded table is none of the tables stored: "
                                   f"{got.to_pylist()[:4]}")
         run.ops += 1
+
+
+def _release_and_compact_table(run: SimRun, client: Any) -> None:
+    """A reader of the table's newest generation that has read everything releases every
+    time below the upper (since == upper, as the API allows), and compaction runs: the
+    merge advances the rows' times to the upper, where the next store must still find
+    them (a store that missed them would leave each row twice)."""
+    from persist_pipeline import tables
+
+    found = tables.generations(TABLE_NAME, client.shard_names())
+    if not found:
+        return
+    try:
+        shard = client.resolve(tables.generation_name(TABLE_NAME, found[-1]))
+        reader = client.open_reader(shard, debug="table release")
+        try:
+            upper = client.inspect(shard)["upper"]
+            if upper:
+                reader.downgrade_since(upper)
+                client.compact(shard)
+        finally:
+            with contextlib.suppress(PersistError):
+                reader.expire()
+    except (ShardNotFound, Indeterminate, LeaseExpired, InvalidFrontier,
+            CommitDeadlineExceeded, UpperMismatch):
+        pass
+    except PersistError as e:
+        run.violation(f"table release and compaction: unexpected {type(e).__name__}: {e}")
 
 
 #: The environment of a process that asks for inlining, while its config turns it off.
