@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,7 +26,7 @@ from persist_pipeline.blob import open_blob
 from persist_pipeline.compaction import apply_merge_result, merge_requests, run_merge
 from persist_pipeline.config import READER_LEASE_DURATION_S, RETRY_DEADLINE_S
 from persist_pipeline.consensus import open_consensus
-from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.exceptions import (
     CommitDeadlineExceeded,
     ConsensusUnavailable,
@@ -87,8 +87,9 @@ class ManualClock:
 
 
 class LoseNextReply(ForwardingConsensus):
-    """Raw consensus whose next successful compare_and_set, once armed, commits, runs a
-    hook, and then reports ``ConsensusUnavailable`` (the reply was lost)."""
+    """Raw consensus whose next successful compare_and_set (or a transaction's
+    compare_and_set_many), once armed, commits, runs a hook, and then reports
+    ``ConsensusUnavailable`` (the reply was lost)."""
 
     def __init__(self, inner: Consensus) -> None:
         self.inner = inner
@@ -102,14 +103,19 @@ class LoseNextReply(ForwardingConsensus):
         self._hook = hook
 
     def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
-        ok = self.inner.compare_and_set(shard, expected, new)
+        return self._maybe_lose(self.inner.compare_and_set(shard, expected, new), new.seqno)
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        return self._maybe_lose(self.inner.compare_and_set_many(writes), writes[0].new.seqno)
+
+    def _maybe_lose(self, ok: bool, seqno: int) -> bool:
         if ok and self._armed:
             self._armed = False
             hook, self._hook = self._hook, None
             if hook is not None:
                 hook()
             self.lost += 1
-            self.lost_seqno = new.seqno
+            self.lost_seqno = seqno
             raise ConsensusUnavailable("test: the commit landed but its reply was lost")
         return ok
 

@@ -29,7 +29,6 @@ from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.faults import FaultConfig, FaultyConsensus
 from persist_pipeline.exceptions import (
-    ConsensusUnavailable,
     Indeterminate,
     InvalidFrontier,
     InvalidInput,
@@ -363,21 +362,6 @@ def test_lost_replies_at_the_commit_are_settled_all_or_nothing(durable_location)
     setup.close()
 
 
-class LoseNextManyReply(LoseNextReply):
-    """:class:`LoseNextReply` for the multi-shard compare-and-set of a transaction."""
-
-    def compare_and_set_many(self, writes: Any) -> bool:
-        ok = self.inner.compare_and_set_many(writes)
-        if ok and self._armed:
-            self._armed = False
-            hook, self._hook = self._hook, None
-            if hook is not None:
-                hook()
-            self.lost += 1
-            raise ConsensusUnavailable("test: the transaction landed but its reply was lost")
-        return ok
-
-
 @pytest.mark.parametrize("rows_first", [False, True], ids=["empty-first", "rows-first"])
 def test_a_lost_reply_is_settled_by_any_shards_batch_in_history(location, rows_first):
     """A transaction lands; its process pauses past its writers' leases, GC expires them
@@ -387,7 +371,7 @@ def test_a_lost_reply_is_settled_by_any_shards_batch_in_history(location, rows_f
     clients = Clients(location)
     try:
         a, b = ShardId.new(), ShardId.new()
-        lossy = LoseNextManyReply(open_consensus(location.consensus_uri))
+        lossy = LoseNextReply(open_consensus(location.consensus_uri))
         client = clients._open(lossy, NO_INLINE, reader_lease_duration_s=SHORT_LEASE_S)
         wa, wb = client.open_writer(a), client.open_writer(b)
         wa.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
