@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -344,8 +345,9 @@ def run(args: argparse.Namespace) -> int:
                 else:  # CSV decides text or hex per column, so it needs the whole table
                     _write_table(reader.snapshot(as_of), args.out)
         elif args.command == "plan":
-            if args.hold_seconds < 0:
-                raise InvalidInput("--hold-seconds must not be negative")
+            if not math.isfinite(args.hold_seconds) or args.hold_seconds < 0:
+                raise InvalidInput(f"--hold-seconds must be a finite number of seconds, "
+                                   f"not negative; got {args.hold_seconds}")
             with client.open_reader(shard, debug="cli plan") as reader, \
                     reader.snapshot_plan(args.as_of) as plan:
                 print(plan.to_json(), flush=True)

@@ -222,15 +222,23 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
     types.update({"t": pa.int64(), "d": pa.int64()})
     try:
         if kind == "csv":
-            return pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
+            table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
                 column_types=types, strings_can_be_null=True))
-        if kind == "jsonl":
+        elif kind == "jsonl":
             with path.open("rb") as f:
                 head = f.readline()
-            present = set(json.loads(head)) if head.strip() else set()
-            explicit = pa.schema([(n, t) for n, t in types.items() if n in present])
-            return pajson.read_json(path, parse_options=pajson.ParseOptions(
+            first = json.loads(head) if head.strip() else {}
+            if not isinstance(first, dict):
+                raise InvalidUpdates(f"{path}: line 1 is not a JSON object: each line of a "
+                                     f"typed JSON Lines file is one row's columns")
+            explicit = pa.schema([(n, t) for n, t in types.items() if n in first])
+            table = pajson.read_json(path, parse_options=pajson.ParseOptions(
                 explicit_schema=explicit, unexpected_field_behavior="error"))
-        return pq.read_table(path)
+        else:
+            table = pq.read_table(path)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, OSError) as e:
         raise InvalidUpdates(f"{path}: cannot read it as rows of {schema!r}: {e}") from None
+    if "t" not in table.column_names:
+        raise InvalidUpdates(f"{path}: a typed file needs a t column (each row's time) "
+                             f"beside the columns of {schema!r}")
+    return table

@@ -109,6 +109,35 @@ def asset_shard_name(path: Sequence[str], partition: str | None = None) -> str:
     return name
 
 
+#: A table name's room for its generation suffix (``/_v<N>``).
+_GENERATION_ROOM = 12
+_GENERATION_SEGMENT = re.compile(r"_v[0-9]+")
+
+
+def check_table_name(name: str) -> str:
+    """``name`` if a table may be stored under it: a name whose last segment is
+    ``_v<N>`` is a generation of another name (a load of that name would return this
+    table), and a name must leave room for its own generations' suffix.
+
+    Raises:
+        InvalidInput: either is violated.
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"a table name is a non-empty string, got {name!r}")
+    segments = name.split("/")
+    # A partition key (after /_partitions/) may read _v<N>: no table is stored at the
+    # name of the partitions folder itself, so it is no generation of one.
+    if _GENERATION_SEGMENT.fullmatch(segments[-1]) and segments[-2:-1] != ["_partitions"]:
+        raise InvalidInput(f"table name {name!r}: a last segment _v<N> names a generation "
+                           f"of another table (its schema after a change); choose another "
+                           f"name")
+    if len(name) > _NAME_MAX - _GENERATION_ROOM:
+        raise InvalidInput(f"table name {name[:40]!r}... is {len(name)} characters; a table "
+                           f"name has at most {_NAME_MAX - _GENERATION_ROOM}, leaving room "
+                           f"for the suffix of a later generation")
+    return name
+
+
 def generation_name(base: str, generation: int) -> str:
     """The name of ``base``'s generation ``generation`` (1 is ``base`` itself)."""
     return base if generation == 1 else f"{base}{_GENERATION}{generation}"
@@ -151,6 +180,7 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
         InvalidInput: ``primary_key`` does not name columns of the table, or a key
             appears twice.
     """
+    check_table_name(name)
     plan = storage_plan(table.schema, primary_key)
     # Refused before any generation is opened: a bad table never starts an empty one.
     rows = encode_contents(plan.shard_schema, to_storage(table, plan))
@@ -179,6 +209,7 @@ def store_tables(client: PersistClient,
     # Every table is checked before any generation is opened: a bad one changes nothing.
     encoded = {}
     for name, (table, primary_key) in tables.items():
+        check_table_name(name)
         plan = storage_plan(table.schema, primary_key)
         encoded[name] = (plan, encode_contents(plan.shard_schema, to_storage(table, plan)))
     names = client.shard_names()
@@ -229,13 +260,15 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
 def load_table(client: PersistClient, name: str, upper: int | None = None, *,
                what: str = "") -> pa.Table:
     """The table stored under ``name`` (its newest generation): its latest version, or
-    the one whose write left the shard's upper at ``upper``.
+    the one whose write left its generation's upper at ``upper`` (the one generation
+    that reached it; a generation's own name loads that generation).
 
     Raises:
         ShardNameNotFound: no generation of ``name`` exists.
         NotYetAvailable: nothing was stored yet.
-        InvalidInput: ``upper`` is beyond the shard's upper or not positive, or the
-            shard was not written as a table.
+        InvalidInput: ``upper`` is beyond the shard's upper or not positive, or several
+            generations reached it (load one by its name), or the shard was not written
+            as a table.
         SinceViolation: ``upper`` is so old that compaction merged it away.
     """
     what = what or name
@@ -243,6 +276,8 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
     if not found:
         raise ShardNameNotFound(f"{what}: no shard is named {name!r}")
     shard = client.resolve(generation_name(name, found[-1]))
+    if upper is not None and len(found) > 1:
+        shard = _generation_at(client, name, found, upper, what)
     reader = client.open_reader(shard, debug="table load")
     try:
         typed = reader.snapshot(as_of_upper(client, shard, upper, what))
@@ -253,6 +288,29 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         raise InvalidInput(f"{what}: shard {shard} ({name}) is untyped: it was not "
                            f"written as a table")
     return from_storage(typed, schema)
+
+
+def _generation_at(client: PersistClient, name: str, found: list[int], upper: int,
+                   what: str) -> ShardId:
+    """The shard of the one generation of ``name`` whose write can have left its upper at
+    ``upper``. Uppers count each generation's writes from its start, so after a schema
+    change two generations may both have passed ``upper``: then which one reported it
+    cannot be told, and the load is refused rather than return another version."""
+    reached = []
+    for generation in found:
+        shard = client.resolve(generation_name(name, generation))
+        current = client.inspect(shard)["upper"]
+        if current is None or current >= upper:
+            reached.append((generation, shard))
+    if not reached:
+        return client.resolve(generation_name(name, found[-1]))  # as_of_upper says why
+    if len(reached) > 1:
+        names = [generation_name(name, g) for g, _ in reached]
+        raise InvalidInput(
+            f"{what}: upper {upper} is ambiguous: the generations {names} (a schema change "
+            f"starts a new one) all reached it; load the one the materialization named "
+            f"(its dagster/table_name), e.g. load_table(client, {names[-1]!r}, {upper})")
+    return reached[0][1]
 
 
 def as_of_upper(client: PersistClient, shard: str | ShardId, upper: int | None,

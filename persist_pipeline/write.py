@@ -490,11 +490,25 @@ class WriteHandle:
         time = expected if wanted is None else wanted
         if time < expected:
             raise UpperMismatch(time, expected, shard=self.shard_id)
+        if time >= MAX_TIME:
+            # Its new upper would be time + 1, past the largest time: not a frontier.
+            raise InvalidFrontier(
+                f"{what} at time {time}: its new upper would be past the largest time "
+                f"{MAX_TIME}; to write at the largest time, close the shard with "
+                f"compare_and_append(updates, upper, None)")
         encoding = self._attempt_encoding(state)
         current = (current_rows(self._machine.blobs, state, sorted_keys)
                    if sorted_keys is not None else self._contents(state))
         retract = current.set_column(2, "t", pa.array([time] * current.num_rows, pa.int64()))
-        retract = retract.set_column(3, "d", pc.negate(current.column("d")))
+        try:
+            negated = pc.negate_checked(current.column("d"))
+        except pa.ArrowInvalid:
+            # -2**63 has no negation in 64 bits: refused like any write whose sums leave
+            # them (diffs never wrap).
+            raise InvalidUpdates(f"{what}: a row it would retract has the diff -2**63, "
+                                 f"whose retraction does not fit in 64 bits; nothing was "
+                                 f"written") from None
+        retract = retract.set_column(3, "d", negated)
         pieces = [retract.cast(SCHEMA)]
         if rows is not None:
             pieces.append(rows.set_column(2, "t", pa.array([time] * rows.num_rows,

@@ -104,3 +104,31 @@ def test_typed_append_refuses_columns_outside_the_schema(
     assert code == 2 and "surprise" in err
     with _client(tmp_path) as client:
         assert client.inspect(shard)["upper"] == 0
+
+
+@pytest.mark.parametrize(("file", "text", "says"), [
+    ("no_t.csv", "id,name\n1,ann\n", "needs a t column"),
+    ("number.jsonl", "1\n", "not a JSON object"),
+    ("null.jsonl", "null\n{\"id\": 1, \"name\": \"a\", \"t\": 0}\n", "not a JSON object"),
+])
+def test_a_typed_file_that_is_not_rows_is_one_line_and_changes_nothing(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], file: str,
+        text: str, says: str):
+    schema = json.dumps({"key": {"id": "int64"}, "value": {"name": "string"}})
+    code, out, _ = _run(env, capsys, "new-shard", "--schema", schema)
+    shard = out.strip()
+    rows = tmp_path / file
+    rows.write_text(text)
+    code, _, err = _run(env, capsys, "append", shard, str(rows))
+    assert code == 2 and says in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    with _client(tmp_path) as client:
+        assert client.inspect(shard)["upper"] == 0
+
+
+@pytest.mark.parametrize("seconds", ["nan", "inf", "-1"])
+def test_plan_refuses_hold_seconds_that_are_not_a_finite_wait(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], seconds: str):
+    code, out, _ = _run(env, capsys, "new-shard")
+    code, out, err = _run(env, capsys, "plan", out.strip(), "--hold-seconds", seconds)
+    assert code == 2 and "--hold-seconds" in err and out == ""

@@ -295,6 +295,85 @@ def test_store_table_after_compaction_to_a_since_at_the_upper_loads_one_table(
     client.close()
 
 
+def test_an_upsert_at_the_largest_time_is_refused_and_changes_nothing() -> None:
+    # Its new upper would be past the largest time: not a frontier any write accepts.
+    from persist_pipeline.frontier import MAX_TIME
+
+    client = PersistClient.open("mem://typed-max-time", "mem://typed-max-time")
+    shard = ShardId.new()
+    writer = client.open_writer(shard, schema=ShardSchema([("id", pa.int64())],
+                                                          [("name", pa.string())]))
+    writer.upsert(pa.table({"id": [1], "name": ["a"]}))
+    with pytest.raises(InvalidFrontier, match="largest time"):
+        writer.upsert(pa.table({"id": [2], "name": ["b"]}), ts=MAX_TIME)
+    with pytest.raises(InvalidFrontier, match="largest time"):
+        writer.delete(pa.table({"id": [1]}), ts=MAX_TIME)
+    assert client.inspect(shard)["upper"] == 1
+    # Closing the shard is how to write at the largest time.
+    writer.compare_and_append(pa.table({"id": [2], "name": ["b"], "t": [MAX_TIME]}), 1, None)
+    assert client.inspect(shard)["upper"] is None
+    client.close()
+
+
+def test_an_upsert_that_would_retract_a_diff_of_minus_2_to_the_63_is_refused() -> None:
+    # Its retraction, +2**63, does not fit 64 bits: refused, never wrapped to -2**63.
+    client = PersistClient.open("mem://typed-min-diff", "mem://typed-min-diff")
+    shard = ShardId.new()
+    writer = client.open_writer(shard, schema=ShardSchema([("id", pa.int64())],
+                                                          [("name", pa.string())]))
+    writer.compare_and_append(pa.table({"id": [1], "name": ["a"], "t": [0],
+                                        "d": [-(1 << 63)]}), 0, 1)
+    for write in (lambda: writer.upsert(pa.table({"id": [1], "name": ["b"]})),
+                  lambda: writer.delete(pa.table({"id": [1]})),
+                  lambda: writer.replace_contents(pa.table({"id": [2], "name": ["c"]}))):
+        with pytest.raises(InvalidUpdates, match="64 bits"):
+            write()
+    assert client.inspect(shard)["upper"] == 1
+    client.close()
+
+
+def test_table_names_that_would_be_another_tables_generation_are_refused() -> None:
+    from persist_pipeline.tables import load_table, store_table, store_tables
+
+    client = PersistClient.open("mem://table-names", "mem://table-names")
+    store_table(client, "foo", pa.table({"a": [1, 2]}))
+    for bad in ("foo/_v2", "_v7", "t" * 189):
+        with pytest.raises(InvalidInput):
+            store_table(client, bad, pa.table({"b": ["x"]}))
+        with pytest.raises(InvalidInput):
+            store_tables(client, {"ok": (pa.table({"b": [1]}), None),
+                                  bad: (pa.table({"b": ["x"]}), None)})
+    assert load_table(client, "foo").to_pylist() == [{"a": 1}, {"a": 2}]
+    assert "ok" not in client.shard_names()  # the transaction stored nothing
+    # A partition key may read _v<N>; a name of 188 characters can still change schema.
+    store_table(client, "sales/_partitions/_v3", pa.table({"a": [1]}))
+    long = "t" * 188
+    store_table(client, long, pa.table({"a": [1]}))
+    assert store_table(client, long, pa.table({"a": ["one"]})).name == f"{long}/_v2"
+    assert load_table(client, long).to_pylist() == [{"a": "one"}]
+    client.close()
+
+
+def test_a_pinned_upper_loads_its_own_generation_or_is_refused_as_ambiguous() -> None:
+    from persist_pipeline.tables import load_table, store_table
+
+    client = PersistClient.open("mem://table-pins", "mem://table-pins")
+    for ids in ([1], [1, 2], [1, 2, 3]):
+        store_table(client, "orders", pa.table({"id": ids}))
+    # A type change starts generation 2, whose uppers count from 1 again.
+    second = store_table(client, "orders", pa.table({"id": ["a"]}))
+    assert (second.name, second.result.upper) == ("orders/_v2", 1)
+    # Only generation 1 reached upper 3 and 2: those pins read it.
+    assert load_table(client, "orders", 3).to_pylist() == [{"id": 1}, {"id": 2}, {"id": 3}]
+    assert load_table(client, "orders", 2).to_pylist() == [{"id": 1}, {"id": 2}]
+    # Both reached upper 1: which one reported it cannot be told.
+    with pytest.raises(InvalidInput, match="ambiguous"):
+        load_table(client, "orders", 1)
+    assert load_table(client, "orders/_v2", 1).to_pylist() == [{"id": "a"}]
+    assert load_table(client, "orders").to_pylist() == [{"id": "a"}]
+    client.close()
+
+
 def test_frames_and_row_dicts_are_accepted() -> None:
     pd = pytest.importorskip("pandas")
     pl = pytest.importorskip("polars")
