@@ -36,7 +36,7 @@ from persist_pipeline.exceptions import (
     ShardNameNotFound,
     ShardNotFound,
 )
-from persist_pipeline.frontier import Frontier
+from persist_pipeline.frontier import MAX_TIME, Frontier
 from persist_pipeline.ids import ShardId
 from persist_pipeline.ingest import read_typed_file, read_updates_file
 from persist_pipeline.read import ReadHandle
@@ -419,7 +419,12 @@ def _append_bounds(writer: WriteHandle, updates: Any,
         return expected, args.new_upper
     times = updates.column("t") if isinstance(updates, pa.Table) else None
     largest = pc.max(times).as_py() if times is not None and len(times) else None
-    return expected, max(expected, largest if largest is not None else expected) + 1
+    new_upper = max(expected, largest if largest is not None else expected) + 1
+    if new_upper > MAX_TIME:
+        raise InvalidFrontier(f"the file holds a row at the largest time {MAX_TIME}: no "
+                              f"upper lies past it; pass --new-upper closed to write it "
+                              f"and close the shard")
+    return expected, new_upper
 
 
 def _shard(client: PersistClient, text: str) -> ShardId:

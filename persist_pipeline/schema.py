@@ -283,6 +283,9 @@ class ShardSchema:
 
     def _columns(self, table: object, with_times: bool
                  ) -> tuple[dict[str, pa.Array | pa.ChunkedArray], int]:
+        if isinstance(table, list) and not table:
+            # No rows (no row dicts to take column names from): an empty write.
+            table = (self._times_schema if with_times else self._columns_schema).empty_table()
         given = _to_table(table, self)
         fast = self._exact_columns(given, with_times)
         if fast is not None:

@@ -57,6 +57,7 @@ from persist_pipeline.exceptions import (
     SchemaMismatch,
     ShardNameNotFound,
 )
+from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.ids import ShardId
 from persist_pipeline.internal import rowcodec
 from persist_pipeline.schema import RESERVED_COLUMNS, ShardSchema
@@ -318,15 +319,17 @@ def as_of_upper(client: PersistClient, shard: str | ShardId, upper: int | None,
     """The time to read what the write that left the shard's upper at ``upper`` stored
     (None: the latest)."""
     current = client.inspect(shard)["upper"]
-    if current in (None, 0):
+    if current == 0:
         raise NotYetAvailable(f"{what}: nothing stored yet (shard {shard})")
     if upper is not None:
         if isinstance(upper, bool) or not isinstance(upper, int) or upper < 1 \
-                or upper > current:
-            raise InvalidInput(f"{what}: input metadata upper={upper!r} must be an "
-                               f"integer in [1, {current}] (the shard's upper)")
-        current = upper
-    return int(current) - 1
+                or (current is not None and upper > current):
+            bound = "a positive integer" if current is None else f"an integer in [1, {current}]"
+            raise InvalidInput(f"{what}: input metadata upper={upper!r} must be {bound} "
+                               f"(the shard's upper)")
+        return upper - 1
+    # A closed shard (no upper) is complete at every time: its latest version is there.
+    return MAX_TIME if current is None else int(current) - 1
 
 
 # --- schemas ------------------------------------------------------------------------------

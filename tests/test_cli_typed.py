@@ -132,3 +132,18 @@ def test_plan_refuses_hold_seconds_that_are_not_a_finite_wait(
     code, out, _ = _run(env, capsys, "new-shard")
     code, out, err = _run(env, capsys, "plan", out.strip(), "--hold-seconds", seconds)
     assert code == 2 and "--hold-seconds" in err and out == ""
+
+
+def test_a_row_at_the_largest_time_needs_the_shard_closed(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    schema = json.dumps({"key": {"id": "int64"}, "value": {"name": "string"}})
+    code, out, _ = _run(env, capsys, "new-shard", "--schema", schema)
+    shard = out.strip()
+    rows = tmp_path / "last.csv"
+    rows.write_text(f"id,name,t\n1,ann,{(1 << 63) - 1}\n")
+    code, _, err = _run(env, capsys, "append", shard, str(rows))
+    assert code == 2 and "--new-upper closed" in err
+    with _client(tmp_path) as client:
+        assert client.inspect(shard)["upper"] == 0
+    code, out, err = _run(env, capsys, "append", shard, str(rows), "--new-upper", "closed")
+    assert code == 0 and json.loads(out)["upper"] is None, err

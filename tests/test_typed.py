@@ -374,6 +374,20 @@ def test_a_pinned_upper_loads_its_own_generation_or_is_refused_as_ambiguous() ->
     client.close()
 
 
+def test_a_closed_table_shard_loads_its_last_table() -> None:
+    from persist_pipeline.tables import load_table, store_table
+
+    client = PersistClient.open("mem://table-closed", "mem://table-closed")
+    stored = store_table(client, "done", pa.table({"id": [1, 2]}))
+    writer = client.open_writer(stored.shard)
+    writer.compare_and_append([], stored.result.upper, None)  # closed: no more writes
+    assert load_table(client, "done").to_pylist() == [{"id": 1}, {"id": 2}]
+    assert load_table(client, "done", 1).to_pylist() == [{"id": 1}, {"id": 2}]
+    with pytest.raises(InvalidInput, match="positive integer"):
+        load_table(client, "done", 0)
+    client.close()
+
+
 def test_frames_and_row_dicts_are_accepted() -> None:
     pd = pytest.importorskip("pandas")
     pl = pytest.importorskip("polars")
