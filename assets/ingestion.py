@@ -68,7 +68,7 @@ from assets.pipeline_config import (
     is_landed,
     register_shard_name,
 )
-from assets.sources import display_name, read_landed, stat_landed
+from assets.sources import display_name, read_landed, same_file_version, stat_landed
 from persist_pipeline import PersistClient, UpperMismatch, WriteHandle, WriteResult
 from persist_pipeline.blob import redact_uri
 from persist_pipeline.exceptions import InvalidConfig, InvalidUpdates, PersistError
@@ -280,7 +280,7 @@ def ingested_by(instance: dg.DagsterInstance, key: dg.AssetKey,
     for record in records:
         materialization = record.asset_materialization
         entry = materialization.metadata.get(FILE_IDENTITY) if materialization else None
-        if entry is not None and getattr(entry, "value", None) == identity:
+        if entry is not None and same_file_version(getattr(entry, "value", None), identity):
             return record.run_id
     return None
 
@@ -635,7 +635,7 @@ def _intents(instance: dg.DagsterInstance, key: dg.AssetKey, partitions: Sequenc
         observation = record.asset_observation
         meta = observation.metadata if observation is not None else {}
         values = {k: getattr(v, "value", v) for k, v in meta.items()}
-        if values.get(FILE_IDENTITY) == identity and WRITE_ID in values:
+        if same_file_version(values.get(FILE_IDENTITY), identity) and WRITE_ID in values:
             out.append((record.run_id, str(values[WRITE_ID]),
                         int(values[EXPECTED_UPPER])))
     return out

@@ -70,7 +70,8 @@ def _landing_sensor(owner: str, source: FileSource, shards: list[str], job: Asse
                default_status=sensor_status(running),
                description=f"Each new file in {describe_source_template(source)} becomes a "
                            f"partition of {what} ({owner}/<file>) and one run of "
-                           f"{LANDING_JOB} (run key: the file's name, size and mtime). "
+                           f"{LANDING_JOB} (run key: the file's name, size, mtime and "
+                           "S3 ETag). "
                            "Fails the tick if the location is missing or cannot be listed.")
     def landing_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         seen = set(load_cursor(context.cursor).get("seen", []))

@@ -29,8 +29,24 @@ class LandedFile(LandedObject):
 
     @property
     def identity(self) -> str:
-        """Name, size and modification time: a new identity means new content."""
-        return f"{self.name}@{self.size}:{self.modified:.0f}"
+        """Name, size and modification time, and the content tag where the store keeps
+        one (S3, whose times are whole seconds): a new identity means new content."""
+        base = f"{self.name}@{self.size}:{self.modified:.0f}"
+        return f"{base}{_TAG}{self.tag}" if self.tag else base
+
+
+#: Where an identity's content tag starts.
+_TAG = ":etag="
+
+
+def same_file_version(recorded: object, identity: str) -> bool:
+    """Whether an identity recorded by a run names the file version ``identity`` does.
+    One recorded before identities carried the content tag (name, size and time only)
+    still names it: a file ingested then is not ingested again."""
+    if recorded == identity:
+        return True
+    base, tagged, _ = identity.rpartition(_TAG)
+    return bool(tagged) and recorded == base
 
 
 class LandingLocationError(InvalidConfig):
@@ -89,7 +105,8 @@ def scan_landing(source: FileSource) -> Landing:
     except OSError as e:
         raise LandingLocationError(
             f"cannot list the landing folder {landing.location}: {e.strerror or e}") from None
-    files = [LandedFile(o.name, o.size, o.modified) for o in objects if _accepted(o.name, source)]
+    files = [LandedFile(o.name, o.size, o.modified, o.tag) for o in objects
+             if _accepted(o.name, source)]
     ignored = [o.name for o in objects if not _accepted(o.name, source) and not _hidden(o.name)]
     return Landing(sorted(files, key=lambda f: (f.modified, f.name)), sorted(ignored))
 
@@ -112,7 +129,7 @@ def stat_landed(source: FileSource, name: str) -> LandedFile:
         what = "no such object" if landing.is_s3 else "no such file"
         raise InvalidUpdates(f"{display_name(source, name)}: {what} (was it moved or "
                              "archived?)")
-    return LandedFile(found.name, found.size, found.modified)
+    return LandedFile(found.name, found.size, found.modified, found.tag)
 
 
 def _relative(source: FileSource, name: str) -> PurePosixPath:

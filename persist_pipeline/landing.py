@@ -29,11 +29,15 @@ class LandedObject:
         size: bytes.
         modified: modification time (nanoseconds since the epoch for folders, seconds
             with fractions for S3).
+        tag: a tag of its content where the store keeps one (S3's ETag), else "": S3
+            stamps modification times in whole seconds, so an overwrite of the same
+            size within one second changes only this.
     """
 
     name: str
     size: int
     modified: float
+    tag: str = ""
 
 
 class LandingLocation:
@@ -61,7 +65,8 @@ class LandingLocation:
         if self.is_s3:
             blob = open_blob(self.location)
             try:
-                return [LandedObject(m.key, m.size, m.last_modified) for m in blob.list_keys("")]
+                return [LandedObject(m.key, m.size, m.last_modified, m.etag)
+                        for m in blob.list_keys("")]
             finally:
                 blob.close()
         root = Path(self.location)
@@ -89,7 +94,8 @@ class LandingLocation:
             try:
                 for meta in blob.list_keys(rel):
                     if meta.key == rel:
-                        return LandedObject(meta.key, meta.size, meta.last_modified)
+                        return LandedObject(meta.key, meta.size, meta.last_modified,
+                                            meta.etag)
             finally:
                 blob.close()
             return None

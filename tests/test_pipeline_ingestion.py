@@ -371,3 +371,71 @@ def test_two_runs_of_one_file_at_once_write_it_once(make_pipeline: Any) -> None:
                                    partition_key="orders/day2.csv", raise_on_error=False)
     assert retry.success and materializations(retry)["ingest/orders"][UPPER] == 1
     assert _collection(pipeline.client(), shard_id, 0) == {b"a": b"1"}
+
+
+@pytest.mark.s3
+def test_an_s3_file_overwritten_within_its_second_is_ingested_again(
+        make_pipeline: Any, s3_uri: str, s3_client: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 stamps LastModified in whole seconds: a landed object overwritten with other
+    content of the same size within the second its run read it keeps name, size and
+    time. Its ETag tells the versions apart: the run sees the file changed while it was
+    read, and the sensor ingests the version now landed."""
+    import time
+
+    import assets.ingestion as ingestion
+
+    bucket = s3_uri.removeprefix("s3://").split("/", 1)[0]
+    query = s3_uri.split("?", 1)[1]
+    monkeypatch.setenv("TEST_LANDING_URI", f"s3://{bucket}/in?{query}")
+    pipeline: Pipeline = make_pipeline({"orders": {"source": {
+        "kind": "files", "uri": "${TEST_LANDING_URI}"}}})
+    key = "in/day.csv"
+    v1, v2 = b"k,v,t\naa,1,0\n", b"k,v,t\nbb,2,0\n"  # the same size
+    s3_client.put_object(Bucket=bucket, Key=key, Body=v1)
+    sensor = "orders_landing_sensor"
+    tick = pipeline.ticker(sensor).tick()
+    assert len(tick.run_requests) == 1
+    real_stat, real_read = ingestion.stat_landed, ingestion.read_landed
+    calls = {"stat": 0}
+
+    def stat(source: Any, name: str) -> Any:
+        calls["stat"] += 1
+        if calls["stat"] == 1:  # v1 lands again at the start of a second
+            while time.time() % 1 > 0.3:
+                time.sleep(0.02)
+            s3_client.put_object(Bucket=bucket, Key=key, Body=v1)
+        return real_stat(source, name)
+
+    def read(source: Any, name: str, **kw: Any) -> Any:
+        table = real_read(source, name, **kw)
+        s3_client.put_object(Bucket=bucket, Key=key, Body=v2)  # overwritten in place
+        return table
+
+    monkeypatch.setattr(ingestion, "stat_landed", stat)
+    monkeypatch.setattr(ingestion, "read_landed", read)
+    [result] = pipeline.launch_all(sensor, tick)
+    monkeypatch.setattr(ingestion, "stat_landed", real_stat)
+    monkeypatch.setattr(ingestion, "read_landed", real_read)
+    listed = s3_client.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]
+    assert len({o["LastModified"] for o in listed}) == 1  # the same second
+    assert not result.success  # it saw the file change while it read it
+    pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
+    client = pipeline.client()
+    upper = client.inspect(pipeline.shard_id("orders"))["upper"]
+    assert _collection(client, pipeline.shard_id("orders"), upper - 1) == {b"bb": b"2"}
+
+
+def test_an_identity_recorded_before_content_tags_still_names_its_file() -> None:
+    from assets.sources import LandedFile, same_file_version
+
+    tagged = LandedFile("in/a#1.csv", 12, 1_700_000_000.0, "9b2cf535f27731c974343645a3985328")
+    legacy = LandedFile("in/a#1.csv", 12, 1_700_000_000.0).identity
+    assert tagged.identity == f"{legacy}:etag=9b2cf535f27731c974343645a3985328"
+    assert same_file_version(tagged.identity, tagged.identity)
+    assert same_file_version(legacy, tagged.identity)  # ingested before: not again
+    assert same_file_version(legacy, legacy)
+    other = LandedFile("in/a#1.csv", 12, 1_700_000_000.0, "0" * 32).identity
+    assert not same_file_version(other, tagged.identity)
+    assert not same_file_version(tagged.identity, legacy)
+    assert not same_file_version(None, tagged.identity)

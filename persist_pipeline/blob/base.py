@@ -88,11 +88,13 @@ class BlobMeta:
         key: the object's key, relative to the store's root/prefix.
         size: its size in bytes.
         last_modified: seconds since the epoch when it was written (store's clock).
+        etag: a tag of its content where the store keeps one (S3's ETag), else "".
     """
 
     key: str
     size: int
     last_modified: float
+    etag: str = ""
 
 
 class Blob(ABC):

@@ -555,7 +555,8 @@ class S3Blob(Blob):
             for page in paginator.paginate(Bucket=self._bucket, Prefix=self._base + prefix):
                 for obj in page.get("Contents", []):
                     yield BlobMeta(
-                        obj["Key"][strip:], int(obj["Size"]), obj["LastModified"].timestamp()
+                        obj["Key"][strip:], int(obj["Size"]), obj["LastModified"].timestamp(),
+                        str(obj.get("ETag", "")).strip('"'),
                     )
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, "list", prefix) from exc
