@@ -247,7 +247,7 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
         except SchemaMismatch:
             generation += 1  # keys or types changed: a new generation, a new shard
             continue
-        if writer.schema != plan.shard_schema:
+        if writer.schema is None or not same_storage(writer.schema, plan.shard_schema):
             # Same columns with other metadata, or fewer value columns: a load must
             # return exactly this table, so it goes to a generation of its own.
             writer.expire()
@@ -398,9 +398,76 @@ def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None) ->
     key_fields = [by_name[k] for k in keys] if keys else fields
     value_fields = [f for n, f in zip(names, fields, strict=True) if n not in keys] \
         if keys else []
-    metadata = {ARROW_SCHEMA_META: bytes(schema.serialize().to_pybytes()),
+    kept = _range_stops_cleared(schema)
+    metadata = {ARROW_SCHEMA_META: bytes(kept.serialize().to_pybytes()),
                 COLUMNS_META: json.dumps(list(storage_names)).encode()}
     return StoragePlan(ShardSchema(key_fields, value_fields, metadata), schema, storage_names)
+
+
+#: pandas' metadata in an Arrow schema (its index, column dtypes).
+_PANDAS_META = b"pandas"
+
+
+def _pandas_meta(schema: pa.Schema) -> dict[str, object] | None:
+    raw = (schema.metadata or {}).get(_PANDAS_META)
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _range_indexes(doc: dict[str, object]) -> list[dict[str, object]]:
+    found = doc.get("index_columns")
+    return [d for d in found if isinstance(d, dict) and d.get("kind") == "range"] \
+        if isinstance(found, list) else []
+
+
+def _range_stops_cleared(schema: pa.Schema) -> pa.Schema:
+    """``schema`` without the stop of each pandas RangeIndex in its metadata. The stop
+    is one output's row count: kept, every output of another length would have another
+    schema and start a generation (a new shard). Loads make it from the rows they
+    return (:func:`_range_stops_set`)."""
+    doc = _pandas_meta(schema)
+    ranges = _range_indexes(doc) if doc is not None else []
+    if doc is None or all(d.get("stop") is None for d in ranges):
+        return schema
+    for d in ranges:
+        d["stop"] = None
+    return schema.with_metadata({**(schema.metadata or {}),
+                                 _PANDAS_META: json.dumps(doc).encode()})
+
+
+def _range_stops_set(schema: pa.Schema, num_rows: int) -> pa.Schema:
+    """``schema`` with each pandas RangeIndex ending after ``num_rows`` rows."""
+    doc = _pandas_meta(schema)
+    ranges = _range_indexes(doc) if doc is not None else []
+    if doc is None or not ranges:
+        return schema
+    for d in ranges:
+        start, step = d.get("start"), d.get("step")
+        if isinstance(start, int) and isinstance(step, int):
+            d["stop"] = start + step * num_rows
+    return schema.with_metadata({**(schema.metadata or {}),
+                                 _PANDAS_META: json.dumps(doc).encode()})
+
+
+def same_storage(recorded: ShardSchema, planned: ShardSchema) -> bool:
+    """Whether a shard's recorded schema stores tables of ``planned``'s: equal, or equal
+    once a pandas RangeIndex stop kept by an earlier version is left out."""
+    if recorded == planned:
+        return True
+    found = original_schema(recorded)
+    if found is None:
+        return False
+    cleared = _range_stops_cleared(found[0])
+    if cleared is found[0]:
+        return False
+    metadata = {**recorded.metadata,
+                ARROW_SCHEMA_META: bytes(cleared.serialize().to_pybytes())}
+    return ShardSchema(recorded.key, recorded.value, metadata) == planned
 
 
 def _storage_name(index: int, name: str, names: Sequence[str]) -> str:
@@ -454,7 +521,7 @@ def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
     columns = []
     for field, stored in zip(schema, storage_names, strict=True):
         columns.append(_cast_back(typed.column(stored), field.type))
-    return pa.Table.from_arrays(columns, schema=schema)
+    return pa.Table.from_arrays(columns, schema=_range_stops_set(schema, typed.num_rows))
 
 
 def _cast_back(column: pa.ChunkedArray, type_: pa.DataType) -> pa.ChunkedArray:

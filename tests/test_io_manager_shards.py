@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
+import pandas as pd
 import pyarrow as pa
 import pytest
 
@@ -302,3 +303,46 @@ def test_a_multi_asset_stores_its_outputs_in_one_transaction(
                               primary_keys={"shop/orders": ["id"]})
     assert client.inspect(client.resolve("shop/lines"))["upper"] == \
         events["shop/lines"]["persist/upper"].value
+
+
+class _Rows(dg.Config):
+    rows: int = 3
+
+
+@dg.asset
+def daily_totals(config: _Rows) -> pd.DataFrame:
+    return pd.DataFrame({"day": list(range(config.rows)), "total": [1.5] * config.rows})
+
+
+def test_pandas_outputs_of_other_lengths_stay_in_one_shard(io_manager: PersistIOManager,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    # A DataFrame's RangeIndex records its stop (the row count) in the Arrow schema's
+    # pandas metadata; kept in the shard schema, every other length was a new
+    # generation (a new shard, nothing retracted).
+    metas = []
+    with dg.instance_for_test() as instance:
+        for rows in (3, 5, 4):
+            result = dg.materialize(
+                [daily_totals], instance=instance, resources={"io_manager": io_manager},
+                run_config={"ops": {"daily_totals": {"config": {"rows": rows}}}})
+            assert result.success
+            metas.append(_metadata(result))
+    assert [m["dagster/table_name"] for m in metas] == ["daily_totals"] * 3
+    assert [m["persist/upper"] for m in metas] == [1, 2, 3]
+    assert metas[2]["persist/rows_retracted"] == 1  # day 4 is gone
+    loaded = io_manager.load("daily_totals").to_pandas()
+    assert loaded.index.equals(pd.RangeIndex(4)) and sorted(loaded["day"]) == [0, 1, 2, 3]
+    # Another RangeIndex comes back as it was stored.
+    stepped = pd.DataFrame({"x": [7, 8]}, index=pd.RangeIndex(10, 14, 2))
+    io_manager.store("stepped", pa.Table.from_pandas(stepped))
+    assert io_manager.load("stepped").to_pandas().index.equals(pd.RangeIndex(10, 14, 2))
+    # A shard an earlier version stored with the stop kept stays the asset's shard.
+    from persist_pipeline import tables
+
+    with monkeypatch.context() as m:
+        m.setattr(tables, "_range_stops_cleared", lambda schema: schema)
+        io_manager.store("legacy", pa.Table.from_pandas(pd.DataFrame({"a": [1, 2, 3]})))
+    meta = io_manager.store("legacy", pa.Table.from_pandas(pd.DataFrame({"a": [1, 2]})))
+    assert (meta["dagster/table_name"], meta["persist/upper"]) == ("legacy", 2)
+    assert io_manager.load("legacy").to_pandas().index.equals(pd.RangeIndex(2))
