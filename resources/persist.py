@@ -81,9 +81,14 @@ class PersistResource(dg.ConfigurableResource):
 
 
 def make_local_dirs(uri: str | None) -> None:
+    """Create the local folder a ``sqlite:///`` or ``file:///`` URI names. A URI with a
+    host (``file://data/blobs``, a relative path written with two slashes) names no local
+    folder: nothing is made, and opening the client refuses it with a clear error."""
     if not uri:
         return
     parts: Any = urlsplit(uri)
+    if parts.netloc:
+        return
     scheme = parts.scheme.lower()
     if scheme == "sqlite" and parts.path not in ("", "/", "/:memory:"):
         path = unquote(parts.path)[1:]  # sqlite:///rel/or//abs: drop the separator slash

@@ -346,3 +346,41 @@ def test_pandas_outputs_of_other_lengths_stay_in_one_shard(io_manager: PersistIO
     meta = io_manager.store("legacy", pa.Table.from_pandas(pd.DataFrame({"a": [1, 2]})))
     assert (meta["dagster/table_name"], meta["persist/upper"]) == ("legacy", 2)
     assert io_manager.load("legacy").to_pandas().index.equals(pd.RangeIndex(2))
+
+
+_REGIONS = dg.StaticPartitionsDefinition(["eu", "us", "apac"])
+
+
+@dg.asset(partitions_def=_REGIONS)
+def signups(context: dg.AssetExecutionContext) -> pd.DataFrame:
+    if context.partition_key == "eu":
+        return pd.DataFrame({"id": [1, 2], "referrer": ["ads", None]})
+    if context.partition_key == "us":
+        return pd.DataFrame({"id": [3], "referrer": [None]})  # no referrer here: null type
+    return pd.DataFrame({"id": ["x"], "referrer": ["ads"]})  # an id of another type
+
+
+@dg.asset(ins={"signups": dg.AssetIn(partition_mapping=dg.StaticPartitionMapping(
+    {"eu": "all", "us": "all"}))}, partitions_def=dg.StaticPartitionsDefinition(["all"]))
+def signup_count(signups: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({"n": [len(signups)], "referrers": [signups["referrer"].count()]})
+
+
+def test_partitions_with_a_column_of_nulls_load_as_one_table(io_manager: PersistIOManager
+                                                             ) -> None:
+    with dg.instance_for_test() as instance:
+        for region in ("eu", "us", "apac"):
+            assert dg.materialize([signups], partition_key=region, instance=instance,
+                                  resources={"io_manager": io_manager}).success
+        assert dg.materialize([signups, signup_count], selection=[signup_count],
+                              partition_key="all", instance=instance,
+                              resources={"io_manager": io_manager}).success
+    assert io_manager.load(
+        "signup_count/_partitions/all").to_pylist() == [{"n": 3, "referrers": 1}]
+    # Partitions whose types do not combine: a typed error naming them.
+    from persist_pipeline.dagster_io.io_manager import _concat_partitions
+
+    with pytest.raises(InvalidInput, match=r"partitions \['eu', 'apac'\]"):
+        _concat_partitions([io_manager.load("signups/_partitions/eu"),
+                            io_manager.load("signups/_partitions/apac")], ["eu", "apac"],
+                           "signups")

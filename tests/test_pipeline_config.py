@@ -247,3 +247,34 @@ def test_a_route_feeds_the_shards_routed_from_it(tmp_path: Path) -> None:
 ])
 def test_route_errors_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
     assert expected in _error(tmp_path, text)
+
+
+def test_a_two_slash_file_uri_is_refused_before_any_folder_is_made(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    # file://data/blobs (a relative path with two slashes) has the host "data": it names
+    # no local folder, so none is made (it was /blobs, at the root), and the client
+    # refuses the URI with the library's clear error.
+    import uuid
+
+    from persist_pipeline.exceptions import InvalidUri
+    from resources.persist import PersistResource
+
+    made: list[str] = []
+    real_mkdir = Path.mkdir
+
+    def recording_mkdir(self: Path, *args: object, **kwargs: object) -> None:
+        made.append(str(self))
+        real_mkdir(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "mkdir", recording_mkdir)
+    name = f"blobs-{uuid.uuid4().hex[:8]}"
+    resource = PersistResource(consensus_uri=f"sqlite:///{tmp_path}/c.db",
+                               blob_uri=f"file://data/{name}")
+    try:
+        with pytest.raises(InvalidUri, match="file:///absolute/path"):
+            resource.client()
+    finally:
+        resource.close()
+    assert not any(name in m for m in made), made
+    assert not Path("/" + name).exists()

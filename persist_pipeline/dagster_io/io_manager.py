@@ -104,6 +104,19 @@ def from_arrow(table: pa.Table, typing_type: object) -> Any:
     return table
 
 
+def _concat_partitions(loaded: list[pa.Table], partitions: list[str | None],
+                       what: str) -> pa.Table:
+    """The partitions' tables as one: a column of nulls only in one partition (Arrow's
+    null type, e.g. an all-None pandas column) takes the others' type, and a column
+    missing from one is null there. Types that do not combine are a typed error."""
+    try:
+        return pa.concat_tables(loaded, promote_options="default")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise InvalidInput(f"{what}: its partitions {partitions} were stored with schemas "
+                           f"that do not combine into one table ({e}); load them one "
+                           f"partition at a time") from None
+
+
 def column_schema(schema: pa.Schema) -> dg.TableSchema:
     """The Arrow schema as Dagster's ``dagster/column_schema`` (a field's ``description``
     metadata, if any, becomes the column's description)."""
@@ -292,7 +305,8 @@ class PersistIOManager(dg.ConfigurableIOManager):
                             what=key.to_user_string() + (f" partition {p}" if p else ""),
                             legacy_shard=asset_shard_id(key, p))
                   for p in partitions]
-        table = loaded[0] if len(loaded) == 1 else pa.concat_tables(loaded)
+        table = loaded[0] if len(loaded) == 1 else _concat_partitions(
+            loaded, partitions, key.to_user_string())
         if columns is not None:
             table = _project(table, columns, key.to_user_string())
         return from_arrow(table, context.dagster_type.typing_type)
