@@ -10,7 +10,9 @@ schema (in the shard schema's metadata), so a load returns exactly the types, fi
 metadata and schema metadata (pandas' index and dtypes) that were stored:
 
 - dictionary columns (pandas categoricals) are stored as their values, and
-  dictionary-encoded again on load;
+  dictionary-encoded again on load: an ordered one with its stored categories in their
+  order (kept in the shard schema: other categories start a generation), an unordered
+  one with the categories its rows use;
 - maps are stored as lists of ``key``/``value`` structs (top-level map columns);
 - ``float16`` is stored as ``float32`` (exactly), and a column of nulls only (Arrow's
   ``null`` type, e.g. an all-``None`` pandas column) as a nullable ``int8``;
@@ -50,6 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist_pipeline.exceptions import (
+    CorruptPart,
     InvalidInput,
     InvalidUpdates,
     NotYetAvailable,
@@ -71,6 +74,9 @@ if TYPE_CHECKING:
 ARROW_SCHEMA_META = b"persist_pipeline.arrow_schema"
 #: The storage name of each original column, in the original order (JSON).
 COLUMNS_META = b"persist_pipeline.columns"
+#: The dictionary of an ordered dictionary column, by its storage name (an IPC record
+#: batch of one column).
+DICTIONARY_META = b"persist_pipeline.dictionary."
 #: Where a name's generations live, and its partitions.
 _GENERATION = "/_v"
 _PARTITIONS = "/_partitions/"
@@ -182,7 +188,7 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
             appears twice.
     """
     check_table_name(name)
-    plan = storage_plan(table.schema, primary_key)
+    plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
     # Refused before any generation is opened: a bad table never starts an empty one.
     rows = encode_contents(plan.shard_schema, to_storage(table, plan))
     writer, gen_name, shard = _open_generation(client, name, plan, client.shard_names(), debug)
@@ -211,7 +217,7 @@ def store_tables(client: PersistClient,
     encoded = {}
     for name, (table, primary_key) in tables.items():
         check_table_name(name)
-        plan = storage_plan(table.schema, primary_key)
+        plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
         encoded[name] = (plan, encode_contents(plan.shard_schema, to_storage(table, plan)))
     names = client.shard_names()
     opened: list[WriteHandle] = []
@@ -367,8 +373,36 @@ def _storage_type(type_: pa.DataType, where: str, top: bool) -> pa.DataType:
     return type_
 
 
-def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None) -> StoragePlan:
-    """The shard schema that stores tables of ``schema`` (keyed by ``primary_key``).
+def ordered_dictionaries(table: pa.Table) -> dict[str, pa.Array]:
+    """The dictionary of each top-level *ordered* dictionary column of ``table`` (a pandas
+    ordered categorical): its categories and their order are part of its type, so
+    they are kept in the shard schema.
+
+    Raises:
+        UnsupportedOutput: the column's chunks have different dictionaries (their order
+            is ambiguous).
+    """
+    out: dict[str, pa.Array] = {}
+    for field, column in zip(table.schema, table.columns, strict=True):
+        type_ = field.type
+        if not (pa.types.is_dictionary(type_) and type_.ordered):
+            continue
+        dictionaries = [chunk.dictionary for chunk in column.chunks]
+        if not dictionaries:
+            out[field.name] = pa.array([], type_.value_type)
+            continue
+        if any(not d.equals(dictionaries[0]) for d in dictionaries[1:]):
+            raise UnsupportedOutput(f"column {field.name!r} is an ordered dictionary whose "
+                                    f"chunks have different dictionaries: their order is "
+                                    f"ambiguous (combine them into one first)")
+        out[field.name] = dictionaries[0]
+    return out
+
+
+def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None,
+                 dictionaries: Mapping[str, pa.Array] | None = None) -> StoragePlan:
+    """The shard schema that stores tables of ``schema`` (keyed by ``primary_key``), with
+    the ``dictionaries`` of its ordered dictionary columns (:func:`ordered_dictionaries`).
 
     Raises:
         UnsupportedOutput: a column type cannot be stored.
@@ -401,11 +435,29 @@ def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None) ->
     kept = _range_stops_cleared(schema)
     metadata = {ARROW_SCHEMA_META: bytes(kept.serialize().to_pybytes()),
                 COLUMNS_META: json.dumps(list(storage_names)).encode()}
+    for name, dictionary in (dictionaries or {}).items():
+        stored = storage_names[names.index(name)]
+        metadata[DICTIONARY_META + stored.encode()] = _serialized(dictionary)
     return StoragePlan(ShardSchema(key_fields, value_fields, metadata), schema, storage_names)
 
 
 #: pandas' metadata in an Arrow schema (its index, column dtypes).
 _PANDAS_META = b"pandas"
+
+
+def _serialized(dictionary: pa.Array) -> bytes:
+    batch = pa.record_batch([dictionary], names=["dictionary"])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as stream:
+        stream.write_batch(batch)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+def _dictionary(shard_schema: ShardSchema, stored: str) -> pa.Array | None:
+    raw = shard_schema.metadata.get(DICTIONARY_META + stored.encode())
+    if raw is None:
+        return None
+    return pa.ipc.open_stream(pa.py_buffer(raw)).read_all().column(0).combine_chunks()
 
 
 def _pandas_meta(schema: pa.Schema) -> dict[str, object] | None:
@@ -520,8 +572,25 @@ def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
         typed = typed.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
     columns = []
     for field, stored in zip(schema, storage_names, strict=True):
-        columns.append(_cast_back(typed.column(stored), field.type))
+        dictionary = _dictionary(shard_schema, stored)
+        column = typed.column(stored)
+        columns.append(_cast_back(column, field.type) if dictionary is None
+                       else _with_dictionary(column, field.type, dictionary, stored))
     return pa.Table.from_arrays(columns, schema=_range_stops_set(schema, typed.num_rows))
+
+
+def _with_dictionary(values: pa.ChunkedArray, type_: pa.DictionaryType,
+                     dictionary: pa.Array, stored: str) -> pa.ChunkedArray:
+    """``values`` encoded with the stored ``dictionary`` (its categories in their order,
+    unused ones included)."""
+    flat = values.combine_chunks()
+    if not flat.type.equals(dictionary.type):
+        flat = flat.cast(dictionary.type)
+    indices = pc.index_in(flat, value_set=dictionary)
+    if indices.null_count != flat.null_count:
+        raise CorruptPart(f"column {stored!r} holds a value outside its stored dictionary")
+    return pa.chunked_array([pa.DictionaryArray.from_arrays(
+        indices.cast(type_.index_type), dictionary, ordered=type_.ordered)], type_)
 
 
 def _cast_back(column: pa.ChunkedArray, type_: pa.DataType) -> pa.ChunkedArray:

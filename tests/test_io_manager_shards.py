@@ -384,3 +384,38 @@ def test_partitions_with_a_column_of_nulls_load_as_one_table(io_manager: Persist
         _concat_partitions([io_manager.load("signups/_partitions/eu"),
                             io_manager.load("signups/_partitions/apac")], ["eu", "apac"],
                            "signups")
+
+
+_LEVELS = pd.CategoricalDtype(["low", "medium", "high", "urgent"], ordered=True)
+
+
+@dg.asset
+def tickets() -> pd.DataFrame:
+    return pd.DataFrame({"id": [1, 2, 3, 4],
+                         "level": pd.Categorical(["high", "low", "medium", "low"],
+                                                 dtype=_LEVELS)})
+
+
+@dg.asset
+def raised(tickets: pd.DataFrame) -> pd.DataFrame:
+    return tickets[tickets["level"] > "low"]
+
+
+def test_an_ordered_categorical_keeps_its_categories_and_their_order(
+        io_manager: PersistIOManager) -> None:
+    # The categories (unused ones included) and their order are the dtype: a comparison
+    # downstream selects by that order, not by the order the rows were stored in.
+    _materialize(io_manager, tickets, raised)
+    loaded = io_manager.load("tickets").to_pandas()
+    assert loaded["level"].dtype == _LEVELS
+    assert sorted(io_manager.load("raised").to_pandas()["id"]) == [1, 3]
+    # Other categories are another dtype: a generation of their own.
+    other = pd.CategoricalDtype(["high", "low"], ordered=True)
+    meta = io_manager.store("tickets", pa.Table.from_pandas(pd.DataFrame(
+        {"id": [9], "level": pd.Categorical(["low"], dtype=other)})))
+    assert meta["dagster/table_name"] == "tickets/_v2"
+    assert io_manager.load("tickets").to_pandas()["level"].dtype == other
+    # Unordered categoricals come back with the categories their rows use.
+    plain = pa.table({"c": pa.array(["b", "a", "b"]).dictionary_encode()})
+    io_manager.store("plain", plain)
+    assert sorted(io_manager.load("plain").column("c").to_pylist()) == ["a", "b", "b"]
