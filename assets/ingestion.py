@@ -659,6 +659,9 @@ def settle_intents(context: dg.AssetExecutionContext, client: PersistClient,
     if not any(pending.values()):
         return []
     committed_by = None
+    # An earlier write found committed settles the file, even when another intent's
+    # history is gone: every intent is looked at before an unknown one fails the run.
+    unknown: tuple[str, str] | None = None
     for shard in shards:
         if not pending[shard.name]:
             continue
@@ -666,15 +669,8 @@ def settle_intents(context: dg.AssetExecutionContext, client: PersistClient,
         try:
             for run_id, token, expected in pending[shard.name]:
                 found = writer.committed(token, expected)
-                if found is None:
-                    raise dg.Failure(
-                        description=f"{shown}: run {run_id} wrote it to shard {shard.name} "
-                                    "and stopped before recording the outcome, and the "
-                                    "shard's history no longer tells whether that write "
-                                    "committed; nothing written, so the file is not "
-                                    "duplicated (check the shard, then land the file "
-                                    "again under a new name if it is missing)",
-                        metadata={"file": shown, "shard": shard.name})
+                if found is None and unknown is None:
+                    unknown = (run_id, shard.name)
                 if found:
                     committed_by = run_id
                     break
@@ -682,6 +678,15 @@ def settle_intents(context: dg.AssetExecutionContext, client: PersistClient,
             writer.expire()
         if committed_by is not None:
             break
+    if committed_by is None and unknown is not None:
+        run_id, shard_name = unknown
+        raise dg.Failure(
+            description=f"{shown}: run {run_id} wrote it to shard {shard_name} and stopped "
+                        "before recording the outcome, and the shard's history no longer "
+                        "tells whether that write committed; nothing written, so the file "
+                        "is not duplicated (check the shard, then land the file again "
+                        "under a new name if it is missing)",
+            metadata={"file": shown, "shard": shard_name})
     if committed_by is None:
         return []
     context.log.warning(f"{shown}: run {committed_by} committed it and stopped before "

@@ -279,3 +279,35 @@ def test_a_run_that_died_after_its_commit_is_settled_not_written_twice(
     assert retried.success
     assert all("Committed by run" not in m for m in materializations(retried).values())
     assert {client.shard_summaries()[pipeline.shard_id(n)].upper for n in names} == {2}
+
+
+def test_settling_takes_a_committed_write_over_one_whose_history_is_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two earlier runs recorded writes of this file version: the first one's outcome
+    # can no longer be told, the second one committed. The file is settled (recorded,
+    # not written again); only when no recorded write is found committed does an
+    # unknown one fail the run.
+    import logging
+    import types
+
+    import assets.ingestion as ingestion
+    from persist_pipeline import ShardId
+    from persist_pipeline.write import WriteHandle
+
+    client = PersistClient.open("mem://settle-intents", "mem://settle-intents")
+    shard = types.SimpleNamespace(name="orders", shard_id=str(ShardId.new()))
+    intents = [("run-1", "token-unknown", 0), ("run-2", "token-committed", 0)]
+    answers: dict[str, bool | None] = {"token-unknown": None, "token-committed": True}
+    monkeypatch.setattr(ingestion, "_intents", lambda *args: list(intents))
+    monkeypatch.setattr(WriteHandle, "committed",
+                        lambda self, token, expected_upper: answers[token])
+    context = types.SimpleNamespace(instance=None, run=types.SimpleNamespace(run_id="run-3"),
+                                    log=logging.getLogger("test"))
+    settle = lambda: ingestion.settle_intents(  # noqa: E731
+        context, client, [shard], ["orders/a.csv"], "a.csv@1:2", "a.csv")
+    [recorded] = settle()
+    assert recorded.metadata[ingestion.RECOVERED_FROM] == "run-2"
+    answers["token-committed"] = False
+    with pytest.raises(dg.Failure, match="no longer tells"):
+        settle()
+    client.close()
