@@ -182,10 +182,17 @@ def test_columns_input_metadata_loads_only_those(io_manager: PersistIOManager) -
 
     result = _materialize(io_manager, orders, amounts)
     assert result.output_for_node("sales__amounts").to_pylist() == [{"total": 20.75}]
-    with pytest.raises(InvalidInput, match="not columns of the stored table"):
-        from persist_pipeline.dagster_io.io_manager import _project
+    from persist_pipeline.dagster_io.io_manager import _project
 
+    with pytest.raises(InvalidInput, match="not columns of the stored table"):
         _project(ORDERS, ["nope"], "sales/orders")
+    # A pandas DataFrame keeps its named index when only some columns are loaded.
+    frame = pd.DataFrame({"x": [1, 2], "y": [3, 4]},
+                         index=pd.Index(["a", "b"], name="day"))
+    io_manager.store("by_day", pa.Table.from_pandas(frame))
+    loaded = _project(io_manager.load("by_day"), ["y"], "by_day").to_pandas()
+    assert list(loaded.columns) == ["y"] and loaded.index.name == "day"
+    assert loaded.sort_index().to_dict() == {"y": {"a": 3, "b": 4}}
 
 
 def test_sixty_materializations_keep_the_shard_compacted(io_manager: PersistIOManager

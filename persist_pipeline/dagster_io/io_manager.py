@@ -379,7 +379,19 @@ def _project(table: pa.Table, columns: object, what: str) -> pa.Table:
     if unknown:
         raise InvalidInput(f"{what}: input metadata columns {unknown} are not columns of the "
                            f"stored table {table.column_names}")
-    return table.select(list(columns))
+    # A pandas index stored as columns stays: the DataFrame keeps its index.
+    index = [c for c in _pandas_index_columns(table.schema)
+             if c in table.column_names and c not in columns]
+    return table.select([*columns, *index])
+
+
+def _pandas_index_columns(schema: pa.Schema) -> list[str]:
+    raw = (schema.metadata or {}).get(b"pandas")
+    try:
+        found = json.loads(raw).get("index_columns", []) if raw else []
+    except (ValueError, AttributeError):
+        return []
+    return [c for c in found if isinstance(c, str)] if isinstance(found, list) else []
 
 
 def _snapshot(client: PersistClient, shard_id: str, as_of: int) -> pa.Table:
