@@ -11,6 +11,7 @@ name the file (the S3 URI for S3, with credentials redacted) and the line.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
@@ -35,8 +36,9 @@ class LandedFile(LandedObject):
         return f"{base}{_TAG}{self.tag}" if self.tag else base
 
 
-#: Where an identity's content tag starts.
+#: Where an identity's content tag starts, and what a tag is.
 _TAG = ":etag="
+_ETAG = re.compile(r"[0-9a-f]+(-[0-9]+)?")
 
 
 def same_file_version(recorded: object, identity: str) -> bool:
@@ -45,8 +47,10 @@ def same_file_version(recorded: object, identity: str) -> bool:
     still names it: a file ingested then is not ingested again."""
     if recorded == identity:
         return True
-    base, tagged, _ = identity.rpartition(_TAG)
-    return bool(tagged) and recorded == base
+    base, tagged, tag = identity.rpartition(_TAG)
+    # Only a real tag (hex, and a part count for a multipart upload) is cut off: a name
+    # that itself holds ":etag=" names another file.
+    return bool(tagged) and _ETAG.fullmatch(tag) is not None and recorded == base
 
 
 class LandingLocationError(InvalidConfig):

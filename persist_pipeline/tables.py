@@ -432,7 +432,7 @@ def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None,
     key_fields = [by_name[k] for k in keys] if keys else fields
     value_fields = [f for n, f in zip(names, fields, strict=True) if n not in keys] \
         if keys else []
-    kept = _range_stops_cleared(schema)
+    kept = _kept_schema(schema)
     metadata = {ARROW_SCHEMA_META: bytes(kept.serialize().to_pybytes()),
                 COLUMNS_META: json.dumps(list(storage_names)).encode()}
     for name, dictionary in (dictionaries or {}).items():
@@ -477,19 +477,52 @@ def _range_indexes(doc: dict[str, object]) -> list[dict[str, object]]:
         if isinstance(found, list) else []
 
 
-def _range_stops_cleared(schema: pa.Schema) -> pa.Schema:
-    """``schema`` without the stop of each pandas RangeIndex in its metadata. The stop
-    is one output's row count: kept, every output of another length would have another
-    schema and start a generation (a new shard). Loads make it from the rows they
-    return (:func:`_range_stops_set`)."""
+def _kept_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` as the shard schema keeps it: without what one output has and the next
+    may not, which would make every such output start a generation (a new shard):
+
+    - the stop of each pandas RangeIndex (the row count; loads make it from the rows
+      they return, :func:`_range_stops_set`);
+    - an unordered dictionary column's index width and pandas' count of its categories
+      and width of its codes (all follow the categories its rows use): kept as 32-bit
+      indices.
+
+    Returns ``schema`` itself when there is nothing to leave out."""
     doc = _pandas_meta(schema)
-    ranges = _range_indexes(doc) if doc is not None else []
-    if doc is None or all(d.get("stop") is None for d in ranges):
+    changed = False
+    for d in _range_indexes(doc) if doc is not None else []:
+        if d.get("stop") is not None:
+            d["stop"] = None
+            changed = True
+    fields = []
+    for field in schema:
+        type_ = field.type
+        if pa.types.is_dictionary(type_) and not type_.ordered:
+            if not type_.index_type.equals(pa.int32()):
+                field = field.with_type(pa.dictionary(pa.int32(), type_.value_type))
+                changed = True
+            for column in _pandas_columns(doc, field.name):
+                meta = column.get("metadata")
+                if isinstance(meta, dict) and meta.get("num_categories") is not None:
+                    meta["num_categories"] = None
+                    changed = True
+                if column.get("numpy_type") not in (None, "int32"):
+                    column["numpy_type"] = "int32"  # the codes' width
+                    changed = True
+        fields.append(field)
+    if not changed:
         return schema
-    for d in ranges:
-        d["stop"] = None
-    return schema.with_metadata({**(schema.metadata or {}),
-                                 _PANDAS_META: json.dumps(doc).encode()})
+    metadata = dict(schema.metadata or {})
+    if doc is not None:
+        metadata[_PANDAS_META] = json.dumps(doc).encode()
+    return pa.schema(fields, metadata=metadata)
+
+
+def _pandas_columns(doc: dict[str, object] | None, name: str) -> list[dict[str, object]]:
+    """pandas' entries for the column ``name`` in its metadata ``doc``."""
+    found = doc.get("columns") if doc is not None else None
+    return [c for c in found if isinstance(c, dict) and c.get("field_name") == name] \
+        if isinstance(found, list) else []
 
 
 def _range_stops_set(schema: pa.Schema, num_rows: int) -> pa.Schema:
@@ -508,13 +541,14 @@ def _range_stops_set(schema: pa.Schema, num_rows: int) -> pa.Schema:
 
 def same_storage(recorded: ShardSchema, planned: ShardSchema) -> bool:
     """Whether a shard's recorded schema stores tables of ``planned``'s: equal, or equal
-    once a pandas RangeIndex stop kept by an earlier version is left out."""
+    once what an earlier version kept of one output (:func:`_kept_schema`) is left
+    out."""
     if recorded == planned:
         return True
     found = original_schema(recorded)
     if found is None:
         return False
-    cleared = _range_stops_cleared(found[0])
+    cleared = _kept_schema(found[0])
     if cleared is found[0]:
         return False
     metadata = {**recorded.metadata,
@@ -564,6 +598,9 @@ def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
         raise InvalidInput("this shard was not written by the IO manager (its schema keeps "
                            "no original table schema)")
     schema, storage_names = found
+    # As this version keeps it: a shard an earlier version stored may hold rows of later
+    # outputs with more categories than its recorded index width.
+    schema = _kept_schema(schema)
     counts = typed.column("d").to_numpy()
     if len(counts) and (counts.min() < 1):
         raise InvalidInput("the shard holds retractions without rows (a negative count): "

@@ -190,9 +190,27 @@ def test_columns_input_metadata_loads_only_those(io_manager: PersistIOManager) -
     frame = pd.DataFrame({"x": [1, 2], "y": [3, 4]},
                          index=pd.Index(["a", "b"], name="day"))
     io_manager.store("by_day", pa.Table.from_pandas(frame))
-    loaded = _project(io_manager.load("by_day"), ["y"], "by_day").to_pandas()
+    stored = io_manager.load("by_day")
+    loaded = _project(stored, ["y"], "by_day", keep_pandas_index=True).to_pandas()
     assert list(loaded.columns) == ["y"] and loaded.index.name == "day"
     assert loaded.sort_index().to_dict() == {"y": {"a": 3, "b": 4}}
+    assert _project(stored, ["y"], "by_day").column_names == ["y"]  # Arrow: only those
+
+    @dg.asset(ins={"by_day": dg.AssetIn(metadata={"columns": ["y"]})})
+    def arrow_reader(by_day: pa.Table) -> pa.Table:
+        assert by_day.column_names == ["y"]
+        return by_day
+
+    @dg.asset(ins={"by_day": dg.AssetIn(metadata={"columns": ["y"]})})
+    def pandas_reader(by_day: pd.DataFrame) -> pd.DataFrame:
+        assert list(by_day.columns) == ["y"] and by_day.index.name == "day"
+        return by_day
+
+    @dg.asset
+    def by_day() -> pd.DataFrame:  # what was stored above
+        return frame
+
+    _materialize(io_manager, by_day, arrow_reader, pandas_reader)
 
 
 def test_sixty_materializations_keep_the_shard_compacted(io_manager: PersistIOManager
@@ -348,7 +366,7 @@ def test_pandas_outputs_of_other_lengths_stay_in_one_shard(io_manager: PersistIO
     from persist_pipeline import tables
 
     with monkeypatch.context() as m:
-        m.setattr(tables, "_range_stops_cleared", lambda schema: schema)
+        m.setattr(tables, "_kept_schema", lambda schema: schema)
         io_manager.store("legacy", pa.Table.from_pandas(pd.DataFrame({"a": [1, 2, 3]})))
     meta = io_manager.store("legacy", pa.Table.from_pandas(pd.DataFrame({"a": [1, 2]})))
     assert (meta["dagster/table_name"], meta["persist/upper"]) == ("legacy", 2)
@@ -426,3 +444,29 @@ def test_an_ordered_categorical_keeps_its_categories_and_their_order(
     plain = pa.table({"c": pa.array(["b", "a", "b"]).dictionary_encode()})
     io_manager.store("plain", plain)
     assert sorted(io_manager.load("plain").column("c").to_pylist()) == ["a", "b", "b"]
+
+
+def test_unordered_categoricals_with_other_categories_stay_in_one_shard(
+        io_manager: PersistIOManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An unordered categorical's categories follow its rows (and pandas' index width
+    # follows their count): outputs whose categories change are one table's versions.
+    def visits(cities: list[str]) -> pa.Table:
+        return pa.Table.from_pandas(pd.DataFrame({"city": pd.Categorical(cities)}))
+
+    first = io_manager.store("visits", visits(["paris", "rome"]))
+    second = io_manager.store("visits", visits(["paris", "rome", "oslo"]))
+    many = [f"city{i:03d}" for i in range(300)]  # more than 127: 16-bit codes
+    third = io_manager.store("visits", visits(many))
+    assert [m["dagster/table_name"] for m in (first, second, third)] == ["visits"] * 3
+    assert [m["persist/upper"] for m in (first, second, third)] == [1, 2, 3]
+    loaded = io_manager.load("visits").to_pandas()
+    assert sorted(loaded["city"]) == many and loaded["city"].dtype == "category"
+    # A shard an earlier version stored (8-bit indices, the category count kept) stays
+    # the table's shard.
+    from persist_pipeline import tables
+
+    with monkeypatch.context() as m:
+        m.setattr(tables, "_kept_schema", lambda schema: schema)
+        io_manager.store("trips", visits(["a", "b"]))
+    assert io_manager.store("trips", visits(many))["dagster/table_name"] == "trips"
+    assert sorted(io_manager.load("trips").to_pandas()["city"]) == many

@@ -439,3 +439,8 @@ def test_an_identity_recorded_before_content_tags_still_names_its_file() -> None
     assert not same_file_version(other, tagged.identity)
     assert not same_file_version(tagged.identity, legacy)
     assert not same_file_version(None, tagged.identity)
+    # A name holding ":etag=" is no tag: that file is another one.
+    odd = LandedFile("f@5:100:etag=zz", 3, 7.0).identity
+    assert not same_file_version("f@5:100", odd)
+    multipart = LandedFile("big.csv", 9, 7.0, "0a1b-3")
+    assert same_file_version(LandedFile("big.csv", 9, 7.0).identity, multipart.identity)

@@ -95,7 +95,7 @@ def from_arrow(table: pa.Table, typing_type: object) -> Any:
     """``table`` as the type an input asks for (pandas / polars DataFrame, else Arrow)."""
     module = getattr(typing_type, "__module__", "").split(".")[0]
     name = getattr(typing_type, "__name__", "")
-    if module == "pandas" and name == "DataFrame":
+    if _is_pandas_frame(typing_type):
         return table.to_pandas()
     if module == "polars" and name == "DataFrame":
         import polars as pl
@@ -307,9 +307,11 @@ class PersistIOManager(dg.ConfigurableIOManager):
                   for p in partitions]
         table = loaded[0] if len(loaded) == 1 else _concat_partitions(
             loaded, partitions, key.to_user_string())
+        typing_type = context.dagster_type.typing_type
         if columns is not None:
-            table = _project(table, columns, key.to_user_string())
-        return from_arrow(table, context.dagster_type.typing_type)
+            table = _project(table, columns, key.to_user_string(),
+                             keep_pandas_index=_is_pandas_frame(typing_type))
+        return from_arrow(table, typing_type)
 
     def load(self, name: str, *, upper: int | None = None, what: str = "",
              legacy_shard: str | None = None) -> pa.Table:
@@ -371,7 +373,13 @@ def _key_columns(declared: object) -> list[str] | None:
                        f"them, got {declared!r}")
 
 
-def _project(table: pa.Table, columns: object, what: str) -> pa.Table:
+def _is_pandas_frame(typing_type: object) -> bool:
+    return (getattr(typing_type, "__module__", "").split(".")[0] == "pandas"
+            and getattr(typing_type, "__name__", "") == "DataFrame")
+
+
+def _project(table: pa.Table, columns: object, what: str, *,
+             keep_pandas_index: bool = False) -> pa.Table:
     if not isinstance(columns, list | tuple) or not all(isinstance(c, str) for c in columns):
         raise InvalidInput(f"{what}: input metadata columns must be a list of column names, "
                            f"got {columns!r}")
@@ -379,9 +387,10 @@ def _project(table: pa.Table, columns: object, what: str) -> pa.Table:
     if unknown:
         raise InvalidInput(f"{what}: input metadata columns {unknown} are not columns of the "
                            f"stored table {table.column_names}")
-    # A pandas index stored as columns stays: the DataFrame keeps its index.
+    # A pandas input keeps the index stored as columns; any other input gets exactly the
+    # columns it asked for.
     index = [c for c in _pandas_index_columns(table.schema)
-             if c in table.column_names and c not in columns]
+             if keep_pandas_index and c in table.column_names and c not in columns]
     return table.select([*columns, *index])
 
 
