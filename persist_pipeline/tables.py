@@ -59,6 +59,7 @@ from persist_pipeline.exceptions import (
     PersistError,
     SchemaMismatch,
     ShardNameNotFound,
+    ShardNotFound,
 )
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.ids import ShardId
@@ -285,6 +286,10 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
     shard = client.resolve(generation_name(name, found[-1]))
     if upper is not None and len(found) > 1:
         shard = _generation_at(client, name, found, upper, what)
+    elif len(found) > 1 and _stored_upper(client, shard) == 0:
+        # A generation started by a store that never committed (its process died after
+        # naming it) holds nothing yet: the table is still the previous one.
+        shard = _newest_written(client, name, found) or shard
     reader = client.open_reader(shard, debug="table load")
     try:
         typed = reader.snapshot(as_of_upper(client, shard, upper, what))
@@ -297,6 +302,25 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
     return from_storage(typed, schema)
 
 
+def _newest_written(client: PersistClient, name: str, found: list[int]) -> ShardId | None:
+    """The newest generation of ``name`` that holds a stored table, if any."""
+    for generation in reversed(found):
+        shard = client.resolve(generation_name(name, generation))
+        if _stored_upper(client, shard) != 0:
+            return shard
+    return None
+
+
+def _stored_upper(client: PersistClient, shard: ShardId) -> int | None:
+    """A generation's upper; 0 when its shard was named but never created (the store
+    that named it died first)."""
+    try:
+        upper: int | None = client.inspect(shard)["upper"]
+    except ShardNotFound:
+        return 0
+    return upper
+
+
 def _generation_at(client: PersistClient, name: str, found: list[int], upper: int,
                    what: str) -> ShardId:
     """The shard of the one generation of ``name`` whose write can have left its upper at
@@ -306,7 +330,7 @@ def _generation_at(client: PersistClient, name: str, found: list[int], upper: in
     reached = []
     for generation in found:
         shard = client.resolve(generation_name(name, generation))
-        current = client.inspect(shard)["upper"]
+        current = _stored_upper(client, shard)
         if current is None or current >= upper:
             reached.append((generation, shard))
     if not reached:
@@ -324,7 +348,7 @@ def as_of_upper(client: PersistClient, shard: str | ShardId, upper: int | None,
                 what: str) -> int:
     """The time to read what the write that left the shard's upper at ``upper`` stored
     (None: the latest)."""
-    current = client.inspect(shard)["upper"]
+    current = _stored_upper(client, ShardId.parse(shard))
     if current == 0:
         raise NotYetAvailable(f"{what}: nothing stored yet (shard {shard})")
     if upper is not None:

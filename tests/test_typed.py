@@ -388,6 +388,23 @@ def test_a_closed_table_shard_loads_its_last_table() -> None:
     client.close()
 
 
+def test_a_generation_named_by_a_store_that_died_loads_the_previous_table() -> None:
+    from persist_pipeline.tables import load_table, store_table
+
+    client = PersistClient.open("mem://table-died", "mem://table-died")
+    store_table(client, "orders", pa.table({"id": [1, 2]}))
+    # A store of a new schema named its generation and died before creating its shard,
+    # or before its write.
+    client.resolve("orders/_v2", create=True)
+    assert load_table(client, "orders").to_pylist() == [{"id": 1}, {"id": 2}]
+    client.create_shard(client.resolve("orders/_v2"))
+    assert load_table(client, "orders").to_pylist() == [{"id": 1}, {"id": 2}]
+    # The next store of that schema writes the named generation, and loads read it.
+    assert store_table(client, "orders", pa.table({"id": ["a"]})).name == "orders/_v2"
+    assert load_table(client, "orders").to_pylist() == [{"id": "a"}]
+    client.close()
+
+
 def test_frames_and_row_dicts_are_accepted() -> None:
     pd = pytest.importorskip("pandas")
     pl = pytest.importorskip("polars")
