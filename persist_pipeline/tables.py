@@ -78,6 +78,8 @@ COLUMNS_META = b"persist_pipeline.columns"
 #: The dictionary of an ordered dictionary column, by its storage name (an IPC record
 #: batch of one column).
 DICTIONARY_META = b"persist_pipeline.dictionary."
+#: The most bytes of one ordered dictionary the shard schema keeps.
+MAX_DICTIONARY_BYTES = 1 << 20
 #: Where a name's generations live, and its partitions.
 _GENERATION = "/_v"
 _PARTITIONS = "/_partitions/"
@@ -461,7 +463,14 @@ def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None,
                 COLUMNS_META: json.dumps(list(storage_names)).encode()}
     for name, dictionary in (dictionaries or {}).items():
         stored = storage_names[names.index(name)]
-        metadata[DICTIONARY_META + stored.encode()] = _serialized(dictionary)
+        raw = _serialized(dictionary)
+        if len(raw) > MAX_DICTIONARY_BYTES:
+            raise UnsupportedOutput(
+                f"column {name!r} is an ordered categorical whose categories take "
+                f"{len(raw)} bytes; the shard schema keeps them (in every state rollup), "
+                f"up to {MAX_DICTIONARY_BYTES}: store it unordered, or its codes beside a "
+                f"table of the categories")
+        metadata[DICTIONARY_META + stored.encode()] = raw
     return StoragePlan(ShardSchema(key_fields, value_fields, metadata), schema, storage_names)
 
 

@@ -440,6 +440,14 @@ def test_an_ordered_categorical_keeps_its_categories_and_their_order(
         {"id": [9], "level": pd.Categorical(["low"], dtype=other)})))
     assert meta["dagster/table_name"] == "tickets/_v2"
     assert io_manager.load("tickets").to_pandas()["level"].dtype == other
+    # An ordered categorical too large to keep in the shard schema is refused.
+    from persist_pipeline.tables import UnsupportedOutput
+
+    huge = pd.CategoricalDtype([f"c{i:07d}" * 4 for i in range(40_000)], ordered=True)
+    with pytest.raises(UnsupportedOutput, match="ordered categorical"):
+        io_manager.store("huge", pa.Table.from_pandas(pd.DataFrame(
+            {"level": pd.Categorical(["c0000000" * 4], dtype=huge)})))
+    assert "huge" not in io_manager.client().shard_names()
     # Unordered categoricals come back with the categories their rows use.
     plain = pa.table({"c": pa.array(["b", "a", "b"]).dictionary_encode()})
     io_manager.store("plain", plain)
