@@ -25,6 +25,14 @@ def _run(env: list[str], capsys: pytest.CaptureFixture[str], *args: str) -> tupl
     return code, out.out, out.err
 
 
+def _id_name_shard(env: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """A new typed shard keyed by ``id`` (int64) with a ``name`` (string); its id."""
+    schema = json.dumps({"key": {"id": "int64"}, "value": {"name": "string"}})
+    code, out, err = _run(env, capsys, "new-shard", "--schema", schema)
+    assert code == 0, err
+    return out.strip()
+
+
 def _client(tmp_path: Path) -> PersistClient:
     return PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}")
 
@@ -95,9 +103,7 @@ def test_append_to_a_shard_that_does_not_exist_needs_create(
 
 def test_typed_append_refuses_columns_outside_the_schema(
         env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    schema = json.dumps({"key": {"id": "int64"}, "value": {"name": "string"}})
-    code, out, _ = _run(env, capsys, "new-shard", "--schema", schema)
-    shard = out.strip()
+    shard = _id_name_shard(env, capsys)
     rows = tmp_path / "extra.csv"
     rows.write_text("id,name,surprise,t\n1,ann,zzz,0\n")
     code, _, err = _run(env, capsys, "append", shard, str(rows))
@@ -114,9 +120,7 @@ def test_typed_append_refuses_columns_outside_the_schema(
 def test_a_typed_file_that_is_not_rows_is_one_line_and_changes_nothing(
         env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], file: str,
         text: str, says: str):
-    schema = json.dumps({"key": {"id": "int64"}, "value": {"name": "string"}})
-    code, out, _ = _run(env, capsys, "new-shard", "--schema", schema)
-    shard = out.strip()
+    shard = _id_name_shard(env, capsys)
     rows = tmp_path / file
     rows.write_text(text)
     code, _, err = _run(env, capsys, "append", shard, str(rows))
@@ -136,9 +140,7 @@ def test_plan_refuses_hold_seconds_that_are_not_a_finite_wait(
 
 def test_a_row_at_the_largest_time_needs_the_shard_closed(
         env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    schema = json.dumps({"key": {"id": "int64"}, "value": {"name": "string"}})
-    code, out, _ = _run(env, capsys, "new-shard", "--schema", schema)
-    shard = out.strip()
+    shard = _id_name_shard(env, capsys)
     rows = tmp_path / "last.csv"
     rows.write_text(f"id,name,t\n1,ann,{(1 << 63) - 1}\n")
     code, _, err = _run(env, capsys, "append", shard, str(rows))

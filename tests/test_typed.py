@@ -25,6 +25,7 @@ from persist_pipeline import (
     ShardId,
     ShardSchema,
     UpperMismatch,
+    WriteHandle,
 )
 from persist_pipeline.blob.memory import MemoryBlob
 from persist_pipeline.exceptions import InvalidFrontier, InvalidInput, InvalidUpdates
@@ -237,10 +238,7 @@ def test_untyped_and_typed_never_mix(location: Location) -> None:
 
 
 def test_a_small_typed_write_with_a_negative_time_is_refused_and_changes_nothing() -> None:
-    client = PersistClient.open("mem://typed-negative", "mem://typed-negative")
-    shard = ShardId.new()
-    writer = client.open_writer(shard, schema=ShardSchema([("id", pa.int64())],
-                                                          [("score", pa.float64())]))
+    client, shard, writer = _id_writer("mem://typed-negative", ("score", pa.float64()))
     bad = pa.table({"id": [1, 2], "score": [0.5, -1.5], "t": [0, -3]})
     with pytest.raises(InvalidUpdates, match=r"update #1: ts must be a non-negative"):
         writer.compare_and_append(bad, 0, 1)
@@ -251,6 +249,16 @@ def test_a_small_typed_write_with_a_negative_time_is_refused_and_changes_nothing
     snapshot = client.open_reader(shard).snapshot(0)
     assert snapshot.to_pylist() == [{"id": 2, "score": -1.5, "t": 0, "d": 1}]
     client.close()
+
+
+def _id_writer(location: str, value: tuple[str, pa.DataType]
+               ) -> tuple[PersistClient, ShardId, WriteHandle]:
+    """A client on ``location`` (memory) and a writer of a new shard keyed by ``id``
+    (int64) with one ``value`` column."""
+    client = PersistClient.open(location, location)
+    shard = ShardId.new()
+    return client, shard, client.open_writer(shard, schema=ShardSchema([("id", pa.int64())],
+                                                                       [value]))
 
 
 def _compacted_with_since_at_the_upper(client: PersistClient, shard: ShardId) -> None:
@@ -299,10 +307,7 @@ def test_an_upsert_at_the_largest_time_is_refused_and_changes_nothing() -> None:
     # Its new upper would be past the largest time: not a frontier any write accepts.
     from persist_pipeline.frontier import MAX_TIME
 
-    client = PersistClient.open("mem://typed-max-time", "mem://typed-max-time")
-    shard = ShardId.new()
-    writer = client.open_writer(shard, schema=ShardSchema([("id", pa.int64())],
-                                                          [("name", pa.string())]))
+    client, shard, writer = _id_writer("mem://typed-max-time", ("name", pa.string()))
     writer.upsert(pa.table({"id": [1], "name": ["a"]}))
     with pytest.raises(InvalidFrontier, match="largest time"):
         writer.upsert(pa.table({"id": [2], "name": ["b"]}), ts=MAX_TIME)
@@ -317,10 +322,7 @@ def test_an_upsert_at_the_largest_time_is_refused_and_changes_nothing() -> None:
 
 def test_an_upsert_that_would_retract_a_diff_of_minus_2_to_the_63_is_refused() -> None:
     # Its retraction, +2**63, does not fit 64 bits: refused, never wrapped to -2**63.
-    client = PersistClient.open("mem://typed-min-diff", "mem://typed-min-diff")
-    shard = ShardId.new()
-    writer = client.open_writer(shard, schema=ShardSchema([("id", pa.int64())],
-                                                          [("name", pa.string())]))
+    client, shard, writer = _id_writer("mem://typed-min-diff", ("name", pa.string()))
     writer.compare_and_append(pa.table({"id": [1], "name": ["a"], "t": [0],
                                         "d": [-(1 << 63)]}), 0, 1)
     for write in (lambda: writer.upsert(pa.table({"id": [1], "name": ["b"]})),
@@ -408,10 +410,7 @@ def test_a_generation_named_by_a_store_that_died_loads_the_previous_table() -> N
 def test_frames_and_row_dicts_are_accepted() -> None:
     pd = pytest.importorskip("pandas")
     pl = pytest.importorskip("polars")
-    client = PersistClient.open("mem://typed-frames", "mem://typed-frames")
-    shard = ShardId.new()
-    writer = client.open_writer(shard, schema=ShardSchema([("id", pa.int64())],
-                                                          [("name", pa.string())]))
+    client, shard, writer = _id_writer("mem://typed-frames", ("name", pa.string()))
     writer.compare_and_append(pd.DataFrame({"id": [1], "name": ["pd"], "t": [0]}), 0, 1)
     writer.compare_and_append(pl.DataFrame({"id": [2], "name": ["pl"], "t": [1]}), 1, 2)
     writer.compare_and_append([{"id": 3, "name": "dict", "t": 2}], 2, 3)
