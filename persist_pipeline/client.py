@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from persist_pipeline.blob import open_blob
-from persist_pipeline.blob.base import Blob
+from persist_pipeline.blob import check_blob_uri, open_blob
+from persist_pipeline.blob.base import Blob, stores_overlap
 from persist_pipeline.blob.cache import CachingBlob
 from persist_pipeline.blob.retry import RetryingBlob
 from persist_pipeline.compaction import compact_shard
@@ -80,7 +80,8 @@ def effective_config(config: PersistConfig | None, inline_policy: InlinePolicy |
     rather than one of them silently preferred.
 
     Raises:
-        InvalidConfig: ``inline_policy`` differs from the policy given in ``config``.
+        InvalidConfig: ``inline_policy`` differs from the policy given in ``config``,
+            or the WAL blob store shares keys with the main one.
     """
     if config is not None and not isinstance(config, PersistConfig):
         raise InvalidConfig(f"config must be a PersistConfig, got {type(config).__name__}")
@@ -105,6 +106,12 @@ class PersistClient:
 
     def __init__(self, consensus: Consensus, blob: Blob, wal_blob: Blob | None = None,
                  config: PersistConfig | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+        if wal_blob is not None and stores_overlap(blob, wal_blob):
+            # One key would be two stores' to GC: it would delete a live part through
+            # the store that does not reference it.
+            raise InvalidConfig(f"the WAL blob store {wal_blob.describe()} shares keys with "
+                                f"the main blob store {blob.describe()}: give the WAL a "
+                                f"location of its own (another folder, bucket or prefix)")
         self.config = config or PersistConfig()
         self.clock = clock
         cache = self.config.blob_cache_bytes
@@ -171,18 +178,29 @@ class PersistClient:
             raise InvalidConfig("no blob URI: pass blob_uri or set PERSIST_BLOB_URI "
                                 "(e.g. file:///var/lib/persist)")
         cfg = effective_config(config, inline_policy, env)
+        # Every URI is checked before anything is opened: a malformed one creates no
+        # database file and no folder.
+        check_blob_uri(blob_uri)
+        if wal_blob_uri:
+            check_blob_uri(wal_blob_uri)
         consensus = open_consensus(consensus_uri)
+        opened: list[Blob] = []
         try:
             blob = open_blob(blob_uri)
+            opened.append(blob)
             wal = open_blob(wal_blob_uri) if wal_blob_uri else None
+            if wal is not None:
+                opened.append(wal)
             if probe:
                 _probe(blob, "blob")
                 if wal is not None:
                     _probe(wal, "WAL blob")
+            return cls(consensus, blob, wal, cfg)
         except BaseException:
+            for store in opened:
+                store.close()
             consensus.close()
             raise
-        return cls(consensus, blob, wal, cfg)
 
     @property
     def inline_policy(self) -> InlinePolicy:

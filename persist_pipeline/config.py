@@ -6,6 +6,7 @@ Both can be read from the environment (``PERSIST_*`` variables).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -109,6 +110,10 @@ class InlinePolicy:
 _UNSET_INLINE_POLICY = InlinePolicy()
 
 
+#: The longest duration a setting may name (about 31 years): longer ones overflow the
+#: timestamps and waits they become.
+MAX_DURATION_S = 1e9
+
 @dataclass(frozen=True, slots=True)
 class PersistConfig:
     """Every tunable; defaults are the constants above.
@@ -148,9 +153,15 @@ class PersistConfig:
             if f.name in ("inline_policy", "background_maintenance", "group_commit"):
                 continue
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise InvalidConfig(f"PersistConfig.{f.name} must be a non-negative number, "
-                                    f"got {value!r}")
+            # NaN passes every comparison, and an infinite duration overflows the clocks
+            # and timestamps it becomes: both are refused here, not by a later crash.
+            if isinstance(value, bool) or not isinstance(value, int | float) or \
+                    not math.isfinite(value) or value < 0:
+                raise InvalidConfig(f"PersistConfig.{f.name} must be a finite, non-negative "
+                                    f"number, got {value!r}")
+            if f.name.endswith("_s") and value > MAX_DURATION_S:
+                raise InvalidConfig(f"PersistConfig.{f.name} must be at most "
+                                    f"{MAX_DURATION_S:.0e} seconds, got {value!r}")
         if self.gc_orphan_min_age_s < 1:
             raise InvalidConfig("PersistConfig.gc_orphan_min_age_s must be at least 1 second: "
                                 "writers need half of it to commit the parts they upload")

@@ -79,3 +79,67 @@ def test_keyword_that_contradicts_config_is_refused(tmp_path: Path):
 def test_wrong_types_are_refused(tmp_path: Path, bad: dict[str, object]):
     with pytest.raises(InvalidConfig):
         _open(tmp_path, env={}, **bad)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("gc_orphan_min_age_s", float("nan")), ("gc_orphan_min_age_s", float("inf")),
+    ("reader_lease_duration_s", float("nan")), ("reader_lease_duration_s", float("inf")),
+    ("retry_deadline_s", float("nan")), ("heartbeat_interval_s", float("inf")),
+    ("listen_poll_interval_s", float("nan")), ("group_commit_window_s", float("nan")),
+    ("reader_lease_duration_s", 1e12)])
+def test_durations_that_are_not_finite_or_too_long_are_refused(field: str, value: float):
+    # NaN passes every comparison, and an infinite duration overflows the clocks it
+    # becomes: a client built with either failed later with bare Python errors.
+    with pytest.raises(InvalidConfig, match=field):
+        PersistConfig(**{field: value})
+
+
+@pytest.mark.parametrize(("main", "wal"), [
+    ("file://{d}/blobs", "file://{d}/blobs"),
+    ("file://{d}/blobs", "file://{d}/blobs/wal"),
+    ("file://{d}/blobs/main", "file://{d}/blobs"),
+    ("mem://shared", "mem://shared"),
+])
+def test_a_wal_store_sharing_keys_with_the_main_store_is_refused(tmp_path: Path, main: str,
+                                                                 wal: str):
+    # One key in both would be each store's to GC: the orphan sweep deleted live parts
+    # through the store that did not reference them.
+    with pytest.raises(InvalidConfig, match="shares keys"):
+        PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", main.format(d=tmp_path),
+                           wal.format(d=tmp_path), env={})
+    ok = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path}/main",
+                            f"file://{tmp_path}/main-wal", env={})
+    ok.close()
+
+
+def test_s3_stores_share_keys_when_one_prefix_holds_the_other() -> None:
+    from persist_pipeline.blob import open_blob
+    from persist_pipeline.blob.base import stores_overlap
+
+    def s3(rest: str) -> object:
+        return open_blob(f"s3://{rest}")
+
+    assert stores_overlap(s3("bkt/data"), s3("bkt/data/wal"))  # type: ignore[arg-type]
+    assert stores_overlap(s3("bkt"), s3("bkt/wal"))  # type: ignore[arg-type]
+    assert not stores_overlap(s3("bkt/data"), s3("bkt/database"))  # type: ignore[arg-type]
+    assert not stores_overlap(s3("bkt/data"), s3("other/data"))  # type: ignore[arg-type]
+    assert not stores_overlap(s3("bkt/data?endpoint_url=http://127.0.0.1:9"),  # type: ignore[arg-type]
+                              s3("bkt/data"))
+
+
+@pytest.mark.parametrize(("blob", "wal"), [
+    ("bogus://x", None),
+    ("file://{d}/b?x=1", None),
+    ("file://{d}/b", "bogus://x"),
+    ("file://{d}/b", "file://"),
+    ("file://{d}/b", "s3://"),
+])
+def test_a_malformed_uri_creates_nothing(tmp_path: Path, blob: str, wal: str | None):
+    from persist_pipeline.exceptions import InvalidUri
+
+    d = tmp_path / "loc"
+    d.mkdir()
+    with pytest.raises(InvalidUri):
+        PersistClient.open(f"sqlite:///{d / 'c.db'}", blob.format(d=d),
+                           wal.format(d=d) if wal else None, env={})
+    assert sorted(p.name for p in d.iterdir()) == []  # no database file, no folder

@@ -38,6 +38,7 @@ __all__ = [
     "LocalBlob",
     "MemoryBlob",
     "S3Blob",
+    "check_blob_uri",
     "open_blob",
     "redact_uri",
     "validate_key",
@@ -67,13 +68,25 @@ def open_blob(uri: str, *, cache_bytes: int = 0) -> Blob:
             malformed for its scheme; the message never quotes secrets.
         InvalidConfig: if ``cache_bytes`` is negative.
     """
+    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+        raise InvalidConfig(f"cache_bytes must be a non-negative int, got {cache_bytes!r}")
+    blob = _from_uri(uri, dry=False)
+    assert blob is not None
+    return CachingBlob(blob, cache_bytes) if cache_bytes else blob
+
+
+def check_blob_uri(uri: str) -> None:
+    """Raise what :func:`open_blob` would for a malformed ``uri``, creating nothing (no
+    folder is made, no connection opened)."""
+    _from_uri(uri, dry=True)
+
+
+def _from_uri(uri: str, *, dry: bool) -> Blob | None:
     if not isinstance(uri, str):
         raise InvalidUri(f"blob URI must be a str, got {type(uri).__name__}")
     if any(ord(c) < 32 or ord(c) == 127 for c in uri):
         raise InvalidUri("blob URI contains control characters (NUL, newline, ...); "
                          f"supported: {_EXAMPLES}")
-    if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
-        raise InvalidConfig(f"cache_bytes must be a non-negative int, got {cache_bytes!r}")
     text = uri.strip()
     if not text:
         raise InvalidUri(f"blob URI is empty; supported: {_EXAMPLES}")
@@ -84,16 +97,16 @@ def open_blob(uri: str, *, cache_bytes: int = 0) -> Blob:
             f"unsupported blob URI {redact_uri(text)!r}: supported schemes are "
             f"{', '.join(s + '://' for s in SUPPORTED_SCHEMES)} (e.g. {_EXAMPLES})"
         )
-    blob: Blob
     if scheme == "mem":
-        blob = MemoryBlob.from_uri(text)
-    elif scheme == "file":
-        blob = LocalBlob.from_uri(text)
-    else:
-        from persist_pipeline.blob.s3 import S3Blob
+        return MemoryBlob.from_uri(text)  # nothing outside the process
+    if scheme == "file":
+        if dry:
+            LocalBlob.parse_uri(text)
+            return None
+        return LocalBlob.from_uri(text)
+    from persist_pipeline.blob.s3 import S3Blob
 
-        blob = S3Blob.from_uri(text)
-    return CachingBlob(blob, cache_bytes) if cache_bytes else blob
+    return S3Blob.from_uri(text)  # connects on first use only
 
 
 def __getattr__(name: str) -> Any:

@@ -182,6 +182,13 @@ class Blob(ABC):
         """A human-readable location with credentials removed, for logs and errors."""
         return self.kind
 
+    def location(self) -> tuple[str, str]:
+        """Where the keys live: a namespace (a file system, a bucket at an endpoint, a
+        named memory store) and a ``/``-separated path in it. Two stores whose paths
+        nest in one namespace share keys (:func:`stores_overlap`). A store that cannot
+        tell is its own namespace."""
+        return f"{type(self).__name__}@{id(self):x}", ""
+
 
 def validate_range(start: int, length: int) -> None:
     """Check the byte range of :meth:`Blob.get_range`.
@@ -214,3 +221,14 @@ def validate_value(value: bytes) -> bytes:
     if isinstance(value, bytearray | memoryview):
         return bytes(value)
     raise InvalidInput(f"blob value must be bytes, got {type(value).__name__}")
+
+
+def stores_overlap(a: Blob, b: Blob) -> bool:
+    """Whether two stores can hold the same keys: one namespace, and one path inside
+    (or equal to) the other."""
+    (space_a, path_a), (space_b, path_b) = a.location(), b.location()
+    if space_a != space_b:
+        return False
+    path_a, path_b = path_a.strip("/"), path_b.strip("/")
+    return (not path_a or not path_b or path_a == path_b
+            or path_a.startswith(path_b + "/") or path_b.startswith(path_a + "/"))

@@ -149,6 +149,9 @@ class CachingBlob(Blob):
         self.clear()
         self.inner.close()
 
+    def location(self) -> tuple[str, str]:
+        return self.inner.location()
+
     def describe(self) -> str:
         """The inner store's description, noting the cache."""
         return f"{self.inner.describe()} (LRU cache {self.max_bytes} bytes)"

@@ -93,6 +93,9 @@ class FaultyBlob(Blob):
         """Close the inner store."""
         self.inner.close()
 
+    def location(self) -> tuple[str, str]:
+        return self.inner.location()
+
     def describe(self) -> str:
         """The inner store's description, noting the faults."""
         return f"{self.inner.describe()} (fault injection, seed {self.config.seed})"

@@ -107,6 +107,15 @@ class LocalBlob(Blob):
         Raises:
             InvalidUri: on a relative path, a host other than ``localhost`` or any query.
         """
+        return cls(cls.parse_uri(uri))
+
+    @staticmethod
+    def parse_uri(uri: str) -> str:
+        """The directory ``file:///absolute/dir`` names, checked, without touching it.
+
+        Raises:
+            InvalidUri: as :meth:`from_uri`.
+        """
         parts = split_uri(uri, "file")
         parse_query(parts, frozenset(), uri)
         if parts.netloc not in ("", "localhost"):
@@ -121,7 +130,7 @@ class LocalBlob(Blob):
             raise InvalidUri(f"file URI must not contain NUL: {uri!r}")
         if path.rstrip("/") == "":
             raise InvalidUri(f"file URI must not name the file system root: {uri!r}")
-        return cls(path)
+        return path
 
     @property
     def root(self) -> Path:
@@ -317,6 +326,9 @@ class LocalBlob(Blob):
     def describe(self) -> str:
         """``file://<root>``."""
         return f"file://{self._root}"
+
+    def location(self) -> tuple[str, str]:
+        return "file", str(Path(self._root).resolve())
 
     def __repr__(self) -> str:
         return f"LocalBlob({str(self._root)!r})"

@@ -135,6 +135,11 @@ class MemoryBlob(Blob):
         found.sort(key=lambda meta: meta.key)
         return iter(found)
 
+    def location(self) -> tuple[str, str]:
+        if self._name is None:
+            return super().location()  # private: shared with no other store
+        return "mem", self._name
+
     def describe(self) -> str:
         """``mem://NAME``, or ``mem:// (private)``."""
         return f"mem://{self._name}" if self._name is not None else "mem:// (private)"

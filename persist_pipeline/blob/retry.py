@@ -59,5 +59,8 @@ class RetryingBlob(Blob):
     def close(self) -> None:
         self.inner.close()
 
+    def location(self) -> tuple[str, str]:
+        return self.inner.location()
+
     def describe(self) -> str:
         return self.inner.describe()

@@ -561,6 +561,9 @@ class S3Blob(Blob):
         except (ClientError, BotoCoreError) as exc:
             raise self._error(exc, "list", prefix) from exc
 
+    def location(self) -> tuple[str, str]:
+        return f"s3 {self._endpoint_url or ''} {self._bucket}", self._prefix
+
     def describe(self) -> str:
         """``s3://bucket/prefix``, plus ``(endpoint URL)`` when one is set; no secrets."""
         where = f"s3://{self._bucket}" + (f"/{self._prefix}" if self._prefix else "")
