@@ -124,8 +124,8 @@ _GENERATION_ROOM = 12
 _GENERATION_SEGMENT = re.compile(r"_v[0-9]+")
 
 
-def check_table_name(name: str) -> str:
-    """``name`` if a table may be stored under it: a name whose last segment is
+def check_table_name(name: str) -> None:
+    """Whether a table may be stored under ``name``: a name whose last segment is
     ``_v<N>`` is a generation of another name (a load of that name would return this
     table), and a name must leave room for its own generations' suffix.
 
@@ -145,7 +145,6 @@ def check_table_name(name: str) -> str:
         raise InvalidInput(f"table name {name[:40]!r}... is {len(name)} characters; a table "
                            f"name has at most {_NAME_MAX - _GENERATION_ROOM}, leaving room "
                            f"for the suffix of a later generation")
-    return name
 
 
 def generation_name(base: str, generation: int) -> str:
@@ -504,10 +503,19 @@ def _pandas_meta(schema: pa.Schema) -> dict[str, object] | None:
     return doc if isinstance(doc, dict) else None
 
 
+def _index_entries(doc: dict[str, object] | None) -> list[object]:
+    """pandas' index descriptions: a stored column's name, or a RangeIndex's dict."""
+    found = doc.get("index_columns") if doc is not None else None
+    return found if isinstance(found, list) else []
+
+
 def _range_indexes(doc: dict[str, object]) -> list[dict[str, object]]:
-    found = doc.get("index_columns")
-    return [d for d in found if isinstance(d, dict) and d.get("kind") == "range"] \
-        if isinstance(found, list) else []
+    return [d for d in _index_entries(doc) if isinstance(d, dict) and d.get("kind") == "range"]
+
+
+def pandas_index_columns(schema: pa.Schema) -> list[str]:
+    """The columns of ``schema`` that hold a pandas DataFrame's index (its metadata)."""
+    return [c for c in _index_entries(_pandas_meta(schema)) if isinstance(c, str)]
 
 
 def _kept_schema(schema: pa.Schema) -> pa.Schema:

@@ -50,6 +50,7 @@ from persist_pipeline.ids import ShardId
 from persist_pipeline.tables import (
     UnsupportedOutput,
     asset_shard_name,
+    pandas_index_columns,
 )
 
 #: Shard ids of IO-managed assets live in this UUID namespace: the same asset key (and
@@ -389,18 +390,9 @@ def _project(table: pa.Table, columns: object, what: str, *,
                            f"stored table {table.column_names}")
     # A pandas input keeps the index stored as columns; any other input gets exactly the
     # columns it asked for.
-    index = [c for c in _pandas_index_columns(table.schema)
+    index = [c for c in pandas_index_columns(table.schema)
              if keep_pandas_index and c in table.column_names and c not in columns]
     return table.select([*columns, *index])
-
-
-def _pandas_index_columns(schema: pa.Schema) -> list[str]:
-    raw = (schema.metadata or {}).get(b"pandas")
-    try:
-        found = json.loads(raw).get("index_columns", []) if raw else []
-    except (ValueError, AttributeError):
-        return []
-    return [c for c in found if isinstance(c, str)] if isinstance(found, list) else []
 
 
 def _snapshot(client: PersistClient, shard_id: str, as_of: int) -> pa.Table:
