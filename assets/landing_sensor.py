@@ -10,7 +10,9 @@ remembers the identities
 already requested, Dagster never reuses a run key, files already ingested by a run
 launched by hand are not requested, and the asset itself writes nothing for a file
 version it already ingested: a file is ingested exactly once. A bad file's failed run
-is not retried (land a fixed file, or re-run its partition). A missing or unreadable
+is not retried (land a fixed file, or re-run its partition). Files of a ``times: source``
+location are requested one run at a time, in landing order, since a later file's commit
+would refuse an earlier one's times. A missing or unreadable
 landing location fails the tick with a message saying so; files of other formats
 are named in the tick's skip reason.
 """
@@ -32,7 +34,7 @@ from assets.asset_keys import (
     file_partition_keys,
     shard_key,
 )
-from assets.ingestion import LANDED_FILES, ingested_by
+from assets.ingestion import ACTIVE_STATUSES, LANDED_FILES, ingested_by
 from assets.pipeline_config import FileSource, RouteConfig, ShardConfig
 from assets.sensor_support import load_cursor, sensor_status
 from assets.sources import describe, scan_landing
@@ -76,9 +78,18 @@ def _landing_sensor(owner: str, source: FileSource, shards: list[str], job: Asse
     def landing_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         seen = set(load_cursor(context.cursor).get("seen", []))
         landing = scan_landing(source)  # LandingLocationError fails the tick, clearly
-        requests, already, added = [], [], []
+        requests, already, added, deferred = [], [], [], set()
+        # Source times: a file's times must be at or beyond the shard's upper when it
+        # commits, so a later file committing first refuses every earlier one. Such
+        # files are ingested one run at a time, in landing order; the rest wait (not
+        # marked seen) for a tick with no run of this sensor's files in flight.
+        serial = source.times == "source"
+        busy = serial and _in_flight(context.instance, shards)
         for f in landing.files:
             if f.identity in seen:
+                continue
+            if busy:
+                deferred.add(f.identity)
                 continue
             # A long path's partition from before keys were shortened is kept: one
             # partition per file, and its runs' history stays with it.
@@ -97,9 +108,14 @@ def _landing_sensor(owner: str, source: FileSource, shards: list[str], job: Asse
                 asset_selection=keys,
                 tags={TAG_SHARDS: ",".join(shards), TAG_FILE: f.name,
                       TAG_TRIGGER: "landing"}))
+            busy = serial
         # Only identities still landed are kept: the cursor stays as small as the folder.
-        cursor = json.dumps({"seen": sorted(f.identity for f in landing.files)})
+        cursor = json.dumps({"seen": sorted(f.identity for f in landing.files
+                                            if f.identity not in deferred)})
         notes = []
+        if deferred:
+            notes.append(f"{len(deferred)} file(s) wait: source times are ingested one "
+                         "file at a time, in landing order")
         if already:
             notes.append(f"{len(already)} already ingested ({', '.join(already[:5])})")
         if landing.ignored:
@@ -117,6 +133,14 @@ def _landing_sensor(owner: str, source: FileSource, shards: list[str], job: Asse
             else [])
 
     return landing_sensor
+
+
+def _in_flight(instance: dg.DagsterInstance, shards: list[str]) -> bool:
+    """Whether a run this sensor requested for ``shards`` is queued or running."""
+    runs = instance.get_runs(filters=dg.RunsFilter(
+        job_name=LANDING_JOB, tags={TAG_SHARDS: ",".join(shards), TAG_TRIGGER: "landing"},
+        statuses=ACTIVE_STATUSES), limit=1)
+    return bool(runs)
 
 
 def describe_source_template(source: FileSource) -> str:

@@ -209,10 +209,12 @@ def test_bad_files_fail_their_run_and_write_nothing(make_pipeline: Any) -> None:
     for order, path in enumerate((malformed, wrong_types, stale, good), start=2):
         _set_mtime(path, order)
 
-    tick = pipeline.ticker(sensor).tick()
-    assert [r.tags["persist/file"] for r in tick.run_requests] == [
-        "b-malformed.csv", "c-types.parquet", "d-stale.jsonl", "e-good.jsonl"]
-    results = pipeline.launch_all(sensor, tick)
+    # Source times: one file per run, in landing order, each once the previous is done.
+    results = []
+    for name in ("b-malformed.csv", "c-types.parquet", "d-stale.jsonl", "e-good.jsonl"):
+        tick = pipeline.ticker(sensor).tick()
+        assert [r.tags["persist/file"] for r in tick.run_requests] == [name]
+        results += pipeline.launch_all(sensor, tick)
     assert [r.success for r in results] == [False, False, False, True]
 
     [malformed_msg] = failure_messages(results[0])
@@ -239,6 +241,53 @@ def test_bad_files_fail_their_run_and_write_nothing(make_pipeline: Any) -> None:
     [fixed] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
     assert fixed.success
     assert _collection(pipeline.client(), shard_id, 4)[b"k3"] == b"v3"
+
+
+def test_source_times_files_are_ingested_one_run_at_a_time_in_landing_order(
+        make_pipeline: Any) -> None:
+    """Two files of a ``times: source`` shard landed together: if the later one's run
+    committed first, the earlier one's times would be below the upper and refused. The
+    sensor holds the later file back while the earlier one's run is queued or running;
+    with ``times: ingest`` every new file is requested at once."""
+    pipeline: Pipeline = make_pipeline({
+        "orders": {"source": {"kind": "files", "uri": "{data_dir}/landing/orders",
+                              "times": "source"}},
+        "events": {"source": {"kind": "files", "uri": "{data_dir}/landing/events"}}})
+    for shard in ("orders", "events"):
+        (pipeline.data_dir / "landing" / shard).mkdir(parents=True)
+    orders = pipeline.data_dir / "landing" / "orders"
+    early, late = orders / "z-early.csv", orders / "a-late.csv"  # landing order, not names
+    early.write_text("k,v,t\nk1,v1,5\n")
+    late.write_text("k,v,t\nk2,v2,9\n")
+    _set_mtime(early, 1)
+    _set_mtime(late, 2)
+    for order, name in enumerate(("e1.csv", "e2.csv"), start=1):
+        (pipeline.data_dir / "landing" / "events" / name).write_text("k,v,t\na,1,0\n")
+        _set_mtime(pipeline.data_dir / "landing" / "events" / name, order)
+
+    events = pipeline.ticker("events_landing_sensor").tick()
+    assert [r.tags["persist/file"] for r in events.run_requests] == ["e1.csv", "e2.csv"]
+
+    sensor = "orders_landing_sensor"
+    first = pipeline.ticker(sensor).tick()
+    assert [r.tags["persist/file"] for r in first.run_requests] == ["z-early.csv"]
+    # Its run has started (as the daemon launches it) but not finished: the late file waits.
+    job = pipeline.defs.resolve_job_def("ingest_files_job")
+    started = pipeline.instance.create_run_for_job(
+        job, status=dg.DagsterRunStatus.STARTED, tags=dict(first.run_requests[0].tags),
+        asset_selection={dg.AssetKey(["ingest", "orders"])})
+    waiting = pipeline.ticker(sensor).tick()
+    assert waiting.run_requests == []
+    assert "1 file(s) wait" in waiting.skip_reason
+    pipeline.instance.delete_run(started.run_id)
+
+    [ran] = pipeline.launch_all(sensor, first)
+    assert ran.success and materializations(ran)["ingest/orders"][UPPER] == 6
+    [second] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
+    assert second.success and materializations(second)["ingest/orders"][UPPER] == 10
+    assert _collection(pipeline.client(), pipeline.shard_id("orders"), 9) == {
+        b"k1": b"v1", b"k2": b"v2"}
+    assert pipeline.ticker(sensor).tick().run_requests == []
 
 
 @pytest.mark.s3
