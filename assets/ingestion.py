@@ -512,14 +512,22 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
         landed = stat_landed(source, name)
     except InvalidUpdates as e:
         raise dg.Failure(description=str(e), metadata=meta) from None
-    # The shards commit together, so one recorded materialization means all committed.
+    # The shards commit together, so one recorded materialization means all committed;
+    # a run that died between its shards' records left the others to record now.
     partitions = file_partition_keys(route.name, name)
-    for key in keys:
-        done = ingested_by(context.instance, key, partitions, landed.identity)
-        if done is not None:
-            context.log.info(f"{shown} ({landed.identity}) was already ingested by run "
-                             f"{done}: nothing written (each file is ingested once)")
-            return
+    done = {s.name: ingested_by(context.instance, k, partitions, landed.identity)
+            for s, k in zip(shards, keys, strict=True)}
+    by = next((run for run in done.values() if run is not None), None)
+    if by is not None:
+        context.log.info(f"{shown} ({landed.identity}) was already ingested by run "
+                         f"{by}: nothing written (each file is ingested once)")
+        missing = [s for s in shards if done[s.name] is None]
+        if missing:
+            context.log.warning(f"{shown}: run {by} stopped before recording "
+                                f"{', '.join(s.name for s in missing)}; recorded now")
+            yield from recovered_materializations(client, missing, shown,
+                                                  landed.identity, by)
+        return
     other = earlier_active_run(context.instance, context.run.run_id, keys[0], partitions)
     if other is not None:
         raise dg.Failure(description=f"run {other} is already ingesting {shown}: this "
@@ -691,6 +699,14 @@ def settle_intents(context: dg.AssetExecutionContext, client: PersistClient,
         return []
     context.log.warning(f"{shown}: run {committed_by} committed it and stopped before "
                         "recording it; recorded now, nothing written again")
+    return recovered_materializations(client, shards, shown, identity, committed_by)
+
+
+def recovered_materializations(client: PersistClient, shards: Sequence[ShardConfig],
+                               shown: str, identity: str, committed_by: str
+                               ) -> list[dg.MaterializeResult]:
+    """The materializations of a file version that run ``committed_by`` committed to
+    ``shards`` without recording them: recorded now, with nothing written again."""
     summaries = client.shard_summaries()
     out = []
     for shard in shards:

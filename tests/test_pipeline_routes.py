@@ -8,8 +8,8 @@ no shard fails the run and writes nothing anywhere; a file is ingested once howe
 run was launched; a run selecting only some of the route's shards writes nothing; a
 writer moving one shard's upper mid-run makes the commit re-plan, never half-apply; a
 run that died between its commit and Dagster's record of it is settled by the next run
-(for a files shard too), never written twice, while a run that died before its commit
-leaves the file to be written.
+(for a files shard too), never written twice, as is one that died between its shards'
+records; a run that died before its commit leaves the file to be written.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import dagster as dg
 import pytest
 
 from assets.ingestion import (
+    RECOVERED_FROM,
     ROUTE,
     ROUTE_SHARDS,
     UPDATES_WRITTEN,
@@ -132,6 +133,35 @@ def test_a_routed_file_commits_to_every_shard_at_once(make_pipeline: Any) -> Non
     [message] = failure_messages(partial)
     assert "ingest/orders, ingest/refunds together: select all of them" in message
     assert _state(pipeline) == state
+
+
+def test_a_run_that_died_between_its_shards_records_is_completed_by_a_rerun(
+        make_pipeline: Any) -> None:
+    """The route's shards committed together, but the run recorded only the first
+    shard's materialization before its process died: a re-run of the partition records
+    the other shard's (from the commit that happened), writing nothing again."""
+    pipeline, landing = _pipeline(make_pipeline)
+    _land(landing, "a.csv", "k,v,t,table\no1,10,0,order\nr1,-10,0,refund\n", 1)
+    [first] = pipeline.launch_all(SENSOR, pipeline.ticker(SENSOR).tick())
+    assert first.success
+    state = _state(pipeline)
+    refunds = dg.AssetKey(["ingest", "refunds"])
+    pipeline.instance.wipe_assets([refunds])
+    assert not pipeline.instance.fetch_materializations(refunds, limit=10).records
+
+    job = pipeline.defs.resolve_job_def("ingest_files_job")
+    rerun = job.execute_in_process(instance=pipeline.instance,
+                                   partition_key="commerce/a.csv", raise_on_error=False)
+    assert rerun.success
+    meta = materializations(rerun)
+    assert set(meta) == {"ingest/refunds"}
+    assert meta["ingest/refunds"][RECOVERED_FROM] == first.run_id
+    assert meta["ingest/refunds"][UPPER] == 1
+    assert _state(pipeline) == state  # nothing written twice
+    # Now both are recorded: a further re-run records nothing.
+    again = job.execute_in_process(instance=pipeline.instance,
+                                   partition_key="commerce/a.csv", raise_on_error=False)
+    assert again.success and materializations(again) == {}
 
 
 def test_a_row_naming_no_shard_fails_the_file_and_writes_nothing(make_pipeline: Any
