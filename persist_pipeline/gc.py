@@ -38,7 +38,12 @@ import logging
 import time
 from typing import Any
 
-from persist_pipeline.exceptions import BackendError, ClockProbeLost, PersistError
+from persist_pipeline.exceptions import (
+    BackendError,
+    ClockProbeLost,
+    InvalidConfig,
+    PersistError,
+)
 from persist_pipeline.internal import paths, state_codec, transitions
 from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.state import State, Store
@@ -121,6 +126,10 @@ def gc_shard(machine: Machine, *, sweep_orphans: bool = True) -> dict[str, Any]:
 
     The metrics include ``skipped``: empty, or why this GC stopped early because a
     concurrent GC got ahead of it (a later GC picks up whatever is left).
+
+    Raises:
+        InvalidConfig: parts to delete live in the WAL blob store and this client was
+            opened without it; no blob was deleted and consensus was not truncated.
     """
     started = time.monotonic()
     machine.apply(lambda s: transitions.expire_stale_leases(s, machine.now_ms()))
@@ -163,6 +172,14 @@ def _collect(machine: Machine, state: State, earliest: int, cut: int,
     removed = _removed_up_to(machine, state, earliest, cut)
     # Defence in depth: never delete what the state GC started from still references.
     removed -= state.referenced_blobs()
+    if machine.blobs.wal is None and any(store == "wal" for store, _ in removed):
+        # Refused before any delete or truncation (a bad configuration gets a typed error
+        # and changes nothing), rather than collecting half and truncating the records
+        # that name the other half.
+        raise InvalidConfig(
+            f"shard {machine.shard_id}: GC must delete parts in the WAL blob store, but "
+            "this client has none configured: open it with the location's WAL blob URI "
+            "(wal_blob_uri / --wal-blob / PERSIST_WAL_BLOB_URI); nothing was deleted")
     for store, key in sorted(removed):
         metrics["bytes_deleted"] += _delete(machine, store, key)
         metrics["blobs_deleted"] += 1

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from persist_pipeline import InlinePolicy, PersistConfig, ShardId
-from persist_pipeline.exceptions import CommitDeadlineExceeded
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
+from persist_pipeline.exceptions import CommitDeadlineExceeded, CorruptData, InvalidConfig
 from persist_pipeline.updates import Updates, encode_parquet
 from tests.fixtures.location import Location
 from tests.helpers import HandClock, client_on_clock, expected_snapshot, rows
@@ -89,3 +91,47 @@ def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Locat
     assert not [m for m in client.blobs.main.list_keys(f"{shard}/p/") if b"late" in
                 (client.blobs.main.get(m.key) or b"")]
     client.close()
+
+
+def _blob_files(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+
+
+def test_gc_without_the_wal_store_is_a_config_error_and_changes_nothing(tmp_path: Path):
+    consensus = f"sqlite:///{tmp_path / 'consensus.db'}"
+    blob, wal = tmp_path / "blobs", tmp_path / "wal"
+    cfg = PersistConfig(rollup_threshold=4, heartbeat_interval_s=0, inline_policy=BLOB_ONLY)
+    shard = ShardId.new()
+    with PersistClient.open(consensus, f"file://{blob}", f"file://{wal}",
+                            inline_policy=BLOB_ONLY, config=cfg) as client:
+        writer = client.open_writer(shard)
+        for t in range(10):
+            writer.compare_and_append([(b"k%d" % t, b"v", t, 1)], t, t + 1)
+        client.compact(shard)  # the WAL parts are replaced: garbage GC must delete
+        for t in range(10, 20):
+            writer.compare_and_append([], t, t + 1)
+        writer.expire()
+    assert _blob_files(wal), "the writes went to the WAL store"
+    before = (_blob_files(blob), _blob_files(wal))
+    with PersistClient.open(consensus, f"file://{blob}", inline_policy=BLOB_ONLY,
+                            config=cfg) as forgetful:
+        earliest = forgetful.consensus.scan(str(shard), 0, limit=1)[0].seqno
+        with pytest.raises(InvalidConfig, match="WAL blob") as refused:
+            forgetful.gc(shard)
+        assert not isinstance(refused.value, CorruptData)
+        assert forgetful.consensus.scan(str(shard), 0, limit=1)[0].seqno == earliest
+    # (GC may have written a rollup of the head before it found the WAL part: that
+    # adds a blob, it removes nothing.)
+    assert _blob_files(blob) >= before[0], "no blob of the main store was deleted"
+    assert _blob_files(wal) == before[1], "no WAL part was deleted"
+
+
+def test_reading_a_wal_part_without_the_wal_store_is_a_config_error(tmp_path: Path):
+    consensus = f"sqlite:///{tmp_path / 'consensus.db'}"
+    blob, wal = f"file://{tmp_path / 'blobs'}", f"file://{tmp_path / 'wal'}"
+    shard = ShardId.new()
+    with PersistClient.open(consensus, blob, wal, inline_policy=BLOB_ONLY) as client:
+        client.open_writer(shard).compare_and_append([(b"k", b"v", 0, 1)], 0, 1)
+    with PersistClient.open(consensus, blob, inline_policy=BLOB_ONLY) as forgetful, \
+            pytest.raises(InvalidConfig, match="wal_blob_uri"):
+        forgetful.open_reader(shard).snapshot(0)

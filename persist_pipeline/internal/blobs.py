@@ -27,7 +27,13 @@ from persist_pipeline.blob.base import Blob
 
 if TYPE_CHECKING:
     from persist_pipeline.schema import ShardSchema
-from persist_pipeline.exceptions import CorruptPart, PartMissing, ResourceExhausted
+from persist_pipeline.exceptions import (
+    CorruptPart,
+    InvalidConfig,
+    PartMissing,
+    PersistError,
+    ResourceExhausted,
+)
 from persist_pipeline.internal import paths
 from persist_pipeline.internal.state import HollowPart, InlinePart, Part, Store, key_bounds
 from persist_pipeline.updates import (
@@ -130,7 +136,7 @@ def _part_error(error: Exception, described: str) -> Exception:
     """What reading a Parquet part raises for ``error``: our own errors as they are, a
     memory error as :class:`ResourceExhausted`, a decoding error as :class:`CorruptPart`
     (anything else, unchanged)."""
-    if isinstance(error, CorruptPart | ResourceExhausted):
+    if isinstance(error, PersistError):
         return error
     if isinstance(error, pa.ArrowMemoryError | MemoryError):
         return ResourceExhausted(f"out of memory reading Parquet part {described}: {error}")
@@ -164,8 +170,11 @@ class ShardBlobs:
         if store == "wal":
             blob = self.cached_wal if cached else self.wal
             if blob is None:
-                raise CorruptPart("a part lives in the WAL blob store, but none is configured "
-                                  "(pass wal_blob_uri / PERSIST_WAL_BLOB_URI)")
+                # The part is fine; this client was opened without the store that holds
+                # it: a configuration error, not corruption (nothing was read or changed).
+                raise InvalidConfig("a part lives in the WAL blob store, but this client has "
+                                    "none configured: open it with the location's WAL blob "
+                                    "URI (wal_blob_uri / --wal-blob / PERSIST_WAL_BLOB_URI)")
             return blob
         return self.cached_main if cached else self.main
 
