@@ -460,6 +460,40 @@ def test_malformed_uri_messages_never_show_the_password(uri: str) -> None:
     assert "hunter2secret" not in all_text(info.value)
 
 
+
+@pytest.mark.parametrize(
+    ("query", "unknown"),
+    [
+        ("mode=ro", "mode"),
+        ("uri=true&mode=ro", "mode"),
+        ("timeout=5&journal=off", "journal"),
+        ("check_same_thread=false", "check_same_thread"),
+    ],
+)
+def test_sqlite_uri_refuses_a_parameter_it_would_ignore(tmp_path: Path, query: str,
+                                                        unknown: str) -> None:
+    # A parameter SQLite would not honour (read-only mode, ...) is named and refused
+    # before the database file is created, never dropped with a warning.
+    with pytest.raises(InvalidUri, match=f"'{unknown}'") as info:
+        open_consensus(f"sqlite:///{tmp_path / 'c.db'}?{query}")
+    assert "timeout" in str(info.value), "the message names the parameter it does take"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_postgres_uri_refuses_an_unknown_parameter_before_connecting() -> None:
+    # Nothing listens on port 1: an unknown parameter is refused by name before any
+    # connection is tried, as for SQLite; the value (a secret, perhaps) is not shown.
+    with pytest.raises(InvalidUri, match="'mode'") as info:
+        open_consensus("postgresql://u:hunter2secret@127.0.0.1:1/db?mode=hunter3secret"
+                       "&sslmode=disable")
+    assert "hunter2secret" not in all_text(info.value)
+    assert "hunter3secret" not in all_text(info.value)
+
+
+def test_mem_uri_refuses_query_parameters() -> None:
+    with pytest.raises(InvalidUri, match="query"):
+        open_consensus("mem://shared?mode=ro")
+
 def test_mem_uris() -> None:
     name = f"mem://shared-{uuid.uuid4().hex}"
     with open_consensus(name) as first, open_consensus(name) as second:

@@ -45,7 +45,8 @@ def open_consensus(uri: str) -> Consensus:
         The store; close it (or use it as a context manager) when done.
 
     Raises:
-        InvalidUri: ``uri`` is not a string, is malformed or has an unsupported scheme.
+        InvalidUri: ``uri`` is not a string, is malformed, has an unsupported scheme or
+            a query parameter the backend does not take (named in the message).
         ConsensusAuthError: the database rejected the credentials.
         ConsensusUnavailable: the database could not be reached.
         ConsensusError: the database could not be opened for another reason.
@@ -62,6 +63,9 @@ def open_consensus(uri: str) -> Consensus:
         raise InvalidUri(f"malformed consensus URI {_quote(uri)}; supported: {_EXAMPLES}")
     scheme = scheme.lower()
     if scheme == "mem":
+        if "?" in rest:
+            # As for mem:// blob URIs: a parameter would be silently part of the name.
+            raise InvalidUri("a mem:// consensus URI takes no query parameters")
         return MemoryConsensus(rest or None)
     if scheme not in _SQL_SCHEMES:
         raise InvalidUri(f"unsupported consensus URI scheme {scheme!r}; supported: {_EXAMPLES}")

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 import psycopg2
 import psycopg2.errors
+import psycopg2.extensions
 from sqlalchemy import create_engine, event, inspect
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import registry
@@ -122,7 +123,43 @@ def parse_uri(uri: str) -> tuple[str, URL]:
             "a sqlite consensus URI needs a file path, e.g. sqlite:///path/to/consensus.db "
             "(use mem:// for an in-memory store)"
         )
+    _check_params(kind, scheme, url)
     return kind, url
+
+
+#: The query parameters of a sqlite consensus URI.
+_SQLITE_PARAMS = frozenset({"timeout"})
+
+
+def _check_params(kind: str, scheme: str, url: URL) -> None:
+    """Refuse query parameters the backend would not honour, by name (never by value: a
+    value may be a password), before anything is opened.
+
+    SQLite takes ``timeout`` only (the driver would drop anything else with a warning,
+    so ``?mode=ro`` would open the file read-write). PostgreSQL and CockroachDB take
+    libpq's connection parameters (``sslmode``, ``connect_timeout``, ...), which libpq
+    itself validates: the same check is run here, so an unknown one is refused as a bad
+    URI rather than as a failed connection.
+    """
+    if kind == "sqlite":
+        unknown = sorted(set(url.query) - _SQLITE_PARAMS)
+        supported = ", ".join(sorted(_SQLITE_PARAMS))
+    else:
+        unknown = sorted(name for name in url.query if not _libpq_parameter(name))
+        supported = "libpq connection parameters such as sslmode, connect_timeout"
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        raise InvalidUri(f"{scheme} consensus URI: unknown parameter(s) {names} (supported: "
+                         f"{supported})")
+
+
+def _libpq_parameter(name: str) -> bool:
+    """Whether libpq knows the connection parameter ``name``."""
+    try:
+        psycopg2.extensions.parse_dsn(psycopg2.extensions.make_dsn(**{name: "x"}))
+    except psycopg2.ProgrammingError:
+        return False
+    return True
 
 
 def _sqlite_timeout(url: URL) -> float:
