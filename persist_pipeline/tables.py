@@ -35,7 +35,9 @@ with other characters than ``A-Z a-z 0-9 . _ -`` is written as ``-`` plus its UT
 bytes in hex; too long a name ends in a hash instead). A
 materialization whose schema no longer fits the shard's starts the asset's next
 *generation*, a new shard named with a ``/_v<N>`` suffix (``sales/orders/_v2``); loads
-read the newest generation, and every materialization reports the name it wrote.
+read the newest generation, and every materialization reports the name it wrote. A
+table whose generation was closed (its upper set to the empty frontier) is closed for
+good: a store is refused, whatever its schema, and loads keep reading it.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import pyarrow.compute as pc
 
 from persist_pipeline.exceptions import (
     CorruptPart,
+    InvalidFrontier,
     InvalidInput,
     InvalidUpdates,
     NotYetAvailable,
@@ -188,12 +191,15 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
         UnsupportedOutput: a column type cannot be stored.
         InvalidInput: ``primary_key`` does not name columns of the table, or a key
             appears twice.
+        InvalidFrontier: the table's newest generation is closed (for good).
     """
     check_table_name(name)
     plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
     # Refused before any generation is opened: a bad table never starts an empty one.
     rows = encode_contents(plan.shard_schema, to_storage(table, plan))
-    writer, gen_name, shard = _open_generation(client, name, plan, client.shard_names(), debug)
+    names = client.shard_names()
+    _refuse_closed(client, name, names)
+    writer, gen_name, shard = _open_generation(client, name, plan, names, debug)
     try:
         return Stored(writer._replace_encoded(rows), gen_name, shard)
     finally:
@@ -222,6 +228,8 @@ def store_tables(client: PersistClient,
         plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
         encoded[name] = (plan, encode_contents(plan.shard_schema, to_storage(table, plan)))
     names = client.shard_names()
+    for name in encoded:
+        _refuse_closed(client, name, names)
     opened: list[WriteHandle] = []
     try:
         txn = client.transaction()
@@ -237,6 +245,29 @@ def store_tables(client: PersistClient,
     finally:
         for writer in opened:
             writer.expire()
+
+
+def _refuse_closed(client: PersistClient, name: str, names: Mapping[str, ShardId]) -> None:
+    """Refuse to store under ``name`` when the generation its loads read (the newest
+    that holds a table) is closed.
+
+    Closed is for good: the table is refused whatever the schema, rather than moved to a
+    new generation, which a schema change would otherwise start (and which would leave
+    every load by ``upper`` ambiguous, a closed generation having reached every upper).
+
+    Raises:
+        InvalidFrontier: that generation's shard is closed; nothing was changed.
+    """
+    for generation in reversed(generations(name, names)):
+        gen_name = generation_name(name, generation)
+        upper = _stored_upper(client, names[gen_name])
+        if upper is None:
+            raise InvalidFrontier(
+                f"table {name!r} is closed: its generation {gen_name!r} (shard "
+                f"{names[gen_name]}) has the empty upper, so it takes no more writes and "
+                f"starts no new generation; store the table under another name")
+        if upper != 0:
+            return  # a generation named but not written yet is skipped, as loads do
 
 
 def _open_generation(client: PersistClient, name: str, plan: StoragePlan,

@@ -390,6 +390,26 @@ def test_a_closed_table_shard_loads_its_last_table() -> None:
     client.close()
 
 
+
+@pytest.mark.parametrize("table", [pa.table({"id": [3]}), pa.table({"id": ["a"]})],
+                         ids=["same-schema", "new-schema"])
+def test_a_closed_table_refuses_a_store_and_starts_no_generation(table: pa.Table) -> None:
+    # Closed is for good: neither the same schema nor a new one (which would start a
+    # generation) is stored, and the refusal names the table, not an internal call.
+    from persist_pipeline.tables import load_table, store_table, store_tables
+
+    client = PersistClient.open("mem://", "mem://")
+    stored = store_table(client, "done", pa.table({"id": [1, 2]}))
+    client.open_writer(stored.shard).compare_and_append([], stored.result.upper, None)
+    names = dict(client.shard_names())
+    with pytest.raises(InvalidFrontier, match="table 'done' is closed"):
+        store_table(client, "done", table)
+    with pytest.raises(InvalidFrontier, match="table 'done' is closed"):
+        store_tables(client, {"other": (pa.table({"x": [1]}), None), "done": (table, None)})
+    assert dict(client.shard_names()) == names, "no generation or other table was named"
+    assert load_table(client, "done").to_pylist() == [{"id": 1}, {"id": 2}]
+    client.close()
+
 def test_a_generation_named_by_a_store_that_died_loads_the_previous_table() -> None:
     from persist_pipeline.tables import load_table, store_table
 
