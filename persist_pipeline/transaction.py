@@ -75,6 +75,9 @@ class _Op:
     result: WriteResult | None = None
     contents: pa.Table | None = None
     encoding: Encoding | None = None
+    #: The caller named the token (a retry of an attempt whose outcome it never
+    #: learnt): an upper mismatch is then settled by the batch's id in history.
+    given_token: bool = False
 
     def plan(self) -> None:
         """For a replace: the updates that make the shard's latest state hold
@@ -181,7 +184,8 @@ class Transaction:
         handle = self._handle(shard, shard_id)
         data = handle._coerce(updates)
         check_times(data, expected, upper)
-        self._ops[shard_id] = _Op(handle, data, expected, upper, lower, token or new_token())
+        self._ops[shard_id] = _Op(handle, data, expected, upper, lower, token or new_token(),
+                                  given_token=token is not None)
 
     def _require_absent(self, shard_id: str) -> None:
         if shard_id in self._ops:
@@ -307,7 +311,19 @@ class Transaction:
         for op, result in zip(live, results, strict=True):
             staged = op.staged
             assert staged is not None
-            if isinstance(result, transitions.InlineBudgetExceeded):
+            if isinstance(result, transitions.Appended) and result.already_committed:
+                # A retry (same token) found its batch already committed: reported as
+                # such, as a single write's retry is; the other appends go on.
+                op.result = op.handle._finish(staged, result, op.handle._machine.state)
+                retry = True
+            elif isinstance(result, transitions.UpperMismatchResult) and op.given_token \
+                    and staged.batch is not None and \
+                    self._committed_before(op, staged.batch.id):
+                state = op.handle._machine.state
+                op.result = WriteResult("none", 0, state.seqno, state.upper, 0,
+                                        already_committed=True)
+                retry = True
+            elif isinstance(result, transitions.InlineBudgetExceeded):
                 op.staged = op.handle._stage(op.data, op.expected, op.upper, op.token,
                                              staged.encoding, to_blob=True)
                 retry = True
@@ -329,6 +345,22 @@ class Transaction:
                     op.result = WriteResult("none", 0, state.seqno, current, 0)
                 retry = True
         return retry
+
+    @staticmethod
+    def _committed_before(op: _Op, batch_id: str) -> bool:
+        """Whether the batch of ``op``'s given token was committed by an earlier attempt
+        (found in its shard's kept history, as :meth:`WriteHandle.compare_and_append`
+        settles a retry).
+
+        Raises:
+            Indeterminate: GC truncated the history that would tell.
+        """
+        found = op.handle._machine.batch_committed(batch_id, op.expected)
+        if found is None:
+            raise Indeterminate(
+                f"shard {op.handle.shard_id}: cannot tell whether the write with token "
+                f"{op.token} committed: GC truncated the history that would say")
+        return found
 
     def _results(self, ops: list[_Op]) -> dict[str, WriteResult]:
         out: dict[str, WriteResult] = {}

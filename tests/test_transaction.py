@@ -537,3 +537,60 @@ def test_store_tables_stores_every_table_or_none(open_client):
     assert tables.load_table(client, "shop/orders").num_rows == 2
     with pytest.raises(InvalidInput):
         tables.store_tables(client, {})
+
+
+def test_a_retried_transaction_token_whose_batch_was_compacted_is_reported_committed(
+        location):
+    """A transaction committed with recorded tokens, but its process died before it
+    learnt the outcome; compaction then merged its batches away. A retry with the same
+    tokens (through fresh writers) must report it committed, as a single write's retry
+    does (the batch id is in the state's history), never ``UpperMismatch`` ("no shard
+    changed")."""
+    client = location.client(InlinePolicy(0, 0))
+    a, b = ShardId.new(), ShardId.new()
+    for s in (a, b):
+        with client.open_writer(s) as w:
+            w.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+    ta, tb = "tok-a-1", "tok-b-1"
+    txn = client.transaction()
+    txn.compare_and_append(a, [(b"x", b"", 1, 1)], 1, 2, idempotency_token=ta)
+    txn.compare_and_append(b, [(b"y", b"", 1, 1)], 1, 2, idempotency_token=tb)
+    txn.commit()  # ...whose reply the process never saw
+    for s in (a, b):
+        client.compact(s)
+        assert len(client._machine(s).fetch_latest().batches) == 1
+    # The single-write retry of the same situation is settled from history:
+    with client.open_writer(a) as w:
+        assert w.compare_and_append([(b"x", b"", 1, 1)], 1, 2,
+                                    idempotency_token=ta).already_committed
+    retry = client.transaction()
+    retry.compare_and_append(a, [(b"x", b"", 1, 1)], 1, 2, idempotency_token=ta)
+    retry.compare_and_append(b, [(b"y", b"", 1, 1)], 1, 2, idempotency_token=tb)
+    results = retry.commit()
+    assert results[str(a)].already_committed and results[str(b)].already_committed
+    assert snapshot_rows(client, a) == [(b"base", b"", 1), (b"x", b"", 1)]
+    client.close()
+
+
+def test_a_retried_transaction_token_is_reported_committed(location):
+    """Retrying a committed transaction with the same idempotency tokens (its process
+    never saw the reply) reports it committed, as a single write's retry does: never
+    ``CorruptState`` ("its batches are in some shards and not in others"), and nothing
+    is written twice."""
+    client = location.client(InlinePolicy(0, 0))
+    a, b = ShardId.new(), ShardId.new()
+    wa, wb = client.open_writer(a), client.open_writer(b)
+
+    def commit() -> dict[str, Any]:
+        txn = client.transaction()
+        txn.compare_and_append(wa, [(b"x", b"", 0, 1)], 0, 1, idempotency_token="ta")
+        txn.compare_and_append(wb, [(b"y", b"", 0, 1)], 0, 1, idempotency_token="tb")
+        return txn.commit()
+
+    commit()
+    again = commit()
+    assert again[str(a)].already_committed and again[str(b)].already_committed
+    assert again[str(a)].upper == again[str(b)].upper == 1
+    assert snapshot_rows(client, a) == [(b"x", b"", 1)]
+    assert snapshot_rows(client, b) == [(b"y", b"", 1)]
+    client.close()
