@@ -205,11 +205,20 @@ class ReadHandle:
             SinceViolation: ``as_of`` is below this reader's since.
             NotYetAvailable: the shard's upper is not yet beyond ``as_of``.
         """
-        batches = list(self.snapshot_batches(as_of))
+        return self._snapshot_with_schema(as_of)[0]
+
+    def _snapshot_with_schema(self, as_of: int | str) -> tuple[pa.Table, ShardSchema | None]:
+        """:meth:`snapshot` and the schema its rows were decoded with (that of the
+        state it read, which a concurrent evolution may have made older than
+        :meth:`schema`, the cached one)."""
+        read: list[bytes] = []
+        batches = list(self._snapshot_batches(as_of, SNAPSHOT_BATCH_ROWS, typed=True,
+                                              schema_read=read))
+        schema = ShardSchema.from_bytes(read[0]) if read and read[0] else None
         if batches:
-            return pa.Table.from_batches(batches)
-        schema = self.schema()
-        return empty_table() if schema is None else schema.arrow_schema().empty_table()
+            return pa.Table.from_batches(batches), schema
+        return (empty_table() if schema is None else schema.arrow_schema().empty_table(),
+                schema)
 
     def schema(self) -> ShardSchema | None:
         """The shard's schema as last seen (None: untyped). Reads of a typed shard
@@ -236,11 +245,14 @@ class ReadHandle:
         """
         return self._snapshot_batches(as_of, max_rows, typed=True)
 
-    def _snapshot_batches(self, as_of: int | str, max_rows: int,
-                          typed: bool) -> Iterator[pa.RecordBatch]:
+    def _snapshot_batches(self, as_of: int | str, max_rows: int, typed: bool,
+                          schema_read: list[bytes] | None = None
+                          ) -> Iterator[pa.RecordBatch]:
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
             raise InvalidInput(f"max_rows must be a positive int, got {max_rows!r}")
         with self._reading_state() as state:
+            if schema_read is not None:
+                schema_read.append(state.schema)
             schema = ShardSchema.from_bytes(state.schema) if typed and state.schema else None
             t = self._check_as_of(as_of, state)
             if not less_than(t, state.upper):

@@ -324,8 +324,9 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         shard = _newest_written(client, name, found) or shard
     reader = client.open_reader(shard, debug="table load")
     try:
-        typed = reader.snapshot(as_of_upper(client, shard, upper, what))
-        schema = reader.schema()
+        # Decoded with the schema of the state the snapshot read: a store evolving the
+        # schema meanwhile must not make the newer one decode the older rows.
+        typed, schema = reader._snapshot_with_schema(as_of_upper(client, shard, upper, what))
     finally:
         reader.expire()
     if schema is None:

@@ -778,3 +778,31 @@ def test_a_write_or_merge_landing_between_an_upserts_read_and_its_commit(
     assert got == expected
     other.close()
     ours.close()
+
+
+def test_a_table_load_decodes_with_the_schema_its_snapshot_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load racing a store that appends a nullable column to the same keyed shard (a
+    schema evolution, same generation) returns one of the two stored tables: never a
+    bare ``KeyError`` from decoding the snapshot read before the evolution with the
+    evolved schema that a heartbeat or another thread's store cached meanwhile."""
+    from persist_pipeline.read import ReadHandle
+    from persist_pipeline.tables import load_table, store_table
+
+    client = PersistClient.open("mem://", "mem://")
+    first = pa.table({"id": [1, 2], "a": ["x", "y"]})
+    second = pa.table({"id": [1, 2], "a": ["x", "y"], "b": [10, None]})
+    stored = store_table(client, "race/orders", first, ["id"])
+    read = ReadHandle._snapshot_batches
+
+    def read_then_store(self: ReadHandle, *args: Any, **kwargs: Any) -> Any:
+        yield from read(self, *args, **kwargs)
+        monkeypatch.setattr(ReadHandle, "_snapshot_batches", read)
+        # Another thread of this process stores the next version meanwhile.
+        assert store_table(client, "race/orders", second, ["id"]).shard == stored.shard
+
+    monkeypatch.setattr(ReadHandle, "_snapshot_batches", read_then_store)
+    loaded = load_table(client, "race/orders").sort_by("id")
+    assert loaded.to_pylist() in (first.to_pylist(), second.to_pylist())
+    assert load_table(client, "race/orders").sort_by("id").to_pylist() == second.to_pylist()
+    client.close()
