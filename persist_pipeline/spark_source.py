@@ -33,7 +33,10 @@ that outlasts its lease may fail on a part GC has deleted (never return wrong da
 ``lease_seconds`` for such reads. The reader holds ``since`` at ``as_of`` only.
 
 **Typed shards** read as their key and value columns plus ``t`` and ``d`` (Spark's types:
-timestamps in microseconds), and writes take those columns (``d`` optional, 1).
+timestamps in microseconds), and writes take those columns (``d`` optional, 1). A
+DataFrame's columns are fixed by ``load()``, its plan by the action that reads it: a
+schema that appended nullable value columns in between still reads the loaded columns;
+any other change (a shard typed since) is refused with ``SchemaMismatch``.
 
 **Writing.** Each task validates its rows (``k``, ``v`` binary; ``t``, ``d`` long; every
 ``t`` in ``[expected_upper, new_upper)``), consolidates them and writes Parquet parts to
@@ -76,7 +79,7 @@ from pyspark.sql.datasource import (
     InputPartition,
     WriterCommitMessage,
 )
-from pyspark.sql.types import StructType
+from pyspark.sql.types import BinaryType, LongType, StructField, StructType
 
 from persist_pipeline.blob import redact_uri
 from persist_pipeline.compaction import KeyRange
@@ -90,6 +93,7 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     PartMissing,
     PersistError,
+    SchemaMismatch,
     ShardNotFound,
 )
 from persist_pipeline.frontier import Frontier, check_frontier
@@ -115,6 +119,9 @@ __all__ = ["FORMAT", "SPARK_SCHEMA", "register"]
 FORMAT = "persist"
 #: The columns of every read and write, as Spark DDL.
 SPARK_SCHEMA = "k binary, v binary, t long, d long"
+#: :data:`SPARK_SCHEMA` as a StructType (built without a session).
+_UNTYPED_STRUCT = StructType([StructField("k", BinaryType()), StructField("v", BinaryType()),
+                              StructField("t", LongType()), StructField("d", LongType())])
 #: What a read partition yields (nullable: Spark's own view of the DDL above).
 _ARROW_SCHEMA = pa.schema([("k", pa.binary()), ("v", pa.binary()), ("t", pa.int64()),
                            ("d", pa.int64())])
@@ -313,7 +320,8 @@ def plan_partitions(plan: SnapshotPlan, blobs: ShardBlobs,
 
 
 def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
-                    lease_s: float, schema: bytes = b"") -> Iterator[pa.RecordBatch]:
+                    lease_s: float, schema: bytes = b"",
+                    columns: int | None = None) -> Iterator[pa.RecordBatch]:
     """Run on an executor: this key range's rows of every part, consolidated at as_of,
     streamed through the k-way merge in bounded memory (each batch's parts are sorted
     runs, read row group by row group)."""
@@ -345,12 +353,19 @@ def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
               described) for run, described in sorted_runs]
     typed = ShardSchema.from_bytes(schema) if schema else None
     out_schema = _ARROW_SCHEMA if typed is None else spark_arrow_schema(typed)
+    # The first ``columns`` key and value columns (and t, d): those the DataFrame
+    # declared before the shard's schema appended nullable value columns.
+    keep = None if typed is None or columns is None else [
+        *typed.columns[:columns], "t", "d"]
     try:
         with naming_shard(location.shard_id):
             for table in merge_runs(runs, plan.chunk_bytes):
                 if typed is not None:
                     table = _to_spark_types(typed.decode(table, where), out_schema)
-                yield from table.cast(out_schema).to_batches(max_chunksize=_ROWS_PER_BATCH)
+                table = table.cast(out_schema)
+                if keep is not None:
+                    table = table.select(keep)
+                yield from table.to_batches(max_chunksize=_ROWS_PER_BATCH)
     except PartMissing as e:
         raise LeaseExpired(
             f"a part of shard {location.shard_id} is gone: this Spark read ran longer than "
@@ -444,6 +459,37 @@ def _to_spark_types(table: pa.Table, schema: pa.Schema) -> pa.Table:
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         raise InvalidConfig(f"the shard's rows do not fit Spark's types ({e}); e.g. "
                             f"nanosecond timestamps with sub-microsecond digits") from None
+
+
+def declared_columns(declared: StructType | None, encoded: bytes,
+                     shard_id: str) -> int | None:
+    """How many of the planned shard schema's key and value columns a read yields, to
+    match the columns the DataFrame ``declared`` when it was loaded (None: all of them).
+
+    ``load()`` fixes a DataFrame's columns; the reader plans later, when an action runs.
+    A schema evolved in between (nullable value columns appended) still yields the
+    declared columns.
+
+    Raises:
+        SchemaMismatch: the declared columns are not a prefix of the planned ones (the
+            shard was typed after ``load()``, or the read declared other columns).
+    """
+    if declared is None:
+        return None
+    typed = ShardSchema.from_bytes(encoded) if encoded else None
+    planned = _UNTYPED_STRUCT if typed is None else spark_struct(typed)
+    want = [(f.name, f.dataType) for f in declared.fields]
+    have = [(f.name, f.dataType) for f in planned.fields]
+    if want == have:
+        return None
+    n = len(want) - 2
+    if typed is not None and len(typed.key) <= n < len(have) - 2 and \
+            want[:n] == have[:n] and want[n:] == have[-2:]:
+        return n
+    raise SchemaMismatch(
+        f"shard {shard_id}: its columns are now {[name for name, _ in have]}, but this "
+        f"read was loaded with {[name for name, _ in want]} (the shard's schema changed "
+        f"in between): load the DataFrame again")
 
 
 def _shard_schema(location: _Location) -> ShardSchema | None:
@@ -638,9 +684,11 @@ class PersistInputPartition(InputPartition):
 class PersistReader(DataSourceReader):
     """Planned in a Python worker of the driver, pickled to the executors."""
 
-    def __init__(self, options: Mapping[str, str]) -> None:
+    def __init__(self, options: Mapping[str, str], declared: StructType | None = None
+                 ) -> None:
         (self.location, self.as_of, self._partitions, self.lease_s,
          self.schema) = make_read_plan(options)
+        self.columns = declared_columns(declared, self.schema, self.location.shard_id)
 
     def partitions(self) -> Sequence[InputPartition]:
         return [PersistInputPartition(p) for p in self._partitions]
@@ -648,7 +696,7 @@ class PersistReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, PersistInputPartition)
         return _read_partition(self.location, self.as_of, partition.partition, self.lease_s,
-                               self.schema)
+                               self.schema, self.columns)
 
 
 @dataclass
@@ -689,7 +737,7 @@ class PersistDataSource(DataSource):
         return SPARK_SCHEMA if typed is None else spark_struct(typed)
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return PersistReader(self.options)
+        return PersistReader(self.options, schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         return PersistWriter(_write_job(self.options, overwrite))

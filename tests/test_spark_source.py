@@ -337,3 +337,38 @@ def test_typed_shard_reads_and_writes_real_spark_types(spark_session: Any,
     names = {r["id"]: r["name"] for r in after.to_pylist() if r["id"] >= 1000}
     assert names == {1000 + i: f"spark{i}" for i in range(20)}
     client.close()
+
+
+def test_a_read_whose_shard_schema_evolved_after_load_reads_the_declared_columns(
+        spark_session: Any, tmp_path: Path) -> None:
+    """``load()`` fixes the DataFrame's columns (the data source's ``schema()``); the
+    reader plans when an action runs. A nullable value column appended to the shard in
+    between must not make the read fail on batches of another shape: the rows read are
+    those of the declared columns (the evolution only appended a nullable column)."""
+    from persist_pipeline import ShardSchema
+
+    register(spark_session)
+    location = _spark_location("embedded", None, tmp_path)  # type: ignore[arg-type]
+    client = location.client(INLINE_ON)
+    shard = ShardId.new()
+    v1 = ShardSchema([("id", pa.int64())], [("name", pa.string())])
+    writer = client.open_writer(shard, schema=v1)
+    writer.compare_and_append([{"id": 1, "name": "one", "t": 0}], 0, 1)
+    df = spark_session.read.format("persist").options(**_options(location, str(shard))).load()
+    assert df.columns == ["id", "name", "t", "d"]
+    v2 = ShardSchema([("id", pa.int64())], [("name", pa.string()), ("n", pa.int64())])
+    evolved = client.open_writer(shard, schema=v2)
+    evolved.compare_and_append([{"id": 2, "name": "two", "n": 2, "t": 1}], 1, 2)
+    got = sorted((r.id, r.name, r.t, r.d) for r in df.collect())
+    assert got == [(1, "one", 1, 1), (2, "two", 1, 1)]
+    # A shard typed after load() (it was empty: k, v, t, d declared) is refused clearly.
+    empty = ShardId.new()
+    client.create_shard(empty)
+    df = spark_session.read.format("persist").options(**_options(location, str(empty)),
+                                                      as_of="0").load()
+    assert df.columns == ["k", "v", "t", "d"]
+    client.open_writer(empty, schema=v1).compare_and_append(
+        [{"id": 1, "name": "one", "t": 0}], 0, 1)
+    with pytest.raises(Exception, match="SchemaMismatch"):
+        df.collect()
+    client.close()
