@@ -220,6 +220,25 @@ class ReadHandle:
         return (empty_table() if schema is None else schema.arrow_schema().empty_table(),
                 schema)
 
+    def _contents_with_schema(self) -> tuple[pa.Table, ShardSchema | None]:
+        """Every row of the latest state, each update counted whatever its time (its
+        times as compaction left them), decoded with that state's schema: a shard's
+        whole contents even when its since reached its upper, so that no time below the
+        upper is exact any more (what a table load reads then)."""
+        with self._reading_state() as state:
+            schema = ShardSchema.from_bytes(state.schema) if state.schema else None
+            try:
+                with naming_shard(self.shard_id):
+                    tables = list(stream_snapshot(self._machine,
+                                                  list(state.ordered_batches), MAX_TIME))
+            except CorruptPart as e:
+                self._raise_if_expired(e)
+                raise
+        table = pa.concat_tables(tables) if tables else empty_table()
+        if schema is not None:
+            table = schema.decode(table, f"shard {self.shard_id}")
+        return table, schema
+
     def schema(self) -> ShardSchema | None:
         """The shard's schema as last seen (None: untyped). Reads of a typed shard
         return its key and value columns plus ``t`` and ``d`` instead of ``k``/``v``."""

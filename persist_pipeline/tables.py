@@ -63,6 +63,7 @@ from persist_pipeline.exceptions import (
     SchemaMismatch,
     ShardNameNotFound,
     ShardNotFound,
+    SinceViolation,
 )
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.ids import ShardId
@@ -326,7 +327,15 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
     try:
         # Decoded with the schema of the state the snapshot read: a store evolving the
         # schema meanwhile must not make the newer one decode the older rows.
-        typed, schema = reader._snapshot_with_schema(as_of_upper(client, shard, upper, what))
+        try:
+            typed, schema = reader._snapshot_with_schema(
+                as_of_upper(client, shard, upper, what))
+        except SinceViolation:
+            if upper is not None:
+                raise
+            # Readers released every time up to the upper (since == upper): no time
+            # below it is exact, but the latest table is every update's sum.
+            typed, schema = reader._contents_with_schema()
     finally:
         reader.expire()
     if schema is None:

@@ -806,3 +806,19 @@ def test_a_table_load_decodes_with_the_schema_its_snapshot_read(
     assert loaded.to_pylist() in (first.to_pylist(), second.to_pylist())
     assert load_table(client, "race/orders").sort_by("id").to_pylist() == second.to_pylist()
     client.close()
+
+
+def test_the_latest_table_loads_after_its_readers_released_times_up_to_the_upper(
+        location: Location) -> None:
+    """A reader may move since up to the shard's upper (the API allows it), after which
+    compaction may advance every row's time to the upper. The table stored is still
+    there and ``load_table`` of its latest version returns it, rather than
+    ``SinceViolation`` (a read at ``upper - 1``, below since)."""
+    from persist_pipeline.tables import load_table, store_table
+
+    client = location.client()
+    table = pa.table({"id": [1, 2, 3], "a": ["x", "y", "z"]})
+    stored = store_table(client, "seams/released", table, ["id"])
+    _compacted_with_since_at_the_upper(client, stored.shard)
+    assert load_table(client, "seams/released").sort_by("id").to_pylist() == table.to_pylist()
+    client.close()
