@@ -199,12 +199,20 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
     # Refused before any generation is opened: a bad table never starts an empty one.
     rows = encode_contents(plan.shard_schema, to_storage(table, plan))
     names = client.shard_names()
-    _refuse_closed(client, name, names)
-    writer, gen_name, shard = _open_generation(client, name, plan, names, debug)
-    try:
-        return Stored(writer._replace_encoded(rows), gen_name, shard)
-    finally:
-        writer.expire()
+    for _ in range(MAX_GENERATION_ATTEMPTS):
+        _refuse_closed(client, name, names)
+        writer, gen_name, shard = _open_generation(client, name, plan, names, debug)
+        try:
+            stored = Stored(writer._replace_encoded(rows), gen_name, shard)
+        finally:
+            writer.expire()
+        # Another store may have started a newer generation after the names were
+        # listed: then this table went where no load reads, and is stored again there.
+        names = client.shard_names()
+        if not _superseded(name, gen_name, names):
+            return stored
+    raise PersistError(f"{name}: newer generations kept starting while this table was "
+                       f"stored ({MAX_GENERATION_ATTEMPTS} attempts)")
 
 
 def store_tables(client: PersistClient,
@@ -229,23 +237,37 @@ def store_tables(client: PersistClient,
         plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
         encoded[name] = (plan, encode_contents(plan.shard_schema, to_storage(table, plan)))
     names = client.shard_names()
-    for name in encoded:
-        _refuse_closed(client, name, names)
-    opened: list[WriteHandle] = []
-    try:
-        txn = client.transaction()
-        where: dict[str, tuple[str, ShardId]] = {}
-        for name, (plan, rows) in encoded.items():
-            writer, gen_name, shard = _open_generation(client, name, plan, names, debug)
-            opened.append(writer)
-            txn._replace_encoded(writer, rows)
-            where[name] = (gen_name, shard)
-        results = txn.commit()
-        return {name: Stored(results[str(shard)], gen_name, shard)
-                for name, (gen_name, shard) in where.items()}
-    finally:
-        for writer in opened:
-            writer.expire()
+    for _ in range(MAX_GENERATION_ATTEMPTS):
+        for name in encoded:
+            _refuse_closed(client, name, names)
+        opened: list[WriteHandle] = []
+        try:
+            txn = client.transaction()
+            where: dict[str, tuple[str, ShardId]] = {}
+            for name, (plan, rows) in encoded.items():
+                writer, gen_name, shard = _open_generation(client, name, plan, names, debug)
+                opened.append(writer)
+                txn._replace_encoded(writer, rows)
+                where[name] = (gen_name, shard)
+            results = txn.commit()
+        finally:
+            for writer in opened:
+                writer.expire()
+        # As store_table: a newer generation started meanwhile stores them all again.
+        names = client.shard_names()
+        if not any(_superseded(name, gen_name, names)
+                   for name, (gen_name, _) in where.items()):
+            return {name: Stored(results[str(shard)], gen_name, shard)
+                    for name, (gen_name, shard) in where.items()}
+    raise PersistError(f"{sorted(tables)}: newer generations kept starting while these "
+                       f"tables were stored ({MAX_GENERATION_ATTEMPTS} attempts)")
+
+
+def _superseded(name: str, gen_name: str, names: Mapping[str, object]) -> bool:
+    """Whether ``name`` has a generation newer than ``gen_name`` (loads read that one)."""
+    current = 1 if gen_name == name else int(gen_name[len(name) + len(_GENERATION):])
+    found = generations(name, names)
+    return bool(found) and found[-1] > current
 
 
 def _refuse_closed(client: PersistClient, name: str, names: Mapping[str, ShardId]) -> None:

@@ -822,3 +822,33 @@ def test_the_latest_table_loads_after_its_readers_released_times_up_to_the_upper
     _compacted_with_since_at_the_upper(client, stored.shard)
     assert load_table(client, "seams/released").sort_by("id").to_pylist() == table.to_pylist()
     client.close()
+
+
+def test_a_store_racing_a_generation_switch_is_what_loads_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes store tables of different schemas under one name. B's starts
+    generation 2 while A's store, which listed the generations before, is opening
+    generation 1 (its schema still fits there). A's store finishes last, so the
+    table a load returns afterwards is A's: never a store that reports success into a
+    generation no load reads (loads read the newest)."""
+    from persist_pipeline import tables
+    from persist_pipeline.tables import load_table, store_table
+
+    proc_a = PersistClient.open("mem://gen-race", "mem://gen-race")
+    proc_b = PersistClient.open("mem://gen-race", "mem://gen-race")
+    first = pa.table({"id": [1], "a": ["x"]})
+    theirs = pa.table({"id": ["one"], "b": [1.5]})  # another key type: generation 2
+    ours = pa.table({"id": [2], "a": ["y"]})
+    store_table(proc_a, "race/gen", first, ["id"])
+    open_generation = tables._open_generation
+
+    def b_switches_meanwhile(client: PersistClient, *args: Any) -> Any:
+        monkeypatch.setattr(tables, "_open_generation", open_generation)
+        assert store_table(proc_b, "race/gen", theirs, ["id"]).name == "race/gen/_v2"
+        return open_generation(client, *args)
+
+    monkeypatch.setattr(tables, "_open_generation", b_switches_meanwhile)
+    stored = store_table(proc_a, "race/gen", ours, ["id"])
+    assert load_table(proc_b, "race/gen").to_pylist() == ours.to_pylist(), stored.name
+    proc_a.close()
+    proc_b.close()
