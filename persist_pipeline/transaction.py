@@ -311,9 +311,12 @@ class Transaction:
         for op, result in zip(live, results, strict=True):
             staged = op.staged
             assert staged is not None
-            if isinstance(result, transitions.Appended) and result.already_committed:
-                # A retry (same token) found its batch already committed: reported as
-                # such, as a single write's retry is; the other appends go on.
+            if isinstance(result, transitions.Appended) and result.already_committed \
+                    and op.given_token:
+                # A retry (the caller's token) found its batch already committed:
+                # reported as such, as a single write's retry is; the other appends go
+                # on. With tokens of this commit's own, some shards holding its batches
+                # and others not is a torn commit, refused below (CorruptState).
                 op.result = op.handle._finish(staged, result, op.handle._machine.state)
                 retry = True
             elif isinstance(result, transitions.UpperMismatchResult) and op.given_token \

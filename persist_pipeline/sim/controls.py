@@ -323,6 +323,26 @@ def contents_read_at_the_upper() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def table_uppers_memoized() -> Iterator[None]:
+    """Table loads and stores remember each generation's upper per client (saving a
+    round trip per generation): after another process's store, a load reads the time
+    before it and returns the table that store replaced."""
+    from persist_pipeline import tables
+
+    seen: dict[tuple[int, str], int | None] = {}
+    real = tables._stored_upper
+
+    def memoized(client: Any, shard: Any) -> int | None:
+        key = (id(client), str(shard))
+        if not seen.get(key):  # nothing stored yet is looked up again
+            seen[key] = real(client, shard)
+        return seen[key]
+
+    with _patched(tables, "_stored_upper", memoized):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -345,4 +365,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "settle_from_latest_state_only": settle_from_latest_state_only,
     "funnel_forgets_successor": funnel_forgets_successor,
     "contents_read_at_the_upper": contents_read_at_the_upper,
+    "table_uppers_memoized": table_uppers_memoized,
 }

@@ -134,6 +134,28 @@ class TypedModel:
 
 
 @dataclass
+class StoredTable:
+    """A table a table writer stored: its canonical rows and the logical times its store
+    started and returned (``ended`` None: still running, or its outcome unknown)."""
+
+    rows: list[str]
+    started: int
+    ended: int | None = None
+
+
+def fresh_tables(stored: list[StoredTable], load_started: int, load_ended: int
+                 ) -> list[list[str]]:
+    """The tables a load over ``[load_started, load_ended]`` may return, as a register
+    does: any store that started before the load returned, except one that a later
+    store wholly followed (started after it returned, and returned before the load
+    started)."""
+    latest_start = max((t.started for t in stored
+                        if t.ended is not None and t.ended < load_started), default=0)
+    return [t.rows for t in stored if t.started < load_ended
+            and (t.ended is None or t.ended >= latest_start)]
+
+
+@dataclass
 class SeamState:
     """What the seam actors of one seed share."""
 
@@ -142,8 +164,14 @@ class SeamState:
     model: TypedModel | None = None
     versions_recorded: int = 0
     appends: int = 0
-    #: Every table a table writer tried to store (canonical rows).
-    tables: list[list[str]] = field(default_factory=list)
+    #: Every table a table writer tried to store, with when its store ran.
+    tables: list[StoredTable] = field(default_factory=list)
+    #: A logical clock of the table writers' calls (the scheduler runs one at a time).
+    table_events: int = 0
+
+    def table_event(self) -> int:
+        self.table_events += 1
+        return self.table_events
 
 
 def _model(run: SimRun) -> TypedModel:
@@ -622,39 +650,48 @@ def table_writer(run: SimRun, proc: Process) -> None:
     """Stores whole tables under one name, as the Dagster IO manager does
     (:func:`persist_pipeline.tables.store_table`), racing other table writers and schema
     changes; loads (:func:`~persist_pipeline.tables.load_table`) must return exactly one
-    table some writer stored, never a mix."""
+    table some writer stored, never a mix, and never one that a later store wholly
+    replaced before the load began (loads read the newest materialization's table)."""
     from persist_pipeline import tables
 
     client = run.client(proc)
-    stored: list[list[str]] = run.seams.tables
+    seams = run.seams
     n = 0
     while not run.stopping:
         run.think(scale=2.0)
         n += 1
         roll = run.rng.random()
-        if roll < 0.15:
-            _release_and_compact_table(run, client)
-        elif roll < 0.6:
+        if roll < 0.6:
+            if roll < 0.15:
+                # Then store at once: the store must find the rows compaction advanced.
+                _release_and_compact_table(run, client)
             table, keys = _table_version(run, n)
-            stored.append(_canonical(table))
+            entry = StoredTable(_canonical(table), seams.table_event())
+            seams.tables.append(entry)
             try:
                 tables.store_table(client, TABLE_NAME, table, keys, debug=proc.name)
             except (UpperMismatch, Indeterminate, CommitDeadlineExceeded):
-                pass
+                pass  # its outcome stays unknown: it may be read, it replaces nothing
             except PersistError as e:
                 run.violation(f"store_table: unexpected {type(e).__name__}: {e}")
+            else:
+                entry.ended = seams.table_event()
         else:
+            started = seams.table_event()
             try:
                 got = tables.load_table(client, TABLE_NAME)
-            except (ShardNotFound, Indeterminate, LeaseExpired, SinceViolation,
-                    NotYetAvailable):
+            except (ShardNotFound, Indeterminate, LeaseExpired, NotYetAvailable):
                 pass
             except PersistError as e:
                 run.violation(f"load_table: unexpected {type(e).__name__}: {e}")
             else:
-                if _canonical(got) not in stored:
+                rows = _canonical(got)
+                if rows not in [t.rows for t in seams.tables]:
                     run.violation(f"a loaded table is none of the tables stored: "
                                   f"{got.to_pylist()[:4]}")
+                elif rows not in fresh_tables(seams.tables, started, seams.table_event()):
+                    run.violation(f"a load returned a table a later store had replaced "
+                                  f"before the load began: {got.to_pylist()[:4]}")
         run.ops += 1
 
 
