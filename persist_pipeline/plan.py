@@ -41,7 +41,12 @@ import pyarrow.compute as pc
 
 from persist_pipeline.blob.base import Blob
 from persist_pipeline.blob.local import LocalBlob
-from persist_pipeline.exceptions import InvalidConfig, NotYetAvailable
+from persist_pipeline.exceptions import (
+    BlobUnavailable,
+    InvalidConfig,
+    NotYetAvailable,
+    PartMissing,
+)
 from persist_pipeline.frontier import MAX_TIME, Frontier
 from persist_pipeline.internal.state import HollowPart, Store
 from persist_pipeline.updates import SCHEMA, consolidate, naming_shard
@@ -296,13 +301,35 @@ class SnapshotPlan:
         (equal to ``snapshot(as_of)``; typed for a typed shard)."""
         import pyarrow.dataset as pads
 
-        table = self.to_dataset().to_table(columns=SCHEMA.names,
-                                           filter=pads.field("t") <= pa.scalar(self.as_of))
+        try:
+            table = self.to_dataset().to_table(
+                columns=SCHEMA.names, filter=pads.field("t") <= pa.scalar(self.as_of))
+        except (OSError, pa.ArrowException) as e:
+            raise self._read_error(e) from e
         with naming_shard(self.shard_id):
             table = consolidate(table, as_of=self.as_of)
         if self.schema is not None:
             return self.schema.decode(table, f"shard {self.shard_id}")
         return table
+
+    def _read_error(self, error: Exception) -> Exception:
+        """What :meth:`to_table` raises for ``error``: :class:`PartMissing` naming a file
+        of the plan that is gone (GC deleted it: the plan was closed, or its reader's
+        lease ran out), else :class:`BlobUnavailable`."""
+        import pyarrow.fs as pafs
+
+        for f in self.file_details:
+            try:
+                info = self.filesystem(f.store).get_file_info(f.path)
+            except (OSError, pa.ArrowException):
+                continue  # the store is away too: not evidence that the file is gone
+            if info.type == pafs.FileType.NotFound:
+                return PartMissing(
+                    f"shard {self.shard_id}: file {f.uri} of this snapshot plan is gone: GC "
+                    f"deletes a plan's files once the plan is closed or its reader's lease "
+                    f"ran out; make a new plan (or give the reader a longer lease)")
+        return BlobUnavailable(f"shard {self.shard_id}: reading this snapshot plan's files "
+                               f"failed: {error}")
 
     @property
     def dataset_schema(self) -> pa.Schema:
