@@ -84,7 +84,8 @@ def _landing_sensor(owner: str, source: FileSource, shards: list[str], job: Asse
         # files are ingested one run at a time, in landing order; the rest wait (not
         # marked seen) for a tick with no run of this sensor's files in flight.
         serial = source.times == "source"
-        busy = serial and _in_flight(context.instance, shards)
+        in_flight = _in_flight(context.instance, shards) if serial else None
+        busy = in_flight is not None
         for f in landing.files:
             if f.identity in seen:
                 continue
@@ -114,8 +115,9 @@ def _landing_sensor(owner: str, source: FileSource, shards: list[str], job: Asse
                                             if f.identity not in deferred)})
         notes = []
         if deferred:
-            notes.append(f"{len(deferred)} file(s) wait: source times are ingested one "
-                         "file at a time, in landing order")
+            after = f"run {in_flight}" if in_flight else "the run requested now"
+            notes.append(f"{len(deferred)} file(s) wait for {after}: source times are "
+                         "ingested one file at a time, in landing order")
         if already:
             notes.append(f"{len(already)} already ingested ({', '.join(already[:5])})")
         if landing.ignored:
@@ -135,12 +137,12 @@ def _landing_sensor(owner: str, source: FileSource, shards: list[str], job: Asse
     return landing_sensor
 
 
-def _in_flight(instance: dg.DagsterInstance, shards: list[str]) -> bool:
-    """Whether a run this sensor requested for ``shards`` is queued or running."""
+def _in_flight(instance: dg.DagsterInstance, shards: list[str]) -> str | None:
+    """The id of a run this sensor requested for ``shards`` that is queued or running."""
     runs = instance.get_runs(filters=dg.RunsFilter(
         job_name=LANDING_JOB, tags={TAG_SHARDS: ",".join(shards), TAG_TRIGGER: "landing"},
         statuses=ACTIVE_STATUSES), limit=1)
-    return bool(runs)
+    return runs[0].run_id if runs else None
 
 
 def describe_source_template(source: FileSource) -> str:

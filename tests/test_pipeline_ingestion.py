@@ -278,7 +278,7 @@ def test_source_times_files_are_ingested_one_run_at_a_time_in_landing_order(
         asset_selection={dg.AssetKey(["ingest", "orders"])})
     waiting = pipeline.ticker(sensor).tick()
     assert waiting.run_requests == []
-    assert "1 file(s) wait" in waiting.skip_reason
+    assert f"1 file(s) wait for run {started.run_id}" in waiting.skip_reason
     pipeline.instance.delete_run(started.run_id)
 
     [ran] = pipeline.launch_all(sensor, first)
