@@ -197,7 +197,7 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
     check_table_name(name)
     plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
     # Refused before any generation is opened: a bad table never starts an empty one.
-    rows = encode_contents(plan.shard_schema, to_storage(table, plan))
+    rows = _encode(plan, table, primary_key)
     names = client.shard_names()
     for _ in range(MAX_GENERATION_ATTEMPTS):
         _refuse_closed(client, name, names)
@@ -235,7 +235,7 @@ def store_tables(client: PersistClient,
     for name, (table, primary_key) in tables.items():
         check_table_name(name)
         plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
-        encoded[name] = (plan, encode_contents(plan.shard_schema, to_storage(table, plan)))
+        encoded[name] = (plan, _encode(plan, table, primary_key))
     names = client.shard_names()
     for _ in range(MAX_GENERATION_ATTEMPTS):
         for name in encoded:
@@ -261,6 +261,25 @@ def store_tables(client: PersistClient,
                     for name, (gen_name, shard) in where.items()}
     raise PersistError(f"{sorted(tables)}: newer generations kept starting while these "
                        f"tables were stored ({MAX_GENERATION_ATTEMPTS} attempts)")
+
+
+def _encode(plan: StoragePlan, table: pa.Table, primary_key: Sequence[str] | None
+            ) -> pa.Table:
+    """``table`` as a shard's whole contents; a declared primary key holds once per row.
+
+    Keys with value columns are checked by :func:`encode_contents`; a key made of every
+    column is stored like a table without a key (a collection, where repeated rows keep
+    their count), so its declared uniqueness is checked here.
+
+    Raises:
+        InvalidUpdates: a key appears twice.
+    """
+    rows = encode_contents(plan.shard_schema, to_storage(table, plan))
+    if primary_key and not plan.shard_schema.value and \
+            pc.count_distinct(rows.column("k")).as_py() != rows.num_rows:
+        raise InvalidUpdates(f"primary_key {list(primary_key)}: a key appears more than "
+                             "once in the table")
+    return rows
 
 
 def _superseded(name: str, gen_name: str, names: Mapping[str, object]) -> bool:

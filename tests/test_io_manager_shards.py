@@ -151,6 +151,17 @@ def test_declared_keys_replace_rows_by_key(io_manager: PersistIOManager) -> None
         io_manager.store("customers", second, primary_key=["nope"])
 
 
+def test_a_key_of_every_column_is_still_unique(io_manager: PersistIOManager) -> None:
+    """A table whose primary key covers every column is stored like a collection, but its
+    declared key is still checked: a repeated row is refused, and nothing is stored."""
+    io_manager.store("tags", pa.table({"id": [1, 2]}), primary_key=["id"])
+    with pytest.raises(InvalidInput, match=r"primary_key \['id'\]: a key appears more"):
+        io_manager.store("tags", pa.table({"id": [5, 5]}), primary_key=["id"])
+    with pytest.raises(InvalidInput, match="appears more than once"):
+        io_manager.store_many({"tags": pa.table({"id": [7, 7]})}, primary_keys={"tags": ["id"]})
+    assert sorted(io_manager.load("tags").column("id").to_pylist()) == [1, 2]
+
+
 def test_a_collection_keeps_duplicate_rows(io_manager: PersistIOManager) -> None:
     table = pa.table({"word": ["a", "a", "b"]})
     io_manager.store("words", table)
