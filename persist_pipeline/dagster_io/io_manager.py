@@ -45,8 +45,15 @@ from persist_pipeline.config import (
 )
 from persist_pipeline.dagster_io import encoding
 from persist_pipeline.dagster_io.templates import expand_env
-from persist_pipeline.exceptions import InvalidInput, PersistError, ShardNameNotFound
+from persist_pipeline.exceptions import (
+    InvalidConfig,
+    InvalidInput,
+    PersistError,
+    ShardNameNotFound,
+)
 from persist_pipeline.ids import ShardId
+from persist_pipeline.internal import paths
+from persist_pipeline.plan import file_uri
 from persist_pipeline.tables import (
     UnsupportedOutput,
     asset_shard_name,
@@ -260,7 +267,7 @@ class PersistIOManager(dg.ConfigurableIOManager):
         upper = result.upper if result.upper is not None else -1
         return {
             "dagster/table_name": generation_of,
-            "dagster/uri": f"{redact_uri(client.blobs.main.describe())}/{shard}",
+            "dagster/uri": _data_uri(client, shard),
             "dagster/row_count": table.num_rows,
             "dagster/column_schema": column_schema(table.schema),
             "persist/shard_id": str(shard),
@@ -401,3 +408,13 @@ def _snapshot(client: PersistClient, shard_id: str, as_of: int) -> pa.Table:
         return reader.snapshot(as_of)
     finally:
         reader.expire()
+
+
+def _data_uri(client: PersistClient, shard: ShardId) -> str:
+    """The URI of the folder or S3 prefix holding ``shard``'s parts (``s3://bucket/...``
+    or ``file:///...``: a URI a user can open, no endpoint or secret in it)."""
+    try:
+        uri, _ = file_uri(client.blobs.main, paths.shard_prefix(str(shard)))
+    except InvalidConfig:  # an in-memory store: no URI outside this process
+        return f"{redact_uri(client.blobs.main.describe())}/{shard}"
+    return uri.rstrip("/")
