@@ -37,7 +37,9 @@ materialization whose schema no longer fits the shard's starts the asset's next
 *generation*, a new shard named with a ``/_v<N>`` suffix (``sales/orders/_v2``); loads
 read the newest generation, and every materialization reports the name it wrote. A
 table whose generation was closed (its upper set to the empty frontier) is closed for
-good: a store is refused, whatever its schema, and loads keep reading it.
+good: a store is refused, whatever its schema, and loads keep reading it. A column of
+Arrow's null type (only nulls: an empty partition's, pandas' all-None column) takes the
+type the current generation stores for it, so it does not start a new generation.
 """
 
 from __future__ import annotations
@@ -195,10 +197,11 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
         InvalidFrontier: the table's newest generation is closed (for good).
     """
     check_table_name(name)
+    names = client.shard_names()
+    table = _typed_nulls(client, name, names, table)
     plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
     # Refused before any generation is opened: a bad table never starts an empty one.
     rows = _encode(plan, table, primary_key)
-    names = client.shard_names()
     for _ in range(MAX_GENERATION_ATTEMPTS):
         _refuse_closed(client, name, names)
         writer, gen_name, shard = _open_generation(client, name, plan, names, debug)
@@ -232,11 +235,12 @@ def store_tables(client: PersistClient,
         raise InvalidInput("store_tables needs at least one table")
     # Every table is checked before any generation is opened: a bad one changes nothing.
     encoded = {}
+    names = client.shard_names()
     for name, (table, primary_key) in tables.items():
         check_table_name(name)
+        table = _typed_nulls(client, name, names, table)
         plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
         encoded[name] = (plan, _encode(plan, table, primary_key))
-    names = client.shard_names()
     for _ in range(MAX_GENERATION_ATTEMPTS):
         for name in encoded:
             _refuse_closed(client, name, names)
@@ -261,6 +265,41 @@ def store_tables(client: PersistClient,
                     for name, (gen_name, shard) in where.items()}
     raise PersistError(f"{sorted(tables)}: newer generations kept starting while these "
                        f"tables were stored ({MAX_GENERATION_ATTEMPTS} attempts)")
+
+
+def _typed_nulls(client: PersistClient, name: str, names: Mapping[str, ShardId],
+                 table: pa.Table) -> pa.Table:
+    """``table`` with each column of Arrow's null type (all nulls, no type: an empty
+    partition's, or pandas' all-None column) cast to the type the table's current
+    generation stores for it, so that an output with nothing in a column keeps the
+    table's generation instead of starting a new one."""
+    nulls = [i for i, f in enumerate(table.schema) if pa.types.is_null(f.type)]
+    if not nulls:
+        return table
+    shard = _newest_written(client, name, generations(name, names))
+    if shard is None:
+        return table
+    try:
+        recorded = client._machine(shard).fetch_latest().schema
+    except ShardNotFound:
+        return table
+    found = original_schema(ShardSchema.from_bytes(recorded)) if recorded else None
+    if found is None:
+        return table
+    stored = found[0]
+    for i in nulls:
+        field = table.schema.field(i)
+        index = stored.get_field_index(field.name)
+        if index < 0 or pa.types.is_null(stored.field(index).type) \
+                or not stored.field(index).nullable:
+            continue
+        target = stored.field(index).with_name(field.name)
+        try:
+            column = table.column(i).cast(target.type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            continue  # stored as it is: its own generation
+        table = table.set_column(i, target, column)
+    return table
 
 
 def _encode(plan: StoragePlan, table: pa.Table, primary_key: Sequence[str] | None

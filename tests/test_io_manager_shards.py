@@ -162,6 +162,28 @@ def test_a_key_of_every_column_is_still_unique(io_manager: PersistIOManager) -> 
     assert sorted(io_manager.load("tags").column("id").to_pylist()) == [1, 2]
 
 
+def test_an_all_null_column_keeps_the_tables_generation(io_manager: PersistIOManager
+                                                        ) -> None:
+    """An output whose column holds only nulls (Arrow's null type: an empty partition's,
+    pandas' all-None column) takes the column's stored type instead of starting a new
+    generation, and the next ordinary output stays in it too."""
+    io_manager.store("scores", pa.table({"id": [1, 2], "score": [0.5, 1.5]}), primary_key=["id"])
+    meta = io_manager.store("scores", pa.table({"id": [3], "score": [None]}), primary_key=["id"])
+    assert meta["dagster/table_name"] == "scores"
+    loaded = io_manager.load("scores")
+    assert loaded.schema.field("score").type == pa.float64()
+    assert loaded.to_pylist() == [{"id": 3, "score": None}]
+    meta = io_manager.store("scores", pa.table({"id": [4], "score": [2.5]}), primary_key=["id"])
+    assert meta["dagster/table_name"] == "scores"
+    # store_many takes the same path.
+    meta = io_manager.store_many({"scores": pa.table({"id": [5], "score": [None]})},
+                                 primary_keys={"scores": ["id"]})["scores"]
+    assert meta["dagster/table_name"] == "scores"
+    # A table with no stored generation keeps the null type (nothing to take it from).
+    io_manager.store("fresh", pa.table({"id": [1], "note": [None]}), primary_key=["id"])
+    assert io_manager.load("fresh").schema.field("note").type == pa.null()
+
+
 def test_a_collection_keeps_duplicate_rows(io_manager: PersistIOManager) -> None:
     table = pa.table({"word": ["a", "a", "b"]})
     io_manager.store("words", table)
