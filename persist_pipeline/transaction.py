@@ -266,12 +266,7 @@ class Transaction:
                     # again, so that two replacing transactions do not keep colliding.
                     clock.sleep(random.uniform(0, min(0.1, 0.001 * 2 ** min(attempt, 10))))  # noqa: S311
                 live = [op for op in ops if op.result is None]
-                for op in live:
-                    if op.staged is None:
-                        if op.contents is not None:
-                            op.plan()
-                        op.staged = op.handle._stage(op.data, op.expected, op.upper, op.token,
-                                                     op.encoding or op.handle._encoding)
+                self._stage_all(live, ops)
                 if not live:
                     return self._results(ops)
                 staged = [op.staged for op in live if op.staged is not None]
@@ -294,6 +289,27 @@ class Transaction:
                 return self._results(ops)
             raise AssertionError("unreachable")
         except CERTAINLY_NOT_COMMITTED:
+            for op in ops:
+                if op.staged is not None:
+                    op.handle._delete_uncommitted(op.staged.parts)
+            raise
+
+    @staticmethod
+    def _stage_all(live: list[_Op], ops: list[_Op]) -> None:
+        """Stage every live append not staged yet (a replace is planned first). Nothing
+        of the transaction was committed when one fails (every earlier attempt was
+        refused for certain), so the parts the others uploaded are deleted at once
+        rather than left for GC's orphan sweep."""
+        try:
+            for op in live:
+                if op.staged is None:
+                    if op.contents is not None:
+                        op.plan()
+                    op.staged = op.handle._stage(op.data, op.expected, op.upper, op.token,
+                                                 op.encoding or op.handle._encoding)
+        except CERTAINLY_NOT_COMMITTED:
+            raise  # the commit's own handler deletes them
+        except PersistError:
             for op in ops:
                 if op.staged is not None:
                     op.handle._delete_uncommitted(op.staged.parts)

@@ -119,6 +119,28 @@ def test_an_upper_mismatch_on_one_shard_changes_no_shard(open_client):
     assert blob_keys(client) - before == set()
 
 
+def test_a_replace_of_a_closed_shard_deletes_the_parts_staged_before_it(open_client):
+    """A replacement planned at commit finds its shard closed: the transaction raises
+    InvalidFrontier, no shard changes, and the parts the other appends had uploaded are
+    deleted at once (not left for GC's orphan sweep)."""
+    client = open_client()
+    schema = ShardSchema(pa.schema([("id", pa.int64())]), pa.schema([("qty", pa.int64())]))
+    a, b = ShardId.new(), ShardId.new()
+    wa, wb = client.open_writer(a), client.open_writer(b, schema=schema)
+    wb.replace_contents(pa.table({"id": [1], "qty": [1]}))
+    empty = pa.table({c: pa.array([], pa.int64()) for c in ("id", "qty", "t", "d")})
+    wb.compare_and_append(empty, 1, None)  # closed for good
+    before = blob_keys(client)
+    big = [(f"k{i}".encode(), b"v" * 200, 0, 1) for i in range(50)]  # blob-sized
+    txn = client.transaction()
+    txn.compare_and_append(wa, big, 0, 1)
+    txn.replace_contents(wb, pa.table({"id": [2], "qty": [2]}))
+    with pytest.raises(InvalidFrontier):
+        txn.commit()
+    assert uppers(client, a, b) == [0, None]
+    assert blob_keys(client) - before == set()
+
+
 def test_an_exception_in_the_block_commits_nothing(open_client):
     client = open_client()
     a, b, wa, wb = two_shards(client)
