@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("resolve", help="print the id of the shard registered under a name")
     s.add_argument("name")
     s.add_argument("--create", action="store_true",
-                   help="register a fresh shard id under the name if it has none")
+                   help="if the name has no shard: register a fresh shard id under it and "
+                        "create that shard (as new-shard --name does)")
     s = sub.add_parser("inspect", help="print a shard's state as JSON")
     s.add_argument("shard")
     s = sub.add_parser("append", help="compare_and_append a file (Parquet, CSV or JSONL)")
@@ -122,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="new upper time, or 'closed' (default: one past the file's "
                         "largest time)")
     s.add_argument("--create", action="store_true",
-                   help="create the shard if it does not exist (else a mistyped id or "
-                        "name is an error)")
+                   help="create the shard if it does not exist, registering the name "
+                        "if SHARD is one (else a mistyped id or name is an error)")
     s.add_argument("--format", choices=["parquet", "csv", "jsonl"],
                    help="file format (default: from the extension)")
     s = sub.add_parser("snapshot", help="write the collection at --as-of")
@@ -317,26 +318,23 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.command == "resolve":
             try:
-                print(client.resolve(args.name, create=args.create))
+                resolved = client.resolve(args.name, create=args.create)
             except ShardNameNotFound:
                 raise ShardNameNotFound(f"no shard named {args.name!r}; create it with "
                                         f"`persist-pipeline resolve --create "
                                         f"{args.name}`") from None
+            if args.create and str(resolved) not in client.list_shards():
+                # A name --create printed names a shard that exists, so inspect, shards
+                # and append find it (as after new-shard --name).
+                client.open_writer(resolved).expire()
+            print(resolved)
+            return 0
+        if args.command == "append":
+            _append(client, args)
             return 0
         shard = _shard(client, args.shard)
         if args.command == "inspect":
             _print_json(client.inspect(shard))
-        elif args.command == "append":
-            if not args.create and str(shard) not in client.list_shards():
-                raise ShardNotFound(f"shard {shard} does not exist; pass --create to create "
-                                    f"it")
-            with client.open_writer(shard, debug="cli") as writer:
-                updates = (read_updates_file(args.file, args.format) if writer.schema is None
-                           else read_typed_file(args.file, writer.schema, args.format))
-                expected, new_upper = _append_bounds(writer, updates, args)
-                res = writer.compare_and_append(updates, expected, new_upper)
-            _print_json({"placement": res.placement, "encoded_bytes": res.encoded_bytes,
-                         "seqno": res.seqno, "upper": res.upper, "updates": res.num_updates})
         elif args.command == "snapshot":
             with client.open_reader(shard, debug="cli") as reader:
                 as_of = args.as_of
@@ -358,6 +356,32 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "gc":
             _print_json(client.gc(shard))
     return 0
+
+
+def _append(client: PersistClient, args: argparse.Namespace) -> None:
+    """``append``: the shard must exist, unless ``--create`` (which also registers SHARD
+    if it is an unregistered name)."""
+    shard = _lookup(client, args.shard, missing_ok=args.create)
+    untyped: pa.Table | None = None
+    if shard is None or str(shard) not in client.list_shards():
+        if not args.create:
+            raise ShardNotFound(f"shard {shard} does not exist; pass --create to create "
+                                f"it")
+        # A shard created here is untyped: a bad file is refused before the name or the
+        # shard is written.
+        untyped = read_updates_file(args.file, args.format)
+        if shard is None:
+            shard = client.resolve(args.shard, create=True)
+    with client.open_writer(shard, debug="cli") as writer:
+        if writer.schema is not None:
+            updates = read_typed_file(args.file, writer.schema, args.format)
+        else:
+            updates = untyped if untyped is not None else read_updates_file(args.file,
+                                                                              args.format)
+        expected, new_upper = _append_bounds(writer, updates, args)
+        res = writer.compare_and_append(updates, expected, new_upper)
+    _print_json({"placement": res.placement, "encoded_bytes": res.encoded_bytes,
+                 "seqno": res.seqno, "upper": res.upper, "updates": res.num_updates})
 
 
 def _new_shard(args: argparse.Namespace) -> int:
@@ -429,6 +453,14 @@ def _append_bounds(writer: WriteHandle, updates: Any,
 
 def _shard(client: PersistClient, text: str) -> ShardId:
     """The shard a command-line argument names: a shard id, else a registered name."""
+    found = _lookup(client, text, missing_ok=False)
+    assert found is not None
+    return found
+
+
+def _lookup(client: PersistClient, text: str, missing_ok: bool) -> ShardId | None:
+    """:func:`_shard`, or None for a well-formed name that is not registered when
+    ``missing_ok``."""
     try:
         return ShardId.parse(text)
     except InvalidShardId as not_an_id:
@@ -436,7 +468,7 @@ def _shard(client: PersistClient, text: str) -> ShardId:
             found = client.name_registry.lookup(text)
         except InvalidShardName:
             raise not_an_id from None
-        if found is None:
+        if found is None and not missing_ok:
             raise InvalidShardId(f"{text!r} is neither a shard id ({not_an_id}) nor a "
                                  "registered shard name (`persist-pipeline names` lists "
                                  "them)") from None

@@ -197,3 +197,39 @@ def test_json_output_is_for_people(env):
     gc = json.loads(cli(env, "gc", shard).stdout)
     assert "skipped" not in gc
     assert len(str(gc["duration_s"]).split(".")[-1]) <= 3
+
+
+def test_create_with_a_name_registers_the_name_and_creates_the_shard(env, tmp_path):
+    """`append NAME FILE --create` (the help's own example) and `resolve NAME --create`
+    both leave a named shard that exists, as `new-shard --name` does: inspect and shards
+    see it."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"k": "a", "v": "x", "t": 0}\n')
+    out = cli(env, "append", "new/shard", str(rows), "--create")
+    assert out.returncode == 0, out.stderr
+    names = json.loads(cli(env, "names").stdout)
+    assert set(names) == {"new/shard"}
+    assert json.loads(cli(env, "inspect", "new/shard").stdout)["upper"] == 1
+    later = tmp_path / "later.jsonl"
+    later.write_text('{"k": "b", "v": "y", "t": 1}\n')
+    again = cli(env, "append", "new/shard", str(later), "--create")
+    assert again.returncode == 0, again.stderr  # the same shard, not a second one
+    assert json.loads(cli(env, "names").stdout) == names
+    assert json.loads(cli(env, "inspect", "new/shard").stdout)["upper"] == 2
+    missing = cli(env, "append", "other/shard", str(rows))
+    assert missing.returncode == 2 and "other/shard" in missing.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"k": "a", "v": "x"}\n')
+    refused = cli(env, "append", "other/shard", str(bad), "--create")
+    assert refused.returncode == 2 and "bad.jsonl: line 1" in refused.stderr
+    assert "other/shard" not in json.loads(cli(env, "names").stdout)  # nothing written
+    assert len(json.loads(cli(env, "shards").stdout)) == 1
+
+    resolved = cli(env, "resolve", "made/by-resolve", "--create")
+    assert resolved.returncode == 0, resolved.stderr
+    shard = resolved.stdout.strip()
+    info = cli(env, "inspect", "made/by-resolve")
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["upper"] == 0
+    assert shard in json.loads(cli(env, "shards").stdout)
+    assert cli(env, "resolve", "made/by-resolve", "--create").stdout.strip() == shard
