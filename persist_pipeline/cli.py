@@ -261,9 +261,20 @@ def _flat_columns(table: pa.Table) -> pa.Table:
     return table
 
 
-def _write_table(table: pa.Table, out: Path | None) -> None:
-    if out is not None and out.suffix not in (".parquet", ".csv"):
+def _check_out(out: Path) -> None:
+    """``snapshot --out``, checked before anything is read or written: a snapshot that
+    cannot be written is bad input naming the path, not a storage error after the read."""
+    if out.suffix not in (".parquet", ".csv"):
         raise InvalidInput(f"--out must end in .parquet or .csv, got {out.name!r}")
+    if out.is_dir():
+        raise InvalidInput(f"--out {out}: is a folder; name a file in it")
+    parent = out.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "no such folder"
+        raise InvalidInput(f"--out {out}: {parent}: {what}")
+
+
+def _write_table(table: pa.Table, out: Path | None) -> None:
     printable = _printable(table) if out is None or out.suffix == ".csv" else table
     if out is None:
         pacsv.write_csv(printable, sys.stdout.buffer)
@@ -303,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
         return _simulate(args)
     if args.command == "new-shard":
         return _new_shard(args)
+    if args.command == "snapshot" and args.out is not None:
+        _check_out(args.out)
     with PersistClient.open(args.consensus, args.blob, args.wal_blob) as client:
         if args.command == "shards":
             names = _shard_names(args.config, client)

@@ -233,3 +233,20 @@ def test_create_with_a_name_registers_the_name_and_creates_the_shard(env, tmp_pa
     assert json.loads(info.stdout)["upper"] == 0
     assert shard in json.loads(cli(env, "shards").stdout)
     assert cli(env, "resolve", "made/by-resolve", "--create").stdout.strip() == shard
+
+
+@pytest.mark.parametrize("target", ["no-such-dir/snap.csv", "no-such-dir/snap.parquet",
+                                    "a-dir.parquet", "a-dir.csv", "a-file.csv/snap.csv"])
+def test_snapshot_out_that_cannot_be_written_is_bad_input_naming_it(env, tmp_path, target):
+    """--out in a missing folder, or naming a folder, is refused before reading: exit 2,
+    one line naming the path, nothing written (no .partial file either)."""
+    shard = cli(env, "new-shard").stdout.strip()
+    (tmp_path / "a-dir.parquet").mkdir()
+    (tmp_path / "a-dir.csv").mkdir()
+    (tmp_path / "a-file.csv").write_text("")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    out = cli(env, "snapshot", shard, "--as-of", "latest", "--out", str(tmp_path / target))
+    assert out.returncode == 2, out.stderr
+    assert "invalid input" in out.stderr and str(tmp_path / target) in out.stderr
+    assert ".partial" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
