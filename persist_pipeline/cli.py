@@ -38,7 +38,7 @@ from persist_pipeline.exceptions import (
 )
 from persist_pipeline.frontier import MAX_TIME, Frontier
 from persist_pipeline.ids import ShardId
-from persist_pipeline.ingest import read_typed_file, read_updates_file
+from persist_pipeline.ingest import file_problem, read_typed_file, read_updates_file
 from persist_pipeline.read import ReadHandle
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import SCHEMA
@@ -418,9 +418,11 @@ def _schema_arg(text: str, keys: list[str]) -> ShardSchema:
     """``new-shard --schema``: JSON (inline or a .json file), or a Parquet file's schema
     with ``--key`` columns (default: every column is a key)."""
     path = Path(text)
+    if text.endswith((".parquet", ".json")):
+        problem = file_problem(path)
+        if problem is not None:  # a file was meant: say what is wrong with it
+            raise InvalidInput(f"--schema {text}: {problem}")
     if text.endswith(".parquet"):
-        if not path.is_file():
-            raise InvalidInput(f"--schema {text}: no such file")
         try:
             arrow = pq.read_schema(path).remove_metadata()
         except (pa.ArrowInvalid, OSError) as e:
@@ -434,10 +436,13 @@ def _schema_arg(text: str, keys: list[str]) -> ShardSchema:
     if keys:
         raise InvalidInput("--key goes with a Parquet --schema (a JSON schema names its "
                            "key columns itself)")
-    raw = path.read_text() if text.endswith(".json") and path.is_file() else text
+    from_file = text.endswith(".json")
+    raw = path.read_text() if from_file else text
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as e:
+        if from_file:
+            raise InvalidInput(f"--schema {text}: not valid JSON: {e}") from None
         raise InvalidInput(f"--schema is neither a Parquet file nor JSON: {e}") from None
     return ShardSchema.from_json(data)
 

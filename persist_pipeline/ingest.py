@@ -41,6 +41,22 @@ def detect_format(path: Path, fmt: str | None = None) -> str:
                              f"{path.suffix!r}; use one of {sorted(FORMATS)}") from None
 
 
+def file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a file (``"no such file"``, ``"is a folder, not a
+    file"``), or None if it can be tried."""
+    if path.is_dir():
+        return "is a folder, not a file"
+    if not path.exists():
+        return "no such file"
+    return None
+
+
+def _check_file(path: Path) -> None:
+    problem = file_problem(path)
+    if problem is not None:
+        raise InvalidUpdates(f"{path}: {problem}")
+
+
 def _int(value: Any, name: str, where: str, lo: int, hi: int) -> int:
     if isinstance(value, bool):
         raise InvalidUpdates(f"{where}: column {name} must be an integer, got {value!r}")
@@ -192,8 +208,7 @@ def read_updates_file(path: Path | str, fmt: str | None = None, *,
     _check_route_column(route)
     path = Path(path)
     kind = detect_format(path, fmt)
-    if not path.is_file():
-        raise InvalidUpdates(f"{path}: no such file")
+    _check_file(path)
     try:
         if kind == "csv":
             return read_csv(path, route)
@@ -216,8 +231,7 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
 
     path = Path(path)
     kind = detect_format(path, fmt)
-    if not path.is_file():
-        raise InvalidUpdates(f"{path}: no such file")
+    _check_file(path)
     types = {f.name: f.type for f in [*schema.key, *schema.value]}
     types.update({"t": pa.int64(), "d": pa.int64()})
     try:

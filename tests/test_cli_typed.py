@@ -149,3 +149,21 @@ def test_a_row_at_the_largest_time_needs_the_shard_closed(
         assert client.inspect(shard)["upper"] == 0
     code, out, err = _run(env, capsys, "append", shard, str(rows), "--new-upper", "closed")
     assert code == 0 and json.loads(out)["upper"] is None, err
+
+
+def test_a_schema_file_that_is_missing_or_a_folder_is_named_so(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    code, _, err = _run(env, capsys, "new-shard", "--schema", str(tmp_path / "nosuch.json"))
+    assert code == 2 and "nosuch.json: no such file" in err and "Expecting" not in err
+    (tmp_path / "adir.json").mkdir()
+    code, _, err = _run(env, capsys, "new-shard", "--schema", str(tmp_path / "adir.json"))
+    assert code == 2 and "adir.json: is a folder, not a file" in err
+    (tmp_path / "adir.parquet").mkdir()
+    code, _, err = _run(env, capsys, "new-shard", "--schema", str(tmp_path / "adir.parquet"))
+    assert code == 2 and "adir.parquet: is a folder, not a file" in err
+    (tmp_path / "broken.json").write_text("{not json")
+    code, _, err = _run(env, capsys, "new-shard", "--schema", str(tmp_path / "broken.json"))
+    assert code == 2 and "broken.json: not valid JSON" in err
+    code, _, err = _run(env, capsys, "new-shard", "--schema", "{not json")
+    assert code == 2 and "neither" in err
+    assert not (tmp_path / "c.db").exists() or _client(tmp_path).list_shards() == []

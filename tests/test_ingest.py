@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from persist_pipeline.exceptions import InvalidInput, InvalidUpdates
-from persist_pipeline.ingest import read_updates_file, route_schema
+from persist_pipeline.ingest import read_typed_file, read_updates_file, route_schema
 
 ROWS = [{"k": "a", "v": "1", "t": 0, "table": "orders"},
         {"k": "b", "v": "2", "t": 1, "d": -1, "table": "refunds"}]
@@ -78,3 +78,18 @@ def test_the_route_column_cannot_be_an_update_column(tmp_path: Path, column: str
     path = _write(tmp_path / "f.csv", ROWS)
     with pytest.raises(InvalidInput, match="the route column cannot be"):
         read_updates_file(path, route=column)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_a_folder_or_a_missing_file_is_named_for_what_it_is(tmp_path: Path,
+                                                            suffix: str) -> None:
+    from persist_pipeline.schema import ShardSchema
+
+    schema = ShardSchema([("id", pa.int64())], [])
+    folder = tmp_path / f"somedir{suffix}"
+    folder.mkdir()
+    for read in (read_updates_file, lambda p: read_typed_file(p, schema)):
+        with pytest.raises(InvalidUpdates, match=r"somedir.*: is a folder, not a file"):
+            read(folder)
+        with pytest.raises(InvalidUpdates, match=r"nosuch.*: no such file"):
+            read(tmp_path / f"nosuch{suffix}")
