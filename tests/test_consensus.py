@@ -490,6 +490,47 @@ def test_postgres_uri_refuses_an_unknown_parameter_before_connecting() -> None:
     assert "hunter3secret" not in all_text(info.value)
 
 
+@pytest.mark.parametrize(
+    ("scheme", "query", "name"),
+    [
+        ("postgresql", "connect_timeout=hunter3secret", "connect_timeout"),
+        ("postgresql", "connect_timeout=1.5", "connect_timeout"),
+        ("postgresql", "keepalives=yes", "keepalives"),
+        ("postgresql", "keepalives_idle=9999999999", "keepalives_idle"),
+        ("postgresql", "keepalives_interval=x", "keepalives_interval"),
+        ("postgresql", "keepalives_count=x", "keepalives_count"),
+        ("postgresql", "tcp_user_timeout=x", "tcp_user_timeout"),
+        ("postgresql", "port=x", "port"),
+        ("postgresql", "host=a,b&port=5432,70000", "port"),
+        ("postgresql", "sslmode=hunter3secret", "sslmode"),
+        ("postgresql", "connect_timeout=5&connect_timeout=6", "connect_timeout"),
+        ("cockroachdb", "connect_timeout=abc", "connect_timeout"),
+    ],
+)
+def test_postgres_uri_refuses_a_malformed_parameter_before_connecting(
+        scheme: str, query: str, name: str) -> None:
+    # libpq would refuse these only when connecting, which reads as an unreachable
+    # database (transient, "safe to retry"); they are bad input, named without the
+    # value (a secret, perhaps).
+    with pytest.raises(InvalidUri, match=f"'{name}'") as info:
+        open_consensus(f"{scheme}://u:hunter2secret@127.0.0.1:1/db?{query}")
+    assert not isinstance(info.value, ConsensusUnavailable)
+    assert "hunter2secret" not in all_text(info.value)
+    assert "hunter3secret" not in all_text(info.value)
+
+
+def test_postgres_uri_with_well_formed_parameters_goes_on_to_connect() -> None:
+    # Nothing listens on port 1: getting that far means the parameters were accepted.
+    with pytest.raises(ConsensusUnavailable):
+        open_consensus("postgresql://u@127.0.0.1:1/db?connect_timeout=%202%20&keepalives=1"
+                       "&keepalives_idle=-1&sslmode=disable&tcp_user_timeout=+0")
+
+
+def test_postgres_uri_port_out_of_range_is_refused_before_connecting() -> None:
+    with pytest.raises(InvalidUri, match="port"):
+        open_consensus("postgresql://u:hunter2secret@127.0.0.1:70000/db")
+
+
 def test_mem_uri_refuses_query_parameters() -> None:
     with pytest.raises(InvalidUri, match="query"):
         open_consensus("mem://shared?mode=ro")

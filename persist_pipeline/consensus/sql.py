@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import random
+import re
 import select
 import sqlite3
 import threading
@@ -151,6 +152,53 @@ def _check_params(kind: str, scheme: str, url: URL) -> None:
         names = ", ".join(repr(name) for name in unknown)
         raise InvalidUri(f"{scheme} consensus URI: unknown parameter(s) {names} (supported: "
                          f"{supported})")
+    if kind != "sqlite":
+        _check_libpq_values(scheme, url)
+
+
+#: libpq parameters whose value libpq parses as a C int (``parse_int_param``: optional
+#: blanks and sign, decimal digits, within 32 bits), refusing anything else when it
+#: connects.
+_LIBPQ_INTEGERS = frozenset({"connect_timeout", "keepalives", "keepalives_idle",
+                             "keepalives_interval", "keepalives_count",
+                             "tcp_user_timeout"})
+_LIBPQ_INTEGER = re.compile(r"[ \t\n\r\f\v]*[+-]?[0-9]+[ \t\n\r\f\v]*")
+#: libpq's sslmode values (unchanged since PostgreSQL 9.1).
+_SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+
+def _check_libpq_values(scheme: str, url: URL) -> None:
+    """Refuse a value libpq would refuse, naming the parameter only (a value may be a
+    password), before connecting: libpq refuses it only at connect time, where it would
+    read as an unreachable database (transient, "safe to retry") instead of a bad URI."""
+
+    def bad(name: str, what: str) -> InvalidUri:
+        return InvalidUri(f"{scheme} consensus URI: parameter {name!r} {what}")
+
+    if url.port is not None and not 1 <= url.port <= 65535:
+        raise bad("port", "must be a port number in [1, 65535]")
+    for name, value in url.query.items():
+        checked = name in _LIBPQ_INTEGERS or name in ("port", "sslmode")
+        if checked and not isinstance(value, str):
+            raise bad(name, "is given more than once")
+        if name in _LIBPQ_INTEGERS and not _is_c_int(value):
+            raise bad(name, "must be an integer")
+        if name == "port" and not all(
+                _port(piece) for piece in str(value).split(",")):
+            raise bad(name, "must be a port number in [1, 65535] (one per host, "
+                            "comma-separated)")
+        if name == "sslmode" and value not in _SSLMODES:
+            raise bad(name, f"must be one of {', '.join(_SSLMODES)}")
+
+
+def _is_c_int(value: object) -> bool:
+    return (isinstance(value, str) and _LIBPQ_INTEGER.fullmatch(value) is not None
+            and -(1 << 31) <= int(value) < (1 << 31))
+
+
+def _port(piece: str) -> bool:
+    """One host's port: empty (the default), else an integer in [1, 65535]."""
+    return piece == "" or (_is_c_int(piece) and 1 <= int(piece) <= 65535)
 
 
 def _libpq_parameter(name: str) -> bool:
