@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import zoneinfo
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -43,14 +44,17 @@ from pydantic import (
 )
 
 from persist_pipeline import PersistClient, ShardId
+from persist_pipeline.blob import check_blob_uri
 from persist_pipeline.config import (
     INLINE_UPDATE_MAX_BYTES,
     INLINE_UPDATE_THRESHOLD_BYTES,
 )
+from persist_pipeline.consensus import check_consensus_uri
 from persist_pipeline.exceptions import (
     InvalidConfig,
     InvalidShardId,
     InvalidShardName,
+    InvalidUri,
     PersistError,
 )
 from persist_pipeline.ingest import FORMATS
@@ -135,7 +139,41 @@ def _integer(value: Any, info: ValidationInfo) -> Any:
 def _cron(value: str) -> str:
     if len(value.split()) != 5:
         raise ValueError(f"must be a 5-field cron expression, got {value!r}")
+    # Dagster's own check, so a schedule it would refuse when building the definitions
+    # (a minute 99, February 30) is refused here, naming the key.
+    from dagster._utils.schedules import is_valid_cron_string
+
+    if not is_valid_cron_string(value):
+        raise ValueError(f"not a cron expression Dagster can run, got {value!r}")
     return value
+
+
+def _timezone(value: str) -> str:
+    """An IANA time zone name, loaded as Dagster loads a schedule's (``zoneinfo``)."""
+    if value in ("UTC", "utc"):
+        return value
+    try:
+        zoneinfo.ZoneInfo(value)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
+        raise ValueError(f"not a time zone (an IANA name such as Europe/Paris or UTC), "
+                         f"got {value[:80]!r}") from None
+    return value
+
+
+def _literal_uri(check: Callable[[str], None]) -> Callable[[str], str]:
+    """A location URI written without ``${...}`` is checked when the file loads (as the
+    client would check it when a run opens it); a template is checked when expanded, at
+    run time (it may hold a secret). Empty means the client's PERSIST_* variable."""
+
+    def validate(value: str) -> str:
+        if value.strip() and "${" not in value and "{data_dir}" not in value:
+            try:
+                check(value.strip())
+            except InvalidUri as e:
+                raise ValueError(str(e)) from None
+        return value
+
+    return validate
 
 
 Expanded = Annotated[str, BeforeValidator(_expanded)]
@@ -347,9 +385,12 @@ class RouteConfig(RouteSpec):
 class LocationConfig(_Section):
     """The persist location; each URI keeps its ``${...}`` until run time."""
 
-    consensus_uri: RunTime = "sqlite:///{data_dir}/consensus.db"
-    blob_uri: RunTime = "file://{data_dir}/blobs"
-    wal_blob_uri: Annotated[RunTime, BeforeValidator(_optional_text)] = ""
+    consensus_uri: Annotated[RunTime, AfterValidator(_literal_uri(check_consensus_uri))] = \
+        "sqlite:///{data_dir}/consensus.db"
+    blob_uri: Annotated[RunTime, AfterValidator(_literal_uri(check_blob_uri))] = \
+        "file://{data_dir}/blobs"
+    wal_blob_uri: Annotated[RunTime, BeforeValidator(_optional_text),
+                            AfterValidator(_literal_uri(check_blob_uri))] = ""
 
 
 class InlinePolicyConfig(_Section):
@@ -425,7 +466,7 @@ class PipelineFile(_Section):
     checks: ChecksConfig = ChecksConfig()
     alerts: AlertsConfig = AlertsConfig()
     automation: AutomationConfig = AutomationConfig()
-    timezone: Expanded = "UTC"
+    timezone: Annotated[Expanded, AfterValidator(_timezone)] = "UTC"
     shards: Annotated[dict[Annotated[str, AfterValidator(_shard_name)], ShardSpec],
                       BeforeValidator(_shard_entries)]
     routes: dict[Annotated[str, AfterValidator(_shard_name)], RouteSpec] = Field(
@@ -553,6 +594,16 @@ def register_shard_name(client: PersistClient, shard: ShardConfig) -> None:
             "names never change, so give this shard that id or another name")
 
 
+def _missing_sqlite_file(uri: str) -> bool:
+    """Whether ``uri`` is a SQLite consensus URI whose database file does not exist."""
+    if not uri.lower().startswith("sqlite://"):
+        return False
+    from persist_pipeline.consensus.sql import parse_uri
+
+    _, url = parse_uri(uri)
+    return url.database is not None and not Path(url.database).exists()
+
+
 # --- loading -------------------------------------------------------------------------------
 
 _SECTIONS = frozenset(name for name, f in PipelineFile.model_fields.items()
@@ -673,11 +724,21 @@ def _resolve_names(file: Path, shards: tuple[ShardConfig, ...], location: Locati
             if found is None:
                 raise InvalidConfig(
                     f"{file}: shards.{s.name}.shard_id: {s.registered_name!r} is not a shard "
-                    "id, and no shard is registered under that name (register one with "
+                    "id, and no shard is registered under that name (as an id: "
+                    f"{_not_an_id(s.registered_name)}; as a name, register one with "
                     f"`persist-pipeline new-shard --name {s.registered_name}`)")
             s = s.model_copy(update={"shard_id": found})
         out.append(s)
     return tuple(out)
+
+
+def _not_an_id(text: str) -> str:
+    """Why ``text`` does not parse as a shard id."""
+    try:
+        ShardId.parse(text)
+    except InvalidShardId as e:
+        return str(e)
+    return "it is one"
 
 
 def _location_names(location: LocationConfig, env: Mapping[str, str]) -> NameSource:
@@ -685,6 +746,9 @@ def _location_names(location: LocationConfig, env: Mapping[str, str]) -> NameSou
 
     def read() -> Mapping[str, ShardId]:
         uri = expand_env(location.consensus_uri, env, what="location.consensus_uri").strip()
+        if _missing_sqlite_file(uri):
+            # No store yet, so no name is registered; loading creates no database.
+            return {}
         # Only the name registry is read: no blob store is needed, so none is probed.
         with PersistClient.open(uri, "mem://", env={}, probe=False) as client:
             return client.shard_names()

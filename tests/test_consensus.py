@@ -531,6 +531,20 @@ def test_postgres_uri_port_out_of_range_is_refused_before_connecting() -> None:
         open_consensus("postgresql://u:hunter2secret@127.0.0.1:70000/db")
 
 
+def test_check_consensus_uri_refuses_what_open_would_and_opens_nothing(tmp_path: Path
+                                                                       ) -> None:
+    from persist_pipeline.consensus import check_consensus_uri
+
+    check_consensus_uri(f"sqlite:///{tmp_path / 'c.db'}")
+    check_consensus_uri("postgresql://u:pw@127.0.0.1:1/db?connect_timeout=5")  # no connect
+    check_consensus_uri("mem://x")
+    assert list(tmp_path.iterdir()) == []
+    for bad in ("sqllite:///x.db", "sqlite://", f"sqlite:///{tmp_path / 'c.db'}?mode=ro",
+                "postgresql://u@h/db?connect_timeout=abc", "mem://x?a=1", "nope"):
+        with pytest.raises(InvalidUri):
+            check_consensus_uri(bad)
+
+
 def test_mem_uri_refuses_query_parameters() -> None:
     with pytest.raises(InvalidUri, match="query"):
         open_consensus("mem://shared?mode=ro")

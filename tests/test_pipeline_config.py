@@ -278,3 +278,50 @@ def test_a_two_slash_file_uri_is_refused_before_any_folder_is_made(tmp_path: Pat
         resource.close()
     assert not any(name in m for m in made), made
     assert not Path("/" + name).exists()
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("gc: {schedule: '99 99 * * *'}\n" + MINIMAL,
+     "gc.schedule: not a cron expression Dagster can run, got '99 99 * * *'"),
+    ("checks: {schedule: '0 0 31 2 *'}\n" + MINIMAL,
+     "checks.schedule: not a cron expression Dagster can run, got '0 0 31 2 *'"),
+    ("compaction: {schedule: '0 25 * * *'}\n" + MINIMAL,
+     "compaction.schedule: not a cron expression Dagster can run, got '0 25 * * *'"),
+    ("timezone: Mars/Olympus\n" + MINIMAL,
+     "timezone: not a time zone (an IANA name such as Europe/Paris or UTC), got "
+     "'Mars/Olympus'"),
+    ("timezone: ../../etc/passwd\n" + MINIMAL, "timezone: not a time zone"),
+    ("location: {consensus_uri: 'sqllite:///x.db'}\n" + MINIMAL,
+     "location.consensus_uri: unsupported consensus URI scheme 'sqllite'"),
+    ("location: {consensus_uri: 'postgresql://u@h/db?connect_timeout=abc'}\n" + MINIMAL,
+     "location.consensus_uri: postgresql consensus URI: parameter 'connect_timeout' must "
+     "be an integer"),
+    ("location: {blob_uri: blobs}\n" + MINIMAL,
+     "location.blob_uri: unsupported blob URI 'blobs'"),
+    ("location: {wal_blob_uri: 'ftp://x'}\n" + MINIMAL,
+     "location.wal_blob_uri: unsupported blob URI"),
+])
+def test_schedules_time_zones_and_literal_uris_are_checked_at_load(
+        tmp_path: Path, text: str, expected: str) -> None:
+    """What Dagster or the client would refuse only later is refused when the file loads,
+    naming the file and the key."""
+    assert expected in _error(tmp_path, text)
+
+
+def test_valid_schedules_time_zones_and_uris_load(tmp_path: Path) -> None:
+    text = ("gc: {schedule: '0 0 * * MON-FRI'}\ntimezone: America/New_York\n"
+            "location:\n  consensus_uri: postgresql://u:${PW}@h/db?connect_timeout=5\n"
+            "  blob_uri: s3://bucket/prefix\n  wal_blob_uri: 'file:///tmp/wal'\n" + MINIMAL)
+    config = load_pipeline_config(_write(tmp_path, text), env={})
+    assert (config.gc_schedule, config.timezone) == ("0 0 * * MON-FRI", "America/New_York")
+
+
+def test_a_shard_id_that_is_no_id_nor_registered_name_says_so(tmp_path: Path) -> None:
+    # The location's SQLite store does not exist yet: no name is registered, which is
+    # said plainly (with why the text is not an id), and no database is created.
+    message = _error(tmp_path, "shards:\n  a:\n    shard_id: s123\n"
+                               "    source: {kind: synthetic}\n")
+    assert message.startswith("shards.a.shard_id: 's123' is not a shard id, and no shard "
+                              "is registered under that name"), message
+    assert "as an id: malformed shard id 's123'" in message
+    assert not (tmp_path / ".persist").exists()

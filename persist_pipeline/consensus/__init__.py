@@ -19,6 +19,7 @@ __all__ = [
     "MemoryConsensus",
     "SqlConsensus",
     "VersionedData",
+    "check_consensus_uri",
     "open_consensus",
 ]
 
@@ -51,6 +52,27 @@ def open_consensus(uri: str) -> Consensus:
         ConsensusUnavailable: the database could not be reached.
         ConsensusError: the database could not be opened for another reason.
     """
+    scheme, rest = _checked(uri)
+    if scheme == "mem":
+        return MemoryConsensus(rest or None)
+    from persist_pipeline.consensus.sql import SqlConsensus
+
+    return SqlConsensus(uri.strip())
+
+
+def check_consensus_uri(uri: str) -> None:
+    """Raise what :func:`open_consensus` would for a malformed ``uri`` (:class:`InvalidUri`),
+    opening and creating nothing (no database file, no connection)."""
+    scheme, _ = _checked(uri)
+    if scheme != "mem":
+        from persist_pipeline.consensus.sql import parse_uri
+
+        parse_uri(uri.strip())
+
+
+def _checked(uri: str) -> tuple[str, str]:
+    """``(scheme, rest)`` of a consensus URI whose scheme is supported; the checks that
+    need no SQL driver."""
     if not isinstance(uri, str):
         raise InvalidUri(
             f"consensus URI must be a str, got {type(uri).__name__}; supported: {_EXAMPLES}"
@@ -66,14 +88,12 @@ def open_consensus(uri: str) -> Consensus:
         if "?" in rest:
             # As for mem:// blob URIs: a parameter would be silently part of the name.
             raise InvalidUri("a mem:// consensus URI takes no query parameters")
-        return MemoryConsensus(rest or None)
+        return scheme, rest
     if scheme not in _SQL_SCHEMES:
         raise InvalidUri(f"unsupported consensus URI scheme {scheme!r}; supported: {_EXAMPLES}")
     if _SQL_SCHEMES[scheme] != "sqlite":
         check_userinfo(scheme, rest)
-    from persist_pipeline.consensus.sql import SqlConsensus
-
-    return SqlConsensus(uri.strip())
+    return scheme, rest
 
 
 def check_userinfo(scheme: str, rest: str) -> None:
