@@ -383,14 +383,17 @@ class RouteConfig(RouteSpec):
 
 
 class LocationConfig(_Section):
-    """The persist location; each URI keeps its ``${...}`` until run time."""
+    """The persist location; each URI keeps its ``${...}`` until run time. The defaults
+    read the PERSIST_* variables the client reads, also in a file without ``location:``.
+    """
 
     consensus_uri: Annotated[RunTime, AfterValidator(_literal_uri(check_consensus_uri))] = \
-        "sqlite:///{data_dir}/consensus.db"
+        "${PERSIST_CONSENSUS_URI:-sqlite:///{data_dir}/consensus.db}"
     blob_uri: Annotated[RunTime, AfterValidator(_literal_uri(check_blob_uri))] = \
-        "file://{data_dir}/blobs"
+        "${PERSIST_BLOB_URI:-file://{data_dir}/blobs}"
     wal_blob_uri: Annotated[RunTime, BeforeValidator(_optional_text),
-                            AfterValidator(_literal_uri(check_blob_uri))] = ""
+                            AfterValidator(_literal_uri(check_blob_uri))] = \
+        "${PERSIST_WAL_BLOB_URI:-}"
 
 
 class InlinePolicyConfig(_Section):
@@ -431,7 +434,8 @@ class ChecksConfig(ScheduleConfig):
 
 
 class AlertsConfig(_Section):
-    webhook_url: Annotated[RunTime, BeforeValidator(_optional_text)] = ""
+    webhook_url: Annotated[RunTime, BeforeValidator(_optional_text)] = \
+        "${PERSIST_ALERT_WEBHOOK_URL:-}"
     sensor_interval_s: Positive = 60
     over_limit_for_s: Count = 900
     backlog_threshold: Count = 16
@@ -457,7 +461,8 @@ class PipelineFile(_Section):
     """The whole file, as written (before shard names are resolved)."""
 
     version: Literal[1] = 1
-    data_dir: str = ".persist/pipeline"  # read first by _data_dir: the others use it
+    # Read first by _data_dir: the others use it.
+    data_dir: str = "${PERSIST_PIPELINE_DATA_DIR:-.persist/pipeline}"
     location: LocationConfig = LocationConfig()
     inline_policy: InlinePolicyConfig = InlinePolicyConfig()
     spark: SparkConfig = SparkConfig()

@@ -19,14 +19,17 @@ from assets.pipeline_config import (
     FileSource,
     GcConfig,
     InlinePolicyConfig,
+    LocationConfig,
     PipelineFile,
     ShardSpec,
+    SparkConfig,
     SyntheticSource,
     is_landed,
     load_pipeline_config,
     shard_id_for,
 )
 from persist_pipeline.exceptions import InvalidConfig, PersistError
+from resources.env import expand_env
 
 MINIMAL = "shards:\n  a:\n    source: {kind: synthetic}\n"
 
@@ -57,13 +60,39 @@ def test_a_minimal_file_gets_the_models_defaults(tmp_path: Path) -> None:
     assert config.automation_running and config.timezone == "UTC"
     data_dir = tmp_path / ".persist" / "pipeline"
     assert config.data_dir == data_dir
-    # Defaults are validated like written values: {data_dir} and ${VAR:-...} expanded.
-    assert config.location.consensus_uri == f"sqlite:///{data_dir}/consensus.db"
-    assert config.location.blob_uri == f"file://{data_dir}/blobs"
+    # Defaults are validated like written values: {data_dir} and ${VAR:-...} expanded
+    # (the location's when a run opens it: its templates are kept until then).
+    assert expand_env(config.location.consensus_uri, {}) == \
+        f"sqlite:///{data_dir}/consensus.db"
+    assert expand_env(config.location.blob_uri, {}) == f"file://{data_dir}/blobs"
+    assert expand_env(config.location.wal_blob_uri, {}) == ""
+    assert expand_env(config.alerts.webhook_url, {}) == ""
     assert config.spark.master == "local[*]"
     shard = config.shard("a")
     assert shard.source == SyntheticSource()
     assert shard.shard_id == shard_id_for("a") and shard.freshness_max_age_s == 3600
+
+
+def test_a_file_without_location_reads_the_documented_variables(tmp_path: Path) -> None:
+    """The PERSIST_* variables docs/pipeline.md gives as defaults are the models' own
+    defaults, not only the shipped file's templates: a file that leaves the keys out
+    reads them (the location's and the webhook's when a run expands them)."""
+    env = {"PERSIST_PIPELINE_DATA_DIR": str(tmp_path / "elsewhere"),
+           "PERSIST_CONSENSUS_URI": "postgresql://app@db/persist",
+           "PERSIST_BLOB_URI": "s3://bucket/blobs",
+           "PERSIST_WAL_BLOB_URI": "file:///fast/wal",
+           "PERSIST_ALERT_WEBHOOK_URL": "https://hooks.example/T0"}
+    config = load_pipeline_config(_write(tmp_path, MINIMAL), env=env)
+    assert config.data_dir == tmp_path / "elsewhere"
+    location = config.location
+    assert [expand_env(u, env) for u in (location.consensus_uri, location.blob_uri,
+                                         location.wal_blob_uri)] == [
+        "postgresql://app@db/persist", "s3://bucket/blobs", "file:///fast/wal"]
+    assert expand_env(config.alerts.webhook_url, env) == "https://hooks.example/T0"
+    assert "hooks.example" not in config.alerts.webhook_url  # a template until run time
+    unset = load_pipeline_config(_write(tmp_path, MINIMAL), env={})
+    assert expand_env(unset.location.consensus_uri, {}) == \
+        f"sqlite:///{tmp_path / '.persist' / 'pipeline'}/consensus.db"
 
 
 def test_a_defaults_template_reads_the_environment(tmp_path: Path) -> None:
@@ -200,7 +229,6 @@ def test_the_documented_defaults_are_the_models() -> None:
         "alerts.backlog_threshold": str(alerts.backlog_threshold),
         "alerts.sensor_interval_s": str(alerts.sensor_interval_s),
         "timezone": "UTC",
-        "data_dir": ".persist/pipeline",
         "shards.NAME.freshness_max_age_s": str(ShardSpec.model_fields[
             "freshness_max_age_s"].default),
     }
@@ -210,7 +238,25 @@ def test_the_documented_defaults_are_the_models() -> None:
     assert GcConfig().schedule == expected["gc.schedule"]
     assert ChecksConfig().schedule == expected["checks.schedule"]
     assert PipelineFile.model_fields["timezone"].default == expected["timezone"]
-    assert PipelineFile.model_fields["data_dir"].default == expected["data_dir"]
+    # A key documented as "(`VAR`, else X)" defaults to the template ${VAR:-X} (X
+    # "none": empty), so a file that leaves the key out reads VAR as the docs say.
+    data_dir = PipelineFile.model_fields["data_dir"].default
+    location = LocationConfig.model_fields
+    from_env = {
+        "data_dir": ("PERSIST_PIPELINE_DATA_DIR", ".persist/pipeline", data_dir),
+        "location.consensus_uri": ("PERSIST_CONSENSUS_URI", "sqlite:///{data_dir}/consensus.db",
+                                   location["consensus_uri"].default),
+        "location.blob_uri": ("PERSIST_BLOB_URI", "file://{data_dir}/blobs",
+                              location["blob_uri"].default),
+        "location.wal_blob_uri": ("PERSIST_WAL_BLOB_URI", "", location["wal_blob_uri"].default),
+        "alerts.webhook_url": ("PERSIST_ALERT_WEBHOOK_URL", "",
+                               AlertsConfig.model_fields["webhook_url"].default),
+        "spark.master": ("SPARK_MASTER", "local[*]", SparkConfig.model_fields["master"].default),
+    }
+    for key, (var, fallback, model_default) in from_env.items():
+        assert model_default == f"${{{var}:-{fallback}}}", key
+        documented = f"(`{var}`, else `{fallback}`)" if fallback else f"(`{var}`, else none)"
+        assert documented in rows[key], (key, rows[key])
 
 
 ROUTES = ("routes:\n  commerce:\n    column: table\n"
