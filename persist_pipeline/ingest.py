@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -219,6 +220,94 @@ def read_updates_file(path: Path | str, fmt: str | None = None, *,
         raise InvalidUpdates(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
+def _first_bad_csv_row(path: Path, types: dict[str, pa.DataType]) -> str | None:
+    """Where a typed CSV read failed: ``"N: what"`` for the first row whose field count
+    differs from the header's or whose cell does not convert to its column's type, or
+    None if neither is found. Cells are converted by Arrow's cast of the text read
+    with the same options, so the same cells are null."""
+    import pyarrow.csv as pacsv
+
+    texts = {name: pa.string() for name in types}
+    try:
+        try:
+            text = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
+                column_types=texts, strings_can_be_null=True))
+        except pa.ArrowInvalid:
+            return _ragged_csv_row(path)
+        return _first_bad_cell(path, text, types)
+    except (UnicodeDecodeError, csv.Error, OSError):
+        return None  # Arrow's own message, then
+
+
+def _first_bad_cell(path: Path, text: pa.Table, types: dict[str, pa.DataType]
+                    ) -> str | None:
+    first: tuple[int, str, str] | None = None  # (row, column, value)
+    for name in text.column_names:
+        if name not in types:
+            continue
+        column = text.column(name)
+        row = _first_uncastable(column, types[name])
+        if row is not None and (first is None or row < first[0]):
+            first = (row, name, column[row].as_py())
+    if first is None:
+        return None
+    row, name, value = first
+    line = _csv_line_of_row(path, row)
+    if line is None:
+        return None
+    return f"{line}: column {name} must be {types[name]}, got {value[:40]!r}"
+
+
+def _first_uncastable(column: pa.ChunkedArray, type_: pa.DataType) -> int | None:
+    """The index of the first value of ``column`` that does not cast to ``type_``: a
+    binary search over prefixes, each cast vectorized."""
+
+    def casts(length: int) -> bool:
+        try:
+            column.slice(0, length).cast(type_, safe=True)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+            return False
+        return True
+
+    if casts(len(column)) or not casts(0):  # no bad value, or no cast to search with
+        return None
+    lo, hi = 0, len(column)  # casts(lo), not casts(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if casts(mid):
+            lo = mid
+        else:
+            hi = mid
+    return hi - 1
+
+
+def _csv_records(path: Path) -> Iterator[tuple[int, list[str]]]:
+    """``(line, fields)`` of each non-blank record, the header first (Arrow skips blank
+    lines too); ``line`` is where the record ends, as ``csv.reader`` counts."""
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        for record in reader:
+            if record:
+                yield reader.line_num, record
+
+
+def _csv_line_of_row(path: Path, row: int) -> int | None:
+    for index, (line, _) in enumerate(_csv_records(path)):
+        if index == row + 1:
+            return line
+    return None
+
+
+def _ragged_csv_row(path: Path) -> str | None:
+    width: int | None = None
+    for line, record in _csv_records(path):
+        if width is None:
+            width = len(record)
+        elif len(record) != width:
+            return f"{line}: {len(record)} fields, the header has {width}"
+    return None
+
+
 def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = None) -> pa.Table:
     """Read a file of a typed shard's rows (its key and value columns, ``t``, optional
     ``d``), parsed to the schema's types; raises :class:`InvalidUpdates`.
@@ -251,6 +340,12 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
         else:
             table = pq.read_table(path)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, OSError) as e:
+        # Arrow's CSV message names no line: a second pass (on the error path only)
+        # finds the first bad row, so the error names its line as for untyped files.
+        located = (_first_bad_csv_row(path, types)
+                   if kind == "csv" and isinstance(e, pa.ArrowInvalid) else None)
+        if located is not None:
+            raise InvalidUpdates(f"{path}: line {located}") from None
         raise InvalidUpdates(f"{path}: cannot read it as rows of {schema!r}: {e}") from None
     if "t" not in table.column_names:
         raise InvalidUpdates(f"{path}: a typed file needs a t column (each row's time) "

@@ -93,3 +93,27 @@ def test_a_folder_or_a_missing_file_is_named_for_what_it_is(tmp_path: Path,
             read(folder)
         with pytest.raises(InvalidUpdates, match=r"nosuch.*: no such file"):
             read(tmp_path / f"nosuch{suffix}")
+
+
+def test_a_bad_typed_csv_row_is_reported_with_its_line(tmp_path: Path) -> None:
+    """A typed CSV cell that does not convert names the file, the line (counting blank
+    lines and quoted line breaks as the file's own lines), the column and the value."""
+    from persist_pipeline.schema import ShardSchema
+
+    schema = ShardSchema([("id", pa.int64())], [("name", pa.string())])
+    bad = tmp_path / "typedbad.csv"
+    bad.write_text('id,name,t\n1,a,0\n\n2,"b\nc",0\n3,d,1\nx,e,0\n')
+    with pytest.raises(InvalidUpdates) as info:
+        read_typed_file(bad, schema)
+    message = str(info.value)
+    assert message.startswith(f"{bad}: line 7: column id"), message
+    assert "'x'" in message and "int64" in message
+    late = tmp_path / "late_t.csv"
+    late.write_text("id,name,t\n" + "".join(f"{i},n,0\n" for i in range(3000)) + "5,n,soon\n")
+    with pytest.raises(InvalidUpdates, match=r"late_t\.csv: line 3002: column t .*'soon'"):
+        read_typed_file(late, schema)
+    ragged = tmp_path / "ragged.csv"
+    ragged.write_text("id,name,t\n1,a,0\n2,b,0,9\n")
+    with pytest.raises(InvalidUpdates, match=r"ragged\.csv: line 3: 4 fields, the header "
+                                             r"has 3"):
+        read_typed_file(ragged, schema)
