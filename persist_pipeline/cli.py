@@ -382,19 +382,24 @@ def _append(client: PersistClient, args: argparse.Namespace) -> None:
                                 f"it")
         # A shard created here is untyped: a bad file is refused before the name or the
         # shard is written.
-        untyped = read_updates_file(args.file, args.format)
+        untyped = _read_untyped(args)
         if shard is None:
             shard = client.resolve(args.shard, create=True)
     with client.open_writer(shard, debug="cli") as writer:
         if writer.schema is not None:
             updates = read_typed_file(args.file, writer.schema, args.format)
         else:
-            updates = untyped if untyped is not None else read_updates_file(args.file,
-                                                                              args.format)
+            updates = untyped if untyped is not None else _read_untyped(args)
         expected, new_upper = _append_bounds(writer, updates, args)
         res = writer.compare_and_append(updates, expected, new_upper)
     _print_json({"placement": res.placement, "encoded_bytes": res.encoded_bytes,
                  "seqno": res.seqno, "upper": res.upper, "updates": res.num_updates})
+
+
+def _read_untyped(args: argparse.Namespace) -> pa.Table:
+    # A column besides k, v, t, d is refused, not dropped: compare_and_append refuses
+    # a table with one, and a typed append refuses columns outside the schema.
+    return read_updates_file(args.file, args.format, extra_columns=False)
 
 
 def _new_shard(args: argparse.Namespace) -> int:

@@ -1,8 +1,11 @@
 """Reading updates from files: Parquet, CSV and JSON Lines.
 
-Every format carries columns ``k``, ``v``, ``t`` and optionally ``d`` (default 1). In
-CSV and JSONL, ``k`` and ``v`` are text (stored as UTF-8 bytes) and ``t``/``d`` integers;
-in Parquet, ``k``/``v`` may be binary or string. A file whose rows go to several shards
+Every format carries columns ``k``, ``v``, ``t`` and optionally ``d`` (default 1); other
+columns are ignored, or refused by name with ``extra_columns=False`` (as
+``compare_and_append`` refuses a table's, and as the CLI's ``append`` does). In
+CSV and JSONL, ``k`` and ``v`` are text (stored as UTF-8 bytes, a leading byte order mark
+skipped) and ``t``/``d`` integers (in JSONL, JSON numbers, not text); in Parquet,
+``k``/``v`` may be binary or string. A file whose rows go to several shards
 also carries a *route column* (text, named by the caller) saying each row's shard; it is
 returned as a fifth column. Errors name the file and line (or row) and nothing is
 returned for a file with any bad row.
@@ -58,9 +61,14 @@ def _check_file(path: Path) -> None:
         raise InvalidUpdates(f"{path}: {problem}")
 
 
-def _int(value: Any, name: str, where: str, lo: int, hi: int) -> int:
+def _int(value: Any, name: str, where: str, lo: int, hi: int, text: bool = True) -> int:
+    """``value`` as an integer in ``[lo, hi]``; ``text``: it may be written as text (a CSV
+    cell), else it must be an integer already (a JSON number)."""
     if isinstance(value, bool):
         raise InvalidUpdates(f"{where}: column {name} must be an integer, got {value!r}")
+    if isinstance(value, str) and not text:
+        raise InvalidUpdates(f"{where}: column {name} must be an integer (a JSON number, "
+                             f"not text), got {value[:40]!r}")
     if isinstance(value, str):
         try:
             value = int(value.strip())
@@ -83,15 +91,19 @@ def _text(value: Any, name: str, where: str) -> bytes:
 Row = tuple[bytes, bytes, int, int] | tuple[bytes, bytes, int, int, str]
 
 
-def _row(record: dict[str, Any], where: str, route: str | None = None) -> Row:
+def _row(record: dict[str, Any], where: str, route: str | None = None,
+         from_json: bool = False) -> Row:
+    """One update of a CSV record (every cell text) or, with ``from_json``, of a JSON object
+    (``t`` and ``d`` must be JSON integers; ``d`` may be null or absent)."""
     required = ("k", "v", "t") if route is None else ("k", "v", "t", route)
     missing = [c for c in required if c not in record or record[c] is None]
     if missing:
         raise InvalidUpdates(f"{where}: missing column(s) {', '.join(missing)}")
     d = record.get("d", 1)
+    d = 1 if d is None or (d == "" and not from_json) else d
     row = (_text(record["k"], "k", where), _text(record["v"], "v", where),
-           _int(record["t"], "t", where, 0, MAX_TIME),
-           _int(1 if d in (None, "") else d, "d", where, *_DIFF_RANGE))
+           _int(record["t"], "t", where, 0, MAX_TIME, text=not from_json),
+           _int(d, "d", where, *_DIFF_RANGE, text=not from_json))
     if route is None:
         return row
     value = record[route]
@@ -124,15 +136,30 @@ def _needed(route: str | None) -> str:
     return "k, v, t" + (f", {route}" if route else "")
 
 
-def read_csv(path: Path, route: str | None = None) -> pa.Table:
+def _check_no_extra(columns: Any, where: str, route: str | None, extra_ok: bool) -> None:
+    """Unless ``extra_ok``, refuse columns besides k, v, t, d (and the route column): as
+    compare_and_append refuses a table with extra columns, a file's are refused rather
+    than dropped."""
+    if extra_ok:
+        return
+    allowed = set(SCHEMA.names) | ({route} if route else set())
+    extra = [str(c) for c in columns if c not in allowed]
+    if extra:
+        raise InvalidUpdates(f"{where}: unexpected column(s) {', '.join(extra)}: an update "
+                             f"file has columns {_needed(route)} and optionally d")
+
+
+def read_csv(path: Path, route: str | None = None, extra_ok: bool = True) -> pa.Table:
     rows = []
-    with path.open(newline="", encoding="utf-8") as f:
+    # utf-8-sig: a byte order mark (Excel writes one) is not part of the first name.
+    with path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
         needed = {"k", "v", "t"} | ({route} if route else set())
         if reader.fieldnames is None or not needed <= set(reader.fieldnames):
             raise InvalidUpdates(f"{path}: line 1: the header must name columns "
                                  f"{_needed(route)} (and optionally d); got "
                                  f"{reader.fieldnames}")
+        _check_no_extra(reader.fieldnames, f"{path}: line 1", route, extra_ok)
         for record in reader:
             where = f"{path}: line {reader.line_num}"
             if None in record:
@@ -143,9 +170,9 @@ def read_csv(path: Path, route: str | None = None) -> pa.Table:
     return _table(rows, route)
 
 
-def read_jsonl(path: Path, route: str | None = None) -> pa.Table:
+def read_jsonl(path: Path, route: str | None = None, extra_ok: bool = True) -> pa.Table:
     rows = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -156,11 +183,12 @@ def read_jsonl(path: Path, route: str | None = None) -> pa.Table:
                 raise InvalidUpdates(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(record, dict):
                 raise InvalidUpdates(f"{where}: each line must be a JSON object")
-            rows.append(_row(record, where, route))
+            _check_no_extra(record, where, route, extra_ok)
+            rows.append(_row(record, where, route, from_json=True))
     return _table(rows, route)
 
 
-def read_parquet(path: Path, route: str | None = None) -> pa.Table:
+def read_parquet(path: Path, route: str | None = None, extra_ok: bool = True) -> pa.Table:
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
@@ -168,6 +196,7 @@ def read_parquet(path: Path, route: str | None = None) -> pa.Table:
     if not {"k", "v", "t"} | ({route} if route else set()) <= set(table.column_names):
         raise InvalidUpdates(f"{path}: needs columns {_needed(route)} (and optionally d); "
                              f"got {table.column_names}")
+    _check_no_extra(table.column_names, str(path), route, extra_ok)
     if "d" not in table.column_names:
         table = table.append_column("d", pa.array([1] * table.num_rows, pa.int64()))
     arrays = []
@@ -195,15 +224,18 @@ def read_parquet(path: Path, route: str | None = None) -> pa.Table:
 
 
 def read_updates_file(path: Path | str, fmt: str | None = None, *,
-                      route: str | None = None) -> pa.Table:
+                      route: str | None = None, extra_columns: bool = True) -> pa.Table:
     """Read a file of updates into a k/v/t/d table; raises :class:`InvalidUpdates`.
 
     Args:
         route: the route column: each row's shard (non-empty text), returned as a fifth
             column of that name.
+        extra_columns: False: a column besides k, v, t, d (and ``route``) is refused,
+            named in the message; True: such columns are ignored.
 
     Raises:
-        InvalidUpdates: no such file, or a bad row (the message names file and line).
+        InvalidUpdates: no such file, a bad row (the message names file and line), or an
+            extra column with ``extra_columns=False``.
         InvalidInput: ``route`` is one of k, v, t, d.
     """
     _check_route_column(route)
@@ -212,10 +244,10 @@ def read_updates_file(path: Path | str, fmt: str | None = None, *,
     _check_file(path)
     try:
         if kind == "csv":
-            return read_csv(path, route)
+            return read_csv(path, route, extra_columns)
         if kind == "jsonl":
-            return read_jsonl(path, route)
-        return read_parquet(path, route)
+            return read_jsonl(path, route, extra_columns)
+        return read_parquet(path, route, extra_columns)
     except UnicodeDecodeError as e:
         raise InvalidUpdates(f"{path}: not UTF-8 text (byte {e.start})") from None
 

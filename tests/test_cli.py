@@ -250,3 +250,16 @@ def test_snapshot_out_that_cannot_be_written_is_bad_input_naming_it(env, tmp_pat
     assert "invalid input" in out.stderr and str(tmp_path / target) in out.stderr
     assert ".partial" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_append_takes_an_excel_csv_and_refuses_extra_columns(env, tmp_path):
+    shard = cli(env, "new-shard").stdout.strip()
+    excel = tmp_path / "excel.csv"
+    excel.write_bytes("k,v,t\r\nalice,signup,0\r\n".encode("utf-8-sig"))
+    out = cli(env, "append", shard, str(excel))
+    assert out.returncode == 0, out.stderr
+    extra = tmp_path / "extra.csv"
+    extra.write_text("k,v,t,amount\nbob,signup,1,3\n")
+    out = cli(env, "append", shard, str(extra))
+    assert out.returncode == 2 and "amount" in out.stderr
+    assert json.loads(cli(env, "inspect", shard).stdout)["upper"] == 1  # nothing written

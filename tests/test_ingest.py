@@ -117,3 +117,55 @@ def test_a_bad_typed_csv_row_is_reported_with_its_line(tmp_path: Path) -> None:
     with pytest.raises(InvalidUpdates, match=r"ragged\.csv: line 3: 4 fields, the header "
                                              r"has 3"):
         read_typed_file(ragged, schema)
+
+
+def test_a_csv_with_a_byte_order_mark_reads_like_one_without(tmp_path: Path) -> None:
+    """Excel writes UTF-8 CSV with a BOM: the header's first name is k, not '\\ufeffk'."""
+    path = tmp_path / "excel.csv"
+    path.write_bytes("k,v,t\nalice,signup,0\n".encode("utf-8-sig"))
+    table = read_updates_file(path)
+    assert table.to_pylist() == [{"k": b"alice", "v": b"signup", "t": 0, "d": 1}]
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes('{"k": "a", "v": "b", "t": 1}\n'.encode("utf-8-sig"))
+    assert read_updates_file(jsonl).column("t").to_pylist() == [1]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_a_column_besides_k_v_t_d_is_refused_by_name(tmp_path: Path, suffix: str) -> None:
+    """With extra_columns=False (the CLI's append), as compare_and_append refuses a table
+    with extra columns, a file's extra column is refused, not dropped; a route column,
+    when there is one, is expected."""
+    rows = [{"k": "a", "v": "1", "t": 0, "d": 1, "note": "x", "amount": 3}]
+    path = tmp_path / f"extra{suffix}"
+    if suffix == ".csv":
+        path.write_text("k,v,t,d,note,amount\na,1,0,1,x,3\n")
+    elif suffix == ".jsonl":
+        path.write_text('{"k": "a", "v": "1", "t": 0}\n' + json.dumps(rows[0]) + "\n")
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    with pytest.raises(InvalidUpdates, match=r"extra.*: .*column\(s\) note, amount") as info:
+        read_updates_file(path, extra_columns=False)
+    if suffix == ".jsonl":
+        assert "line 2" in str(info.value)
+    assert read_updates_file(path).column_names == ["k", "v", "t", "d"]  # the default
+    routed = _write(tmp_path / f"routed{suffix}", ROWS)
+    assert read_updates_file(routed, route="table", extra_columns=False).num_rows == 2
+    with pytest.raises(InvalidUpdates, match="table"):
+        read_updates_file(routed, extra_columns=False)  # a route column, none expected
+
+
+@pytest.mark.parametrize(("line", "column"), [
+    ('{"k": "a", "v": "b", "t": "21"}', "t"),
+    ('{"k": "a", "v": "b", "t": 1, "d": "-1"}', "d"),
+    ('{"k": "a", "v": "b", "t": 1, "d": ""}', "d"),
+    ('{"k": "a", "v": "b", "t": 2.0}', "t"),
+])
+def test_jsonl_times_and_diffs_are_json_integers(tmp_path: Path, line: str,
+                                                 column: str) -> None:
+    """A JSON Lines t or d must be a JSON integer: text is refused, as CSV refuses a
+    cell that is not an integer, naming the line."""
+    path = tmp_path / "u.jsonl"
+    path.write_text('{"k": "a", "v": "b", "t": 0}\n' + line + "\n")
+    with pytest.raises(InvalidUpdates, match=rf"u\.jsonl: line 2: column {column} must be "
+                                             r"an integer"):
+        read_updates_file(path)
