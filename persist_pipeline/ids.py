@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from persist_pipeline.exceptions import InvalidShardId
+from persist_pipeline.exceptions import InvalidInput, InvalidShardId
 
 #: The namespace of the ids :meth:`ShardId.for_pipeline_name` derives.
 PIPELINE_SHARD_NAMESPACE = uuid.UUID("6f1d3c52-2b4e-4d0a-9a51-7d0c8e2f4b11")
@@ -108,6 +109,28 @@ def new_token() -> str:
         return random_uuid().hex
     bits = int.from_bytes(os.urandom(16), "big") & _UUID4_CLEAR | _UUID4_SET
     return f"{bits:032x}"
+
+
+#: What an idempotency token may be: it names a batch in the state and a blob folder
+#: (``<shard>/p/b<token>/``), so it must be a single path segment that the state codec
+#: stores as text and every blob store accepts as a key.
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def check_token(token: object) -> str:
+    """``token`` if it is a valid idempotency token, else :class:`InvalidInput`.
+
+    A token is 1 to 128 characters of ``A-Z a-z 0-9 _ -`` (:func:`new_token` makes
+    one). An empty token is refused rather than read as "no token": a retry that
+    silently took a fresh token would lose its exactly-once protection."""
+    if not isinstance(token, str):
+        raise InvalidInput(f"idempotency_token must be a str of 1-128 characters "
+                           f"[A-Za-z0-9_-] (e.g. new_token()), got {type(token).__name__}")
+    if _TOKEN.fullmatch(token) is None:
+        shown = token if len(token) <= 40 else f"{token[:40]}... ({len(token)} chars)"
+        raise InvalidInput(f"idempotency_token must be 1-128 characters [A-Za-z0-9_-] "
+                           f"(e.g. new_token()), got {shown!r}")
+    return token
 
 
 def batch_id(token: str) -> str:

@@ -33,7 +33,7 @@ from persist_pipeline.exceptions import (
     UpperMismatch,
 )
 from persist_pipeline.frontier import Frontier, check_frontier, less_than
-from persist_pipeline.ids import ShardId, new_token
+from persist_pipeline.ids import ShardId, check_token, new_token
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.machine import Step, apply_many
 from persist_pipeline.updates import Updates
@@ -122,13 +122,17 @@ class Transaction:
         of :meth:`WriteHandle.compare_and_append`; bad input raises here and leaves the
         transaction as it was. ``idempotency_token`` names the shard's batch, so a
         process that recorded it before committing can ask
-        :meth:`WriteHandle.committed` afterwards (default: a fresh token).
+        :meth:`WriteHandle.committed` afterwards (default: a fresh token); it is 1-128
+        characters ``[A-Za-z0-9_-]``.
 
         Raises:
             InvalidInput: the shard is already in this transaction, the handle belongs
-                to another client, or the transaction has finished.
+                to another client, the transaction has finished, or the
+                ``idempotency_token`` is malformed.
             InvalidUpdates / InvalidFrontier / SchemaMismatch: bad updates or uppers.
         """
+        if idempotency_token is not None:
+            check_token(idempotency_token)
         expected = check_frontier(expected_upper, "expected_upper")
         if expected is None:
             raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
@@ -184,7 +188,8 @@ class Transaction:
         handle = self._handle(shard, shard_id)
         data = handle._coerce(updates)
         check_times(data, expected, upper)
-        self._ops[shard_id] = _Op(handle, data, expected, upper, lower, token or new_token(),
+        self._ops[shard_id] = _Op(handle, data, expected, upper, lower,
+                                  new_token() if token is None else token,
                                   given_token=token is not None)
 
     def _require_absent(self, shard_id: str) -> None:

@@ -27,7 +27,7 @@ from persist_pipeline.exceptions import (
 )
 from persist_pipeline.frontier import MAX_TIME, Frontier, check_frontier, less_equal, less_than
 from persist_pipeline.ids import batch_id as batch_id_of
-from persist_pipeline.ids import new_token
+from persist_pipeline.ids import check_token, new_token
 from persist_pipeline.internal import transitions
 from persist_pipeline.internal.blobs import write_parts
 from persist_pipeline.internal.funnel import Funnel
@@ -210,16 +210,21 @@ class WriteHandle:
             idempotency_token: reuse the token of an attempt that ended indeterminate to
                 retry it without any risk of applying it twice. If that attempt had
                 committed, the result has ``already_committed=True`` (and placement
-                ``"none"`` when only state history could tell).
+                ``"none"`` when only state history could tell). A token is 1-128
+                characters ``[A-Za-z0-9_-]`` (``persist_pipeline.ids.new_token()``
+                makes one); None: a fresh token.
 
         Raises:
             UpperMismatch: the shard's upper was not ``expected_upper``; nothing changed.
             InvalidUpdates / InvalidFrontier: bad input; nothing changed.
+            InvalidInput: a malformed ``idempotency_token``; nothing changed.
             Indeterminate: a lost reply (or a retried token) whose outcome cannot be
                 told; the parts are left for GC. Read the shard, or retry with the
                 same ``idempotency_token``.
         """
         self._check_open()
+        if idempotency_token is not None:  # the hot path (no token) pays one test
+            check_token(idempotency_token)
         expected = check_frontier(expected_upper, "expected_upper")
         if expected is None:
             raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
@@ -234,7 +239,7 @@ class WriteHandle:
 
     def _compare_and_append(self, data: Updates, expected: int, upper: Frontier,
                             idempotency_token: str | None, encoding: Encoding) -> WriteResult:
-        token = idempotency_token or new_token()
+        token = new_token() if idempotency_token is None else idempotency_token
         try:
             return self._commit(data, expected, upper, token, encoding)
         except UpperMismatch:
@@ -262,8 +267,14 @@ class WriteHandle:
             True if the shard's state or its kept history holds the write's batch; False
             if it certainly never committed; None if GC truncated the history that would
             tell. A write of no updates leaves no batch: it reads as False.
+
+        Raises:
+            InvalidInput: a malformed ``idempotency_token`` (see
+                :meth:`compare_and_append`). InvalidFrontier: ``expected_upper`` is not
+                a time.
         """
         self._check_open()
+        check_token(idempotency_token)
         expected = check_frontier(expected_upper, "expected_upper")
         if expected is None:
             raise InvalidFrontier("expected_upper must be a time")
@@ -292,8 +303,14 @@ class WriteHandle:
         Raises:
             UpperMismatch / CommitDeadlineExceeded / InvalidUpdates / Indeterminate: as
                 :meth:`compare_and_append`.
+            InvalidInput: a malformed ``idempotency_token``; nothing is committed or
+                deleted (its parts cannot lie in this shard's batch folders).
         """
         self._check_open()
+        # Before the parts' keys are checked against the batch prefix the token names
+        # (and before anything is deleted): a malformed token names no folder of this
+        # shard, so its parts are left to GC's orphan sweep.
+        check_token(idempotency_token)
         expected = check_frontier(expected_upper, "expected_upper")
         upper = check_frontier(new_upper, "new_upper")
         try:

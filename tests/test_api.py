@@ -24,6 +24,7 @@ from persist_pipeline import (
 from persist_pipeline.exceptions import (
     FencedOut,
     InvalidFrontier,
+    InvalidInput,
     InvalidShardId,
     InvalidUpdates,
     LeaseExpired,
@@ -281,6 +282,39 @@ def test_retry_with_the_same_idempotency_token_applies_once(open_client):
     again = writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1, idempotency_token="tok-1")
     assert not first.already_committed and again.already_committed
     assert rows(client.open_reader(shard).snapshot(0), 0) == [(b"a", b"1", 1)]
+
+
+@pytest.mark.parametrize("token", [
+    b"\xbc\x01" * 8,        # uuid4().bytes: not text
+    "",                     # not "no token": a retry would silently lose its protection
+    "t" * 129,              # longer than a blob key segment may be
+    "../../escape",         # a path out of the shard's folder
+    "a/b",                  # nested blob folders
+    "tok en",
+    "tök",
+    7,
+], ids=["bytes", "empty", "too-long", "dotdot", "slash", "space", "non-ascii", "int"])
+def test_a_malformed_idempotency_token_is_refused_and_changes_nothing(open_client, token):
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    before = client.inspect(shard)
+    with pytest.raises(InvalidInput, match="idempotency_token must be"):
+        writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1, idempotency_token=token)
+    with pytest.raises(InvalidInput, match="idempotency_token must be"):
+        writer.committed(token, 0)
+    txn = client.transaction()
+    with pytest.raises(InvalidInput, match="idempotency_token must be"):
+        txn.compare_and_append(writer, [(b"a", b"1", 0, 1)], 0, 1, idempotency_token=token)
+    with pytest.raises(InvalidInput, match="empty transaction"):
+        txn.commit()  # the refused append was not added
+    after = client.inspect(shard)
+    assert (after["seqno"], after["upper"], after["batches"]) == (before["seqno"], 0, 0)
+    # The longest token of every allowed character is accepted.
+    token = ("AZaz09_-" * 16)[:128]
+    assert not writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1,
+                                         idempotency_token=token).already_committed
+    assert writer.committed(token, 0) is True
 
 
 def test_unknown_and_malformed_shards(open_client):
