@@ -32,7 +32,7 @@ from persist_pipeline.internal.machine import Machine, MachineMetrics
 from persist_pipeline.internal.state import HollowPart, InlinePart
 from persist_pipeline.internal.trace import merge_requests
 from persist_pipeline.names import NameRegistry, is_registry_key
-from persist_pipeline.read import CriticalReaderHandle, ReadHandle
+from persist_pipeline.read import CriticalReaderHandle, ReadHandle, check_opaque
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.transaction import Transaction
 from persist_pipeline.write import WriteHandle
@@ -68,6 +68,19 @@ def _probe(blob: Blob, what: str) -> None:
     except BlobError as e:
         raise type(e)(f"the {what} store cannot be used (checked when the client "
                       f"opened): {e}") from None
+
+
+def _check_debug(debug: object) -> None:
+    # Checked before a handle registers: the state codec would fail on a non-str only
+    # when the registration is encoded, with an error that names no argument.
+    if not isinstance(debug, str):
+        raise InvalidInput(f"debug must be a str (shown in inspect), got {type(debug).__name__}")
+
+
+def _check_bool(value: object, what: str) -> None:
+    # A truthy string such as "no" must not create what the caller declined.
+    if not isinstance(value, bool):
+        raise InvalidInput(f"{what} must be True or False, got {type(value).__name__}")
 
 
 def effective_config(config: PersistConfig | None, inline_policy: InlinePolicy | None,
@@ -247,6 +260,7 @@ class PersistClient:
         """
         if schema is not None and not isinstance(schema, ShardSchema):
             raise InvalidInput(f"schema must be a ShardSchema, got {type(schema).__name__}")
+        _check_debug(debug)
         m = self._machine(shard)
         state = m.open(create=True)
         recorded = ShardSchema.from_bytes(state.schema) if state.schema else None
@@ -283,7 +297,10 @@ class PersistClient:
 
         Raises:
             ShardNotFound: the shard does not exist and ``create`` is False.
+            InvalidInput: ``create`` is not a bool or ``debug`` not a str.
         """
+        _check_bool(create, "create")
+        _check_debug(debug)
         m = self._machine(shard)
         m.open(create=create)
         handle = ReadHandle(m, new_reader_id(), debug)
@@ -293,7 +310,26 @@ class PersistClient:
     def open_critical_reader(self, shard: ShardLike, reader_id: str | None = None,
                              opaque: bytes = b"", *, debug: str = "") -> CriticalReaderHandle:
         """A critical reader (no lease; fenced by ``opaque``). Reuse ``reader_id`` across
-        restarts to resume the same hold."""
+        restarts to resume the same hold.
+
+        Args:
+            reader_id: a non-empty str (the ``reader_id`` of a critical reader opened
+                before resumes its hold); None: a fresh id.
+            opaque: the initial fencing token (bytes), kept if the reader exists.
+            debug: shown in ``inspect``.
+
+        Raises:
+            ShardNotFound: the shard does not exist.
+            InvalidInput: an argument of the wrong type or an empty ``reader_id``;
+                nothing is registered.
+        """
+        if reader_id is not None and (not isinstance(reader_id, str) or not reader_id):
+            # An empty id would silently mint a fresh reader on every restart, each
+            # holding since back forever (critical readers never expire).
+            raise InvalidInput(f"reader_id must be a non-empty str (or None for a fresh "
+                               f"id), got {reader_id!r:.80}")
+        check_opaque(opaque, "opaque")
+        _check_debug(debug)
         m = self._existing(shard)
         return CriticalReaderHandle(m, reader_id or new_critical_reader_id(), opaque, debug)
 
@@ -335,7 +371,12 @@ class PersistClient:
         return compact_shard(self._existing(shard))
 
     def gc(self, shard: ShardLike, *, sweep_orphans: bool = True) -> dict[str, Any]:
-        """Delete unreferenced blobs and truncate consensus; returns metrics."""
+        """Delete unreferenced blobs and truncate consensus; returns metrics.
+
+        Raises:
+            InvalidInput: ``sweep_orphans`` is not a bool (nothing is deleted).
+        """
+        _check_bool(sweep_orphans, "sweep_orphans")
         return gc_shard(self._existing(shard), sweep_orphans=sweep_orphans)
 
     def list_shards(self) -> list[str]:
@@ -375,7 +416,9 @@ class PersistClient:
             InvalidShardName: ``name`` is malformed (nothing is written).
             ShardNameNotFound: no such name and ``create`` is False (a ``ShardNotFound``).
             Indeterminate: consensus stayed unavailable past the retry deadline.
+            InvalidInput: ``create`` is not a bool.
         """
+        _check_bool(create, "create")
         return self.name_registry.resolve(name, create=create)
 
     def register_name(self, name: str, shard: ShardLike) -> ShardId:

@@ -550,6 +550,16 @@ class Listen:
             yield from self.poll(timeout_s=3600.0)
 
 
+def check_opaque(value: object, what: str) -> bytes:
+    """``value`` if it is a fencing token (bytes), else :class:`InvalidInput`: checked
+    before the state is touched, so a wrong type changes nothing (and a str never reads
+    as a mismatched token)."""
+    if not isinstance(value, bytes):
+        raise InvalidInput(f"{what} must be bytes (a fencing token), got "
+                           f"{type(value).__name__}")
+    return value
+
+
 class CriticalReaderHandle:
     """A reader that never expires, for controllers; its since moves only by
     :meth:`compare_and_downgrade_since` with the right fencing token."""
@@ -577,7 +587,11 @@ class CriticalReaderHandle:
 
         Raises:
             FencedOut: another controller changed the token; nothing changed.
+            InvalidInput: a token that is not bytes; InvalidFrontier: a bad
+                ``new_since``. Nothing changed.
         """
+        check_opaque(expected_opaque, "expected_opaque")
+        check_opaque(new_opaque, "new_opaque")
         since = check_frontier(new_since, "new_since")
         machine = self._machine
         result, _ = machine.apply(

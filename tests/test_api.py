@@ -359,6 +359,39 @@ def test_critical_reader_is_fenced(open_client):
     assert client.inspect(shard)["since"] == 4
 
 
+def test_handle_arguments_of_the_wrong_type_are_refused_and_change_nothing(open_client):
+    """Arguments that would reach the state codec or protobuf encoder with the wrong
+    type are refused up front, naming the argument, and register nothing."""
+    client = open_client()
+    shard = ShardId.new()
+    client.open_writer(shard).compare_and_append([(b"a", b"1", 0, 1)], 0, 10)
+    critical = client.open_critical_reader(shard, "c-controller", opaque=b"epoch-1")
+    before = client.inspect(shard)
+    refused = [
+        (lambda: client.open_critical_reader(shard, 5, b"a"), "reader_id must be"),
+        (lambda: client.open_critical_reader(shard, "", b"a"), "reader_id must be"),
+        (lambda: client.open_critical_reader(shard, "c-other", "str"), "opaque must be bytes"),
+        (lambda: client.open_critical_reader(shard, "c-other", b"", debug=5), "debug must be"),
+        (lambda: client.open_writer(shard, debug=5), "debug must be"),
+        (lambda: client.open_reader(shard, debug=b"x"), "debug must be"),
+        (lambda: client.open_reader(shard, create="no"), "create must be"),
+        (lambda: client.resolve("orders", create="no"), "create must be"),
+        (lambda: client.gc(shard, sweep_orphans="no"), "sweep_orphans must be"),
+        (lambda: critical.compare_and_downgrade_since("epoch-1", b"epoch-2", 4),
+         "expected_opaque must be bytes"),
+        (lambda: critical.compare_and_downgrade_since(b"epoch-1", "epoch-2", 4),
+         "new_opaque must be bytes"),
+    ]
+    for call, message in refused:
+        with pytest.raises(InvalidInput, match=message):
+            call()
+    after = client.inspect(shard)
+    for field in ("seqno", "since", "readers", "critical_readers", "writers"):
+        assert after[field] == before[field], field
+    assert client.shard_names() == {}
+    assert critical.compare_and_downgrade_since(b"epoch-1", b"epoch-2", 4) == 4
+
+
 def test_fresh_client_rebuilds_state_from_rollups(open_client):
     # Rollups in the writer's own call, so their seqnos are deterministic here.
     cfg = PersistConfig(rollup_threshold=8, background_maintenance=False)
