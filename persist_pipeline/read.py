@@ -105,6 +105,20 @@ def fetch_batches(machine: Machine, batches: list[Batch], where: str) -> pa.Tabl
     return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
 
 
+def _shown_as_of(as_of: object) -> str:
+    """A refused ``as_of``, with a hint for the near misses a user types."""
+    if isinstance(as_of, str):
+        shown, text = repr(as_of[:40]), as_of.strip()
+        if text.lower() == LATEST:
+            return f"{shown} (spelled exactly 'latest', lower case)"
+        if text.isascii() and text.isdigit() and len(text) <= 19:
+            return f"{shown} (a str: pass the int {int(text)})"
+        return shown
+    if as_of is None:
+        return "None"
+    return f"{type(as_of).__name__} {as_of!r:.40}"
+
+
 class ReadHandle:
     """A leased reader of one shard: holds back ``since`` and GC while it heartbeats.
 
@@ -186,8 +200,10 @@ class ReadHandle:
         one convention of every read (Python, the CLI, read plans, Spark)."""
         if as_of == LATEST:
             as_of = latest_complete_time(state.shard_id, state.upper)
-        if as_of is None:
-            raise InvalidFrontier("as_of must be a time or 'latest', not None")
+        elif as_of is None or isinstance(as_of, bool) or not isinstance(as_of, int):
+            # check_frontier's own message would offer None (closed), which no read takes.
+            raise InvalidFrontier(f"as_of must be an int time or 'latest', got "
+                                  f"{_shown_as_of(as_of)}")
         t = check_frontier(as_of, "as_of")
         assert t is not None
         reader = state.leased_readers[self.reader_id]
@@ -201,7 +217,12 @@ class ReadHandle:
         sorted by ``(k, v)`` (the concatenation of :meth:`snapshot_batches`). A typed
         shard's snapshot has its key and value columns instead of ``k`` and ``v``.
 
+        Args:
+            as_of: an int time, or exactly ``"latest"`` (the latest complete time,
+                ``upper - 1``); the same for every read.
+
         Raises:
+            InvalidFrontier: ``as_of`` is neither an int time nor ``"latest"``.
             SinceViolation: ``as_of`` is below this reader's since.
             NotYetAvailable: the shard's upper is not yet beyond ``as_of``.
         """

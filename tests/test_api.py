@@ -204,6 +204,31 @@ def test_read_frontier_errors(open_client):
     assert rows(reader.snapshot(2), 2) == [(b"a", b"b", 1)]
 
 
+@pytest.mark.parametrize(("as_of", "hint"), [
+    ("LATEST", "spelled exactly 'latest', lower case"),
+    ("3", "a str: pass the int 3"),
+    ("lastest", "'lastest'"),
+    (2.0, "float 2.0"),
+    (None, "None"),
+    (True, "bool True"),
+])
+def test_a_bad_as_of_names_what_reads_accept(open_client, as_of, hint):
+    """Reads take an int time or exactly ``"latest"``; the message says so (never offering
+    None, which reads refuse), for every read that takes ``as_of``."""
+    client = open_client()
+    shard = ShardId.new()
+    client.open_writer(shard).compare_and_append([(b"a", b"b", 0, 1)], 0, 3)
+    reader = client.open_reader(shard)
+    for read in (reader.snapshot, lambda t: list(reader.snapshot_batches(t)),
+                 reader.snapshot_fingerprint, reader.listen, reader.snapshot_plan):
+        with pytest.raises(InvalidFrontier) as err:
+            read(as_of)
+        message = str(err.value)
+        assert message.startswith("as_of must be an int time or 'latest', got "), message
+        assert hint in message and "closed" not in message, message
+    assert rows(reader.snapshot("latest"), 2) == [(b"a", b"b", 1)]
+
+
 def test_listen_after_snapshot_reproduces_the_collection(open_client):
     client = open_client()
     shard = ShardId.new()
