@@ -46,6 +46,7 @@ from __future__ import annotations
 from persist_pipeline.client import PersistClient, ShardSummary
 from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.exceptions import (
+    ClientClosed,
     CorruptData,
     InvalidInput,
     NotYetAvailable,
@@ -68,6 +69,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CLOSED",
+    "ClientClosed",
     "CorruptData",
     "CriticalReaderHandle",
     "Frontier",

@@ -447,7 +447,8 @@ class PersistClient:
     def close(self) -> None:
         """Release connections after background maintenance finishes. Open handles stop
         heartbeating and stop working; their leases run out unless another process
-        expires them first."""
+        expires them first. Later calls of this client and its handles raise
+        :class:`~persist_pipeline.exceptions.ClientClosed`."""
         for handle in list(self._handles):
             handle.stop_heartbeats()
         with contextlib.suppress(TimeoutError):

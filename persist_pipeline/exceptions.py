@@ -90,6 +90,12 @@ class LeaseExpired(PersistError):
     """A reader or writer handle was expired (by itself or for missing heartbeats)."""
 
 
+class ClientClosed(PersistError):
+    """The :class:`~persist_pipeline.PersistClient` was closed: its methods and every
+    handle opened from it stop working (a usage error, not a backend failure; nothing
+    was changed). Open a new client."""
+
+
 class FencedOut(PersistError):
     """A critical reader's fencing token did not match; another controller owns it."""
 

@@ -22,6 +22,8 @@ from persist_pipeline import (
     UpperMismatch,
 )
 from persist_pipeline.exceptions import (
+    BackendError,
+    ClientClosed,
     FencedOut,
     InvalidFrontier,
     InvalidInput,
@@ -415,6 +417,37 @@ def test_handle_arguments_of_the_wrong_type_are_refused_and_change_nothing(open_
         assert after[field] == before[field], field
     assert client.shard_names() == {}
     assert critical.compare_and_downgrade_since(b"epoch-1", b"epoch-2", 4) == 4
+
+
+def test_a_closed_client_and_its_handles_raise_client_closed(open_client):
+    """Using a client after ``close()`` is a usage error, not a backend failure: every
+    call raises ``ClientClosed`` (never a ``BackendError``) and changes nothing."""
+    client = open_client()
+    shard = ShardId.new()
+    writer, reader = client.open_writer(shard), client.open_reader(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    client.close()
+    client.close()  # idempotent
+    calls = [
+        lambda: client.open_writer(shard),
+        lambda: client.open_reader(shard),
+        lambda: client.inspect(shard),
+        lambda: client.list_shards(),
+        lambda: writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2),
+        lambda: writer.fetch_recent_upper(),
+        lambda: reader.snapshot(0),
+    ]
+    for call in calls:
+        with pytest.raises(ClientClosed, match="was closed: open a new client") as err:
+            call()
+        assert not isinstance(err.value, BackendError)
+    txn = client.transaction()
+    txn.compare_and_append(writer, [(b"c", b"1", 1, 1)], 1, 2)
+    with pytest.raises(ClientClosed):
+        txn.commit()
+    fresh = open_client()
+    assert fresh.inspect(shard)["upper"] == 1
+    assert rows(fresh.open_reader(shard).snapshot(0), 0) == [(b"a", b"1", 1)]
 
 
 def test_fresh_client_rebuilds_state_from_rollups(open_client):

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
-from persist_pipeline.exceptions import ConsensusUnavailable
+from persist_pipeline.exceptions import ClientClosed, ConsensusUnavailable
 from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
 from persist_pipeline.retry import retry_transient
 
@@ -19,6 +19,10 @@ class RetryingConsensus(Consensus):
     ``compare_and_set`` is passed through untouched: a failed CaS is indeterminate, and
     only the state machine (which re-reads state and checks idempotency tokens) may
     decide what to do about it.
+
+    The client owns this wrapper: after :meth:`close` every call raises
+    :class:`ClientClosed` (a usage error) rather than the closed store's
+    ``ConsensusError`` (which would read as a backend failure).
     """
 
     def __init__(self, inner: Consensus, deadline_s: float, clock: Clock = SYSTEM_CLOCK) -> None:
@@ -26,8 +30,15 @@ class RetryingConsensus(Consensus):
         self.clock = clock
         self.deadline_s = deadline_s
         self.retries = 0
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"the PersistClient of {self.inner!r} was closed: open a new "
+                               f"client (its handles stop working with it)")
 
     def _retry(self, op: str, call: Callable[[], T]) -> T:
+        self._check_open()
         return retry_transient(call, deadline_s=self.deadline_s, catch=ConsensusUnavailable,
                                what=f"consensus {op}", on_retry=self._count, clock=self.clock)
 
@@ -38,9 +49,11 @@ class RetryingConsensus(Consensus):
         return self._retry("head", lambda: self.inner.head(shard))
 
     def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
+        self._check_open()
         return self.inner.compare_and_set(shard, expected, new)
 
     def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        self._check_open()
         return self.inner.compare_and_set_many(writes)
 
     def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
@@ -56,4 +69,5 @@ class RetryingConsensus(Consensus):
         return self._retry("list_heads", self.inner.list_heads)
 
     def close(self) -> None:
+        self._closed = True
         self.inner.close()
