@@ -99,3 +99,18 @@ def test_settings_from_the_environment(tmp_path):
 def test_bad_persist_config_is_refused(kwargs):
     with pytest.raises(InvalidConfig, match=next(iter(kwargs))):
         PersistConfig(**kwargs)
+
+
+def test_every_error_class_is_exported_from_the_package():
+    """The errors the README and docs name are caught as ``from persist_pipeline import
+    X``: every class of ``exceptions`` is re-exported, and listed in ``__all__``."""
+    import persist_pipeline
+    from persist_pipeline import exceptions
+
+    defined = {name for name, obj in vars(exceptions).items()
+               if isinstance(obj, type) and issubclass(obj, exceptions.PersistError)}
+    assert {"ShardNameNotFound", "InvalidShardName", "InvalidUpdates", "InvalidFrontier",
+            "LeaseExpired", "DiffOverflow"} <= defined
+    assert defined - set(persist_pipeline.__all__) == set()
+    for name in defined:
+        assert getattr(persist_pipeline, name) is getattr(exceptions, name), name
