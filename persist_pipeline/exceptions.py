@@ -87,7 +87,8 @@ class NotYetAvailable(PersistError):
 
 
 class LeaseExpired(PersistError):
-    """A reader or writer handle was expired (by itself or for missing heartbeats)."""
+    """A reader or writer handle was expired (by itself or for missing heartbeats), or a
+    snapshot plan was closed: the hold it had is gone, so it reads no more."""
 
 
 class ClientClosed(PersistError):

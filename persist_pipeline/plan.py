@@ -23,9 +23,10 @@ does it with pyarrow). Rows with ``t > as_of`` may be present: they belong to la
 reader (the reader's seqno hold): GC never deletes a file of that version while the plan
 is open *and* its reader's lease is alive. Close the plan (``close()`` or a ``with``
 block) when the engine has finished reading; the hold is then released with the reader's
-next heartbeat. If the reader stops heartbeating (its process died, paused, or was closed)
-for longer than its lease, GC expires it and may delete the plan's files: a read still in
-progress then fails on a missing file, it never returns wrong data.
+next heartbeat, and the plan's ``to_table`` and ``to_dataset`` raise ``LeaseExpired``. If
+the reader stops heartbeating (its process died, paused, or was closed) for longer than
+its lease, GC expires it and may delete the plan's files: a read still in progress then
+fails on a missing file, it never returns wrong data.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from persist_pipeline.blob.local import LocalBlob
 from persist_pipeline.exceptions import (
     BlobUnavailable,
     InvalidConfig,
+    LeaseExpired,
     NotYetAvailable,
     PartMissing,
 )
@@ -255,6 +257,13 @@ class SnapshotPlan:
         if release is not None:
             release()
 
+    def _check_open(self) -> None:
+        # A closed plan's hold is released: GC may delete its files at any moment, so a
+        # read that happened to succeed now could fail half-way later.
+        if self._release is None:
+            raise LeaseExpired(f"shard {self.shard_id}: the plan was closed; make a new one "
+                               f"(its files are no longer held against GC)")
+
     def __enter__(self) -> SnapshotPlan:
         return self
 
@@ -283,7 +292,11 @@ class SnapshotPlan:
         Nothing is read until the dataset is scanned; DuckDB (``duckdb.sql("... FROM
         ds")``), polars (``pl.scan_pyarrow_dataset(ds)``) and pyarrow scan it lazily,
         with projection and ``t`` filters pushed down to the Parquet files.
+
+        Raises:
+            LeaseExpired: the plan was closed (its files are no longer held).
         """
+        self._check_open()
         import pyarrow.dataset as pads
 
         pieces: list[pads.Dataset] = []
@@ -298,7 +311,13 @@ class SnapshotPlan:
 
     def to_table(self) -> pa.Table:
         """The consolidated collection at ``as_of``, read through :meth:`to_dataset`
-        (equal to ``snapshot(as_of)``; typed for a typed shard)."""
+        (equal to ``snapshot(as_of)``; typed for a typed shard).
+
+        Raises:
+            LeaseExpired: the plan was closed (its files are no longer held).
+            PartMissing: a file of the plan is gone (its reader's lease ran out).
+        """
+        self._check_open()
         import pyarrow.dataset as pads
 
         try:

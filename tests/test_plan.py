@@ -19,6 +19,7 @@ import pytest
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.exceptions import (
     InvalidConfig,
+    LeaseExpired,
     NotYetAvailable,
     PartMissing,
     SinceViolation,
@@ -246,4 +247,28 @@ def test_a_plan_shows_no_credentials(request: pytest.FixtureRequest, tmp_path: P
         # The file system carries them (it reads the files) without showing them.
         assert rows(plan.to_table(), 0) == [(b"a", b"1", 1)]
         assert "SeCrEt" not in repr(plan.filesystem())
+    client.close()
+
+
+def test_a_closed_plan_refuses_to_read(tmp_path: Path) -> None:
+    """Once closed, a plan's files are no longer held against GC: reading it is refused
+    with a typed error (not left to succeed until GC happens to run), while what it
+    describes stays available."""
+    client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
+                                inline_policy=InlinePolicy(0, 0))
+    shard = str(ShardId.new())
+    with client.open_writer(shard) as writer:
+        writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+        writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2)
+    reader = client.open_reader(shard)
+    with reader.snapshot_plan() as plan:
+        assert rows(plan.to_table(), 1) == [(b"a", b"1", 1), (b"b", b"1", 1)]
+    assert plan.closed
+    for read in (plan.to_table, plan.to_dataset):
+        with pytest.raises(LeaseExpired, match="the plan was closed; make a new one"):
+            read()
+    assert len(plan.describe()["files"]) == 2 and "closed" in repr(plan)
+    with reader.snapshot_plan() as again:
+        assert rows(again.to_table(), 1) == [(b"a", b"1", 1), (b"b", b"1", 1)]
+    reader.expire()
     client.close()
