@@ -83,6 +83,7 @@ from persist_pipeline.exceptions import (
     SinceViolation,
     Unavailable,
     UnsettledCommit,
+    UntypedUpdates,
     UpperMismatch,
 )
 from persist_pipeline.frontier import CLOSED, Frontier
@@ -146,6 +147,7 @@ __all__ = [
     "Transaction",
     "Unavailable",
     "UnsettledCommit",
+    "UntypedUpdates",
     "UpperMismatch",
     "WriteHandle",
     "WriteResult",

@@ -29,6 +29,13 @@ class SchemaMismatch(InvalidInput):
     holds untyped data); nothing was changed."""
 
 
+class UntypedUpdates(SchemaMismatch, InvalidUpdates):
+    """Untyped ``(key, val, ts, diff)`` tuples were written to a typed shard. A
+    :class:`SchemaMismatch` (an untyped write never enters a typed shard) and an
+    :class:`InvalidUpdates` (the updates are malformed for this shard), so either
+    catches it; nothing was changed."""
+
+
 class InvalidFrontier(InvalidInput):
     """A frontier argument is malformed or does not advance as required."""
 

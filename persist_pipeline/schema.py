@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from persist_pipeline.exceptions import InvalidInput, InvalidUpdates, SchemaMismatch
+from persist_pipeline.exceptions import (
+    InvalidInput,
+    InvalidUpdates,
+    SchemaMismatch,
+    UntypedUpdates,
+)
 from persist_pipeline.internal import rowcodec
 
 if TYPE_CHECKING:
@@ -402,6 +407,13 @@ def _to_table(obj: object, schema: ShardSchema) -> pa.Table:
             return pa.Table.from_pylist(obj)
         except (pa.ArrowException, TypeError, ValueError) as e:
             raise InvalidUpdates(f"cannot read the rows as a table: {e}") from None
+    if isinstance(obj, list | tuple) and obj and \
+            all(isinstance(row, tuple | list) for row in obj):
+        # The untyped update form: refused as the schema mismatch it is, as a raw
+        # k/v/t/d table is.
+        raise UntypedUpdates(f"the shard is typed ({schema!r}): it takes a table or row "
+                             f"dicts with columns {schema.columns} (+ t, d), not untyped "
+                             f"(key, val, ts, diff) tuples")
     table = frame_to_table(obj)
     if not isinstance(table, pa.Table):
         raise InvalidUpdates(f"a typed shard takes a pyarrow Table, a pandas or polars "

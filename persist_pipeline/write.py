@@ -217,6 +217,8 @@ class WriteHandle:
         Raises:
             UpperMismatch: the shard's upper was not ``expected_upper``; nothing changed.
             InvalidUpdates / InvalidFrontier: bad input; nothing changed.
+            SchemaMismatch: a table that does not fit a typed shard's schema, or untyped
+                updates (tuples, a k/v table) for a typed shard; nothing changed.
             InvalidInput: a malformed ``idempotency_token``; nothing changed.
             Indeterminate: a lost reply (or a retried token) whose outcome cannot be
                 told; the parts are left for GC. Read the shard, or retry with the

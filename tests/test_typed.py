@@ -237,6 +237,36 @@ def test_untyped_and_typed_never_mix(location: Location) -> None:
     client.close()
 
 
+def test_an_untyped_write_into_a_typed_shard_is_a_schema_mismatch() -> None:
+    """Guarantee 14: untyped ``(key, val, ts, diff)`` tuples sent to a typed writer (or
+    its transaction appends and upserts) are refused with ``SchemaMismatch``, as a raw
+    k/v/t/d table is; the error is still an ``InvalidUpdates`` too. Nothing changes."""
+    client, shard, writer = _id_writer("mem://typed-untyped-write", ("name", pa.string()))
+    before = client.inspect(shard)
+    writes = [
+        lambda: writer.compare_and_append([(b"raw", b"", 0, 1)], 0, 1),
+        lambda: writer.compare_and_append([[b"raw", b"", 0, 1]], 0, 1),
+        lambda: writer.compare_and_append(((b"raw", b"", 0, 1),), 0, 1),
+        lambda: writer.append([(b"raw", b"", 0, 1)], 0, 1),
+        lambda: writer.upsert([(1, "a")]),
+        lambda: client.transaction().compare_and_append(writer, [(b"raw", b"", 0, 1)], 0, 1),
+    ]
+    for write in writes:
+        with pytest.raises(SchemaMismatch, match=r"typed.*not untyped \(key, val, ts, diff\)") \
+                as err:
+            write()
+        assert isinstance(err.value, InvalidUpdates)
+        assert "id" in str(err.value) and "name" in str(err.value)
+    with pytest.raises(SchemaMismatch):  # a raw k/v/t/d table, as before
+        writer.compare_and_append(pa.table({"k": [b"a"], "v": [b""], "t": [0], "d": [1]}), 0, 1)
+    with pytest.raises(InvalidUpdates, match="a typed shard takes") as err:
+        writer.compare_and_append("not updates", 0, 1)  # not a write at all
+    assert not isinstance(err.value, SchemaMismatch)
+    after = client.inspect(shard)
+    assert (after["seqno"], after["upper"]) == (before["seqno"], 0)
+    client.close()
+
+
 def test_a_small_typed_write_with_a_negative_time_is_refused_and_changes_nothing() -> None:
     client, shard, writer = _id_writer("mem://typed-negative", ("score", pa.float64()))
     bad = pa.table({"id": [1, 2], "score": [0.5, -1.5], "t": [0, -3]})
