@@ -59,16 +59,22 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # idempotency before the commit deadline (with replies guessed, as before the fix)
     "deadline_before_token": (r"LOST|not written|deleted|missing|own write", 40, None),
     # the merge commit deadline: a slow merge commits outputs the orphan sweep deleted
-    "merge_without_deadline": (r"missing blob|CorruptPart", 120, None),
+    # (the default rotation first catches it at seed 31, a transactions seed; that
+    # profile at 4)
+    "merge_without_deadline": (r"missing blob|CorruptPart", 120, "transactions"),
     # overlapping and killed GCs: overlapping GCs
     "gc_trusts_its_scan": (r"CorruptState|deleted", 40, None),
     # a listen's since hold: a listen under downgrade_since and compaction emits updates twice
     # (the first seed that catches it moves with the interleavings the funnel's locks
-    # allow: 77 with one commit lock, 151 with per-append events)
-    "listen_without_hold": (r"listen at frontier .*(DUPLICATED|counter)", 200, "mixed"),
+    # allow: in the mixed profile 77 with one commit lock, 151 with per-append events; the
+    # listen profile, a listen whose reader alone holds since back under compaction and
+    # GC, catches it at 19, 49 and 51)
+    "listen_without_hold": (r"listen at frontier .*(DUPLICATED|counter)", 200, "listen"),
     # reads racing GC: opening while GC replaces the rollup; an expired reader's read
     "open_fails_on_replaced_rollup": (r"CorruptState", 150, None),
-    "expired_read_reports_corruption": (r"CorruptPart|PartMissing", 200, None),
+    # (the default rotation first catches it at seed 90, a reads seed; the reads profile,
+    # reads racing compaction and GC without a part cache, at 28, 35 and 90)
+    "expired_read_reports_corruption": (r"CorruptPart|PartMissing", 200, "reads"),
     # Seams (the first seed of the default rotation that catches each is in the
     # comment; the test runs the profile that catches it, to stay quick):
     # a GC whose clock is ahead sweeps a write in flight (13)
