@@ -94,10 +94,10 @@ def ducklake(catalog: str, data_path: str, width: int, *, warmup: int,
 
 
 def appends_per_s(consensus_uri: str, blob_uri: str, threads: int, seconds: float,
-                  group_commit: bool) -> tuple[float, float]:
+                  group_commit: bool, rotate: int = _ROTATE) -> tuple[float, float]:
     """Appends/s of ``threads`` threads, each appending to a shard of its own for
     ``seconds``; and appends per consensus round trip (1.0 without group commit). Each
-    thread moves to a fresh shard every ``_ROTATE`` appends (opening its writer inside
+    thread moves to a fresh shard every ``rotate`` appends (opening its writer inside
     the timed loop, in both modes alike), so every append is inline, as in case 1: a
     lone thread would otherwise fill its shard's inline budget within the run and
     measure blob writes instead."""
@@ -117,7 +117,7 @@ def appends_per_s(consensus_uri: str, blob_uri: str, threads: int, seconds: floa
         start.wait()
         upper = done = 0
         while not stop.is_set():
-            if upper == _ROTATE:
+            if upper == rotate:
                 writer = client.open_writer(ShardId.new())
                 opened[i].append(writer)
                 upper = 0
@@ -192,7 +192,10 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
                        "transaction over several statements.")
     result.tables.append(table)
     result.data = {key: {"label": rows[key][0], "samples": rows[key][1]} for key in order}
-    seconds = 3.0 if scale.name == "full" else 1.0
+    # Smoke: the code path only, in a quarter second (every thread still moves to fresh
+    # shards: a few hundred appends in all, tens per thread).
+    seconds = {"full": 3.0, "quick": 1.0}.get(scale.name, 0.25)
+    rotate = _ROTATE if scale.name != "smoke" else 10
     widths = (1, 8, 32, 64) if scale.name != "smoke" else (1, 8)
     grid = Table("Case 14: group commit, appends/s of N threads on N shards (PostgreSQL)",
                  ["threads = shards", "appends/s, one round trip each",
@@ -204,18 +207,20 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
         blob = svc.s3.uri(svc.s3.bucket("c14gc"), "ours")
         for width in widths:
             log(f"  group commit: {width} threads")
-            alone, _ = appends_per_s(url, blob, width, seconds, group_commit=False)
-            grouped, per_trip = appends_per_s(url, blob, width, seconds, group_commit=True)
+            alone, _ = appends_per_s(url, blob, width, seconds, group_commit=False,
+                                     rotate=rotate)
+            grouped, per_trip = appends_per_s(url, blob, width, seconds, group_commit=True,
+                                              rotate=rotate)
             # The same threads on an in-memory consensus: what the Python path alone
             # sustains, an upper bound on any batching of the database's round trips.
             python_only, _ = appends_per_s("mem://", "mem://", width, seconds,
-                                           group_commit=False)
+                                           group_commit=False, rotate=rotate)
             speedups[width] = grouped / alone
             ceilings[width] = python_only / alone
             grid.add(width, f"{alone:.0f}", f"{grouped:.0f}", f"{grouped / alone:.2f}x",
                      f"{per_trip:.1f}", f"{python_only:.0f}", f"{python_only / alone:.2f}x")
-    grid.notes.append(f"Each configuration runs {seconds:.0f} s per mode, one client, small "
-                      f"inline appends (each thread moves to a fresh shard every {_ROTATE} "
+    grid.notes.append(f"Each configuration runs {seconds:g} s per mode, one client, small "
+                      f"inline appends (each thread moves to a fresh shard every {rotate} "
                       "appends); the funnel batches appends that wait at the same "
                       "moment (no timer: group_commit_window_s = 0), two groups on "
                       "different shards at a time.")
