@@ -42,3 +42,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for fixture, mark in _SERVICE_FIXTURES.items():
             if fixture in names:
                 item.add_marker(getattr(pytest.mark, mark))
+    # Slow tests first (a stable sort: file order otherwise): with two workers, the
+    # short tests fill in at the end instead of a long one starting last and leaving
+    # the other worker idle.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
