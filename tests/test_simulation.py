@@ -103,7 +103,7 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # shard's group is never woken (9)
     "funnel_forgets_successor": (r"simulated deadlock", 20, "transactions"),
     # a replacement that reads the shard at upper - 1 misses rows compaction advanced to
-    # a since at the upper, and a store leaves them twice (10)
+    # a since at the upper, and a store leaves them twice (9)
     "contents_read_at_the_upper": (r"none of the tables stored", 40, "seams"),
     # table loads and stores remember each generation's upper: a load after another
     # process's store returns the table it replaced, a stale read (1)

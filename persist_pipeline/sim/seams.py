@@ -663,7 +663,8 @@ def table_writer(run: SimRun, proc: Process) -> None:
         roll = run.rng.random()
         if roll < 0.6:
             if roll < 0.15:
-                # Then store at once: the store must find the rows compaction advanced.
+                # Then store and load at once: the store must find the rows compaction
+                # advanced to the upper, or the load sees them twice.
                 _release_and_compact_table(run, client)
             table, keys = _table_version(run, n)
             entry = StoredTable(_canonical(table), seams.table_event())
@@ -676,23 +677,33 @@ def table_writer(run: SimRun, proc: Process) -> None:
                 run.violation(f"store_table: unexpected {type(e).__name__}: {e}")
             else:
                 entry.ended = seams.table_event()
+                if roll < 0.15:
+                    _load_and_check_table(run, client)
         else:
-            started = seams.table_event()
-            try:
-                got = tables.load_table(client, TABLE_NAME)
-            except (ShardNotFound, Indeterminate, LeaseExpired, NotYetAvailable):
-                pass
-            except PersistError as e:
-                run.violation(f"load_table: unexpected {type(e).__name__}: {e}")
-            else:
-                rows = _canonical(got)
-                if rows not in [t.rows for t in seams.tables]:
-                    run.violation(f"a loaded table is none of the tables stored: "
-                                  f"{got.to_pylist()[:4]}")
-                elif rows not in fresh_tables(seams.tables, started, seams.table_event()):
-                    run.violation(f"a load returned a table a later store had replaced "
-                                  f"before the load began: {got.to_pylist()[:4]}")
+            _load_and_check_table(run, client)
         run.ops += 1
+
+
+def _load_and_check_table(run: SimRun, client: PersistClient) -> None:
+    """A table load: one table some writer stored, and none a later store wholly
+    replaced before the load began."""
+    from persist_pipeline import tables
+
+    seams = run.seams
+    started = seams.table_event()
+    try:
+        got = tables.load_table(client, TABLE_NAME)
+    except (ShardNotFound, Indeterminate, LeaseExpired, NotYetAvailable):
+        return
+    except PersistError as e:
+        run.violation(f"load_table: unexpected {type(e).__name__}: {e}")
+        return
+    rows = _canonical(got)
+    if rows not in [t.rows for t in seams.tables]:
+        run.violation(f"a loaded table is none of the tables stored: {got.to_pylist()[:4]}")
+    elif rows not in fresh_tables(seams.tables, started, seams.table_event()):
+        run.violation(f"a load returned a table a later store had replaced before the "
+                      f"load began: {got.to_pylist()[:4]}")
 
 
 def _release_and_compact_table(run: SimRun, client: Any) -> None:
