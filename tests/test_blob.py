@@ -530,6 +530,19 @@ def test_s3_keys_live_under_the_prefix(s3_blob: S3Blob, s3_client: Any) -> None:
     assert keys_of(s3_blob) == ["k/1"]
 
 
+def test_s3_clients_share_one_data_loader_whose_search_path_stays_put() -> None:
+    """Every S3 client of the process reads botocore's service models through one
+    loader (parsed once), and boto3 does not append its data folder to it again."""
+    def loader() -> Any:
+        blob = S3Blob("bucket", endpoint_url="http://127.0.0.1:9", region="us-east-1")
+        return blob._session()._session.get_component("data_loader")
+
+    first = loader()
+    paths = list(first.search_paths)
+    assert all(loader() is first for _ in range(3))
+    assert first.search_paths == paths
+
+
 @pytest.mark.s3
 def test_s3_missing_bucket(s3_server: str) -> None:
     store = open_blob(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}?endpoint_url={s3_server}")
