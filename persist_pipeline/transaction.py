@@ -30,6 +30,8 @@ from persist_pipeline.exceptions import (
     InvalidFrontier,
     InvalidInput,
     PersistError,
+    SchemaMismatch,
+    ShardNotFound,
     UpperMismatch,
 )
 from persist_pipeline.frontier import Frontier, check_frontier, less_than
@@ -164,6 +166,12 @@ class Transaction:
             InvalidInput: as :meth:`compare_and_append`.
         """
         self._check_open()
+        if self._is_new(shard):
+            # A shard created here would be untyped: refused before its name is
+            # registered or the shard created (bad input changes nothing).
+            raise SchemaMismatch(f"replace_contents needs a typed shard; {shard} does not "
+                                 f"exist yet (a new shard is untyped): create it with "
+                                 f"open_writer(..., schema=ShardSchema(...)) first")
         shard_id = self._shard_id(shard)
         self._require_absent(shard_id)
         handle = self._handle(shard, shard_id)
@@ -183,6 +191,10 @@ class Transaction:
         if not less_than(expected, upper):
             raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
                                   f"({expected})")
+        if self._is_new(shard):
+            # Checked as the untyped updates of the shard it would be, before its name is
+            # registered or the shard created: bad input changes nothing.
+            check_times(Updates.coerce(updates), expected, upper)
         shard_id = self._shard_id(shard)
         self._require_absent(shard_id)
         handle = self._handle(shard, shard_id)
@@ -206,6 +218,22 @@ class Transaction:
         if isinstance(shard, str) and not _looks_like_id(shard):
             return str(self._client.resolve(shard, create=True))
         return str(ShardId.parse(shard))
+
+    def _is_new(self, shard: WriteHandle | ShardLike) -> bool:
+        """Whether ``shard`` (a name or an id) names no shard yet: adding an append to it
+        would register the name and create the shard (a handle's shard exists)."""
+        if isinstance(shard, WriteHandle):
+            return False
+        if isinstance(shard, str) and not _looks_like_id(shard):
+            found = self._client.name_registry.lookup(shard)
+            if found is None:
+                return True
+            shard = found
+        try:
+            self._client._machine(shard).fetch_latest()
+        except ShardNotFound:
+            return True
+        return False
 
     def _handle(self, shard: WriteHandle | ShardLike, shard_id: str) -> WriteHandle:
         if isinstance(shard, WriteHandle):
