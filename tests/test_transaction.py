@@ -616,3 +616,24 @@ def test_a_retried_transaction_token_is_reported_committed(location):
     assert snapshot_rows(client, a) == [(b"x", b"", 1)]
     assert snapshot_rows(client, b) == [(b"y", b"", 1)]
     client.close()
+
+
+def test_bad_input_to_a_transaction_by_name_registers_no_name_and_creates_no_shard(
+        tmp_path: Path) -> None:
+    """A transaction's append given a name: bad input "raises here and leaves the
+    transaction as it was", and bad input changes nothing (guarantee 7). Names are never
+    deleted, so registering one for a refused append is a permanent change."""
+    from persist_pipeline import InvalidUpdates, SchemaMismatch
+
+    with PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}",
+                            f"file://{tmp_path / 'b'}") as client:
+        txn = client.transaction()
+        with pytest.raises(InvalidUpdates):
+            txn.compare_and_append("orders", [("text", b"v", 0, 1)], 0, 1)
+        with pytest.raises(InvalidUpdates):
+            txn.compare_and_append("lines", [(b"k", b"v", 5, 1)], 0, 1)
+        with pytest.raises(SchemaMismatch):  # a new shard is untyped: never replaceable
+            txn.replace_contents("customers", pa.table({"id": pa.array([1, 2], pa.int64())}))
+        txn.abort()
+        assert client.shard_names() == {}
+        assert client.list_shards() == []

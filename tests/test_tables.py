@@ -1,5 +1,6 @@
-"""Adversarial tests (hunt C): seams between tables (the IO manager's storage), schema
-evolution and versions read back."""
+"""Tables (the IO manager's storage, :mod:`persist_pipeline.tables`) against schema
+evolution: what a table's earlier versions read back as. Both tests are known defects,
+kept as strict xfails until the shard schema keeps its history per upper."""
 
 from __future__ import annotations
 
@@ -58,23 +59,3 @@ def test_a_refused_store_tables_changes_no_table(tmp_path: Path) -> None:
         # "(on any error) none changed": a still holds exactly V1.
         assert client.schema(client.resolve("a")) == schema_before
         assert tables.load_table(client, "a").sort_by("id").equals(V1.sort_by("id"))
-
-
-def test_bad_input_to_a_transaction_by_name_registers_no_name_and_creates_no_shard(
-        tmp_path: Path) -> None:
-    """A transaction's append given a name: bad input "raises here and leaves the
-    transaction as it was", and bad input changes nothing (guarantee 7). Names are never
-    deleted, so registering one for a refused append is a permanent change."""
-    from persist_pipeline import InvalidUpdates, SchemaMismatch
-
-    with _client(tmp_path) as client:
-        txn = client.transaction()
-        with pytest.raises(InvalidUpdates):
-            txn.compare_and_append("orders", [("text", b"v", 0, 1)], 0, 1)
-        with pytest.raises(InvalidUpdates):
-            txn.compare_and_append("lines", [(b"k", b"v", 5, 1)], 0, 1)
-        with pytest.raises(SchemaMismatch):  # a new shard is untyped: never replaceable
-            txn.replace_contents("customers", V1)
-        txn.abort()
-        assert client.shard_names() == {}
-        assert client.list_shards() == []
