@@ -246,7 +246,11 @@ def _printable(table: pa.Table) -> pa.Table:
 
 
 def _flat_columns(table: pa.Table) -> pa.Table:
-    """A typed table for CSV: lists and structs as JSON text, binary as hex."""
+    """A typed table for CSV: lists and structs as JSON text; a binary column as text
+    where it is UTF-8 throughout (what ``append`` reads a CSV's binary column as, so the
+    file round-trips), else as hex, said on stderr."""
+    from persist_pipeline.plan import text_or_hex
+
     for index, field in enumerate(table.schema):
         type_ = field.type
         if pa.types.is_nested(type_):
@@ -254,7 +258,10 @@ def _flat_columns(table: pa.Table) -> pa.Table:
                     for v in table.column(index).to_pylist()]
         elif pa.types.is_binary(type_) or pa.types.is_large_binary(type_) or \
                 pa.types.is_fixed_size_binary(type_):
-            text = [None if v is None else v.hex() for v in table.column(index).to_pylist()]
+            encoding, text = text_or_hex(table.column(index).cast(pa.large_binary()))
+            if encoding == "hex":
+                print(f"persist-pipeline: column {field.name} is not valid UTF-8 "
+                      f"throughout: written as hex", file=sys.stderr)
         else:
             continue
         table = table.set_column(index, field.name, pa.array(text, pa.string()))

@@ -418,10 +418,10 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def text_or_hex(column: pa.ChunkedArray | pa.Array) -> tuple[str, list[str]]:
+def text_or_hex(column: pa.ChunkedArray | pa.Array) -> tuple[str, list[str | None]]:
     """A binary column as text: ``("utf-8", values)`` when every value is valid UTF-8,
     else ``("hex", values)`` with every value hex-encoded (never a mix of both)."""
     try:
         return "utf-8", pc.cast(column, pa.string()).to_pylist()
     except pa.ArrowInvalid:
-        return "hex", [b.hex() for b in column.to_pylist()]
+        return "hex", [None if b is None else b.hex() for b in column.to_pylist()]
