@@ -25,7 +25,9 @@ another name and renamed back on load.
 
 **Keys.** With declared key columns (output metadata ``{"primary_key": [...]}``) the
 shard is keyed: each key has one row, a materialization replaces changed rows and
-deletes absent keys, and nullable value columns may be appended later. Without, the
+deletes absent keys, and nullable value columns may be appended later (recorded by the
+store's own commit: a store that is refused leaves the schema, and so what loads
+return, as it was). Without, the
 whole row is the key and equal rows keep their multiplicity (a collection, like a SQL
 table). Rows come back sorted by their encoding, not in the order they were stored.
 
@@ -207,6 +209,11 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
         writer, gen_name, shard = _open_generation(client, name, plan, names, debug)
         try:
             stored = Stored(writer._replace_encoded(rows), gen_name, shard)
+        except SchemaMismatch:
+            # Another store changed this generation's schema otherwise after it was
+            # opened (nothing was written): open again, in the next generation.
+            names = client.shard_names()
+            continue
         finally:
             writer.expire()
         # Another store may have started a newer generation after the names were
@@ -254,6 +261,11 @@ def store_tables(client: PersistClient,
                 txn._replace_encoded(writer, rows)
                 where[name] = (gen_name, shard)
             results = txn.commit()
+        except SchemaMismatch:
+            # As store_table: a generation's schema changed otherwise after it was opened
+            # (nothing was written): open them again.
+            names = client.shard_names()
+            continue
         finally:
             for writer in opened:
                 writer.expire()
@@ -363,7 +375,9 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
         gen_name = generation_name(name, generation)
         shard = client.resolve(gen_name, create=True)
         try:
-            writer = client.open_writer(shard, schema=plan.shard_schema, debug=debug)
+            # The schema is recorded by the store's own commit: a refused store leaves
+            # the generation's schema (and so its loads) as they were.
+            writer = client._open_table_writer(shard, plan.shard_schema, debug=debug)
         except SchemaMismatch:
             generation += 1  # keys or types changed: a new generation, a new shard
             continue

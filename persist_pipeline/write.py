@@ -60,6 +60,9 @@ class Encoding:
 
     schema: ShardSchema | None = None
     recorded: bytes = b""
+    #: A schema the commit records first, in the same compare-and-set as the rows (the
+    #: table path's evolution): a write that is refused leaves the schema as it was.
+    record: ShardSchema | None = None
 
     @classmethod
     def of(cls, schema: ShardSchema | None) -> Encoding:
@@ -152,11 +155,15 @@ class WriteHandle:
 
     def __init__(self, machine: Machine, writer_id: str, policy: InlinePolicy,
                  has_wal: bool, debug: str = "", schema: ShardSchema | None = None,
-                 recorded: bytes = b"", funnel: Funnel | None = None) -> None:
+                 recorded: bytes = b"", funnel: Funnel | None = None,
+                 pending_schema: ShardSchema | None = None) -> None:
         self._machine = machine
         #: The client's group-commit funnel (None: each append commits on its own).
         self._funnel = funnel
-        self.schema = schema
+        #: A schema this handle's replacements record in their own commit, not at open
+        #: (see :meth:`PersistClient._open_table_writer`).
+        self._pending_schema = pending_schema
+        self.schema = pending_schema if pending_schema is not None else schema
         #: What this handle encodes typed tables with: the schema recorded when it opened.
         self._encoding = Encoding(schema, recorded) if recorded else Encoding.of(schema)
         # Upsert back-off jitter, seeded by the writer id: replays of the deterministic
@@ -551,8 +558,28 @@ class WriteHandle:
     def _attempt_encoding(self, state: State) -> Encoding:
         """How an upsert or delete attempt against ``state`` writes its batch: the rows
         it retracts carry the state's schema (perhaps evolved since this handle opened),
-        so its parts are written and committed with that schema, never this handle's."""
-        return Encoding.recorded_in(state)
+        so its parts are written and committed with that schema, never this handle's.
+        A handle with a pending schema writes with that schema evolved from the
+        state's, recorded by the commit itself.
+
+        Raises:
+            SchemaMismatch: the pending schema no longer fits the state's (another
+                writer evolved it otherwise); nothing is written.
+        """
+        pending = self._pending_schema
+        if pending is None:
+            return Encoding.recorded_in(state)
+        if state.schema:
+            stored = ShardSchema.from_bytes(state.schema)
+            target = stored.evolve(pending)
+            if target is stored:
+                return Encoding(stored, state.schema)
+        elif any(b.num_updates for b in state.batches.values()):
+            raise SchemaMismatch(f"shard {self.shard_id} holds untyped updates: it cannot "
+                                 f"be given a schema")
+        else:
+            target = pending
+        return Encoding(target, target.to_bytes(), record=target)
 
     def _coerce(self, updates: object) -> Updates:
         """Validated, consolidated updates: typed tables encoded for a typed shard."""
@@ -641,7 +668,7 @@ class WriteHandle:
                 fell_back=staged.fell_back,
                 commit_deadline=None if deadline_from is None
                 else machine.commit_deadline(deadline_from),
-                encoded_with=staged.encoding.recorded)
+                encoded_with=staged.encoding.recorded, record=staged.encoding.record)
 
         return transition
 

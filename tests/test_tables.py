@@ -1,6 +1,7 @@
 """Tables (the IO manager's storage, :mod:`persist_pipeline.tables`) against schema
-evolution: what a table's earlier versions read back as. Both tests are known defects,
-kept as strict xfails until the shard schema keeps its history per upper."""
+evolution: a refused store changes no table, and what a table's earlier versions read
+back as (a known defect, kept as a strict xfail until the shard schema keeps its history
+per upper)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,6 @@ def test_a_load_pinned_to_an_earlier_upper_returns_the_table_stored_there(
         assert pinned.sort_by("id").equals(V1.sort_by("id"))
 
 
-@pytest.mark.xfail(strict=True, reason="store_tables opens each table's generation with its "
-                   "new schema (recording an evolution) before the transaction commits; a "
-                   "refused commit leaves the evolved schema behind, so the table loads with "
-                   "a column it never had")
 def test_a_refused_store_tables_changes_no_table(tmp_path: Path) -> None:
     with _client(tmp_path) as client:
         tables.store_table(client, "a", V1, ["id"])

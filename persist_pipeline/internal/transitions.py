@@ -125,6 +125,7 @@ def compare_and_append(
     fell_back: bool,
     commit_deadline: CommitDeadline | None = None,
     encoded_with: bytes = b"",
+    record: ShardSchema | None = None,
 ) -> tuple[State, AppendResult]:
     """Append ``batch`` (None: no updates) iff the shard's upper is ``expected_upper``.
 
@@ -137,6 +138,9 @@ def compare_and_append(
     written with, empty for untyped updates: it travels with the batch from where it was
     encoded, and must fit the schema recorded in this state
     (:func:`~persist_pipeline.schema.encoded_with_fits`), or nothing is appended.
+    ``record``, if given, is recorded first (:func:`record_schema`) in the same new
+    state as the batch, so that a refused append leaves the schema as it was; one that
+    does not fit is refused like a batch whose encoding does not.
     """
     writer = state.writers.get(writer_id)
     if (writer is not None and writer.most_recent_write_token == token
@@ -147,7 +151,15 @@ def compare_and_append(
         return state, Appended(already_committed=True)
     if commit_deadline is not None and commit_deadline.passed:
         return state, DeadlineExceeded(commit_deadline)
-    if not encoded_with_fits(state.schema, encoded_with):
+    # Every refusal below returns the state as it was (unchanged): only a committed
+    # append carries the recorded schema.
+    base = state
+    if record is not None:
+        try:
+            base, _ = record_schema(state, record, now_ms)
+        except SchemaMismatch:
+            return state, SchemaChanged(state.schema)
+    if not encoded_with_fits(base.schema, encoded_with):
         return state, SchemaChanged(state.schema)
     if state.upper != expected_upper:
         return state, UpperMismatchResult(state.upper)
@@ -168,13 +180,13 @@ def compare_and_append(
         batches[batch.id] = batch
         spine = dict(state.spine)
         push_batch(spine, batch)
-        new = state.evolve(upper=new_upper, writers=writers, walltime_ms=now_ms,
-                           inline_fallbacks=fallbacks, batches=batches, spine=spine,
-                           inline_bytes=state.inline_bytes + inline)
+        new = base.evolve(upper=new_upper, writers=writers, walltime_ms=now_ms,
+                          inline_fallbacks=fallbacks, batches=batches, spine=spine,
+                          inline_bytes=state.inline_bytes + inline)
         new.note_batch_added(state.batches, batches, batch.id)
         return new, APPENDED
-    return state.evolve(upper=new_upper, writers=writers, walltime_ms=now_ms,
-                        inline_fallbacks=fallbacks), APPENDED
+    return base.evolve(upper=new_upper, writers=writers, walltime_ms=now_ms,
+                       inline_fallbacks=fallbacks), APPENDED
 
 
 def record_schema(state: State, requested: ShardSchema, now_ms: int
