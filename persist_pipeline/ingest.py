@@ -2,7 +2,8 @@
 
 Every format carries columns ``k``, ``v``, ``t`` and optionally ``d`` (default 1); other
 columns are ignored, or refused by name with ``extra_columns=False`` (as
-``compare_and_append`` refuses a table's, and as the CLI's ``append`` does). In
+``compare_and_append`` refuses a table's, and as the CLI's ``append`` and the
+pipeline's landing ingestion do). In
 CSV and JSONL, ``k`` and ``v`` are text (stored as UTF-8 bytes, a leading byte order mark
 skipped) and ``t``/``d`` integers (in JSONL, JSON numbers, not text); in Parquet,
 ``k``/``v`` may be binary or string. A file whose rows go to several shards

@@ -3,7 +3,8 @@
 A landing location is a local folder or an S3 prefix (``s3://bucket/prefix?...``, with
 the blob store's URI options and credential chain). :class:`LandingLocation` lists its
 objects, gives one object's identity, and reads one into a k/v/t/d table with the
-library's file readers; errors name the object by its path or redacted URI. The
+library's file readers, refusing extra columns as the CLI's ``append`` does; errors
+name the object by its path or redacted URI. The
 Dagster code location reaches landing files only through it.
 """
 
@@ -109,14 +110,19 @@ class LandingLocation:
         """The object ``name`` read as updates (CSV, JSON lines or Parquet by suffix),
         with the route column ``route`` if given (see :func:`read_updates_file`).
 
+        A column besides k, v, t, d and ``route`` is refused by name, as the CLI's
+        ``append`` refuses it: a shard has no place for it, and dropping it would lose
+        data its sender meant to store.
+
         Raises:
-            InvalidUpdates: no such object, or a bad row (the message names the object
-                as :meth:`describe` shows it, and the line).
+            InvalidUpdates: no such object, a bad row (the message names the object
+                as :meth:`describe` shows it, and the line), or an extra column.
             InvalidInput: ``name`` is not a path inside the location.
         """
         rel = self._relative(name)
         if not self.is_s3:
-            return read_updates_file(Path(self.location) / rel, route=route)
+            return read_updates_file(Path(self.location) / rel, route=route,
+                                     extra_columns=False)
         shown = self.describe(rel)
         blob = open_blob(self.location)
         try:
@@ -129,7 +135,7 @@ class LandingLocation:
             local = Path(tmp) / PurePosixPath(rel).name
             local.write_bytes(data)
             try:
-                return read_updates_file(local, route=route)
+                return read_updates_file(local, route=route, extra_columns=False)
             except InvalidUpdates as e:
                 raise InvalidUpdates(str(e).replace(str(local), shown)) from None
 

@@ -40,3 +40,28 @@ def test_missing_folders_and_files_are_clear_errors(tmp_path: Path) -> None:
         LandingLocation(str(tmp_path / "file")).list()
     with pytest.raises(InvalidUpdates):
         LandingLocation(str(tmp_path)).read_updates("absent.csv")
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+@pytest.mark.parametrize("route", [None, "table"])
+def test_a_landed_column_besides_the_updates_is_refused_by_name(
+        tmp_path: Path, suffix: str, route: str | None) -> None:
+    """A landed file is ingested as the CLI's append reads one: a column the shard does
+    not have (here ``note``, ``amount``) is refused, named, rather than dropped."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = {"k": "a", "v": "1", "t": 0, "note": "x", "amount": "3"}
+    if route is not None:
+        row[route] = "orders"
+    path = tmp_path / f"extra{suffix}"
+    if suffix == ".csv":
+        path.write_text(",".join(row) + "\n" + ",".join(str(v) for v in row.values()) + "\n")
+    elif suffix == ".jsonl":
+        path.write_text(json.dumps(row) + "\n")
+    else:
+        pq.write_table(pa.Table.from_pylist([row]), path)
+    with pytest.raises(InvalidUpdates, match=rf"{path.name}.*column\(s\) note, amount"):
+        LandingLocation(str(tmp_path)).read_updates(path.name, route=route)

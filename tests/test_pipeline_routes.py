@@ -181,6 +181,32 @@ def test_a_row_naming_no_shard_fails_the_file_and_writes_nothing(make_pipeline: 
     assert _state(pipeline) == before
 
 
+@pytest.mark.parametrize("routed", [False, True], ids=["files", "route"])
+def test_a_landed_column_the_shard_lacks_fails_the_file_and_writes_nothing(
+        make_pipeline: Any, routed: bool) -> None:
+    """A landed file with a column besides k, v, t, d (and the route column) is refused
+    as the CLI's append refuses it: the run fails naming the column, and no shard
+    changes (a dropped column would be data the user thinks is stored)."""
+    if routed:
+        pipeline, landing = _pipeline(make_pipeline)
+        sensor, names = SENSOR, list(ROUTED)
+        text = "k,v,t,table,amount\no1,10,0,order,3\nr1,-10,0,refund,4\n"
+    else:
+        pipeline = make_pipeline({"orders": {"source": {
+            "kind": "files", "uri": "{data_dir}/landing/orders"}}})
+        landing = pipeline.data_dir / "landing" / "orders"
+        landing.mkdir(parents=True)
+        sensor, names = "orders_landing_sensor", ["orders"]
+        text = "k,v,t,amount\no1,10,0,3\n"
+    bad = _land(landing, "a.csv", text, 1)
+    [result] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
+    assert not result.success and materializations(result) == {}
+    [message] = failure_messages(result)
+    assert f"{bad}: line 1: unexpected column(s) amount" in message
+    summaries = pipeline.client().shard_summaries()
+    assert [pipeline.shard_id(n) for n in names if pipeline.shard_id(n) in summaries] == []
+
+
 def test_a_moved_upper_replans_the_whole_transaction(tmp_path: Path) -> None:
     """Another writer appends to one shard between the run's read of the uppers and its
     commit: the transaction is refused as a whole and re-planned, so each shard gets the
