@@ -4,7 +4,9 @@ Global options --consensus URI --blob URI [--wal-blob URI] default to the PERSIS
 environment variables. Every command taking a shard takes its id or a name registered
 for it (new-shard --name, resolve --create); "names" lists them. Every error is printed
 as one line on stderr with exit code 2 (bad input) or 1 (anything else); no stack
-traces. "persist-pipeline COMMAND --help" shows a command's options and examples.
+traces. Commands that only read create nothing: at a location without a store they
+fail ("no store at ..."). "persist-pipeline COMMAND --help" shows a command's options
+and examples.
 """
 
 from __future__ import annotations
@@ -323,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
         return _new_shard(args)
     if args.command == "snapshot" and args.out is not None:
         _check_out(args.out)
-    with PersistClient.open(args.consensus, args.blob, args.wal_blob) as client:
+    with PersistClient.open(args.consensus, args.blob, args.wal_blob,
+                            create=_writes(args)) as client:
         if args.command == "shards":
             names = _shard_names(args.config, client)
             registered: dict[str, list[str]] = {}
@@ -376,6 +379,18 @@ def run(args: argparse.Namespace) -> int:
         elif args.command == "gc":
             _print_json(client.gc(shard))
     return 0
+
+
+#: Commands that only read: they open the location without creating it, so a mistyped
+#: URI is reported ("no store at ...") instead of leaving an empty store behind.
+_READ_ONLY = frozenset({"shards", "names", "inspect", "snapshot", "plan"})
+
+
+def _writes(args: argparse.Namespace) -> bool:
+    """Whether the command may create the location (a database file, tables, a folder)."""
+    if args.command == "resolve":
+        return bool(args.create)
+    return args.command not in _READ_ONLY
 
 
 def _append(client: PersistClient, args: argparse.Namespace) -> None:

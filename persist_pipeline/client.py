@@ -157,6 +157,7 @@ class PersistClient:
         config: PersistConfig | None = None,
         env: Mapping[str, str] | None = None,
         probe: bool = True,
+        create: bool = True,
     ) -> PersistClient:
         """Open a location by URI; unset arguments come from ``PERSIST_*`` variables.
 
@@ -174,10 +175,16 @@ class PersistClient:
             probe: read one (absent) key from each blob store now, so that an
                 unreachable endpoint, a missing bucket or bad credentials are reported
                 here rather than by the first write or compaction.
+            create: create a missing SQLite file, consensus tables or ``file://``
+                folder. False: open an existing location only and create nothing, so a
+                caller that only reads reports a mistyped location instead of leaving
+                an empty store there.
 
         Raises:
             InvalidUri / InvalidConfig: a malformed URI, a missing setting, or an
                 ``inline_policy`` that differs from ``config.inline_policy``.
+            ConsensusLocationNotFound / BlobLocationNotFound: ``create=False`` and no
+                store is at a URI (a :class:`LocationNotFound`).
             BlobUnavailable / BlobLocationNotFound / BlobAuthError: the probe failed.
         """
         env = os.environ if env is None else env
@@ -196,12 +203,13 @@ class PersistClient:
         check_blob_uri(blob_uri)
         if wal_blob_uri:
             check_blob_uri(wal_blob_uri)
-        consensus = open_consensus(consensus_uri)
+        _check_bool(create, "create")
+        consensus = open_consensus(consensus_uri, create=create)
         opened: list[Blob] = []
         try:
-            blob = open_blob(blob_uri)
+            blob = open_blob(blob_uri, create=create)
             opened.append(blob)
-            wal = open_blob(wal_blob_uri) if wal_blob_uri else None
+            wal = open_blob(wal_blob_uri, create=create) if wal_blob_uri else None
             if wal is not None:
                 opened.append(wal)
             if probe:

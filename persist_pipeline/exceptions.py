@@ -144,6 +144,16 @@ class ConsensusError(BackendError):
     """The consensus (SQL) backend failed."""
 
 
+class LocationNotFound(BackendError):
+    """A URI names a place that holds no persist store (a mistyped path, bucket or
+    database), and the store was opened without creating one: nothing was created."""
+
+
+class ConsensusLocationNotFound(ConsensusError, LocationNotFound):
+    """The consensus URI names no persist store: a SQLite file that does not exist, or a
+    database without persist's tables (opened with ``create=False``)."""
+
+
 class BlobError(BackendError):
     """The blob (object store) backend failed."""
 
@@ -181,7 +191,7 @@ class ClockProbeLost(BlobError):
     this process paused longer than the orphan age and a GC swept it. Probe again."""
 
 
-class BlobLocationNotFound(BlobError):
+class BlobLocationNotFound(BlobError, LocationNotFound):
     """The bucket or directory of a blob URI does not exist."""
 
 

@@ -263,3 +263,40 @@ def test_append_takes_an_excel_csv_and_refuses_extra_columns(env, tmp_path):
     out = cli(env, "append", shard, str(extra))
     assert out.returncode == 2 and "amount" in out.stderr
     assert json.loads(cli(env, "inspect", shard).stdout)["upper"] == 1  # nothing written
+
+
+READ_ONLY = [["shards"], ["names"], ["resolve", "orders"], ["inspect", "orders"],
+             ["snapshot", "orders", "--as-of", "0"], ["plan", "orders"]]
+
+
+@pytest.mark.parametrize("command", READ_ONLY, ids=lambda c: c[0])
+def test_a_read_only_command_at_a_missing_location_creates_nothing(
+        tmp_path: Path, command: list[str]) -> None:
+    """A mistyped location is reported, not made into an empty store: a command that
+    only reads opens the consensus database and blob folder without creating either."""
+    typo = {**os.environ, "PERSIST_CONSENSUS_URI": f"sqlite:///{tmp_path / 'typo.db'}",
+            "PERSIST_BLOB_URI": f"file://{tmp_path / 'typo-blobs'}"}
+    out = cli(typo, *command)
+    assert out.returncode == 1, out.stderr
+    [line] = out.stderr.strip().splitlines()
+    assert "ConsensusLocationNotFound: no store at" in line and "typo.db" in line, line
+    assert list(tmp_path.iterdir()) == []
+
+    # The consensus exists, its blob folder does not (mistyped): reported, not made.
+    env = {**typo, "PERSIST_BLOB_URI": f"file://{tmp_path / 'blobs'}"}
+    assert cli(env, "new-shard", "--name", "orders").returncode == 0
+    made = sorted(p.name for p in tmp_path.iterdir())
+    out = cli(typo, *command)
+    assert out.returncode == 1, out.stderr
+    [line] = out.stderr.strip().splitlines()
+    assert "BlobLocationNotFound" in line and "typo-blobs" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == made
+
+
+def test_commands_that_create_shards_create_the_location(tmp_path: Path) -> None:
+    env = {**os.environ, "PERSIST_CONSENSUS_URI": f"sqlite:///{tmp_path / 'new.db'}",
+           "PERSIST_BLOB_URI": f"file://{tmp_path / 'new-blobs'}"}
+    out = cli(env, "resolve", "--create", "orders")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "new.db").is_file() and (tmp_path / "new-blobs").is_dir()
+    assert json.loads(cli(env, "names").stdout) == {"orders": out.stdout.strip()}

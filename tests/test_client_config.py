@@ -143,3 +143,27 @@ def test_a_malformed_uri_creates_nothing(tmp_path: Path, blob: str, wal: str | N
         PersistClient.open(f"sqlite:///{d / 'c.db'}", blob.format(d=d),
                            wal.format(d=d) if wal else None, env={})
     assert sorted(p.name for p in d.iterdir()) == []  # no database file, no folder
+
+
+def test_open_without_create_needs_an_existing_location(tmp_path: Path) -> None:
+    """``create=False`` opens an existing location and creates nothing anywhere: a
+    missing consensus file or blob folder is a LocationNotFound naming it."""
+    from persist_pipeline import BlobLocationNotFound, ConsensusLocationNotFound
+    from persist_pipeline.exceptions import InvalidInput, LocationNotFound
+
+    db, blobs = tmp_path / "c.db", tmp_path / "blobs"
+    with pytest.raises(ConsensusLocationNotFound, match=str(db)) as info:
+        PersistClient.open(f"sqlite:///{db}", f"file://{blobs}", create=False)
+    assert isinstance(info.value, LocationNotFound)
+    with pytest.raises(InvalidInput, match="create must be True or False"):
+        PersistClient.open(f"sqlite:///{db}", f"file://{blobs}", create="no")  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+    with PersistClient.open(f"sqlite:///{db}", f"file://{blobs}") as client:
+        client.open_writer(ShardId.new()).expire()
+    wal = tmp_path / "wal"
+    with pytest.raises(BlobLocationNotFound, match=str(wal)):
+        PersistClient.open(f"sqlite:///{db}", f"file://{blobs}", f"file://{wal}",
+                           create=False)
+    assert not wal.exists()
+    with PersistClient.open(f"sqlite:///{db}", f"file://{blobs}", create=False) as client:
+        assert len(client.list_shards()) == 1

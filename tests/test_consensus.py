@@ -34,9 +34,11 @@ from persist_pipeline.consensus.sql import _CockroachDialect
 from persist_pipeline.exceptions import (
     ConsensusAuthError,
     ConsensusError,
+    ConsensusLocationNotFound,
     ConsensusUnavailable,
     InvalidInput,
     InvalidUri,
+    LocationNotFound,
 )
 from tests.fixtures.postgres import PgServer
 
@@ -1029,3 +1031,42 @@ def test_compare_and_set_many_is_atomic_under_racing_threads_and_processes(
     # The pairs appear in the same order in both shards, each exactly once.
     assert xs == ys
     assert len(ys) == sum(wins for _, wins, _ in outcomes) > 0
+
+
+def test_sqlite_opened_without_create_needs_an_existing_store(tmp_path: Path) -> None:
+    """``create=False`` (what read-only commands use) opens an existing store and
+    creates nothing: no database file, no tables in a database that has none."""
+    path = tmp_path / "typo.db"
+    with pytest.raises(ConsensusLocationNotFound, match="no store at") as info:
+        open_consensus(f"sqlite:///{path}", create=False)
+    assert isinstance(info.value, LocationNotFound) and str(path) in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+    other = tmp_path / "other.db"  # a SQLite database, but not a persist store
+    sqlite3.connect(other).close()
+    with pytest.raises(ConsensusLocationNotFound, match="no persist tables"):
+        open_consensus(f"sqlite:///{other}", create=False)
+    with sqlite3.connect(other) as conn:
+        assert conn.execute("SELECT name FROM sqlite_master").fetchall() == []
+
+    with open_consensus(f"sqlite:///{path}") as store:  # created, as by a writer
+        assert store.compare_and_set("s", None, vd(1)) is True
+    with open_consensus(f"sqlite:///{path}", create=False) as store:
+        assert store.head("s") == vd(1)
+
+
+@pytest.mark.postgres
+def test_pg_opened_without_create_creates_no_tables(pg_server: PgServer, pg_url: str) -> None:
+    with pytest.raises(ConsensusLocationNotFound, match="no persist tables"):
+        open_consensus(pg_url, create=False)
+    with psycopg2.connect(pg_url) as conn, conn.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'")
+        assert cursor.fetchone() == (0,)
+    conn.close()
+    with open_consensus(pg_url) as store:
+        assert store.compare_and_set("s", None, vd(1)) is True
+    with open_consensus(pg_url, create=False) as store:
+        assert store.head("s") == vd(1)
+    # A missing database stays what it was: a ConsensusError naming it.
+    with pytest.raises(ConsensusError, match="does not exist"):
+        open_consensus(pg_server.url(f"missing_{uuid.uuid4().hex[:8]}"), create=False)

@@ -52,13 +52,16 @@ SUPPORTED_SCHEMES = ("mem", "file", "s3")
 _EXAMPLES = "mem://NAME, file:///absolute/dir, s3://bucket/prefix?endpoint_url=..."
 
 
-def open_blob(uri: str, *, cache_bytes: int = 0) -> Blob:
+def open_blob(uri: str, *, cache_bytes: int = 0, create: bool = True) -> Blob:
     """Open the blob store a URI names.
 
     Args:
         uri: a ``mem://``, ``file://`` or ``s3://`` URI (see the package docstring).
         cache_bytes: when positive, wrap the store in a :class:`CachingBlob` of that many
             bytes.
+        create: create a missing ``file://`` directory. False: it must exist, and
+            nothing is created (S3 buckets are never created; ``mem://`` stores live in
+            the process).
 
     Returns:
         The store.
@@ -67,10 +70,11 @@ def open_blob(uri: str, *, cache_bytes: int = 0) -> Blob:
         InvalidUri: if the URI is not a string, is empty, names another scheme or is
             malformed for its scheme; the message never quotes secrets.
         InvalidConfig: if ``cache_bytes`` is negative.
+        BlobLocationNotFound: ``create=False`` and the ``file://`` directory is missing.
     """
     if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
         raise InvalidConfig(f"cache_bytes must be a non-negative int, got {cache_bytes!r}")
-    blob = _from_uri(uri, dry=False)
+    blob = _from_uri(uri, dry=False, create=create)
     assert blob is not None
     return CachingBlob(blob, cache_bytes) if cache_bytes else blob
 
@@ -81,7 +85,7 @@ def check_blob_uri(uri: str) -> None:
     _from_uri(uri, dry=True)
 
 
-def _from_uri(uri: str, *, dry: bool) -> Blob | None:
+def _from_uri(uri: str, *, dry: bool, create: bool = True) -> Blob | None:
     if not isinstance(uri, str):
         raise InvalidUri(f"blob URI must be a str, got {type(uri).__name__}")
     if any(ord(c) < 32 or ord(c) == 127 for c in uri):
@@ -103,7 +107,7 @@ def _from_uri(uri: str, *, dry: bool) -> Blob | None:
         if dry:
             LocalBlob.parse_uri(text)
             return None
-        return LocalBlob.from_uri(text)
+        return LocalBlob.from_uri(text, create=create)
     from persist_pipeline.blob.s3 import S3Blob
 
     return S3Blob.from_uri(text)  # connects on first use only

@@ -88,7 +88,8 @@ class LocalBlob(Blob):
             if create:
                 path.mkdir(parents=True, exist_ok=True)
             if not path.is_dir():
-                raise BlobLocationNotFound(f"blob directory {str(path)!r} does not exist")
+                raise BlobLocationNotFound(f"no store at {str(path)!r}: the blob directory "
+                                           f"does not exist")
         except PermissionError as exc:
             raise BlobAuthError(f"permission denied creating blob directory {str(path)!r}") from exc
         except (FileExistsError, NotADirectoryError) as exc:
@@ -101,13 +102,14 @@ class LocalBlob(Blob):
         self._real_root = path.resolve()
 
     @classmethod
-    def from_uri(cls, uri: str) -> LocalBlob:
-        """Open ``file:///absolute/dir``.
+    def from_uri(cls, uri: str, *, create: bool = True) -> LocalBlob:
+        """Open ``file:///absolute/dir`` (``create``: as for the constructor).
 
         Raises:
             InvalidUri: on a relative path, a host other than ``localhost`` or any query.
+            BlobLocationNotFound: ``create=False`` and the directory does not exist.
         """
-        return cls(cls.parse_uri(uri))
+        return cls(cls.parse_uri(uri), create=create)
 
     @staticmethod
     def parse_uri(uri: str) -> str:

@@ -33,7 +33,7 @@ _EXAMPLES = (
 )
 
 
-def open_consensus(uri: str) -> Consensus:
+def open_consensus(uri: str, *, create: bool = True) -> Consensus:
     """Opens the consensus store named by ``uri``.
 
     Args:
@@ -41,6 +41,10 @@ def open_consensus(uri: str) -> Consensus:
             in-memory store NAME shared by every opener in this process,
             ``sqlite:///path/to/file.db``, ``postgresql://...`` (also ``postgres://``,
             ``postgresql+psycopg2://``) or ``cockroachdb://...``.
+        create: create a missing SQLite file and missing tables. False: open an
+            existing store only and create nothing, so a mistyped location is
+            reported instead of becoming an empty store (in-memory stores live in the
+            process and are opened as with True).
 
     Returns:
         The store; close it (or use it as a context manager) when done.
@@ -48,6 +52,7 @@ def open_consensus(uri: str) -> Consensus:
     Raises:
         InvalidUri: ``uri`` is not a string, is malformed, has an unsupported scheme or
             a query parameter the backend does not take (named in the message).
+        ConsensusLocationNotFound: ``create=False`` and there is no store at ``uri``.
         ConsensusAuthError: the database rejected the credentials.
         ConsensusUnavailable: the database could not be reached.
         ConsensusError: the database could not be opened for another reason.
@@ -57,7 +62,7 @@ def open_consensus(uri: str) -> Consensus:
         return MemoryConsensus(rest or None)
     from persist_pipeline.consensus.sql import SqlConsensus
 
-    return SqlConsensus(uri.strip())
+    return SqlConsensus(uri.strip(), create=create)
 
 
 def check_consensus_uri(uri: str) -> None:

@@ -30,7 +30,9 @@ import select
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import psycopg2
@@ -60,7 +62,12 @@ from persist_pipeline.consensus._sql_statements import (
 )
 from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.consensus.schemes import SCHEMES
-from persist_pipeline.exceptions import ConsensusError, InvalidInput, InvalidUri
+from persist_pipeline.exceptions import (
+    ConsensusError,
+    ConsensusLocationNotFound,
+    InvalidInput,
+    InvalidUri,
+)
 
 T = TypeVar("T")
 
@@ -222,11 +229,24 @@ def _sqlite_timeout(url: URL) -> float:
     return timeout
 
 
-def _create_engine(kind: str, url: URL) -> Engine:
+def _sqlite_path(url: URL) -> Path:
+    """The database file a sqlite URL names, as SQLite resolves it (relative paths
+    against the current directory)."""
+    return Path(str(url.database)).expanduser().absolute()
+
+
+def _create_engine(kind: str, url: URL, create: bool = True) -> Engine:
     engine_url = url.set(drivername=_DRIVERS[kind])
     common: dict[str, Any] = {"pool_pre_ping": True, "isolation_level": "AUTOCOMMIT"}
     if kind == "sqlite":
         timeout = _sqlite_timeout(url)
+        if not create:
+            # SQLite creates a missing file on connect; its URI filename with mode=rw
+            # does not, so a store opened without create never makes one, even if the
+            # file is removed between the existence check and a (re)connect.
+            filename = "file:" + urllib.parse.quote(str(_sqlite_path(url)))
+            engine_url = engine_url.set(database=filename,
+                                        query={**url.query, "mode": "rw", "uri": "true"})
         engine = create_engine(engine_url, connect_args={"timeout": timeout}, **common)
         event.listen(engine, "connect", functools.partial(_on_sqlite_connect, timeout))
         return engine
@@ -388,33 +408,44 @@ class SqlConsensus(Consensus):
     """Consensus in a SQL database (see the module docstring).
 
     Tables ``consensus(shard, seqno, data, summary)`` and ``shards(shard)`` are created if
-    missing when the store is opened, which also connects once, so a bad host, database
-    or password is reported here and not at the first call.
+    missing when the store is opened (unless ``create=False``), which also connects once,
+    so a bad host, database or password is reported here and not at the first call.
     """
 
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, *, create: bool = True) -> None:
         """Opens the database at ``uri``.
 
         Args:
             uri: ``postgresql://user[:password]@host[:port]/db`` (also ``postgres://``,
                 ``postgresql+psycopg2://``), ``cockroachdb://...`` or
                 ``sqlite:///path/to/file.db``.
+            create: create the SQLite file and the tables if missing. False: open an
+                existing store only, creating nothing (for callers that only read).
 
         Raises:
             InvalidUri: the URI is malformed or unsupported.
+            ConsensusLocationNotFound: ``create=False`` and the SQLite file does not
+                exist, or the database has no persist tables.
             ConsensusAuthError: the database rejected the credentials.
             ConsensusUnavailable: the database could not be reached.
             ConsensusError: anything else (e.g. the database does not exist).
         """
         self._kind, self._url = parse_uri(uri)
         self._display = redact_url(self._url)
-        self._engine = _create_engine(self._kind, self._url)
+        if not create and self._kind == "sqlite" and not _sqlite_path(self._url).exists():
+            raise ConsensusLocationNotFound(
+                f"no store at {self._display}: {_sqlite_path(self._url)} does not exist "
+                f"(a command that writes, e.g. new-shard, creates it)")
+        self._engine = _create_engine(self._kind, self._url, create)
         self._statements = compile_all(self._kind, self._engine.dialect)
         self._multi_cas: dict[int, Rendered] = {}
         self._conns = _Connections(self._engine, keep=_KEEP_CONNECTIONS)
         self._closed = False
         try:
-            self._create_tables()
+            if create:
+                self._create_tables()
+            else:
+                self._check_tables()
         except BaseException:
             self._engine.dispose()
             raise
@@ -442,6 +473,22 @@ class SqlConsensus(Consensus):
                     return
                 if not raced or attempt == 2:
                     raise map_error(exc, self._url, "opening") from exc
+
+    def _check_tables(self) -> None:
+        """Connect once (as :meth:`_create_tables` does, so a bad host, database or
+        password is reported here) and refuse a database without persist's tables."""
+        try:
+            with self._engine.connect() as conn:
+                inspector = inspect(conn)
+                missing = [t.name for t in metadata.sorted_tables
+                           if not inspector.has_table(t.name)]
+        except sa_exc.DBAPIError as exc:
+            raise map_error(exc, self._url, "opening") from exc
+        if missing:
+            raise ConsensusLocationNotFound(
+                f"no store at {self._display}: the database has no persist tables "
+                f"({', '.join(missing)} missing; a command that writes, e.g. new-shard, "
+                f"creates them)")
 
     def _tables_exist(self) -> bool:
         with contextlib.suppress(sa_exc.DBAPIError), self._engine.connect() as conn:
