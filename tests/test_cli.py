@@ -300,3 +300,15 @@ def test_commands_that_create_shards_create_the_location(tmp_path: Path) -> None
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "new.db").is_file() and (tmp_path / "new-blobs").is_dir()
     assert json.loads(cli(env, "names").stdout) == {"orders": out.stdout.strip()}
+
+
+@pytest.mark.parametrize("command", [["names"], ["new-shard"]], ids=lambda c: c[0])
+def test_a_postgres_uri_without_a_database_is_bad_input(tmp_path: Path,
+                                                       command: list[str]) -> None:
+    env = {**os.environ, "PERSIST_CONSENSUS_URI": "postgresql://app:hunter2secret@127.0.0.1:1",
+           "PERSIST_BLOB_URI": f"file://{tmp_path / 'blobs'}"}
+    out = cli(env, *command)
+    assert out.returncode == 2, out.stderr
+    [line] = out.stderr.strip().splitlines()
+    assert "names no database" in line and "hunter2secret" not in out.stderr + out.stdout
+    assert list(tmp_path.iterdir()) == []

@@ -1070,3 +1070,32 @@ def test_pg_opened_without_create_creates_no_tables(pg_server: PgServer, pg_url:
     # A missing database stays what it was: a ConsensusError naming it.
     with pytest.raises(ConsensusError, match="does not exist"):
         open_consensus(pg_server.url(f"missing_{uuid.uuid4().hex[:8]}"), create=False)
+
+
+@pytest.mark.parametrize("uri", [
+    "postgresql://u:hunter2secret@127.0.0.1:1",
+    "postgresql://u:hunter2secret@127.0.0.1:1/",
+    "postgres://u:hunter2secret@127.0.0.1:1/?sslmode=disable",
+    "postgresql+psycopg2://u:hunter2secret@127.0.0.1:1",
+    "postgresql:///?host=/tmp&password=hunter2secret",
+    "cockroachdb://u:hunter2secret@127.0.0.1:1",
+    "cockroachdb://u:hunter2secret@127.0.0.1:1/?sslmode=disable",
+])
+def test_a_server_uri_without_a_database_is_refused_before_connecting(uri: str) -> None:
+    """Without a database name libpq connects to the user's default database (CockroachDB
+    to defaultdb): a store there is not the one meant, so the URI is refused, naming
+    what is missing, before any connection (nothing listens on port 1) and without
+    the password."""
+    from persist_pipeline.consensus import check_consensus_uri
+
+    for opener in (open_consensus, check_consensus_uri):
+        with pytest.raises(InvalidUri, match="names no database") as info:
+            opener(uri)
+        assert "hunter2secret" not in all_text(info.value)
+        assert uri.split("://")[0] in str(info.value)
+
+
+def test_a_database_given_as_dbname_parameter_is_accepted() -> None:
+    # libpq's own spelling of the database: getting to connect means it was accepted.
+    with pytest.raises(ConsensusUnavailable):
+        open_consensus("postgresql://u@127.0.0.1:1/?dbname=persist&connect_timeout=2")

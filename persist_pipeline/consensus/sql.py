@@ -110,8 +110,8 @@ def parse_uri(uri: str) -> tuple[str, URL]:
     """The backend kind (``postgresql``, ``cockroachdb``, ``sqlite``) and parsed URL.
 
     Raises:
-        InvalidUri: ``uri`` is malformed, has an unsupported scheme, or is a SQLite URI
-            without a file path.
+        InvalidUri: ``uri`` is malformed, has an unsupported scheme, is a SQLite URI
+            without a file path, or a PostgreSQL / CockroachDB URI without a database.
     """
     if not isinstance(uri, str) or "://" not in uri:
         raise InvalidUri(f"not a SQL consensus URI (scheme://...): {type(uri).__name__}")
@@ -132,7 +132,22 @@ def parse_uri(uri: str) -> tuple[str, URL]:
             "(use mem:// for an in-memory store)"
         )
     _check_params(kind, scheme, url)
+    if kind != "sqlite":
+        _check_database(scheme, url)
     return kind, url
+
+
+def _check_database(scheme: str, url: URL) -> None:
+    """Refuse a server URI that names no database: libpq would connect to the database
+    named after the user (CockroachDB to ``defaultdb``), and a store created there is
+    not the one meant. A ``dbname`` parameter names it too, and a ``service`` defines it
+    in the service file."""
+    if url.database or "dbname" in url.query or "service" in url.query:
+        return
+    raise InvalidUri(
+        f"{scheme} consensus URI {redact_url(url)} names no database: add it after the "
+        f"host, e.g. {scheme}://USER@HOST:PORT/DBNAME (without one the server would pick "
+        f"the user's default database)")
 
 
 #: The query parameters of a sqlite consensus URI.
