@@ -343,6 +343,20 @@ def table_uppers_memoized() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def table_schema_recorded_at_open() -> Iterator[None]:
+    """A table store records its schema (an evolution) when it opens the generation's
+    writer, before its commit: a store that is then refused leaves the evolved schema,
+    and loads return the table before it with a column it never had."""
+    from persist_pipeline import client as client_module
+
+    def at_open(self: Any, shard: Any, schema: Any, debug: str = "") -> Any:
+        return self.open_writer(shard, schema=schema, debug=debug)
+
+    with _patched(client_module.PersistClient, "_open_table_writer", at_open):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -366,4 +380,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "funnel_forgets_successor": funnel_forgets_successor,
     "contents_read_at_the_upper": contents_read_at_the_upper,
     "table_uppers_memoized": table_uppers_memoized,
+    "table_schema_recorded_at_open": table_schema_recorded_at_open,
 }

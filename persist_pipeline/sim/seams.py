@@ -626,7 +626,8 @@ TABLE_NAME = "sim/table"
 
 
 def _table_version(run: SimRun, n: int) -> tuple[pa.Table, list[str] | None]:
-    """The n-th table a writer stores: keyed or not, and now and then another schema
+    """The n-th table a writer stores: keyed or not, now and then with a nullable column
+    added (evolving its generation's schema in place), and now and then another schema
     (which starts a new generation)."""
     rng = run.rng
     rows = rng.randint(0, 6)
@@ -639,6 +640,9 @@ def _table_version(run: SimRun, n: int) -> tuple[pa.Table, list[str] | None]:
                       "v": [rng.choice(["a", "b", None]) for _ in ids]})
     if kind < 0.5:  # a collection: duplicates keep their multiplicity
         return pa.concat_tables([table, table.slice(0, rows // 2)]), None
+    if kind >= 0.85:  # a nullable column added: the keyed generation's schema evolves
+        return table.append_column("tier", pa.array([i % 3 or None for i in ids],
+                                                    pa.int64())), ["id"]
     return table, ["id"]
 
 
