@@ -4,8 +4,9 @@ Global options --consensus URI --blob URI [--wal-blob URI] default to the PERSIS
 environment variables. Every command taking a shard takes its id or a name registered
 for it (new-shard --name, resolve --create); "names" lists them. Every error is printed
 as one line on stderr with exit code 2 (bad input) or 1 (anything else); no stack
-traces. Commands that only read create nothing: at a location without a store they
-fail ("no store at ..."). "persist-pipeline COMMAND --help" shows a command's options
+traces. Commands that only read, or need a shard that exists (compact, gc, append
+without --create), create nothing: at a location without a store they fail ("no store
+at ..."). "persist-pipeline COMMAND --help" shows a command's options
 and examples.
 """
 
@@ -386,11 +387,16 @@ def run(args: argparse.Namespace) -> int:
 _READ_ONLY = frozenset({"shards", "names", "inspect", "snapshot", "plan"})
 
 
+#: Commands that need an existing shard (without --create): at a location without a
+#: store they cannot succeed, so they create nothing there either.
+_NEED_A_SHARD = frozenset({"compact", "gc"})
+
+
 def _writes(args: argparse.Namespace) -> bool:
     """Whether the command may create the location (a database file, tables, a folder)."""
-    if args.command == "resolve":
+    if args.command in ("resolve", "append"):
         return bool(args.create)
-    return args.command not in _READ_ONLY
+    return args.command not in _READ_ONLY | _NEED_A_SHARD
 
 
 def _append(client: PersistClient, args: argparse.Namespace) -> None:

@@ -265,15 +265,21 @@ def test_append_takes_an_excel_csv_and_refuses_extra_columns(env, tmp_path):
     assert json.loads(cli(env, "inspect", shard).stdout)["upper"] == 1  # nothing written
 
 
+#: A file of updates outside the test's folder (which must stay empty).
+_ROWS = Path(__file__).parent / "fixtures" / "cli_rows.jsonl"
+
+#: Commands that only read, or need an existing shard (append without --create).
 READ_ONLY = [["shards"], ["names"], ["resolve", "orders"], ["inspect", "orders"],
-             ["snapshot", "orders", "--as-of", "0"], ["plan", "orders"]]
+             ["snapshot", "orders", "--as-of", "0"], ["plan", "orders"],
+             ["compact", "orders"], ["gc", "orders"], ["append", "orders", str(_ROWS)]]
 
 
 @pytest.mark.parametrize("command", READ_ONLY, ids=lambda c: c[0])
 def test_a_read_only_command_at_a_missing_location_creates_nothing(
         tmp_path: Path, command: list[str]) -> None:
     """A mistyped location is reported, not made into an empty store: a command that
-    only reads opens the consensus database and blob folder without creating either."""
+    only reads, or needs a shard that exists, opens the consensus database and blob
+    folder without creating either."""
     typo = {**os.environ, "PERSIST_CONSENSUS_URI": f"sqlite:///{tmp_path / 'typo.db'}",
             "PERSIST_BLOB_URI": f"file://{tmp_path / 'typo-blobs'}"}
     out = cli(typo, *command)
