@@ -35,6 +35,7 @@ from persist_pipeline.exceptions import (
     InvalidShardId,
     InvalidShardName,
     InvalidUpdates,
+    LocationNotFound,
     PersistError,
     ShardNameNotFound,
     ShardNotFound,
@@ -326,8 +327,7 @@ def run(args: argparse.Namespace) -> int:
         return _new_shard(args)
     if args.command == "snapshot" and args.out is not None:
         _check_out(args.out)
-    with PersistClient.open(args.consensus, args.blob, args.wal_blob,
-                            create=_writes(args)) as client:
+    with _open(args) as client:
         if args.command == "shards":
             names = _shard_names(args.config, client)
             registered: dict[str, list[str]] = {}
@@ -390,6 +390,18 @@ _READ_ONLY = frozenset({"shards", "names", "inspect", "snapshot", "plan"})
 #: Commands that need an existing shard (without --create): at a location without a
 #: store they cannot succeed, so they create nothing there either.
 _NEED_A_SHARD = frozenset({"compact", "gc"})
+
+
+def _open(args: argparse.Namespace) -> PersistClient:
+    """The client of the command's location, created only by commands that may create
+    it; a missing location's error says which command would."""
+    try:
+        return PersistClient.open(args.consensus, args.blob, args.wal_blob,
+                                  create=_writes(args))
+    except LocationNotFound as e:
+        hint = ("pass --create to create it" if args.command == "append" else
+                "new-shard, resolve --create or append --create makes one")
+        raise type(e)(f"{e}; {hint}") from None
 
 
 def _writes(args: argparse.Namespace) -> bool:

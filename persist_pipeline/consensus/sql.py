@@ -449,8 +449,7 @@ class SqlConsensus(Consensus):
         self._display = redact_url(self._url)
         if not create and self._kind == "sqlite" and not _sqlite_path(self._url).exists():
             raise ConsensusLocationNotFound(
-                f"no store at {self._display}: {_sqlite_path(self._url)} does not exist "
-                f"(a command that writes, e.g. new-shard, creates it)")
+                f"no store at {self._display}: {_sqlite_path(self._url)} does not exist")
         self._engine = _create_engine(self._kind, self._url, create)
         self._statements = compile_all(self._kind, self._engine.dialect)
         self._multi_cas: dict[int, Rendered] = {}
@@ -502,8 +501,7 @@ class SqlConsensus(Consensus):
         if missing:
             raise ConsensusLocationNotFound(
                 f"no store at {self._display}: the database has no persist tables "
-                f"({', '.join(missing)} missing; a command that writes, e.g. new-shard, "
-                f"creates them)")
+                f"({', '.join(missing)} missing)")
 
     def _tables_exist(self) -> bool:
         with contextlib.suppress(sa_exc.DBAPIError), self._engine.connect() as conn:
