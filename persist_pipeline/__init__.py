@@ -34,7 +34,8 @@ Module map:
 - ``sim/``: the deterministic simulation (``persist-pipeline simulate``).
 - ``spark``: the Spark compaction executor: key-range split merges, failures isolated per
   merge (imports pyspark lazily); ``register`` adds the data source.
-- ``spark_source``: the ``persist`` PySpark data source (reads and atomic writes).
+- ``spark_source``: the ``persist`` PySpark data source (reads and atomic writes);
+  its PySpark classes are in ``spark_datasource``, imported by ``register``.
 - ``dagster_io/``: ``PersistIOManager``, Dagster assets stored in shards, and the row
   encoding it uses (imports dagster; never imported by this package itself).
 - ``proto/``: the protobuf wire formats; ``cli``: the ``persist-pipeline`` command.

@@ -1,6 +1,9 @@
 """The ``persist`` data source for PySpark 4 (the Python Data Source API): read and write.
 
-This module imports PySpark (the ``pipeline`` extra); the rest of the library does not.
+It needs PySpark (the ``pipeline`` extra), imported where Spark types are built; its
+PySpark classes are in :mod:`persist_pipeline.spark_datasource`, which :func:`register`
+imports. The functions here import without PySpark, so the deterministic simulation
+(``persist-pipeline simulate``, no extra needed) runs the data source's write path.
 
 Register it once per session with :func:`register` (also ``persist_pipeline.spark.register``)::
 
@@ -71,15 +74,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
-from pyspark.sql.datasource import (
-    DataSource,
-    DataSourceArrowWriter,
-    DataSourceReader,
-    DataSourceWriter,
-    InputPartition,
-    WriterCommitMessage,
-)
-from pyspark.sql.types import BinaryType, LongType, StructField, StructType
 
 from persist_pipeline.blob import redact_uri
 from persist_pipeline.compaction import KeyRange
@@ -108,6 +102,7 @@ from persist_pipeline.updates import Updates, consolidate, naming_shard
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+    from pyspark.sql.types import StructType
 
     from persist_pipeline.client import PersistClient
 
@@ -119,9 +114,6 @@ __all__ = ["FORMAT", "SPARK_SCHEMA", "register"]
 FORMAT = "persist"
 #: The columns of every read and write, as Spark DDL.
 SPARK_SCHEMA = "k binary, v binary, t long, d long"
-#: :data:`SPARK_SCHEMA` as a StructType (built without a session).
-_UNTYPED_STRUCT = StructType([StructField("k", BinaryType()), StructField("v", BinaryType()),
-                              StructField("t", LongType()), StructField("d", LongType())])
 #: What a read partition yields (nullable: Spark's own view of the DDL above).
 _ARROW_SCHEMA = pa.schema([("k", pa.binary()), ("v", pa.binary()), ("t", pa.int64()),
                            ("d", pa.int64())])
@@ -147,6 +139,8 @@ def register(spark: SparkSession, *, one_line_errors: bool = True) -> None:
             Python traceback. It applies to the session's Python UDFs too; pass False
             to keep their tracebacks.
     """
+    from persist_pipeline.spark_datasource import PersistDataSource
+
     spark.dataSource.register(PersistDataSource)
     if one_line_errors:
         spark.conf.set(HIDE_TRACEBACK_CONF, "true")
@@ -429,6 +423,14 @@ def make_read_plan(options: Mapping[str, str]) -> tuple[_Location, int, list[_Re
         client.close()
 
 
+def _untyped_struct() -> StructType:
+    """:data:`SPARK_SCHEMA` as a StructType (built without a session)."""
+    from pyspark.sql.types import BinaryType, LongType, StructField, StructType
+
+    return StructType([StructField("k", BinaryType()), StructField("v", BinaryType()),
+                       StructField("t", LongType()), StructField("d", LongType())])
+
+
 def spark_struct(schema: ShardSchema) -> StructType:
     """A typed shard's read schema as Spark sees it.
 
@@ -477,7 +479,7 @@ def declared_columns(declared: StructType | None, encoded: bytes,
     if declared is None:
         return None
     typed = ShardSchema.from_bytes(encoded) if encoded else None
-    planned = _UNTYPED_STRUCT if typed is None else spark_struct(typed)
+    planned = _untyped_struct() if typed is None else spark_struct(typed)
     want = [(f.name, f.dataType) for f in declared.fields]
     have = [(f.name, f.dataType) for f in planned.fields]
     if want == have:
@@ -668,76 +670,3 @@ def _abort(job: _WriteJob, messages: Sequence[Any]) -> None:
                 _blob(uri or job.location.blob_uri).delete(part.key)
             except PersistError as e:  # GC's orphan sweep gets it later
                 log.warning("could not delete uncommitted part %s: %s", part.key, e)
-
-
-# --- the pyspark classes ------------------------------------------------------------------
-
-
-class PersistInputPartition(InputPartition):
-    """One key range of a read (see :func:`plan_partitions`)."""
-
-    def __init__(self, partition: _ReadPartition) -> None:
-        super().__init__(partition.index)
-        self.partition = partition
-
-
-class PersistReader(DataSourceReader):
-    """Planned in a Python worker of the driver, pickled to the executors."""
-
-    def __init__(self, options: Mapping[str, str], declared: StructType | None = None
-                 ) -> None:
-        (self.location, self.as_of, self._partitions, self.lease_s,
-         self.schema) = make_read_plan(options)
-        self.columns = declared_columns(declared, self.schema, self.location.shard_id)
-
-    def partitions(self) -> Sequence[InputPartition]:
-        return [PersistInputPartition(p) for p in self._partitions]
-
-    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, PersistInputPartition)
-        return _read_partition(self.location, self.as_of, partition.partition, self.lease_s,
-                               self.schema, self.columns)
-
-
-@dataclass
-class PersistCommitMessage(WriterCommitMessage):
-    """What one write task uploaded."""
-
-    parts: tuple[HollowPart, ...]
-    num_updates: int
-
-
-class PersistWriter(DataSourceArrowWriter):
-    """Tasks upload parts; the driver commits them all with one compare_and_append."""
-
-    def __init__(self, job: _WriteJob) -> None:
-        self.job = job
-
-    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
-        parts, updates = _write_task(self.job, iterator)
-        return PersistCommitMessage(parts, updates)
-
-    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        _commit(self.job, [m for m in messages if isinstance(m, PersistCommitMessage)])
-
-    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        _abort(self.job, [m for m in messages if isinstance(m, PersistCommitMessage)])
-
-
-class PersistDataSource(DataSource):
-    """``format("persist")``: a shard's consolidated collection at ``as_of``; appends."""
-
-    @classmethod
-    def name(cls) -> str:
-        return FORMAT
-
-    def schema(self) -> str | StructType:
-        writing = any(k.lower() in ("expected_upper", "new_upper") for k in self.options)
-        typed = _shard_schema(_Location.from_options(self.options, writing=writing))
-        return SPARK_SCHEMA if typed is None else spark_struct(typed)
-
-    def reader(self, schema: StructType) -> DataSourceReader:
-        return PersistReader(self.options, schema)
-
-    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
-        return PersistWriter(_write_job(self.options, overwrite))

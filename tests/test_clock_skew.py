@@ -22,8 +22,8 @@ from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import Consensus, VersionedData
 from persist_pipeline.exceptions import CommitDeadlineExceeded
 from persist_pipeline.sim import controls
+from persist_pipeline.spark_datasource import PersistCommitMessage
 from persist_pipeline.spark_source import (
-    PersistCommitMessage,
     _abort,
     _commit,
     _Location,

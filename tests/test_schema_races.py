@@ -18,7 +18,8 @@ import pytest
 
 from persist_pipeline import InlinePolicy, PersistClient, ShardId, ShardSchema
 from persist_pipeline.exceptions import SchemaMismatch
-from persist_pipeline.spark_source import PersistCommitMessage, _commit, _write_job, _write_task
+from persist_pipeline.spark_datasource import PersistCommitMessage
+from persist_pipeline.spark_source import _commit, _write_job, _write_task
 from tests.fixtures.location import Location
 
 V1 = ShardSchema({"id": pa.int64()}, {"a": pa.string()})

@@ -217,8 +217,8 @@ def test_abort_deletes_parts_only_when_no_commit_was_attempted(tmp_path: Path) -
     parts may be referenced, so they are GC's to judge)."""
     import pyarrow as pa
 
+    from persist_pipeline.spark_datasource import PersistCommitMessage
     from persist_pipeline.spark_source import (
-        PersistCommitMessage,
         _abort,
         _commit_marker,
         _write_job,

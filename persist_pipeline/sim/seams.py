@@ -329,6 +329,16 @@ def typed_reader(run: SimRun, proc: Process) -> None:
 # --- Spark data-source writes -------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _TaskMessage:
+    """What one write task hands the driver: the fields of the data source's
+    ``PersistCommitMessage``, without its PySpark base class (the simulation runs
+    without PySpark)."""
+
+    parts: tuple[Any, ...]
+    num_updates: int
+
+
 def _spark_location(run: SimRun, shard: str) -> Any:
     return spark_source._Location("sim://consensus", run.spark_blob_uri, run.spark_wal_uri,
                                   shard)
@@ -343,7 +353,7 @@ def _run_tasks(run: SimRun, job: Any, tables: list[pa.Table], messages: list[Any
             spark_source._write_task(job, iter(table.to_batches()))  # a lost attempt
             run.scheduler.count("spark_task_retries")
         parts, updates = spark_source._write_task(job, iter(table.to_batches()))
-        messages.append(spark_source.PersistCommitMessage(parts, updates))
+        messages.append(_TaskMessage(parts, updates))
 
 
 def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table]) -> str:

@@ -1,0 +1,116 @@
+"""The PySpark classes of the ``persist`` data source (the Python Data Source API).
+
+This module imports PySpark (the ``pipeline`` extra); only
+:func:`persist_pipeline.spark_source.register` imports it. What the classes run (planning
+a read, reading a partition, uploading a task's parts, committing or aborting a write)
+lives in :mod:`persist_pipeline.spark_source`, which imports PySpark only inside the
+functions that build Spark types, so the deterministic simulation runs those functions
+without PySpark installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    DataSourceWriter,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import StructType
+
+from persist_pipeline.internal.state import HollowPart
+from persist_pipeline.spark_source import (
+    FORMAT,
+    SPARK_SCHEMA,
+    _abort,
+    _commit,
+    _Location,
+    _read_partition,
+    _ReadPartition,
+    _shard_schema,
+    _write_job,
+    _write_task,
+    _WriteJob,
+    declared_columns,
+    make_read_plan,
+    spark_struct,
+)
+
+__all__ = ["PersistCommitMessage", "PersistDataSource", "PersistReader", "PersistWriter"]
+
+
+
+class PersistInputPartition(InputPartition):
+    """One key range of a read (see :func:`plan_partitions`)."""
+
+    def __init__(self, partition: _ReadPartition) -> None:
+        super().__init__(partition.index)
+        self.partition = partition
+
+
+class PersistReader(DataSourceReader):
+    """Planned in a Python worker of the driver, pickled to the executors."""
+
+    def __init__(self, options: Mapping[str, str], declared: StructType | None = None
+                 ) -> None:
+        (self.location, self.as_of, self._partitions, self.lease_s,
+         self.schema) = make_read_plan(options)
+        self.columns = declared_columns(declared, self.schema, self.location.shard_id)
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return [PersistInputPartition(p) for p in self._partitions]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, PersistInputPartition)
+        return _read_partition(self.location, self.as_of, partition.partition, self.lease_s,
+                               self.schema, self.columns)
+
+
+@dataclass
+class PersistCommitMessage(WriterCommitMessage):
+    """What one write task uploaded."""
+
+    parts: tuple[HollowPart, ...]
+    num_updates: int
+
+
+class PersistWriter(DataSourceArrowWriter):
+    """Tasks upload parts; the driver commits them all with one compare_and_append."""
+
+    def __init__(self, job: _WriteJob) -> None:
+        self.job = job
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
+        parts, updates = _write_task(self.job, iterator)
+        return PersistCommitMessage(parts, updates)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        _commit(self.job, [m for m in messages if isinstance(m, PersistCommitMessage)])
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        _abort(self.job, [m for m in messages if isinstance(m, PersistCommitMessage)])
+
+
+class PersistDataSource(DataSource):
+    """``format("persist")``: a shard's consolidated collection at ``as_of``; appends."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> str | StructType:
+        writing = any(k.lower() in ("expected_upper", "new_upper") for k in self.options)
+        typed = _shard_schema(_Location.from_options(self.options, writing=writing))
+        return SPARK_SCHEMA if typed is None else spark_struct(typed)
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return PersistReader(self.options, schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
+        return PersistWriter(_write_job(self.options, overwrite))
