@@ -10,7 +10,9 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,43 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs(tmp_path: Path) -> None:
     assert listed.returncode == 0, listed.stderr[-2000:]
     [(shard, summary)] = json.loads(listed.stdout).items()
     assert summary["name"] == "clicks" and shard.startswith("s")
+
+
+def test_the_sdist_and_wheel_hold_the_package_and_nothing_else(tmp_path: Path) -> None:
+    # Built from the files of a clean clone (tracked, or new and not ignored), with this
+    # environment's setuptools (pyproject.toml's build backend), without build isolation.
+    src = tmp_path / "src"
+    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard"], cwd=ROOT, capture_output=True,
+                             check=True).stdout.decode().split("\0")
+    for name in filter(None, tracked):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            (src / name).write_bytes((ROOT / name).read_bytes())
+    out = tmp_path / "dist"
+    build = ("import sys; from setuptools import build_meta as b; d = sys.argv[1]; "
+             "print(b.build_sdist(d)); print(b.build_wheel(d))")
+    built = subprocess.run([sys.executable, "-c", build, str(out)], cwd=src,
+                           capture_output=True, text=True, timeout=300, check=False)
+    assert built.returncode == 0, built.stderr[-2000:]
+    [sdist] = out.glob("*.tar.gz")
+    wheels = list(out.glob("*.whl"))
+    assert len(wheels) == 1, (built.stdout[-3000:], sorted(out.iterdir()))
+    [wheel] = wheels
+    with tarfile.open(sdist) as tar:
+        in_sdist = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    in_wheel = set(zipfile.ZipFile(wheel).namelist())
+    # What the package loads or ships beside its modules.
+    for data in ("persist_pipeline/py.typed", "persist_pipeline/proto/persist.proto",
+                 "persist_pipeline/proto/persist_pb2.py",
+                 "persist_pipeline/proto/persist_pb2.pyi"):
+        assert data in in_wheel and data in in_sdist, data
+    modules = {n for n in tracked if n.startswith("persist_pipeline/") and n.endswith(".py")}
+    assert modules <= in_wheel and modules <= in_sdist, sorted(modules - in_wheel)
+    # Only the library: no tests, results, benchmarks, code location, virtualenv.
+    for names in (in_sdist, in_wheel):
+        stray = sorted(n for n in names if n.split("/")[0] in
+                       {"tests", "results", "bench", ".venv", "assets", "resources", "docker"})
+        assert stray == [], stray
+    assert all(n.split("/")[0] in {"persist_pipeline", "persist_pipeline-0.1.0.dist-info"}
+               for n in in_wheel), sorted(in_wheel)
