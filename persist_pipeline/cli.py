@@ -623,8 +623,9 @@ def _config_shard_ids(path: Path, client: PersistClient) -> dict[str, str]:
     try:
         import yaml  # type: ignore[import-untyped]
     except ImportError:
-        raise ValueError("reading a pipeline config needs PyYAML (pip install "
-                         "'persist-pipeline[pipeline]')") from None
+        raise ValueError("reading a pipeline config needs PyYAML, which is not installed: "
+                         "pip install pyyaml (or install the library with its pipeline "
+                         "extra)") from None
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

@@ -14,6 +14,15 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
+
+try:
+    import pyspark  # noqa: F401
+except ModuleNotFoundError as e:  # say what to install, not only what is missing
+    raise ModuleNotFoundError(
+        f"the persist Spark data source needs PySpark 4, which is not installed ({e}): "
+        "install the library with its pipeline extra (pip install '/path/to/persist-"
+        "pipeline[pipeline]', see README.md), or pyspark>=4", name=e.name) from e
+
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,

@@ -1,6 +1,6 @@
 """The core install (no extras) imports and runs without the optional dependencies.
 
-``pip install persist-pipeline`` brings only the core dependencies of pyproject.toml;
+Installing the library without extras brings only the core dependencies of pyproject.toml;
 Dagster, PySpark, PyYAML, pandas, polars, DuckDB and the benchmark peers come with the
 ``pipeline`` / ``bench`` extras or the user's own project. Each check runs in a fresh
 interpreter where importing any of them raises ModuleNotFoundError (a finder first on
@@ -12,6 +12,7 @@ all installed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,9 +36,12 @@ sys.meta_path.insert(0, _Absent())
 """
 
 
-def _run(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", BLOCK + code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, check=False)
+def _run(code: str, cwd: Path = ROOT, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess[str]:
+    # PYTHONPATH: the checkout, also when run from elsewhere.
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", BLOCK + code], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_every_core_module_imports_without_the_optional_dependencies() -> None:
@@ -59,9 +63,12 @@ print(json.dumps(failed))
     failed = json.loads(out.stdout)
     core = {m: e for m, e in failed.items() if not m.startswith(NEEDS_AN_EXTRA)}
     assert core == {}, core
-    # The integrations themselves do need their extra (the probe really blocked them).
-    assert "persist_pipeline.spark_datasource" in failed
-    assert "persist_pipeline.dagster_io" in failed
+    # The integrations themselves do need their extra (the probe really blocked them), and
+    # say which: not only "No module named 'dagster'".
+    assert "No module named 'pyspark'" in failed["persist_pipeline.spark_datasource"]
+    assert "No module named 'dagster'" in failed["persist_pipeline.dagster_io"]
+    for module in ("persist_pipeline.spark_datasource", "persist_pipeline.dagster_io"):
+        assert "[pipeline]" in failed[module], failed[module]
 
 
 def test_the_simulation_runs_without_pyspark() -> None:
@@ -72,3 +79,15 @@ def test_the_simulation_runs_without_pyspark() -> None:
                "'--profile', 'seams']))")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "violations=0" in out.stdout
+
+
+def test_shards_config_without_pyyaml_says_what_to_install(tmp_path: Path) -> None:
+    (tmp_path / "cfg.yaml").write_text("shards:\n  clicks:\n    source: {kind: synthetic}\n")
+    env = {"PERSIST_CONSENSUS_URI": f"sqlite:///{tmp_path / 'c.db'}",
+           "PERSIST_BLOB_URI": f"file://{tmp_path / 'b'}"}
+    out = _run("from persist_pipeline.cli import main\n"
+               "sys.exit(main(['shards', '--config', 'cfg.yaml']))", cwd=tmp_path, env=env)
+    # The package is not on a package index: the hint names what to install, not a
+    # `pip install persist-pipeline[...]` that would look the name up there.
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "pip install pyyaml" in out.stderr and "persist-pipeline[" not in out.stderr

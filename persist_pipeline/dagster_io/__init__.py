@@ -12,6 +12,14 @@ Importing ``persist_pipeline`` never imports Dagster; importing this package doe
 
 from __future__ import annotations
 
+try:
+    import dagster  # noqa: F401
+except ModuleNotFoundError as e:  # say what to install, not only what is missing
+    raise ModuleNotFoundError(
+        f"persist_pipeline.dagster_io needs Dagster, which is not installed ({e}): install "
+        "the library with its pipeline extra (pip install '/path/to/persist-pipeline"
+        "[pipeline]', see README.md), or just dagster", name=e.name) from e
+
 from persist_pipeline.dagster_io.compaction import compaction_definitions
 from persist_pipeline.dagster_io.io_manager import (
     AssetNotStored,
