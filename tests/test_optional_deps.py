@@ -85,6 +85,10 @@ def test_shards_config_without_pyyaml_says_what_to_install(tmp_path: Path) -> No
     (tmp_path / "cfg.yaml").write_text("shards:\n  clicks:\n    source: {kind: synthetic}\n")
     env = {"PERSIST_CONSENSUS_URI": f"sqlite:///{tmp_path / 'c.db'}",
            "PERSIST_BLOB_URI": f"file://{tmp_path / 'b'}"}
+    # `shards` only reads: the location must hold a store first.
+    made = _run("from persist_pipeline.cli import main\n"
+                "sys.exit(main(['new-shard', '--name', 'clicks']))", cwd=tmp_path, env=env)
+    assert made.returncode == 0, made.stderr[-2000:]
     out = _run("from persist_pipeline.cli import main\n"
                "sys.exit(main(['shards', '--config', 'cfg.yaml']))", cwd=tmp_path, env=env)
     # The package is not on a package index: the hint names what to install, not a
