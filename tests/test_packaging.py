@@ -121,3 +121,6 @@ def test_the_sdist_and_wheel_hold_the_package_and_nothing_else(tmp_path: Path) -
         assert stray == [], stray
     assert all(n.split("/")[0] in {"persist_pipeline", "persist_pipeline-0.1.0.dist-info"}
                for n in in_wheel), sorted(in_wheel)
+    # The license text pyproject.toml's license names travels with both.
+    assert "LICENSE" in in_sdist
+    assert "persist_pipeline-0.1.0.dist-info/licenses/LICENSE" in in_wheel, sorted(in_wheel)
