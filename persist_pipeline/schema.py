@@ -13,6 +13,8 @@ old and new encodings of the same row are identical). Keys never change.
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
 #: Column names the storage format uses itself; typed columns may not take them.
 RESERVED_COLUMNS = frozenset({"k", "v", "t", "d"})
 _KEY_COLUMNS_META = b"persist_pipeline.key_columns"
+#: The schemas a recorded schema evolved from (see :attr:`ShardSchema.history`).
+_HISTORY_META = b"persist_pipeline.schema_history"
 
 
 def _as_schema(obj: object, what: str) -> pa.Schema:
@@ -76,6 +80,11 @@ class ShardSchema:
     key: pa.Schema
     value: pa.Schema
     metadata: Mapping[bytes, bytes]
+    #: The schemas this one evolved from, oldest first, each with the time below which
+    #: a shard's rows were written with it: ``((until, schema bytes), ...)``. Kept by
+    #: :func:`~persist_pipeline.internal.transitions.record_schema`; not part of
+    #: equality (it says when a schema was recorded, not what it is).
+    history: tuple[tuple[int, bytes], ...]
 
     def __init__(self, key: pa.Schema | Iterable[Any] | Mapping[str, Any],
                  value: pa.Schema | Iterable[Any] | Mapping[str, Any] = (),
@@ -83,9 +92,11 @@ class ShardSchema:
         object.__setattr__(self, "key", _as_schema(key, "key").remove_metadata())
         object.__setattr__(self, "value", _as_schema(value, "value").remove_metadata())
         meta = {_as_bytes(k): _as_bytes(v) for k, v in (metadata or {}).items()}
-        if _KEY_COLUMNS_META in meta:
-            raise InvalidInput(f"schema metadata key {_KEY_COLUMNS_META!r} is reserved")
+        for reserved in (_KEY_COLUMNS_META, _HISTORY_META):
+            if reserved in meta:
+                raise InvalidInput(f"schema metadata key {reserved!r} is reserved")
         object.__setattr__(self, "metadata", meta)
+        object.__setattr__(self, "history", ())
         if len(self.key) == 0:
             raise InvalidInput("a shard schema needs at least one key column")
         names = self.key.names + self.value.names
@@ -132,10 +143,37 @@ class ShardSchema:
 
     def to_bytes(self) -> bytes:
         """The schema as recorded in the shard's state (an Arrow IPC schema message)."""
-        both = pa.schema([*self.key, *self.value],
-                         metadata={**self.metadata,
-                                   _KEY_COLUMNS_META: str(len(self.key)).encode()})
+        meta = {**self.metadata, _KEY_COLUMNS_META: str(len(self.key)).encode()}
+        if self.history:
+            meta[_HISTORY_META] = json.dumps(
+                [[until, base64.b64encode(raw).decode()] for until, raw in self.history]
+            ).encode()
+        both = pa.schema([*self.key, *self.value], metadata=meta)
         return bytes(both.serialize().to_pybytes())
+
+    def with_history(self, history: Iterable[tuple[int, bytes]]) -> ShardSchema:
+        """This schema with ``history`` (see :attr:`history`)."""
+        out = ShardSchema(self.key, self.value, self.metadata)
+        object.__setattr__(out, "history", tuple(history))
+        return out
+
+    def evolved_from(self, previous: ShardSchema, upper: int | None) -> ShardSchema:
+        """This schema, recorded over ``previous`` at a shard whose upper is ``upper``:
+        rows at times below ``upper`` were written with ``previous``, which joins the
+        history (a shard with no times written yet keeps only ``previous``'s)."""
+        if not upper:
+            return self.with_history(previous.history)
+        return self.with_history([*previous.history,
+                                  (upper, previous.with_history(()).to_bytes())])
+
+    def as_of(self, time: int) -> ShardSchema:
+        """The schema the shard's rows at ``time`` were written with: this one, or the
+        one in :attr:`history` it evolved from that was recorded then. Evolutions only
+        append value columns, so its columns are a prefix of this one's."""
+        for until, raw in self.history:
+            if time < until:
+                return ShardSchema.from_bytes(raw)
+        return self
 
     @staticmethod
     def from_bytes(data: bytes) -> ShardSchema:
@@ -452,8 +490,13 @@ def _decode_schema(data: bytes) -> ShardSchema:
     both = pa.ipc.read_schema(pa.py_buffer(data))
     meta = dict(both.metadata or {})
     num_keys = int(meta.pop(_KEY_COLUMNS_META))
+    history = meta.pop(_HISTORY_META, None)
     fields = list(both)
-    return ShardSchema(pa.schema(fields[:num_keys]), pa.schema(fields[num_keys:]), meta)
+    schema = ShardSchema(pa.schema(fields[:num_keys]), pa.schema(fields[num_keys:]), meta)
+    if history is None:
+        return schema
+    return schema.with_history((int(until), base64.b64decode(raw))
+                               for until, raw in json.loads(history))
 
 
 _TIMESTAMP = re.compile(r"timestamp\[(s|ms|us|ns)(?:,\s*tz=([^\]]+))?\]")

@@ -422,8 +422,15 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         # Decoded with the schema of the state the snapshot read: a store evolving the
         # schema meanwhile must not make the newer one decode the older rows.
         try:
-            typed, schema = reader._snapshot_with_schema(
-                as_of_upper(client, shard, upper, what))
+            as_of = as_of_upper(client, shard, upper, what)
+            typed, schema = reader._snapshot_with_schema(as_of)
+            if upper is not None and schema is not None:
+                # The version a pinned load asks for has the columns it was stored with,
+                # not those a later evolution appended (a prefix of them).
+                stored = schema.as_of(as_of)
+                if stored is not schema:
+                    typed = typed.select([*stored.columns, "t", "d"])
+                    schema = stored
         except SinceViolation:
             if upper is not None:
                 raise

@@ -882,3 +882,32 @@ def test_a_store_racing_a_generation_switch_is_what_loads_read(
     assert load_table(proc_b, "race/gen").to_pylist() == ours.to_pylist(), stored.name
     proc_a.close()
     proc_b.close()
+
+
+def test_an_evolved_schema_remembers_what_it_evolved_from_and_when():
+    """Recorded evolutions keep the schema they replaced with the upper it was replaced
+    at (what a table loaded as of an earlier time is decoded with); equality ignores it,
+    and the metadata key it travels under is reserved."""
+    from persist_pipeline.internal import transitions
+    from persist_pipeline.internal.state import State
+
+    v1 = ShardSchema([("id", pa.int64())], [("a", pa.string())], {"m": "1"})
+    v2 = ShardSchema([("id", pa.int64())], [("a", pa.string()), ("b", pa.int64())],
+                     {"m": "2"})
+    v3 = ShardSchema([("id", pa.int64())], [*v2.value, ("c", pa.float64())])
+    state = State(shard_id="s" + "0" * 36)
+    state, _ = transitions.record_schema(state, v1, 0)
+    state, _ = transitions.record_schema(replace_upper(state, 4), v2, 0)
+    state, _ = transitions.record_schema(replace_upper(state, 9), v3, 0)
+    recorded = ShardSchema.from_bytes(state.schema)
+    assert recorded == v3 and [u for u, _ in recorded.history] == [4, 9]
+    assert recorded.as_of(3) == v1 and recorded.as_of(3).metadata == {b"m": b"1"}
+    assert recorded.as_of(4) == v2 and recorded.as_of(8) == v2
+    assert recorded.as_of(9) is recorded
+    with pytest.raises(InvalidInput, match="reserved"):
+        ShardSchema([("id", pa.int64())], [], {"persist_pipeline.schema_history": "[]"})
+
+
+def replace_upper(state: Any, upper: int) -> Any:
+    import dataclasses
+    return dataclasses.replace(state, upper=upper)

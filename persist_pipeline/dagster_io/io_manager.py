@@ -17,7 +17,8 @@ of the outputs, never a mix. After a write the IO manager keeps the shard compac
 itself (or leaves it to a Spark job: :func:`compaction_definitions`).
 
 Downstream inputs load the latest version, or the one a materialization reported as
-``persist/upper == N`` (input metadata ``{"upper": N}``; refused as ambiguous when a
+``persist/upper == N``, with the columns it was stored with (input metadata
+``{"upper": N}``; refused as ambiguous when a
 schema change started a generation that also reached ``N``); input metadata ``{"columns":
 [...]}`` loads only those columns. Shards written by versions of the library before
 typed shards (:func:`asset_shard_id`) are read until the asset is stored again.

@@ -206,6 +206,9 @@ def record_schema(state: State, requested: ShardSchema, now_ms: int
     evolved = stored.evolve(requested)
     if evolved is stored:
         return state, stored
+    # Remembered with the upper it was replaced at: a table loaded as of an earlier time
+    # reads back with the columns it was stored with.
+    evolved = evolved.evolved_from(stored, state.upper)
     return replace(state, schema=evolved.to_bytes(), walltime_ms=now_ms), evolved
 
 
