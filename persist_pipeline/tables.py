@@ -396,7 +396,8 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
                what: str = "") -> pa.Table:
     """The table stored under ``name`` (its newest generation): its latest version, or
     the one whose write left its generation's upper at ``upper`` (the one generation
-    that reached it; a generation's own name loads that generation).
+    that reached it; a generation's own name loads that generation, and the first
+    generation's is ``name + "/_v1"``).
 
     Raises:
         ShardNameNotFound: no generation of ``name`` exists.
@@ -407,10 +408,12 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         SinceViolation: ``upper`` is so old that compaction merged it away.
     """
     what = what or name
-    found = generations(name, client.shard_names())
+    names = client.shard_names()
+    first = _first_generation(name, names)
+    found = [1] if first is not None else generations(name, names)
     if not found:
         raise ShardNameNotFound(f"{what}: no shard is named {name!r}")
-    shard = client.resolve(generation_name(name, found[-1]))
+    shard = first or client.resolve(generation_name(name, found[-1]))
     if upper is not None and len(found) > 1:
         shard = _generation_at(client, name, found, upper, what)
     elif len(found) > 1 and _stored_upper(client, shard) == 0:
@@ -443,6 +446,17 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         raise InvalidInput(f"{what}: shard {shard} ({name}) is untyped: it was not "
                            f"written as a table")
     return from_storage(typed, schema)
+
+
+def _first_generation(name: str, names: Mapping[str, ShardId]) -> ShardId | None:
+    """The shard of the first generation of a table when ``name`` names it explicitly
+    (``base/_v1``: the first generation's own name is its base's, which loads the newest
+    generation), unless ``name`` is registered as it is (a table stored under such a
+    name before those were refused)."""
+    suffix = _GENERATION + "1"
+    if name in names or not name.endswith(suffix):
+        return None
+    return names.get(name[:-len(suffix)])
 
 
 def _newest_written(client: PersistClient, name: str, found: list[int]) -> ShardId | None:
@@ -479,11 +493,15 @@ def _generation_at(client: PersistClient, name: str, found: list[int], upper: in
     if not reached:
         return client.resolve(generation_name(name, found[-1]))  # as_of_upper says why
     if len(reached) > 1:
-        names = [generation_name(name, g) for g, _ in reached]
+        # Each generation by its own name: the first one's is base/_v1 (base itself
+        # names them all).
+        names = [generation_name(name, g) if g > 1 else name + _GENERATION + "1"
+                 for g, _ in reached]
         raise InvalidInput(
             f"{what}: upper {upper} is ambiguous: the generations {names} (a schema change "
-            f"starts a new one) all reached it; load the one the materialization named "
-            f"(its dagster/table_name), e.g. load_table(client, {names[-1]!r}, {upper})")
+            f"starts a new one) all reached it; load the one the materialization wrote "
+            f"by that generation's name (its dagster/table_name; the first generation's "
+            f"is {names[0]!r}), e.g. load_table(client, {names[-1]!r}, {upper})")
     return reached[0][1]
 
 

@@ -68,3 +68,20 @@ def test_each_pinned_version_loads_as_stored_across_two_evolutions(tmp_path: Pat
         reader = client.open_reader(client.resolve("t"))
         assert reader.snapshot(0).schema.names == ["id", "name", "tier", "zone", "t", "d"]
         reader.expire()
+
+
+def test_pinned_loads_control_returns_a_table_never_stored(tmp_path: Path) -> None:
+    """The schema history (negative control): a pinned load that decodes with the newest
+    schema returns the earlier version with a column it never had. The simulation's
+    table writers rarely pin a version stored before an evolution, so this control is
+    checked here rather than by seeds."""
+    from persist_pipeline.sim import controls
+
+    with _client(tmp_path) as client:
+        first = tables.store_table(client, "customers", V1, ["id"])
+        tables.store_table(client, "customers", V2, ["id"])
+        with controls.pinned_loads_with_the_newest_schema():
+            pinned = tables.load_table(client, "customers", first.result.upper)
+        assert pinned.schema.names == ["id", "name", "tier"]
+        assert tables.load_table(client, "customers", first.result.upper).equals(
+            V1.sort_by("id"))

@@ -357,6 +357,20 @@ def table_schema_recorded_at_open() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def pinned_loads_with_the_newest_schema() -> Iterator[None]:
+    """A table load pinned to an earlier upper decodes with the shard's newest schema,
+    forgetting the ones it evolved from: the version stored there comes back with the
+    columns a later evolution added (as nulls), a table that was never stored."""
+    from persist_pipeline.schema import ShardSchema
+
+    def newest(self: ShardSchema, time: int) -> ShardSchema:
+        return self
+
+    with _patched(ShardSchema, "as_of", newest):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -381,4 +395,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "contents_read_at_the_upper": contents_read_at_the_upper,
     "table_uppers_memoized": table_uppers_memoized,
     "table_schema_recorded_at_open": table_schema_recorded_at_open,
+    "pinned_loads_with_the_newest_schema": pinned_loads_with_the_newest_schema,
 }

@@ -168,6 +168,9 @@ class SeamState:
     tables: list[StoredTable] = field(default_factory=list)
     #: A logical clock of the table writers' calls (the scheduler runs one at a time).
     table_events: int = 0
+    #: Each committed store's generation name, the upper it reported and its rows: a
+    #: load pinned to that upper must return exactly those rows and columns.
+    pinned: list[tuple[str, int, list[str]]] = field(default_factory=list)
 
     def table_event(self) -> int:
         self.table_events += 1
@@ -684,18 +687,46 @@ def table_writer(run: SimRun, proc: Process) -> None:
             entry = StoredTable(_canonical(table), seams.table_event())
             seams.tables.append(entry)
             try:
-                tables.store_table(client, TABLE_NAME, table, keys, debug=proc.name)
+                stored = tables.store_table(client, TABLE_NAME, table, keys,
+                                            debug=proc.name)
             except (UpperMismatch, Indeterminate, CommitDeadlineExceeded):
                 pass  # its outcome stays unknown: it may be read, it replaces nothing
             except PersistError as e:
                 run.violation(f"store_table: unexpected {type(e).__name__}: {e}")
             else:
                 entry.ended = seams.table_event()
+                if stored.result.upper is not None:
+                    # By the generation's own name (the first one's is base/_v1): the
+                    # base name is ambiguous once two generations reached an upper.
+                    own = stored.name if stored.name != TABLE_NAME else TABLE_NAME + "/_v1"
+                    seams.pinned.append((own, stored.result.upper, entry.rows))
                 if roll < 0.15:
                     _load_and_check_table(run, client)
+        elif roll < 0.7 and seams.pinned:
+            _load_and_check_pinned(run, client, run.rng.choice(seams.pinned))
         else:
             _load_and_check_table(run, client)
         run.ops += 1
+
+
+def _load_and_check_pinned(run: SimRun, client: PersistClient,
+                           pinned: tuple[str, int, list[str]]) -> None:
+    """A load pinned to the upper a store reported (as a Dagster input with
+    ``{"upper": N}``): exactly that store's table, columns included, however the
+    generation's schema evolved since; or refused, once compaction merged it away."""
+    from persist_pipeline import tables
+
+    name, upper, rows = pinned
+    try:
+        got = tables.load_table(client, name, upper)
+    except (SinceViolation, Indeterminate, LeaseExpired, NotYetAvailable):
+        return
+    except PersistError as e:
+        run.violation(f"pinned load_table: unexpected {type(e).__name__}: {e}")
+        return
+    if _canonical(got) != rows:
+        run.violation(f"a load of {name} pinned to upper {upper} is not the table stored "
+                      f"there: {got.to_pylist()[:4]}")
 
 
 def _load_and_check_table(run: SimRun, client: PersistClient) -> None:
