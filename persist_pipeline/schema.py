@@ -14,6 +14,7 @@ old and new encodings of the same row are identical). Keys never change.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -84,7 +85,8 @@ class ShardSchema:
     #: a shard's rows were written with it: ``((until, schema bytes), ...)``. Kept by
     #: :func:`~persist_pipeline.internal.transitions.record_schema`; not part of
     #: equality (it says when a schema was recorded, not what it is).
-    history: tuple[tuple[int, bytes], ...]
+    history: tuple[tuple[int, bytes], ...] = dataclasses.field(init=False, compare=False,
+                                                               repr=False)
 
     def __init__(self, key: pa.Schema | Iterable[Any] | Mapping[str, Any],
                  value: pa.Schema | Iterable[Any] | Mapping[str, Any] = (),
