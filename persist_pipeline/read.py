@@ -309,6 +309,20 @@ class ReadHandle:
                 self._raise_if_expired(e)
                 raise
 
+    def _contents_fingerprint(self) -> SnapshotFingerprint:
+        """The fingerprint of every row of the latest state, each update counted whatever
+        its time (as :meth:`_contents_with_schema`), streamed in bounded memory: what
+        can still be compared when no time at or above since is complete (since reached
+        the upper)."""
+        with self._reading_state() as state:
+            try:
+                with naming_shard(self.shard_id):
+                    return fingerprint_batches(stream_snapshot(
+                        self._machine, list(state.ordered_batches), MAX_TIME))
+            except CorruptPart as e:
+                self._raise_if_expired(e)
+                raise
+
     def snapshot_fingerprint(self, as_of: int | str) -> SnapshotFingerprint:
         """A digest of the collection at ``as_of``, computed from
         :meth:`snapshot_batches` in bounded memory: equal collections, and only those
