@@ -49,3 +49,75 @@ def test_compaction_run_of_a_shard_whose_since_reached_its_upper(
     assert result.success, failure_messages(result)
     assert materializations(result)["compact/clicks"]["inline_bytes_after"] == 0
     assert check_results(result)["compact/clicks:snapshot_unchanged"].passed
+
+
+def _evaluate_failure_sensor(pipeline: Pipeline, result: dg.ExecuteInProcessResult) -> Any:
+    """Evaluate compaction_failure_alert_sensor on a failed run, as the daemon would."""
+    run = result.dagster_run
+    [record] = pipeline.instance.get_records_for_run(
+        run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE).records
+    sensor = pipeline.defs.resolve_sensor_def("compaction_failure_alert_sensor")
+    failure = dg.build_run_status_sensor_context(
+        sensor_name=sensor.name, dagster_event=record.event_log_entry.dagster_event,
+        dagster_instance=pipeline.instance, dagster_run=run,
+        resources=pipeline.defs.resources).for_run_failure()
+    with failure as context:
+        return sensor(context)
+
+
+def _alerts_on(pipeline: Pipeline, key: dg.AssetKey) -> list[str]:
+    records = pipeline.instance.fetch_observations(key, limit=50).records
+    return [r.asset_observation.metadata["alert"].value  # type: ignore[union-attr]
+            for r in records]
+
+
+def _failed_automation_run(pipeline: Pipeline) -> dg.ExecuteInProcessResult:
+    """An hourly (automation) compaction run of shards ``good`` and ``bad``, where the
+    bad shard's input part is gone (a corrupt store) so its merge cannot run."""
+    for _ in range(2):  # two blob batches of one size: one pending merge reading both
+        assert pipeline.ingest("good", "bad", events=400).success
+    assert pipeline.ingest("good", "bad").success  # and inline data
+    bad = pipeline.shard_id("bad")
+    part = next(p for p in pipeline.data_dir.rglob("*.parquet") if bad in str(p))
+    part.unlink()
+    job = pipeline.defs.resolve_job_def("compaction_job")
+    result = job.execute_in_process(
+        instance=pipeline.instance, raise_on_error=False,
+        asset_selection=[compacted_key("good"), compacted_key("bad")],
+        tags={TAG_TRIGGER: "automation"})
+    assert not result.success
+    return result
+
+
+GOOD_AND_BAD = {"good": {"source": SYNTHETIC}, "bad": {"source": {**SYNTHETIC, "seed": 7}}}
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_one_broken_shard_does_not_stop_the_compaction_of_the_others(
+        make_pipeline: Any, spark_session: Any) -> None:
+    """compact_shards fails a broken shard's merge alone and commits the others
+    (docs/design.md); the run's snapshot check, read before compacting, must not turn one
+    unreadable shard into no compaction at all for every shard of the hourly run."""
+    pipeline: Pipeline = make_pipeline(GOOD_AND_BAD)
+    good = pipeline.shard_id("good")
+    result = _failed_automation_run(pipeline)
+    assert pipeline.client().shard_summaries()[good].inline_bytes == 0, \
+        failure_messages(result)
+    assert materializations(result)["compact/good"]["applied"] >= 1
+    assert check_results(result)["compact/good:snapshot_unchanged"].passed
+    assert not check_results(result)["compact/bad:snapshot_unchanged"].passed
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_a_compaction_failure_alert_names_only_the_shards_that_failed(
+        make_pipeline: Any, spark_session: Any) -> None:
+    """The failure alert of a compaction run where one shard failed is recorded on that
+    shard, not on every shard the run selected (an hourly run selects them all: at 1,000
+    shards, 1,000 observations saying healthy shards' compaction failed)."""
+    pipeline: Pipeline = make_pipeline(GOOD_AND_BAD)
+    result = _failed_automation_run(pipeline)
+    assert _evaluate_failure_sensor(pipeline, result) is None
+    assert _alerts_on(pipeline, compacted_key("bad")) == ["compaction_run_failed"]
+    assert _alerts_on(pipeline, compacted_key("good")) == []
