@@ -30,6 +30,7 @@ import dagster as dg
 from assets.asset_keys import COMPACTION_GROUP, TAG_TRIGGER, compacted_key, shard_key
 from assets.pipeline_config import ShardConfig
 from persist_pipeline import PersistClient, ReadHandle
+from persist_pipeline.exceptions import PersistError
 from persist_pipeline.fingerprint import SnapshotFingerprint
 from persist_pipeline.spark import SparkCompactionFailed, compact_shards
 from resources.persist import PersistResource
@@ -63,7 +64,11 @@ class _Snapshot:
         self.reader = client.open_reader(shard_id, debug="compaction snapshot check")
         since = self.reader.since if self.reader.since is not None else 0
         self.as_of = max(since, summary.upper - 1)
-        self.before = self._fingerprint()
+        try:
+            self.before = self._fingerprint()
+        except BaseException:
+            self.release()
+            raise
 
     def _fingerprint(self) -> SnapshotFingerprint:
         assert self.reader is not None and self.as_of is not None
@@ -91,6 +96,16 @@ class _Snapshot:
     def release(self) -> None:
         if self.reader is not None:
             self.reader.expire()
+
+
+def _unreadable(shard: ShardConfig, when: str, error: str) -> dg.AssetCheckResult:
+    """The snapshot check of a shard whose snapshot could not be read ``when``
+    (``before`` or ``after``) compaction: failed, with the error."""
+    return dg.AssetCheckResult(
+        asset_key=compacted_key(shard.name), check_name=SNAPSHOT_CHECK, passed=False,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description=f"could not read the snapshot {when} compaction: {error}"[:1000],
+        metadata={"error": error[:1000]})
 
 
 def _with_work(client: PersistClient, shard_ids: list[str]) -> set[str]:
@@ -163,10 +178,28 @@ def build_compaction_assets(shards: tuple[ShardConfig, ...], *, cron: str = "0 *
                 context.log.info(f"nothing to compact in {len(idle)} shard(s) "
                                  f"({', '.join(idle[:10])}{', ...' if len(idle) > 10 else ''})"
                                  ": skipped")
-        ids = [s.shard_id for s in selected]
         _, blob_uri, wal_uri = persist.uris()
-        snapshots = {s.shard_id: _Snapshot(client, s.shard_id) for s in selected
-                     if compacted_key(s.name) in checked}
+        snapshots: dict[str, _Snapshot] = {}
+        # Shards whose check could not read their snapshot: {shard_id: error}. Each fails
+        # alone (it is not compacted, unverified); the other shards are compacted.
+        failed: dict[str, str] = {}
+        try:
+            for shard in selected:
+                if compacted_key(shard.name) not in checked:
+                    continue
+                try:
+                    snapshots[shard.shard_id] = _Snapshot(client, shard.shard_id)
+                except PersistError as e:
+                    failed[shard.shard_id] = f"{type(e).__name__}: {e}"
+                    context.log.error(f"shard {shard.name}: cannot read its snapshot, so it "
+                                      f"is not compacted: {failed[shard.shard_id]}")
+                    yield _unreadable(shard, "before", failed[shard.shard_id])
+        except BaseException:
+            for snap in snapshots.values():
+                snap.release()
+            raise
+        selected = [s for s in selected if s.shard_id not in failed]
+        ids = [s.shard_id for s in selected]
         failure: SparkCompactionFailed | None = None
         try:
             if _needs_work(client, ids):
@@ -194,7 +227,12 @@ def build_compaction_assets(shards: tuple[ShardConfig, ...], *, cron: str = "0 *
                 yield dg.MaterializeResult(asset_key=compacted_key(shard.name), metadata=meta)
                 snap = snapshots.get(shard.shard_id)
                 if snap is not None:
-                    result = snap.verify()
+                    try:
+                        result = snap.verify()
+                    except PersistError as e:
+                        failed[shard.shard_id] = f"{type(e).__name__}: {e}"
+                        yield _unreadable(shard, "after", failed[shard.shard_id])
+                        continue
                     yield dg.AssetCheckResult(
                         asset_key=compacted_key(shard.name), check_name=SNAPSHOT_CHECK,
                         passed=result.passed, severity=result.severity,
@@ -202,8 +240,13 @@ def build_compaction_assets(shards: tuple[ShardConfig, ...], *, cron: str = "0 *
         finally:
             for snap in snapshots.values():
                 snap.release()
-        if failure is not None:
-            raise dg.Failure(description=str(failure),
-                             metadata={"failed_shards": ", ".join(sorted(failure.failures))})
+        if failure is not None or failed:
+            names = {s.shard_id: s.name for s in by_key.values()}
+            messages = [f"shard {names.get(i, i)}: {m}" for i, m in sorted(failed.items())]
+            if failure is not None:
+                messages.insert(0, str(failure))
+            ids = sorted({*failed, *(failure.failures if failure is not None else ())})
+            raise dg.Failure(description="; ".join(messages),
+                             metadata={"failed_shards": ", ".join(ids)})
 
     return spark_compaction
