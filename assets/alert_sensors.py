@@ -201,11 +201,31 @@ def _failure_text(event: dg.DagsterEvent) -> str:
     return str(error.message).strip()
 
 
+def _failed_shard_keys(events: Sequence[dg.DagsterEvent],
+                       key_of: Mapping[str, dg.AssetKey]) -> set[dg.AssetKey] | None:
+    """The ``compact/NAME`` keys of the shards a compaction step reported failed (its
+    ``dg.Failure`` metadata ``failed_shards``: shard ids), or None when no step said."""
+    found: set[dg.AssetKey] | None = None
+    for event in events:
+        data: Any = event.event_specific_data
+        user = getattr(data, "user_failure_data", None)
+        entry = (user.metadata or {}).get("failed_shards") if user is not None else None
+        text = getattr(entry, "value", entry)
+        if not isinstance(text, str):
+            continue
+        ids = [i.strip() for i in text.split(",") if i.strip()]
+        keys = {key_of[i] for i in ids if i in key_of}
+        if keys:
+            found = (found or set()) | keys
+    return found
+
+
 def build_compaction_failure_sensor(shards: Sequence[ShardConfig], *,
                                     running: bool = True) -> dg.SensorDefinition:
     """Alerts on every failed run that compacts shards (the compaction job, or any run
     selecting a ``compact/NAME`` asset)."""
     compaction_keys = {compacted_key(s.name) for s in shards}
+    key_of = {s.shard_id: compacted_key(s.name) for s in shards}
 
     @dg.run_failure_sensor(name="compaction_failure_alert_sensor",
                            default_status=sensor_status(running),
@@ -218,10 +238,18 @@ def build_compaction_failure_sensor(shards: Sequence[ShardConfig], *,
             return dg.SkipReason(f"run {run.run_id} does not compact")
         if not run.asset_selection:  # the whole compaction job
             selected = set(compaction_keys)
-        steps = [_failure_text(e) for e in context.get_step_failure_events()]
+        failures = context.get_step_failure_events()
+        failed = _failed_shard_keys(failures, key_of)
+        if failed is not None:
+            # The step said which shards failed (the others' results were committed):
+            # the alert concerns those, not every shard the run selected.
+            selected = (selected & failed) or failed
+        steps = [_failure_text(e) for e in failures]
         reason = next((r for r in steps if r), None) or context.failure_event.message or \
             "run failed"
         shards = run.tags.get(TAG_SHARDS, "")
+        if failed is not None:
+            shards = ",".join(sorted(k.path[-1] for k in selected))
         alerts.send(Alert(
             kind="compaction_run_failed", severity="error",
             title=f"compaction run {run.run_id} failed"
