@@ -121,3 +121,38 @@ def test_a_compaction_failure_alert_names_only_the_shards_that_failed(
     assert _evaluate_failure_sensor(pipeline, result) is None
     assert _alerts_on(pipeline, compacted_key("bad")) == ["compaction_run_failed"]
     assert _alerts_on(pipeline, compacted_key("good")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+def test_the_pressure_sensor_retries_a_failed_compaction_run(
+        make_pipeline: Any, spark_session: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/pipeline.md: after a failed run the sensor asks again after 10 minutes. A run
+    that failed before it touched the shard (the database was briefly unreachable) left
+    the shard's seqno as it was, so the retry must not reuse the failed run's key, which
+    the daemon never launches twice: the shard would wait for its next write."""
+    import json
+
+    pipeline: Pipeline = make_pipeline({"clicks": {"source": SYNTHETIC}})
+    clicks = pipeline.shard_id("clicks")
+    sensor = pipeline.ticker("inline_pressure_sensor")
+    requests: list[dg.RunRequest] = []
+    for _ in range(6):
+        assert pipeline.ingest("clicks").success
+        requests = sensor.tick().run_requests
+        if requests:
+            break
+    [request] = requests
+    with monkeypatch.context() as m:
+        m.setenv("PERSIST_CONSENSUS_URI", "postgresql://app@127.0.0.1:1/persist")
+        [failed] = pipeline.launch_all("inline_pressure_sensor", Tick(run_requests=[request]))
+    assert not failed.success
+
+    # Ten minutes and more later (the cursor's episode started 601 s ago).
+    cursor = json.loads(sensor.cursor or "{}")
+    cursor["episodes"][clicks]["at_ms"] -= 601_000
+    sensor.cursor = json.dumps(cursor)
+    [retry] = sensor.tick().run_requests
+    results = pipeline.launch_all("inline_pressure_sensor", Tick(run_requests=[retry]))
+    assert [r.success for r in results] == [True], "the retry was never launched"
+    assert pipeline.client().shard_summaries()[clicks].inline_bytes == 0
