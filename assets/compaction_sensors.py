@@ -102,10 +102,19 @@ def build_inline_pressure_sensor(shards: Sequence[ShardConfig], *,
                     continue  # this crossing's run is still to come, or backing off
             crossing.append((shard, summary))
         if crossing:
+            # A shard requested again without having been below the mark in between (a
+            # retry after a failed run, or still hot after its run) counts its requests:
+            # a run that failed before touching the shard left its seqno as it was, and
+            # the daemon never launches a run key twice.
+            attempts = {shard.shard_id: episodes[shard.shard_id].get("attempt", 0) + 1
+                        if shard.shard_id in episodes else 0 for shard, _ in crossing}
             run_key = "inline-pressure:" + ",".join(
-                f"{shard.name}@{summary.seqno}" for shard, summary in crossing)
+                f"{shard.name}@{summary.seqno}"
+                + (f"~{attempts[shard.shard_id]}" if attempts[shard.shard_id] else "")
+                for shard, summary in crossing)
             for shard, _ in crossing:
-                episodes[shard.shard_id] = {"run_key": run_key, "at_ms": now}
+                episodes[shard.shard_id] = {"run_key": run_key, "at_ms": now,
+                                            "attempt": attempts[shard.shard_id]}
             names = ",".join(shard.name for shard, _ in crossing)
             context.log.info(f"inline pressure on {names}: requesting compaction ({run_key})")
             request = dg.RunRequest(
