@@ -309,16 +309,16 @@ class ReadHandle:
                 self._raise_if_expired(e)
                 raise
 
-    def _contents_fingerprint(self) -> SnapshotFingerprint:
+    def _contents_fingerprint(self) -> tuple[SnapshotFingerprint, Frontier]:
         """The fingerprint of every row of the latest state, each update counted whatever
-        its time (as :meth:`_contents_with_schema`), streamed in bounded memory: what
-        can still be compared when no time at or above since is complete (since reached
-        the upper)."""
+        its time (as :meth:`_contents_with_schema`), streamed in bounded memory, and that
+        state's upper: what can still be compared when no time at or above since is
+        complete (since reached the upper), as long as the upper did not move."""
         with self._reading_state() as state:
             try:
                 with naming_shard(self.shard_id):
                     return fingerprint_batches(stream_snapshot(
-                        self._machine, list(state.ordered_batches), MAX_TIME))
+                        self._machine, list(state.ordered_batches), MAX_TIME)), state.upper
             except CorruptPart as e:
                 self._raise_if_expired(e)
                 raise
