@@ -324,6 +324,28 @@ def test_compaction_definitions_request_a_run_for_pending_shards(tmp_path: Path)
             shard = str(manager.client().resolve("pending"))
             config = request.run_config["ops"]["persist_io_compaction_op"]["config"]
             assert config == {"shards": [shard]}
+            assert request.run_key is not None and "~" not in request.run_key
+
+            def tick(cursor: str | None) -> Any:
+                with dg.build_sensor_context(instance=instance, cursor=cursor,
+                                             resources={"io_manager": manager}) as context:
+                    return sensor.evaluate_tick(context)
+
+            # Asked again at once, with its run still to come: no second request.
+            assert tick(result.cursor).run_requests == []
+            # Later, its run failed without changing the shard (same seqno): the daemon
+            # launches a run key once, so the retry is numbered. Not while a run of the
+            # request is in flight, though.
+            aged = json.loads(result.cursor or "{}")
+            aged["at_ms"] -= 601_000
+            instance.add_run(dg.DagsterRun(job_name="persist_io_compaction",
+                                           run_id="r1", status=dg.DagsterRunStatus.STARTED,
+                                           tags={"dagster/run_key": request.run_key}))
+            assert tick(json.dumps(aged)).run_requests == []
+            instance.handle_run_event("r1", dg.DagsterEvent(
+                event_type_value="PIPELINE_FAILURE", job_name="persist_io_compaction"))
+            [retry] = tick(json.dumps(aged)).run_requests or []
+            assert retry.run_key == f"{request.run_key}~1"
     finally:
         manager.teardown_after_execution(None)  # type: ignore[arg-type]
 

@@ -1,5 +1,6 @@
-"""Adversarial tests (hunt D): Spark compaction, the compaction sensor and runs,
-critical readers, leases, the IO manager."""
+"""Compaction runs that meet trouble: a shard whose since reached its upper, one shard
+that cannot be read among many (it fails alone, and the alert names only it), and the
+pressure sensor's retry of a run that failed without changing the shard."""
 
 from __future__ import annotations
 

@@ -18,6 +18,8 @@ job (:func:`persist_pipeline.spark.compact_shards`) and commits from the driver:
 """
 
 
+import json
+import time
 from typing import Any
 
 import dagster as dg
@@ -28,6 +30,13 @@ from persist_pipeline.dagster_io.templates import expand_env
 #: The job and sensor names (prefixed, so they do not clash with a project's own).
 JOB_NAME = "persist_io_compaction"
 SENSOR_NAME = "persist_io_compaction_sensor"
+#: The tag Dagster puts the run key of a sensor's run under.
+_RUN_KEY_TAG = "dagster/run_key"
+
+
+def _run_in_flight(instance: dg.DagsterInstance, run_key: str) -> bool:
+    runs = instance.get_runs(filters=dg.RunsFilter(tags={_RUN_KEY_TAG: run_key}), limit=1)
+    return bool(runs) and not runs[0].is_finished
 
 
 def pending_named_shards(io_manager: PersistIOManager) -> dict[str, int]:
@@ -40,10 +49,16 @@ def pending_named_shards(io_manager: PersistIOManager) -> dict[str, int]:
 
 def compaction_definitions(*, io_manager_key: str = "io_manager",
                            spark_resource_key: str = "pyspark",
-                           minimum_interval_seconds: int = 60) -> dg.Definitions:
+                           minimum_interval_seconds: int = 60,
+                           retry_after_seconds: int = 600) -> dg.Definitions:
     """A sensor and a Spark job that compact the shards a :class:`PersistIOManager`
     (under ``io_manager_key``) writes, using the ``PySparkResource`` under
-    ``spark_resource_key``. Merge the returned ``Definitions`` into the project's."""
+    ``spark_resource_key``. Merge the returned ``Definitions`` into the project's.
+
+    A run is keyed by the shards and their seqnos, so the daemon launches it once. When
+    the same shards are still pending at the same seqnos ``retry_after_seconds`` after
+    it was requested and no run of it is queued or running (it failed before changing
+    them), the sensor asks again under a numbered key (``...~1``)."""
 
     @dg.op(name=f"{JOB_NAME}_op", required_resource_keys={io_manager_key, spark_resource_key},
            config_schema={"shards": [str]})
@@ -77,9 +92,24 @@ def compaction_definitions(*, io_manager_key: str = "io_manager",
         if not pending:
             return dg.SkipReason("no IO-managed shard has pending merges")
         shards = sorted(pending)
-        run_key = ",".join(f"{s}@{pending[s]}" for s in shards)
+        pending_key = ",".join(f"{s}@{pending[s]}" for s in shards)
+        last = json.loads(context.cursor) if context.cursor else {}
+        now_ms = int(time.time() * 1000)
+        attempt = 0
+        if last.get("pending") == pending_key:
+            # Nothing was written or compacted since the last request: its run is still
+            # to come, running, or failed before changing the shards.
+            if now_ms - int(last["at_ms"]) < retry_after_seconds * 1000 or \
+                    _run_in_flight(context.instance, str(last["run_key"])):
+                return dg.SkipReason(f"compaction of these shards requested as "
+                                     f"{last['run_key']}; asking again after "
+                                     f"{retry_after_seconds} s if it has not changed them")
+            attempt = int(last["attempt"]) + 1
+        run_key = pending_key + (f"~{attempt}" if attempt else "")
+        cursor = json.dumps({"pending": pending_key, "run_key": run_key, "at_ms": now_ms,
+                             "attempt": attempt})
         return dg.SensorResult(run_requests=[dg.RunRequest(
             run_key=run_key, run_config={"ops": {f"{JOB_NAME}_op": {"config": {
-                "shards": shards}}}})])
+                "shards": shards}}}})], cursor=cursor)
 
     return dg.Definitions(jobs=[job], sensors=[sensor])
