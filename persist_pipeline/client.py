@@ -287,7 +287,10 @@ class PersistClient:
         :mod:`persist_pipeline.tables`: as :meth:`open_writer` with ``schema``, except that
         a schema the shard does not record yet (a new shard's, or an evolution) is
         recorded by each replacement's own commit rather than now, so that a store that
-        is refused leaves the shard's schema as it was (its table loads as before).
+        is refused leaves the shard's schema as it was (its table loads as before). A
+        replacement commits only into a shard of exactly that schema: one that another
+        store evolved past it meanwhile is refused (SchemaMismatch, nothing written), so
+        a table never loads with columns it was not stored with.
 
         Raises:
             SchemaMismatch: ``schema`` does not fit the shard (nothing is changed).
@@ -308,7 +311,7 @@ class PersistClient:
             pending = schema
         handle = WriteHandle(m, new_writer_id(), self.inline_policy,
                              self.blobs.wal is not None, debug, recorded, state.schema,
-                             funnel=self._funnel, pending_schema=pending)
+                             funnel=self._funnel, pending_schema=pending, exact=True)
         self._handles.add(handle)
         return handle
 

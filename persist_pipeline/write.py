@@ -63,6 +63,10 @@ class Encoding:
     #: A schema the commit records first, in the same compare-and-set as the rows (the
     #: table path's evolution): a write that is refused leaves the schema as it was.
     record: ShardSchema | None = None
+    #: The commit is refused unless the shard's schema (after ``record``) is ``schema``
+    #: exactly (a table writer's: its table must load back as stored, never with the
+    #: columns another store appended meanwhile).
+    exact: bool = False
 
     @classmethod
     def of(cls, schema: ShardSchema | None) -> Encoding:
@@ -156,13 +160,16 @@ class WriteHandle:
     def __init__(self, machine: Machine, writer_id: str, policy: InlinePolicy,
                  has_wal: bool, debug: str = "", schema: ShardSchema | None = None,
                  recorded: bytes = b"", funnel: Funnel | None = None,
-                 pending_schema: ShardSchema | None = None) -> None:
+                 pending_schema: ShardSchema | None = None, exact: bool = False) -> None:
         self._machine = machine
         #: The client's group-commit funnel (None: each append commits on its own).
         self._funnel = funnel
         #: A schema this handle's replacements record in their own commit, not at open
         #: (see :meth:`PersistClient._open_table_writer`).
         self._pending_schema = pending_schema
+        #: A table writer's: its replacements commit into a shard of exactly this
+        #: handle's schema, or are refused (SchemaMismatch, nothing written).
+        self._exact = exact
         self.schema = pending_schema if pending_schema is not None else schema
         #: What this handle encodes typed tables with: the schema recorded when it opened.
         self._encoding = Encoding(schema, recorded) if recorded else Encoding.of(schema)
@@ -567,19 +574,28 @@ class WriteHandle:
                 writer evolved it otherwise); nothing is written.
         """
         pending = self._pending_schema
-        if pending is None:
+        if pending is None and not self._exact:
             return Encoding.recorded_in(state)
+        wanted = self.schema
+        assert wanted is not None  # a table writer's schema
         if state.schema:
             stored = ShardSchema.from_bytes(state.schema)
-            target = stored.evolve(pending)
-            if target is stored:
-                return Encoding(stored, state.schema)
+            target = stored.evolve(wanted)
+            encoding = (Encoding(stored, state.schema, exact=self._exact)
+                        if target is stored else
+                        Encoding(target, target.to_bytes(), record=target, exact=self._exact))
         elif any(b.num_updates for b in state.batches.values()):
             raise SchemaMismatch(f"shard {self.shard_id} holds untyped updates: it cannot "
                                  f"be given a schema")
         else:
-            target = pending
-        return Encoding(target, target.to_bytes(), record=target)
+            target = wanted
+            encoding = Encoding(target, target.to_bytes(), record=target, exact=self._exact)
+        if self._exact and target != wanted:
+            # Another store evolved the shard past this table's schema since this
+            # handle opened: its table would load with the other store's columns.
+            raise SchemaMismatch(f"shard {self.shard_id}'s schema became {target!r} after "
+                                 f"this writer opened for {wanted!r}; nothing was written")
+        return encoding
 
     def _coerce(self, updates: object) -> Updates:
         """Validated, consolidated updates: typed tables encoded for a typed shard."""
@@ -668,7 +684,8 @@ class WriteHandle:
                 fell_back=staged.fell_back,
                 commit_deadline=None if deadline_from is None
                 else machine.commit_deadline(deadline_from),
-                encoded_with=staged.encoding.recorded, record=staged.encoding.record)
+                encoded_with=staged.encoding.recorded, record=staged.encoding.record,
+                exact=staged.encoding.exact)
 
         return transition
 

@@ -126,6 +126,7 @@ def compare_and_append(
     commit_deadline: CommitDeadline | None = None,
     encoded_with: bytes = b"",
     record: ShardSchema | None = None,
+    exact: bool = False,
 ) -> tuple[State, AppendResult]:
     """Append ``batch`` (None: no updates) iff the shard's upper is ``expected_upper``.
 
@@ -140,7 +141,9 @@ def compare_and_append(
     (:func:`~persist_pipeline.schema.encoded_with_fits`), or nothing is appended.
     ``record``, if given, is recorded first (:func:`record_schema`) in the same new
     state as the batch, so that a refused append leaves the schema as it was; one that
-    does not fit is refused like a batch whose encoding does not.
+    does not fit is refused like a batch whose encoding does not. ``exact``: refused
+    too unless the schema then recorded is ``encoded_with``'s exactly (a table's store:
+    not one another store evolved past it).
     """
     writer = state.writers.get(writer_id)
     if (writer is not None and writer.most_recent_write_token == token
@@ -160,6 +163,9 @@ def compare_and_append(
         except SchemaMismatch:
             return state, SchemaChanged(state.schema)
     if not encoded_with_fits(base.schema, encoded_with):
+        return state, SchemaChanged(state.schema)
+    if exact and base.schema != encoded_with and \
+            ShardSchema.from_bytes(base.schema) != ShardSchema.from_bytes(encoded_with):
         return state, SchemaChanged(state.schema)
     if state.upper != expected_upper:
         return state, UpperMismatchResult(state.upper)
