@@ -250,7 +250,9 @@ def _sqlite_path(url: URL) -> Path:
     return Path(str(url.database)).expanduser().absolute()
 
 
-def _create_engine(kind: str, url: URL, create: bool = True) -> Engine:
+def _create_engine(kind: str, url: URL, create: bool = True, setup: bool = True) -> Engine:
+    """The engine of ``url``; ``setup`` False: a SQLite connection is left as it opens
+    (no WAL switch, which writes the file), to look at a file that may be no store."""
     engine_url = url.set(drivername=_DRIVERS[kind])
     common: dict[str, Any] = {"pool_pre_ping": True, "isolation_level": "AUTOCOMMIT"}
     if kind == "sqlite":
@@ -263,7 +265,8 @@ def _create_engine(kind: str, url: URL, create: bool = True) -> Engine:
             engine_url = engine_url.set(database=filename,
                                         query={**url.query, "mode": "rw", "uri": "true"})
         engine = create_engine(engine_url, connect_args={"timeout": timeout}, **common)
-        event.listen(engine, "connect", functools.partial(_on_sqlite_connect, timeout))
+        if setup:
+            event.listen(engine, "connect", functools.partial(_on_sqlite_connect, timeout))
         return engine
     connect_args: dict[str, Any] = {}
     if kind == "postgresql":
@@ -491,13 +494,21 @@ class SqlConsensus(Consensus):
     def _check_tables(self) -> None:
         """Connect once (as :meth:`_create_tables` does, so a bad host, database or
         password is reported here) and refuse a database without persist's tables."""
+        # A SQLite file is looked at without the connection setup, which switches it to
+        # WAL: a file that holds no store (another program's, an empty one) is left as
+        # it was.
+        engine = (_create_engine(self._kind, self._url, create=False, setup=False)
+                  if self._kind == "sqlite" else self._engine)
         try:
-            with self._engine.connect() as conn:
+            with engine.connect() as conn:
                 inspector = inspect(conn)
                 missing = [t.name for t in metadata.sorted_tables
                            if not inspector.has_table(t.name)]
         except sa_exc.DBAPIError as exc:
             raise map_error(exc, self._url, "opening") from exc
+        finally:
+            if engine is not self._engine:
+                engine.dispose()
         if missing:
             raise ConsensusLocationNotFound(
                 f"no store at {self._display}: the database has no persist tables "
