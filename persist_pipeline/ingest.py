@@ -264,7 +264,8 @@ def _first_bad_csv_row(path: Path, types: dict[str, pa.DataType]) -> str | None:
     try:
         try:
             text = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
-                column_types=texts, strings_can_be_null=True))
+                column_types=texts, strings_can_be_null=True,
+                quoted_strings_can_be_null=False))
         except pa.ArrowInvalid:
             return _ragged_csv_row(path)
         return _first_bad_cell(path, text, types)
@@ -346,7 +347,9 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
     ``d``), parsed to the schema's types; raises :class:`InvalidUpdates`.
 
     CSV and JSON Lines cells are parsed as the schema's column types (nested columns
-    need Parquet or JSON Lines); the rows are checked by :meth:`ShardSchema.encode`.
+    need Parquet or JSON Lines); the rows are checked by :meth:`ShardSchema.encode`. A
+    CSV cell is null when it is empty or a null marker (``NULL``, ``NaN``, ...) unquoted;
+    a quoted one is text (``""`` the empty string).
     """
     import pyarrow.csv as pacsv
     import pyarrow.json as pajson
@@ -358,8 +361,11 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
     types.update({"t": pa.int64(), "d": pa.int64()})
     try:
         if kind == "csv":
+            # A quoted cell is text, never null: "" is empty and "NULL" the word (the
+            # CLI's snapshot quotes every text cell and writes null as an empty one).
             table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
-                column_types=types, strings_can_be_null=True))
+                column_types=types, strings_can_be_null=True,
+                quoted_strings_can_be_null=False))
         elif kind == "jsonl":
             with path.open("rb") as f:
                 head = f.readline()
