@@ -161,12 +161,17 @@ def generation_name(base: str, generation: int) -> str:
 
 
 def generations(base: str, names: Mapping[str, object]) -> list[int]:
-    """The generations of ``base`` registered in ``names``, in order."""
+    """The generations of ``base`` registered in ``names``, in order.
+
+    Only names :func:`generation_name` gives count: ``base/_v1`` (or ``base/_v02``)
+    registered literally, as before such table names were refused, is another table."""
     found = [1] if base in names else []
     prefix = base + _GENERATION
     for name in names:
-        if name.startswith(prefix) and name[len(prefix):].isdigit():
-            found.append(int(name[len(prefix):]))
+        suffix = name[len(prefix):]
+        if name.startswith(prefix) and suffix.isdigit() and suffix.isascii() \
+                and str(int(suffix)) == suffix and int(suffix) > 1:
+            found.append(int(suffix))
     return sorted(found)
 
 
@@ -415,7 +420,7 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         raise ShardNameNotFound(f"{what}: no shard is named {name!r}")
     shard = first or client.resolve(generation_name(name, found[-1]))
     if upper is not None and len(found) > 1:
-        shard = _generation_at(client, name, found, upper, what)
+        shard = _generation_at(client, name, found, upper, what, names)
     elif len(found) > 1 and _stored_upper(client, shard) == 0:
         # A generation started by a store that never committed (its process died after
         # naming it) holds nothing yet: the table is still the previous one.
@@ -479,7 +484,7 @@ def _stored_upper(client: PersistClient, shard: ShardId) -> int | None:
 
 
 def _generation_at(client: PersistClient, name: str, found: list[int], upper: int,
-                   what: str) -> ShardId:
+                   what: str, registered: Mapping[str, ShardId]) -> ShardId:
     """The shard of the one generation of ``name`` whose write can have left its upper at
     ``upper``. Uppers count each generation's writes from its start, so after a schema
     change two generations may both have passed ``upper``: then which one reported it
@@ -495,13 +500,21 @@ def _generation_at(client: PersistClient, name: str, found: list[int], upper: in
     if len(reached) > 1:
         # Each generation by its own name: the first one's is base/_v1 (base itself
         # names them all).
-        names = [generation_name(name, g) if g > 1 else name + _GENERATION + "1"
-                 for g, _ in reached]
+        first = name + _GENERATION + "1"
+        names = [generation_name(name, g) if g > 1 else first for g, _ in reached]
+        if first in registered:
+            # Registered literally (before such table names were refused): another
+            # table, which a load of that name returns.
+            how = (f"the first generation ({name!r}) has no name of its own: {first!r} "
+                   f"is another table")
+            names[0] = name
+        else:
+            how = f"the first generation's is {first!r}"
         raise InvalidInput(
             f"{what}: upper {upper} is ambiguous: the generations {names} (a schema change "
             f"starts a new one) all reached it; load the one the materialization wrote "
-            f"by that generation's name (its dagster/table_name; the first generation's "
-            f"is {names[0]!r}), e.g. load_table(client, {names[-1]!r}, {upper})")
+            f"by that generation's name (its dagster/table_name; {how}), e.g. "
+            f"load_table(client, {names[-1]!r}, {upper})")
     return reached[0][1]
 
 

@@ -156,4 +156,6 @@ def test_the_ambiguity_message_names_no_other_table_as_the_first_generation(
         with pytest.raises(InvalidInput, match="ambiguous") as caught:
             tables.load_table(client, "y", 1)
         message = str(caught.value)
-        assert message.count("'y/_v1'") == 0, message
+        generations = message[message.index("generations ["):message.index("]")]
+        assert "'y/_v1'" not in generations, message
+        assert "first generation's is 'y/_v1'" not in message, message
