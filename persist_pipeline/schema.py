@@ -159,14 +159,18 @@ class ShardSchema:
         object.__setattr__(out, "history", tuple(history))
         return out
 
-    def evolved_from(self, previous: ShardSchema, upper: int | None) -> ShardSchema:
+    def evolved_from(self, previous: ShardSchema, upper: int | None,
+                     since: int | None = 0) -> ShardSchema:
         """This schema, recorded over ``previous`` at a shard whose upper is ``upper``:
         rows at times below ``upper`` were written with ``previous``, which joins the
-        history (a shard with no times written yet keeps only ``previous``'s)."""
-        if not upper:
-            return self.with_history(previous.history)
-        return self.with_history([*previous.history,
-                                  (upper, previous.with_history(()).to_bytes())])
+        history (a shard with no times written yet keeps only ``previous``'s). Entries no
+        read can ask for any more (their rows' times are all below ``since``) are left
+        out, so the history stays as small as the reads it serves."""
+        kept = [(until, raw) for until, raw in previous.history
+                if since is not None and until > since]
+        if upper and (since is not None and upper > since):
+            kept.append((upper, previous.with_history(()).to_bytes()))
+        return self.with_history(kept)
 
     def as_of(self, time: int) -> ShardSchema:
         """The schema the shard's rows at ``time`` were written with: this one, or the

@@ -1099,3 +1099,33 @@ def test_a_database_given_as_dbname_parameter_is_accepted() -> None:
     # libpq's own spelling of the database: getting to connect means it was accepted.
     with pytest.raises(ConsensusUnavailable):
         open_consensus("postgresql://u@127.0.0.1:1/?dbname=persist&connect_timeout=2")
+
+
+def test_opening_a_foreign_sqlite_database_without_create_changes_nothing(
+        tmp_path: Path) -> None:
+    """create=False "creates nothing": a SQLite file that holds no persist store is
+    refused, and left as it was (not switched to WAL journaling, nor written)."""
+    import sqlite3
+
+    from persist_pipeline.consensus import open_consensus
+    from persist_pipeline.exceptions import ConsensusLocationNotFound
+
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE mine (x INTEGER)")
+        conn.execute("INSERT INTO mine VALUES (1)")
+    conn.close()
+    before = path.read_bytes()
+    with pytest.raises(ConsensusLocationNotFound):
+        open_consensus(f"sqlite:///{path}", create=False)
+    with sqlite3.connect(path) as conn:
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+    conn.close()
+    assert mode == "delete"
+    assert path.read_bytes() == before
+    # An empty file (touched, not a database yet) stays empty.
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    with pytest.raises(ConsensusLocationNotFound):
+        open_consensus(f"sqlite:///{empty}", create=False)
+    assert empty.stat().st_size == 0

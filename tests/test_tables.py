@@ -4,7 +4,9 @@ with the columns they were stored with."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -85,3 +87,74 @@ def test_pinned_loads_control_returns_a_table_never_stored(tmp_path: Path) -> No
         assert pinned.schema.names == ["id", "name", "tier"]
         assert tables.load_table(client, "customers", first.result.upper).equals(
             V1.sort_by("id"))
+
+
+def _after_open(client: PersistClient, action: Callable[[], Any]) -> None:
+    """Run ``action`` (another store) once, right after this client's next table writer
+    opens: the interleaving of two concurrent stores, made deterministic."""
+    original = client._open_table_writer
+    done = []
+
+    def opened(*args: Any, **kwargs: Any) -> Any:
+        handle = original(*args, **kwargs)
+        if not done:
+            done.append(True)
+            action()
+        return handle
+
+    client._open_table_writer = opened  # type: ignore[method-assign]
+
+
+def test_a_store_committing_after_a_concurrent_evolution_loads_exactly(
+        tmp_path: Path) -> None:
+    with _client(tmp_path) as client, _client(tmp_path) as other:
+        tables.store_table(client, "t", V1, ["id"])
+        # A stores a V1-shaped table; between its writer's open and its commit another
+        # process stores V2 (evolving the generation in place, adding "tier").
+        narrow = V1.slice(1)
+        _after_open(client, lambda: tables.store_table(other, "t", V2, ["id"]))
+        stored = tables.store_table(client, "t", narrow, ["id"])
+        latest = tables.load_table(client, "t")
+        # store_table: "Make the newest generation of name hold exactly table".
+        assert latest.schema.names == narrow.schema.names, (stored.name, latest)
+        assert latest.equals(narrow)
+
+
+def test_store_tables_committing_after_a_concurrent_evolution_loads_exactly(
+        tmp_path: Path) -> None:
+    with _client(tmp_path) as client, _client(tmp_path) as other:
+        tables.store_table(client, "t", V1, ["id"])
+        narrow = V1.slice(1)
+        _after_open(client, lambda: tables.store_table(other, "t", V2, ["id"]))
+        tables.store_tables(client, {"t": (narrow, ["id"])})
+        latest = tables.load_table(client, "t")
+        assert latest.schema.names == narrow.schema.names, latest
+        assert latest.equals(narrow)
+
+
+def test_the_ambiguity_message_names_no_other_table_as_the_first_generation(
+        tmp_path: Path) -> None:
+    """A name registered literally as ``y/_v1`` before such names were refused is its own
+    table: it is no generation of ``y``, and the ambiguity error must not tell the user
+    to load it as ``y``'s first generation (that load returns the other table)."""
+    from persist_pipeline.exceptions import InvalidInput
+    from persist_pipeline.tables import _encode, storage_plan
+
+    other = pa.table({"q": pa.array([9], pa.int64())})
+    with _client(tmp_path) as client:
+        tables.store_table(client, "y", V1, ["id"])
+        keyed_by_text = pa.table({"id": pa.array(["k"]), "name": pa.array(["z"])})
+        assert tables.store_table(client, "y", keyed_by_text, ["id"]).name == "y/_v2"
+        # The legacy table, stored as store_table did before "y/_v1" was refused.
+        plan = storage_plan(other.schema, None, [])
+        writer = client.open_writer(client.resolve("y/_v1", create=True),
+                                    schema=plan.shard_schema)
+        writer._replace_encoded(_encode(plan, other, None))
+        writer.expire()
+        assert tables.load_table(client, "y/_v1").equals(other)
+        with pytest.raises(InvalidInput, match="ambiguous") as caught:
+            tables.load_table(client, "y", 1)
+        message = str(caught.value)
+        generations = message[message.index("generations ["):message.index("]")]
+        assert "'y/_v1'" not in generations, message
+        assert "first generation's is 'y/_v1'" not in message, message

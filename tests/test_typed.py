@@ -6,6 +6,7 @@ against a model, under concurrency and lost replies; DuckDB reading the typed co
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import decimal
 import random
@@ -907,10 +908,15 @@ def test_an_evolved_schema_remembers_what_it_evolved_from_and_when():
     assert recorded.as_of(3) == v1 and recorded.as_of(3).metadata == {b"m": b"1"}
     assert recorded.as_of(4) == v2 and recorded.as_of(8) == v2
     assert recorded.as_of(9) is recorded
+    # Entries no read can ask for (every time below since) are dropped at the next
+    # evolution: reads at as_of >= since never pick them.
+    v4 = ShardSchema([("id", pa.int64())], [*v3.value, ("e", pa.int8())])
+    later = dataclasses.replace(replace_upper(state, 12), since=9)
+    later, _ = transitions.record_schema(later, v4, 0)
+    assert [u for u, _ in ShardSchema.from_bytes(later.schema).history] == [12]
     with pytest.raises(InvalidInput, match="reserved"):
         ShardSchema([("id", pa.int64())], [], {"persist_pipeline.schema_history": "[]"})
 
 
 def replace_upper(state: Any, upper: int) -> Any:
-    import dataclasses
     return dataclasses.replace(state, upper=upper)

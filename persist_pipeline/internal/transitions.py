@@ -214,7 +214,7 @@ def record_schema(state: State, requested: ShardSchema, now_ms: int
         return state, stored
     # Remembered with the upper it was replaced at: a table loaded as of an earlier time
     # reads back with the columns it was stored with.
-    evolved = evolved.evolved_from(stored, state.upper)
+    evolved = evolved.evolved_from(stored, state.upper, state.since)
     return replace(state, schema=evolved.to_bytes(), walltime_ms=now_ms), evolved
 
 
