@@ -1129,3 +1129,17 @@ def test_opening_a_foreign_sqlite_database_without_create_changes_nothing(
     with pytest.raises(ConsensusLocationNotFound):
         open_consensus(f"sqlite:///{empty}", create=False)
     assert empty.stat().st_size == 0
+
+
+def test_opening_without_create_names_the_file_create_makes(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    """A relative path with ``~`` names one file whether the store is opened with
+    create or without: SQLite takes ``~`` literally, so no home-directory lookup."""
+    from persist_pipeline.consensus import open_consensus
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "~").mkdir()
+    open_consensus("sqlite:///~/c.db").close()
+    assert (tmp_path / "~" / "c.db").is_file()
+    open_consensus("sqlite:///~/c.db", create=False).close()  # the same file, found

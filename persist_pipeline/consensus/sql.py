@@ -247,7 +247,9 @@ def _sqlite_timeout(url: URL) -> float:
 def _sqlite_path(url: URL) -> Path:
     """The database file a sqlite URL names, as SQLite resolves it (relative paths
     against the current directory)."""
-    return Path(str(url.database)).expanduser().absolute()
+    # No ``~`` expansion: SQLite itself takes ``~`` literally when it creates the file,
+    # and opening with or without create must name the same file.
+    return Path(str(url.database)).absolute()
 
 
 def _create_engine(kind: str, url: URL, create: bool = True, setup: bool = True) -> Engine:
