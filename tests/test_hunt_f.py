@@ -1,0 +1,105 @@
+"""Adversarial hunt F: listens, read plans, streaming snapshots and backend parity.
+
+Each test reproduces one defect found by the hunt on real backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId, ShardSchema
+from persist_pipeline.blob import open_blob
+from persist_pipeline.consensus import open_consensus
+from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
+from persist_pipeline.exceptions import ConsensusUnavailable, PersistError
+from tests.fixtures.location import Location
+from tests.helpers import ForwardingConsensus
+from tests.test_regressions_lost_replies import ManualClock
+
+NO_INLINE = InlinePolicy(0, 0)
+
+
+class Outage(ForwardingConsensus):
+    """Consensus whose compare-and-sets fail (without running) while ``down``."""
+
+    def __init__(self, inner: Consensus) -> None:
+        self.inner = inner
+        self.down = False
+
+    def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
+        if self.down:
+            raise ConsensusUnavailable("test: consensus is down")
+        return self.inner.compare_and_set(shard, expected, new)
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        if self.down:
+            raise ConsensusUnavailable("test: consensus is down")
+        return self.inner.compare_and_set_many(writes)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _client(location: Location, consensus: Consensus, clock: ManualClock,
+            policy: InlinePolicy = NO_INLINE, **config: Any) -> PersistClient:
+    cfg = PersistConfig(inline_policy=policy, heartbeat_interval_s=0,
+                        background_maintenance=False, **config)
+    wal = open_blob(location.wal_blob_uri) if location.wal_blob_uri else None
+    return PersistClient(consensus, open_blob(location.blob_uri), wal, cfg, clock=clock)
+
+
+@pytest.fixture
+def opened(location: Location) -> Iterator[list[PersistClient]]:
+    out: list[PersistClient] = []
+    yield out
+    for c in out:
+        c.close()
+
+
+def test_a_listen_whose_since_release_fails_loses_no_updates(location: Location,
+                                                             opened: list[PersistClient]):
+    """A poll that fails (consensus down while the listen releases the reader's since)
+    must not advance the listen: the updates it fetched are emitted by the next poll."""
+    clock = ManualClock()
+    outage = Outage(open_consensus(location.consensus_uri))
+    client = _client(location, outage, clock)
+    opened.append(client)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    reader = client.open_reader(shard)
+    listen = reader.listen(0)
+    reader.downgrade_since(5)  # the user releases times it no longer needs
+    writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2)
+    outage.down = True
+    with pytest.raises(PersistError):
+        listen.poll()
+    outage.down = False
+    seen = [e for e in listen.poll() if e.kind == "updates"]
+    got = [(r["k"], r["t"]) for e in seen for r in e.updates.to_pylist()]
+    assert got == [(b"b", 1)]
+
+
+def test_a_reader_whose_expire_failed_can_expire_again(location: Location,
+                                                      opened: list[PersistClient]):
+    """``expire()`` that fails (consensus down) must be retryable: the reader's since
+    and seqno holds stay in the state until it succeeds, so a retry that is a silent
+    no-op holds back compaction and GC for a whole lease."""
+    clock = ManualClock()
+    outage = Outage(open_consensus(location.consensus_uri))
+    client = _client(location, outage, clock)
+    opened.append(client)
+    shard = ShardId.new()
+    client.open_writer(shard).compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    reader = client.open_reader(shard)
+    outage.down = True
+    with pytest.raises(PersistError):
+        reader.expire()
+    outage.down = False
+    reader.expire()  # the retry
+    state = client._machine(shard).fetch_latest()
+    assert reader.reader_id not in state.leased_readers
