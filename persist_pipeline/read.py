@@ -132,6 +132,7 @@ class ReadHandle:
         self._reading: dict[int, int] = {}
         self._reading_lock = new_lock()
         self._expired = False
+        self._released = False  # expire() committed: nothing of this reader is left
         self._listens: weakref.WeakSet[Listen] = weakref.WeakSet()
         reader, _ = machine.apply(lambda s: transitions.register_leased_reader(
             s, reader_id, machine.now_ms(), self._lease_ms, debug))
@@ -464,13 +465,17 @@ class ReadHandle:
 
     def expire(self) -> None:
         """Unregister this reader, releasing its holds. Idempotent."""
-        if self._expired:
+        if self._released:
             return
         self._expired = True
         self._heartbeat.stop()
         machine = self._machine
+        # Only a committed expiry is done: after a failure (consensus away, an
+        # indeterminate commit) a retry expires again, rather than leaving the reader's
+        # since and seqno holds in the state until its lease runs out.
         machine.apply(lambda s: transitions.expire_leased_reader(s, self.reader_id,
                                                                  machine.now_ms()))
+        self._released = True
 
     close = expire
 
@@ -569,7 +574,11 @@ class Listen:
         self.frontier = hi
         if hi is None:
             self.close()
-        self._reader._listen_moved()
+        # Releasing the since the listen no longer needs is best effort: the events are
+        # already taken (the frontier moved), so a failure here must not lose them. The
+        # since stays held (never wrong) until the next move or downgrade releases it.
+        with contextlib.suppress(PersistError):
+            self._reader._listen_moved()
         return events
 
     @staticmethod
