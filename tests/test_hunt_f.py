@@ -107,3 +107,26 @@ def test_a_reader_whose_expire_failed_can_expire_again(location: Location,
     reader.expire()  # the retry
     state = client._machine(shard).fetch_latest()
     assert reader.reader_id not in state.leased_readers
+
+
+def test_a_failed_since_downgrade_does_not_refuse_a_lower_one(location: Location,
+                                                             opened: list[PersistClient]):
+    """``downgrade_since(10)`` that failed (consensus down, nothing committed) left the
+    reader's since at 0; a later ``downgrade_since(5)`` must not be refused with "since
+    may only advance: reader holds 10" (a negative answer from a cache, not from
+    consensus), and a listen moving on must not release 10 behind the user's back."""
+    clock = ManualClock()
+    outage = Outage(open_consensus(location.consensus_uri))
+    client = _client(location, outage, clock)
+    opened.append(client)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    reader = client.open_reader(shard)
+    outage.down = True
+    with pytest.raises(PersistError):
+        reader.downgrade_since(10)
+    outage.down = False
+    assert client._machine(shard).fetch_latest().since == 0  # nothing was committed
+    reader.downgrade_since(5)
+    assert reader.since == 5
