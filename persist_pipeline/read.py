@@ -435,8 +435,14 @@ class ReadHandle:
         if less_than(since, self._wanted_since):
             raise InvalidFrontier(f"since may only advance: reader holds "
                                   f"{self._wanted_since}, asked for {since}")
-        self._wanted_since = since
-        self._downgrade_to(since)
+        previous, self._wanted_since = self._wanted_since, since
+        try:
+            self._downgrade_to(since)
+        except BaseException:
+            # Not known to be committed: what the reader holds is what consensus says
+            # (a retry, or the transition's own check, settles it), never this ask.
+            self._wanted_since = previous
+            raise
 
     def _listen_cap(self) -> Frontier:
         cap: Frontier = None
