@@ -130,3 +130,22 @@ def test_a_failed_since_downgrade_does_not_refuse_a_lower_one(location: Location
     assert client._machine(shard).fetch_latest().since == 0  # nothing was committed
     reader.downgrade_since(5)
     assert reader.since == 5
+
+
+def test_closing_a_listen_releases_the_since_it_held(location: Location,
+                                                     opened: list[PersistClient]):
+    """``Listen.close()``: "the reader's since is no longer held back for this listen".
+    The since the user asked for while the listen capped it is released by the close,
+    not left held (blocking compaction) until some later call."""
+    clock = ManualClock()
+    client = _client(location, open_consensus(location.consensus_uri), clock)
+    opened.append(client)
+    shard = ShardId.new()
+    client.open_writer(shard).compare_and_append([(b"a", b"1", 0, 1)], 0, 10)
+    reader = client.open_reader(shard)
+    listen = reader.listen(2)
+    reader.downgrade_since(8)
+    assert reader.since == 2  # capped by the open listen
+    listen.close()
+    assert reader.since == 8
+    assert client._machine(shard).fetch_latest().since == 8
