@@ -531,6 +531,15 @@ class Listen:
         """Stop listening; the reader's since is no longer held back for this listen."""
         self._done = True
         self._reader._listens.discard(self)
+        self._release()
+
+    def _release(self) -> None:
+        """Release the since the reader's open listens no longer hold back. Best effort:
+        a failure leaves it held (never wrong), for the next move or downgrade."""
+        if self._reader._expired:
+            return
+        with contextlib.suppress(PersistError):
+            self._reader._listen_moved()
 
     def poll(self, timeout_s: float = 0.0) -> list[ListenEvent]:
         """Events available within ``timeout_s`` seconds (possibly none)."""
@@ -578,13 +587,12 @@ class Listen:
             events.append(ListenEvent("updates", updates=table))
         events.append(ListenEvent("progress", upper=hi))
         self.frontier = hi
+        # The events are taken (the frontier moved): releasing the since the listen no
+        # longer needs is best effort, so a failure there does not lose them.
         if hi is None:
             self.close()
-        # Releasing the since the listen no longer needs is best effort: the events are
-        # already taken (the frontier moved), so a failure here must not lose them. The
-        # since stays held (never wrong) until the next move or downgrade releases it.
-        with contextlib.suppress(PersistError):
-            self._reader._listen_moved()
+        else:
+            self._release()
         return events
 
     @staticmethod
