@@ -1,7 +1,6 @@
-"""Adversarial hunt F: listens, read plans, streaming snapshots and backend parity.
-
-Each test reproduces one defect found by the hunt on real backends.
-"""
+"""Read handles when consensus fails under them: a listen poll whose since release fails
+still returns its updates, a failed expire() or downgrade_since is not remembered as
+done, and closing a listen releases the since it held back. On every backend."""
 
 from __future__ import annotations
 
