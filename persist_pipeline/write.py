@@ -180,6 +180,7 @@ class WriteHandle:
         self.policy = policy
         self._store: Store = "wal" if has_wal else "main"
         self._closed = False
+        self._released = False  # expire() committed: the writer is gone from the state
         lease = self._lease_ms()
         _, state = machine.apply(
             lambda s: transitions.register_writer(s, writer_id, machine.now_ms(), lease, debug))
@@ -754,12 +755,16 @@ class WriteHandle:
 
     def expire(self) -> None:
         """Unregister this writer. The handle cannot write afterwards. Idempotent."""
-        if self._closed:
+        if self._released:
             return
         self._closed = True
         self._heartbeat.stop()
         machine = self._machine
+        # Only a committed expiry is done: after a failure (consensus away, an
+        # indeterminate commit) a retry expires again, rather than leaving the writer's
+        # entry in the state until its lease runs out.
         machine.apply(lambda s: transitions.expire_writer(s, self.writer_id, machine.now_ms()))
+        self._released = True
 
     close = expire
 

@@ -1,6 +1,7 @@
-"""Read handles when consensus fails under them: a listen poll whose since release fails
-still returns its updates, a failed expire() or downgrade_since is not remembered as
-done, and closing a listen releases the since it held back. On every backend."""
+"""Handles when consensus fails under them: a listen poll whose since release fails
+still returns its updates, a failed expire() (reader or writer) or downgrade_since is
+not remembered as done, and closing a listen releases the since it held back. On every
+backend."""
 
 from __future__ import annotations
 
@@ -105,6 +106,27 @@ def test_a_reader_whose_expire_failed_can_expire_again(location: Location,
     reader.expire()  # the retry
     state = client._machine(shard).fetch_latest()
     assert reader.reader_id not in state.leased_readers
+
+
+def test_a_writer_whose_expire_failed_can_expire_again(location: Location,
+                                                      opened: list[PersistClient]):
+    """As for readers: a writer's failed ``expire()`` is retried by the next call, not
+    taken as done (its entry would stay in the state until its lease ran out)."""
+    clock = ManualClock()
+    outage = Outage(open_consensus(location.consensus_uri))
+    client = _client(location, outage, clock)
+    opened.append(client)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    outage.down = True
+    with pytest.raises(PersistError):
+        writer.expire()
+    outage.down = False
+    with pytest.raises(PersistError):  # expired for its caller at the first call
+        writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2)
+    writer.expire()  # the retry
+    assert writer.writer_id not in client._machine(shard).fetch_latest().writers
 
 
 def test_a_failed_since_downgrade_does_not_refuse_a_lower_one(location: Location,
