@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+from persist_pipeline.internal.extras import missing_extra
+
 try:
     import pyspark  # noqa: F401
-except ModuleNotFoundError as e:  # say what to install, not only what is missing
-    raise ModuleNotFoundError(
-        f"the persist Spark data source needs PySpark 4, which is not installed ({e}): "
-        "install the library with its pipeline extra (pip install '/path/to/persist-"
-        "pipeline[pipeline]', see README.md), or pyspark>=4", name=e.name) from e
+except ModuleNotFoundError as e:
+    raise missing_extra("the persist Spark data source needs PySpark 4", "pyspark>=4",
+                        e) from e
 
 from pyspark.sql.datasource import (
     DataSource,

@@ -151,6 +151,20 @@ def failure_messages(result: dg.ExecuteInProcessResult) -> list[str]:
     return messages
 
 
+def evaluate_failure_sensor(pipeline: Pipeline, result: dg.ExecuteInProcessResult) -> Any:
+    """Evaluate compaction_failure_alert_sensor on a failed run, as the daemon would."""
+    run = result.dagster_run
+    [record] = pipeline.instance.get_records_for_run(
+        run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE).records
+    sensor = pipeline.defs.resolve_sensor_def("compaction_failure_alert_sensor")
+    failure = dg.build_run_status_sensor_context(
+        sensor_name=sensor.name, dagster_event=record.event_log_entry.dagster_event,
+        dagster_instance=pipeline.instance, dagster_run=run,
+        resources=pipeline.defs.resources).for_run_failure()
+    with failure as context:  # resources live for the evaluation, as in the daemon
+        return sensor(context)
+
+
 @pytest.fixture
 def make_pipeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                   ) -> Iterator[Callable[..., Pipeline]]:

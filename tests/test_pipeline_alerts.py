@@ -20,6 +20,7 @@ from tests.pipeline_support import (
     SYNTHETIC,
     Pipeline,
     Webhook,
+    evaluate_failure_sensor,
     make_pipeline,
     webhook,
 )
@@ -44,19 +45,6 @@ def _observations(pipeline: Pipeline, key: dg.AssetKey) -> list[dict[str, Any]]:
     return [{k: getattr(v, "value", v) for k, v in
              r.asset_observation.metadata.items()} for r in records]  # type: ignore[union-attr]
 
-
-def _evaluate_failure_sensor(pipeline: Pipeline, result: dg.ExecuteInProcessResult) -> Any:
-    """Evaluate compaction_failure_alert_sensor on a failed run, as the daemon would."""
-    run = result.dagster_run
-    [record] = pipeline.instance.get_records_for_run(
-        run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE).records
-    sensor = pipeline.defs.resolve_sensor_def("compaction_failure_alert_sensor")
-    failure = dg.build_run_status_sensor_context(
-        sensor_name=sensor.name, dagster_event=record.event_log_entry.dagster_event,
-        dagster_instance=pipeline.instance, dagster_run=run,
-        resources=pipeline.defs.resources).for_run_failure()
-    with failure as context:  # resources live for the evaluation, as in the daemon
-        return sensor(context)
 
 
 def test_shard_alerts_post_to_the_webhook_once_per_episode(
@@ -114,7 +102,7 @@ def test_failed_compaction_run_alerts(make_pipeline: Any, webhook: Webhook,
     assert not result.success
 
     run = result.dagster_run
-    assert _evaluate_failure_sensor(pipeline, result) is None
+    assert evaluate_failure_sensor(pipeline, result) is None
     [body] = webhook.bodies
     text = body["text"]
     assert text.startswith(":rotating_light: *persist-pipeline* compaction run")
@@ -127,7 +115,7 @@ def test_failed_compaction_run_alerts(make_pipeline: Any, webhook: Webhook,
     # Failed runs that do not compact are not its business.
     failed_ingestion = pipeline.ingest("clicks")
     assert not failed_ingestion.success
-    skip = _evaluate_failure_sensor(pipeline, failed_ingestion)
+    skip = evaluate_failure_sensor(pipeline, failed_ingestion)
     assert isinstance(skip, dg.SkipReason) and "does not compact" in skip.skip_message
     assert len(webhook.bodies) == 1
 

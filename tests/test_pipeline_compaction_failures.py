@@ -15,6 +15,7 @@ from tests.pipeline_support import (
     SYNTHETIC,
     Pipeline,
     check_results,
+    evaluate_failure_sensor,
     failure_messages,
     make_pipeline,
     materializations,
@@ -51,19 +52,6 @@ def test_compaction_run_of_a_shard_whose_since_reached_its_upper(
     assert materializations(result)["compact/clicks"]["inline_bytes_after"] == 0
     assert check_results(result)["compact/clicks:snapshot_unchanged"].passed
 
-
-def _evaluate_failure_sensor(pipeline: Pipeline, result: dg.ExecuteInProcessResult) -> Any:
-    """Evaluate compaction_failure_alert_sensor on a failed run, as the daemon would."""
-    run = result.dagster_run
-    [record] = pipeline.instance.get_records_for_run(
-        run.run_id, of_type=dg.DagsterEventType.RUN_FAILURE).records
-    sensor = pipeline.defs.resolve_sensor_def("compaction_failure_alert_sensor")
-    failure = dg.build_run_status_sensor_context(
-        sensor_name=sensor.name, dagster_event=record.event_log_entry.dagster_event,
-        dagster_instance=pipeline.instance, dagster_run=run,
-        resources=pipeline.defs.resources).for_run_failure()
-    with failure as context:
-        return sensor(context)
 
 
 def _alerts_on(pipeline: Pipeline, key: dg.AssetKey) -> list[str]:
@@ -119,7 +107,7 @@ def test_a_compaction_failure_alert_names_only_the_shards_that_failed(
     shards, 1,000 observations saying healthy shards' compaction failed)."""
     pipeline: Pipeline = make_pipeline(GOOD_AND_BAD)
     result = _failed_automation_run(pipeline)
-    assert _evaluate_failure_sensor(pipeline, result) is None
+    assert evaluate_failure_sensor(pipeline, result) is None
     assert _alerts_on(pipeline, compacted_key("bad")) == ["compaction_run_failed"]
     assert _alerts_on(pipeline, compacted_key("good")) == []
 

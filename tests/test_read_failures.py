@@ -52,6 +52,19 @@ def _client(location: Location, consensus: Consensus, clock: ManualClock,
     return PersistClient(consensus, open_blob(location.blob_uri), wal, cfg, clock=clock)
 
 
+def _written(location: Location, opened: list[PersistClient]
+             ) -> tuple[Outage, PersistClient, ShardId, Any]:
+    """A client whose consensus can be taken down, and a shard it wrote one row to at
+    time 0 (upper 1), with the writer."""
+    outage = Outage(open_consensus(location.consensus_uri))
+    client = _client(location, outage, ManualClock())
+    opened.append(client)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    return outage, client, shard, writer
+
+
 @pytest.fixture
 def opened(location: Location) -> Iterator[list[PersistClient]]:
     out: list[PersistClient] = []
@@ -64,13 +77,7 @@ def test_a_listen_whose_since_release_fails_loses_no_updates(location: Location,
                                                              opened: list[PersistClient]):
     """A poll that fails (consensus down while the listen releases the reader's since)
     must not advance the listen: the updates it fetched are emitted by the next poll."""
-    clock = ManualClock()
-    outage = Outage(open_consensus(location.consensus_uri))
-    client = _client(location, outage, clock)
-    opened.append(client)
-    shard = ShardId.new()
-    writer = client.open_writer(shard)
-    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    outage, client, shard, writer = _written(location, opened)
     reader = client.open_reader(shard)
     listen = reader.listen(0)
     reader.downgrade_since(5)  # the user releases times it no longer needs
@@ -92,12 +99,7 @@ def test_a_reader_whose_expire_failed_can_expire_again(location: Location,
     """``expire()`` that fails (consensus down) must be retryable: the reader's since
     and seqno holds stay in the state until it succeeds, so a retry that is a silent
     no-op holds back compaction and GC for a whole lease."""
-    clock = ManualClock()
-    outage = Outage(open_consensus(location.consensus_uri))
-    client = _client(location, outage, clock)
-    opened.append(client)
-    shard = ShardId.new()
-    client.open_writer(shard).compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    outage, client, shard, _writer = _written(location, opened)
     reader = client.open_reader(shard)
     outage.down = True
     with pytest.raises(PersistError):
@@ -112,13 +114,7 @@ def test_a_writer_whose_expire_failed_can_expire_again(location: Location,
                                                       opened: list[PersistClient]):
     """As for readers: a writer's failed ``expire()`` is retried by the next call, not
     taken as done (its entry would stay in the state until its lease ran out)."""
-    clock = ManualClock()
-    outage = Outage(open_consensus(location.consensus_uri))
-    client = _client(location, outage, clock)
-    opened.append(client)
-    shard = ShardId.new()
-    writer = client.open_writer(shard)
-    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    outage, client, shard, writer = _written(location, opened)
     outage.down = True
     with pytest.raises(PersistError):
         writer.expire()
@@ -135,13 +131,7 @@ def test_a_failed_since_downgrade_does_not_refuse_a_lower_one(location: Location
     reader's since at 0; a later ``downgrade_since(5)`` must not be refused with "since
     may only advance: reader holds 10" (a negative answer from a cache, not from
     consensus), and a listen moving on must not release 10 behind the user's back."""
-    clock = ManualClock()
-    outage = Outage(open_consensus(location.consensus_uri))
-    client = _client(location, outage, clock)
-    opened.append(client)
-    shard = ShardId.new()
-    writer = client.open_writer(shard)
-    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    outage, client, shard, _writer = _written(location, opened)
     reader = client.open_reader(shard)
     outage.down = True
     with pytest.raises(PersistError):

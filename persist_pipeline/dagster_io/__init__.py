@@ -12,13 +12,12 @@ Importing ``persist_pipeline`` never imports Dagster; importing this package doe
 
 from __future__ import annotations
 
+from persist_pipeline.internal.extras import missing_extra
+
 try:
     import dagster  # noqa: F401
-except ModuleNotFoundError as e:  # say what to install, not only what is missing
-    raise ModuleNotFoundError(
-        f"persist_pipeline.dagster_io needs Dagster, which is not installed ({e}): install "
-        "the library with its pipeline extra (pip install '/path/to/persist-pipeline"
-        "[pipeline]', see README.md), or just dagster", name=e.name) from e
+except ModuleNotFoundError as e:
+    raise missing_extra("persist_pipeline.dagster_io needs Dagster", "dagster", e) from e
 
 from persist_pipeline.dagster_io.compaction import compaction_definitions
 from persist_pipeline.dagster_io.io_manager import (
