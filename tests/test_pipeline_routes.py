@@ -181,23 +181,28 @@ def test_a_row_naming_no_shard_fails_the_file_and_writes_nothing(make_pipeline: 
     assert _state(pipeline) == before
 
 
+def _files_or_route(make_pipeline: Any, routed: bool) -> tuple[Any, Any, str, list[str]]:
+    """A pipeline whose landed files go to several shards by a route column, or to the
+    one shard ``orders``: the pipeline, its landing folder, its sensor and the shards."""
+    if routed:
+        pipeline, landing = _pipeline(make_pipeline)
+        return pipeline, landing, SENSOR, list(ROUTED)
+    pipeline = make_pipeline({"orders": {"source": {
+        "kind": "files", "uri": "{data_dir}/landing/orders"}}})
+    landing = pipeline.data_dir / "landing" / "orders"
+    landing.mkdir(parents=True)
+    return pipeline, landing, "orders_landing_sensor", ["orders"]
+
+
 @pytest.mark.parametrize("routed", [False, True], ids=["files", "route"])
 def test_a_landed_column_the_shard_lacks_fails_the_file_and_writes_nothing(
         make_pipeline: Any, routed: bool) -> None:
     """A landed file with a column besides k, v, t, d (and the route column) is refused
     as the CLI's append refuses it: the run fails naming the column, and no shard
     changes (a dropped column would be data the user thinks is stored)."""
-    if routed:
-        pipeline, landing = _pipeline(make_pipeline)
-        sensor, names = SENSOR, list(ROUTED)
-        text = "k,v,t,table,amount\no1,10,0,order,3\nr1,-10,0,refund,4\n"
-    else:
-        pipeline = make_pipeline({"orders": {"source": {
-            "kind": "files", "uri": "{data_dir}/landing/orders"}}})
-        landing = pipeline.data_dir / "landing" / "orders"
-        landing.mkdir(parents=True)
-        sensor, names = "orders_landing_sensor", ["orders"]
-        text = "k,v,t,amount\no1,10,0,3\n"
+    pipeline, landing, sensor, names = _files_or_route(make_pipeline, routed)
+    text = ("k,v,t,table,amount\no1,10,0,order,3\nr1,-10,0,refund,4\n" if routed
+            else "k,v,t,amount\no1,10,0,3\n")
     bad = _land(landing, "a.csv", text, 1)
     [result] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
     assert not result.success and materializations(result) == {}
@@ -277,17 +282,10 @@ def _die_after_commit(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 @pytest.mark.parametrize("routed", [False, True], ids=["files", "route"])
 def test_a_run_that_died_after_its_commit_is_settled_not_written_twice(
         make_pipeline: Any, monkeypatch: pytest.MonkeyPatch, routed: bool) -> None:
-    if routed:
-        pipeline, landing = _pipeline(make_pipeline)
-        sensor, partition, names = SENSOR, "commerce/a.csv", list(ROUTED)
-        text = "k,v,t,table\no1,10,0,order\nr1,-10,0,refund\n"
-    else:
-        pipeline = make_pipeline({"orders": {"source": {
-            "kind": "files", "uri": "{data_dir}/landing/orders"}}})
-        landing = pipeline.data_dir / "landing" / "orders"
-        landing.mkdir(parents=True)
-        sensor, partition, names = "orders_landing_sensor", "orders/a.csv", ["orders"]
-        text = "k,v,t\no1,10,0\n"
+    pipeline, landing, sensor, names = _files_or_route(make_pipeline, routed)
+    partition = "commerce/a.csv" if routed else "orders/a.csv"
+    text = ("k,v,t,table\no1,10,0,order\nr1,-10,0,refund\n" if routed
+            else "k,v,t\no1,10,0\n")
     _land(landing, "a.csv", text, 1)
     died = _die_after_commit(monkeypatch)
     [crashed] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
