@@ -20,7 +20,7 @@ from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import Consensus
 from persist_pipeline.consensus.retry import RetryingConsensus
-from persist_pipeline.exceptions import BlobError, InvalidConfig, InvalidInput, SchemaMismatch
+from persist_pipeline.exceptions import BlobError, InvalidConfig, InvalidInput
 from persist_pipeline.frontier import Frontier
 from persist_pipeline.gc import gc_shard
 from persist_pipeline.ids import ShardId, new_critical_reader_id, new_reader_id, new_writer_id
@@ -299,19 +299,12 @@ class PersistClient:
         m = self._machine(shard)
         state = m.open(create=True)
         recorded = ShardSchema.from_bytes(state.schema) if state.schema else None
-        pending: ShardSchema | None
-        if recorded is not None:
-            pending = recorded.evolve(schema)
-            if pending is recorded:
-                pending = None  # recorded already: nothing for a commit to record
-        elif any(b.num_updates for b in state.batches.values()):
-            raise SchemaMismatch(f"shard {m.shard_id} holds untyped updates: a schema can "
-                                 f"only be given when a shard is created")
-        else:
-            pending = schema
+        # What the shard would record for ``schema`` (raises SchemaMismatch), not
+        # recorded now: each replacement's commit records it.
+        _, target = transitions.record_schema(state, schema, m.now_ms())
         handle = WriteHandle(m, new_writer_id(), self.inline_policy,
                              self.blobs.wal is not None, debug, recorded, state.schema,
-                             funnel=self._funnel, pending_schema=pending, exact=True)
+                             funnel=self._funnel, table_schema=target)
         self._handles.add(handle)
         return handle
 

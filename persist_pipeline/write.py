@@ -160,17 +160,15 @@ class WriteHandle:
     def __init__(self, machine: Machine, writer_id: str, policy: InlinePolicy,
                  has_wal: bool, debug: str = "", schema: ShardSchema | None = None,
                  recorded: bytes = b"", funnel: Funnel | None = None,
-                 pending_schema: ShardSchema | None = None, exact: bool = False) -> None:
+                 table_schema: ShardSchema | None = None) -> None:
         self._machine = machine
         #: The client's group-commit funnel (None: each append commits on its own).
         self._funnel = funnel
-        #: A schema this handle's replacements record in their own commit, not at open
-        #: (see :meth:`PersistClient._open_table_writer`).
-        self._pending_schema = pending_schema
-        #: A table writer's: its replacements commit into a shard of exactly this
-        #: handle's schema, or are refused (SchemaMismatch, nothing written).
-        self._exact = exact
-        self.schema = pending_schema if pending_schema is not None else schema
+        #: A table writer's schema (see :meth:`PersistClient._open_table_writer`): its
+        #: replacements record it in their own commit and commit only into a shard of
+        #: exactly this schema, or are refused (SchemaMismatch, nothing written).
+        self._table_schema = table_schema
+        self.schema = table_schema if table_schema is not None else schema
         #: What this handle encodes typed tables with: the schema recorded when it opened.
         self._encoding = Encoding(schema, recorded) if recorded else Encoding.of(schema)
         # Upsert back-off jitter, seeded by the writer id: replays of the deterministic
@@ -567,36 +565,26 @@ class WriteHandle:
         """How an upsert or delete attempt against ``state`` writes its batch: the rows
         it retracts carry the state's schema (perhaps evolved since this handle opened),
         so its parts are written and committed with that schema, never this handle's.
-        A handle with a pending schema writes with that schema evolved from the
-        state's, recorded by the commit itself.
+        A table writer writes with its own schema, recorded by the commit itself when
+        ``state`` does not record it yet.
 
         Raises:
-            SchemaMismatch: the pending schema no longer fits the state's (another
-                writer evolved it otherwise); nothing is written.
+            SchemaMismatch: the table writer's schema no longer is what ``state`` would
+                record (another store evolved it otherwise or further); nothing is
+                written.
         """
-        pending = self._pending_schema
-        if pending is None and not self._exact:
+        wanted = self._table_schema
+        if wanted is None:
             return Encoding.recorded_in(state)
-        wanted = self.schema
-        assert wanted is not None  # a table writer's schema
-        if state.schema:
-            stored = ShardSchema.from_bytes(state.schema)
-            target = stored.evolve(wanted)
-            encoding = (Encoding(stored, state.schema, exact=self._exact)
-                        if target is stored else
-                        Encoding(target, target.to_bytes(), record=target, exact=self._exact))
-        elif any(b.num_updates for b in state.batches.values()):
-            raise SchemaMismatch(f"shard {self.shard_id} holds untyped updates: it cannot "
-                                 f"be given a schema")
-        else:
-            target = wanted
-            encoding = Encoding(target, target.to_bytes(), record=target, exact=self._exact)
-        if self._exact and target != wanted:
+        recorded, target = transitions.record_schema(state, wanted, 0)
+        if target != wanted:
             # Another store evolved the shard past this table's schema since this
             # handle opened: its table would load with the other store's columns.
             raise SchemaMismatch(f"shard {self.shard_id}'s schema became {target!r} after "
                                  f"this writer opened for {wanted!r}; nothing was written")
-        return encoding
+        if recorded is state:
+            return Encoding(target, state.schema, exact=True)
+        return Encoding(target, target.to_bytes(), record=target, exact=True)
 
     def _coerce(self, updates: object) -> Updates:
         """Validated, consolidated updates: typed tables encoded for a typed shard."""
