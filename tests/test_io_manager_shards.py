@@ -25,7 +25,7 @@ from persist_pipeline.dagster_io import (
     compaction_definitions,
 )
 from persist_pipeline.dagster_io.encoding import contents_for
-from persist_pipeline.exceptions import InvalidFrontier, InvalidInput
+from persist_pipeline.exceptions import InvalidConfig, InvalidFrontier, InvalidInput
 from tests.pipeline_support import spark_session, table_location
 
 __all__ = ["spark_session", "table_location"]  # fixtures, imported for pytest
@@ -301,6 +301,19 @@ def test_reads_take_latest_and_refuse_none(tmp_path: Path) -> None:
             reader.snapshot(None)  # type: ignore[arg-type]
         with pytest.raises(InvalidFrontier):
             reader.snapshot_plan(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"retry_after_seconds": -1}, {"retry_after_seconds": 1.5},
+    {"retry_after_seconds": "600"}, {"retry_after_seconds": True},
+    {"minimum_interval_seconds": 0}, {"minimum_interval_seconds": None},
+])
+def test_compaction_definitions_refuse_bad_intervals(kwargs: dict[str, Any]) -> None:
+    """A bad interval is refused when the definitions are built, not turned into a
+    retry on every tick (or never) once the sensor runs."""
+    [name] = kwargs
+    with pytest.raises(InvalidConfig, match=name):
+        compaction_definitions(**kwargs)
 
 
 def test_compaction_definitions_request_a_run_for_pending_shards(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ import dagster as dg
 
 from persist_pipeline.dagster_io.io_manager import PersistIOManager
 from persist_pipeline.dagster_io.templates import expand_env
+from persist_pipeline.exceptions import InvalidConfig
 
 #: The job and sensor names (prefixed, so they do not clash with a project's own).
 JOB_NAME = "persist_io_compaction"
@@ -58,7 +59,19 @@ def compaction_definitions(*, io_manager_key: str = "io_manager",
     A run is keyed by the shards and their seqnos, so the daemon launches it once. When
     the same shards are still pending at the same seqnos ``retry_after_seconds`` after
     it was requested and no run of it is queued or running (it failed before changing
-    them), the sensor asks again under a numbered key (``...~1``)."""
+    them), the sensor asks again under a numbered key (``...~1``).
+
+    Raises:
+        InvalidConfig: ``minimum_interval_seconds`` is not a positive int or
+            ``retry_after_seconds`` is not an int of at least 0.
+    """
+    for what, value, least in (("minimum_interval_seconds", minimum_interval_seconds, 1),
+                               ("retry_after_seconds", retry_after_seconds, 0)):
+        # A bool is an int, and a float or a negative number would silently turn the
+        # retry of a failed run into a retry on every tick (or none at all).
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise InvalidConfig(f"compaction_definitions: {what} must be an int of at least "
+                                f"{least}, got {value!r}")
 
     @dg.op(name=f"{JOB_NAME}_op", required_resource_keys={io_manager_key, spark_resource_key},
            config_schema={"shards": [str]})
