@@ -2,10 +2,12 @@
 against a standalone ``MASTER``, compacting the shards of the given locations one job
 each, in order; prints JSON with the session's start (and prestart) time and each job's.
 
-Each ``LOCATION`` is ``consensus_uri|blob_uri|shard_id``. ``PRESTART`` is ``1`` to build
-the session with :func:`persist_pipeline.spark.local_spark_session` (which prestarts the
-Python workers) or ``0`` for the same session without it. A process of its own, so the
-application (and its driver) is fresh: its first job is Spark's cold start. Each job
+Each ``LOCATION`` is ``consensus_uri|blob_uri|shard_id``. ``PRESTART`` is ``1`` to
+prestart the Python workers (:func:`persist_pipeline.spark.prestart_workers`) before the
+first job, ``0`` for the same session without it, or ``after-first`` to run the first job
+cold and prestart before the others (the smoke run's one application covers both paths).
+A process of its own, so the application (and its driver) is fresh: its first job is
+Spark's cold start. Each job
 reports its wall time on the driver split into planning (states, split points), the
 Spark job and the commit.
 """
@@ -24,7 +26,9 @@ SPLIT_BYTES = 64 << 20
 
 
 def main(argv: list[str]) -> int:
-    master, prestart, locations = argv[0], argv[1] == "1", argv[2:]
+    master, prestart, locations = argv[0], argv[1], argv[2:]
+    if prestart not in ("0", "1", "after-first"):
+        raise SystemExit(f"PRESTART must be 0, 1 or after-first, not {prestart!r}")
     started = time.perf_counter()
     spark = local_spark_session(master, app_name="persist-bench-cluster", prestart=False,
                                 extra={"spark.executor.memory": "1g",
@@ -32,9 +36,11 @@ def main(argv: list[str]) -> int:
                                        "spark.driver.bindAddress": "127.0.0.1"})
     spark.sparkContext.setLogLevel("ERROR")
     session_s = time.perf_counter() - started
-    prestart_s = prestart_workers(spark) if prestart else 0.0
+    prestart_s = prestart_workers(spark) if prestart == "1" else 0.0
     jobs = []
-    for location in locations:
+    for i, location in enumerate(locations):
+        if i == 1 and prestart == "after-first":
+            prestart_s = prestart_workers(spark)
         consensus, blob, shard = location.split("|")
         client = PersistClient.open(consensus, blob, inline_policy=InlinePolicy(0, 0),
                                     config=PersistConfig(compaction_split_bytes=SPLIT_BYTES))
