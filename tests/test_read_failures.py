@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,6 +93,29 @@ def test_a_listen_whose_since_release_fails_loses_no_updates(location: Location,
     got = [(r["k"], r["t"]) for e in events if e.kind == "updates"
            for r in e.updates.to_pylist()]
     assert got == [(b"b", 1)]
+
+
+def test_listen_release_control_loses_the_updates(tmp_path: Path):
+    """Negative control for the test above: with the release raising again, the poll
+    whose release failed drops the updates it took, and no later poll returns them."""
+    from persist_pipeline.sim import controls
+
+    location = Location("sqlite", f"sqlite:///{tmp_path}/c.db", f"file://{tmp_path}/b")
+    opened: list[PersistClient] = []
+    try:
+        outage, client, shard, writer = _written(location, opened)
+        reader = client.open_reader(shard)
+        listen = reader.listen(0)
+        reader.downgrade_since(5)
+        writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2)
+        outage.down = True
+        with controls.listen_release_raises(), pytest.raises(PersistError):
+            listen.poll()
+        outage.down = False
+        assert [e for e in listen.poll() if e.kind == "updates"] == []
+    finally:
+        for c in opened:
+            c.close()
 
 
 def test_a_reader_whose_expire_failed_can_expire_again(location: Location,

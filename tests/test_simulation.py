@@ -35,6 +35,7 @@ def test_fixed_seed_batch_passes_with_every_fault_kind_injected():
     # The batch really exercised the faults it claims to survive.
     assert report.lost_replies > 50 and report.failed_calls > 200
     assert report.pauses > 50 and report.stalls > 50 and report.crashes > 20
+    assert report.outages > 3
     assert report.ops > 4000
 
 
@@ -122,6 +123,11 @@ DETERMINISTIC_ONLY = {
     # a table load pinned to a version stored before an evolution (few seeds pin one)
     "pinned_loads_with_the_newest_schema": "tests/test_tables.py::"
                                            "test_pinned_loads_control_returns_a_table_never_stored",
+    # a listen poll whose since release fails after it took its updates (an outage has
+    # to begin between the poll's read and its release; the outages profile rarely
+    # lands one there)
+    "listen_release_raises": "tests/test_read_failures.py::"
+                             "test_listen_release_control_loses_the_updates",
 }
 
 

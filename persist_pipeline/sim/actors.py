@@ -291,7 +291,7 @@ def listener(run: SimRun, proc: Process) -> None:
         _unexpected(run, "listen setup", e)
         return
     while not run.stopping:
-        run.think(scale=3.0)  # a listen that lags behind the writers
+        run.think(scale=run.profile.listen_lag)  # a listen that lags behind the writers
         try:
             if run.rng.random() < 0.3 and run.monitor.upper:
                 top = max(0, run.monitor.upper - 1)

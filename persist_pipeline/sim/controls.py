@@ -371,6 +371,20 @@ def pinned_loads_with_the_newest_schema() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def listen_release_raises() -> Iterator[None]:
+    """A listen's since release after its frontier moved is best effort: it raises, so
+    the events whose frontier the listen already passed are lost (and the reader's own
+    downgrade too)."""
+
+    def release(self: read.Listen) -> None:
+        if not self._reader._expired:
+            self._reader._listen_moved()
+
+    with _patched(read.Listen, "_release", release):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -396,4 +410,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "table_uppers_memoized": table_uppers_memoized,
     "table_schema_recorded_at_open": table_schema_recorded_at_open,
     "pinned_loads_with_the_newest_schema": pinned_loads_with_the_newest_schema,
+    "listen_release_raises": listen_release_raises,
 }

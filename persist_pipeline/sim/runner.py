@@ -63,6 +63,9 @@ class Profile:
     skew_choices_s: tuple[float, ...] = (-5.0, -2.0, 0.0, 0.0, 2.0, 5.0)
     #: Faults of its own (else the default nemesis).
     nemesis: Nemesis | None = None
+    #: How much longer than a writer a listener thinks between polls (a listen that
+    #: lags behind the writers); lower, its polls meet more faults.
+    listen_lag: float = 3.0
     #: How often simulated heartbeat threads renew leases (one drawn per seed).
     heartbeat_choices_s: tuple[float, ...] = (0.05, 0.3, 1.5)
     #: Start a compactor when the cast has none (a shard nobody compacts keeps every
@@ -113,6 +116,14 @@ PROFILES: dict[str, Profile] = {
                              "ingester": (1, 2), "writer": (0, 1), "compactor": (1, 1),
                              "gc": (1, 2)},
                             nemesis=Nemesis(pause_at_cas=0.1, pause_then_lose=0.05)),
+    # Consensus and blob stores down for longer than the retry deadline: every caller
+    # gets its outage answer (a read fails, a write is Indeterminate) mid-listen,
+    # mid-downgrade, mid-expiry and mid-maintenance, and must neither lose what it
+    # already took nor remember as done what failed.
+    "outages": Profile({"writer": (1, 2), "appender": (0, 1), "reader": (0, 1),
+                        "listener": (2, 3), "controller": (0, 1), "compactor": (0, 1),
+                        "gc": (0, 1)},
+                       nemesis=Nemesis(outage=0.01), listen_lag=0.5),
 }
 
 
@@ -145,6 +156,7 @@ class SeedResult:
     stalls: int
     crashes: int
     violations: list[str]
+    outages: int = 0
 
 
 class SimRun:
@@ -275,7 +287,7 @@ class SimRun:
             self._final_checks()
         s = self.scheduler.stats
         return SeedResult(self.seed, s.steps, self.ops, s.lost_replies, s.failed_calls,
-                          s.pauses, s.stalls, s.crashes, list(self.violations))
+                          s.pauses, s.stalls, s.crashes, list(self.violations), s.outages)
 
     def _setup(self) -> None:
         self.shard = str(ShardId.new())
@@ -389,7 +401,8 @@ def _spark_blobs(run: SimRun) -> Iterator[None]:
 
 
 #: The counters a seed reports and a batch sums.
-_COUNTERS = ("steps", "ops", "lost_replies", "failed_calls", "pauses", "stalls", "crashes")
+_COUNTERS = ("steps", "ops", "lost_replies", "failed_calls", "pauses", "stalls", "crashes",
+             "outages")
 
 
 @dataclass
@@ -404,6 +417,7 @@ class SimReport:
     pauses: int = 0
     stalls: int = 0
     crashes: int = 0
+    outages: int = 0
     seconds: float = 0.0
     failures: list[SeedResult] = field(default_factory=list)
 
@@ -419,7 +433,7 @@ class SimReport:
         return (f"seeds={self.seeds} steps={self.steps} ops={self.ops} "
                 f"lost_replies={self.lost_replies} failed_calls={self.failed_calls} "
                 f"pauses={self.pauses} stalls={self.stalls} crashes={self.crashes} "
-                f"violations={self.violations} "
+                f"outages={self.outages} violations={self.violations} "
                 f"ops_per_s={self.ops_per_s:.0f}")
 
     def add(self, r: SeedResult) -> None:

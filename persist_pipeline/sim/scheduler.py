@@ -69,6 +69,11 @@ class Nemesis:
     #: One thread stalls while the rest of its process runs on (descheduled under load).
     stall: float = 0.01
     stall_choices_s: tuple[float, ...] = (0.1, 0.5, 1.5, 4.0)
+    #: A store (consensus, or one blob store) goes down for every process at once, each
+    #: call to it failing before it takes effect: the durations longer than the retry
+    #: deadline make retries give up, so every caller's answer to an outage is exercised.
+    outage: float = 0.0
+    outage_choices_s: tuple[float, ...] = (3.0, 30.0, 45.0)
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Stats:
     pauses: int = 0
     stalls: int = 0
     crashes: int = 0
+    outages: int = 0
     ops: int = 0
     counters: dict[str, int] = field(default_factory=dict)
 
@@ -100,6 +106,8 @@ class Scheduler:
         self.stats = Stats()
         self.faults_enabled = True
         self._main = greenlet.getcurrent()
+        #: Simulated time until which each store is down (see ``Nemesis.outage``).
+        self._down_until: dict[str, float] = {}
 
     # --- threads -------------------------------------------------------------------------
 
@@ -225,6 +233,18 @@ class Scheduler:
         if self.current is None or not self.faults_enabled:
             return False
         return self.rng.random() < probability
+
+    def store_down(self, store: str) -> bool:
+        """Whether ``store`` is down for this call; an outage may start with it."""
+        if self.current is None or not self.faults_enabled:
+            return False
+        if self._down_until.get(store, 0.0) > self.now:
+            return True
+        if self.nemesis.outage and self.rng.random() < self.nemesis.outage:
+            self.stats.outages += 1
+            self._down_until[store] = self.now + self.rng.choice(self.nemesis.outage_choices_s)
+            return True
+        return False
 
     def count(self, name: str) -> None:
         self.stats.counters[name] = self.stats.counters.get(name, 0) + 1

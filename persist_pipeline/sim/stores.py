@@ -3,7 +3,8 @@ after every call, injected failures, and the monitor told about every change.
 
 A call fails *before* it takes effect (nothing happened) or *after* (it took effect and
 the reply was lost); either way the caller sees the backend's "unavailable" error, as
-it would from PostgreSQL or S3.
+it would from PostgreSQL or S3. A store can also be down for a while (an outage):
+every call to it fails before it takes effect until it is back.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ T = TypeVar("T")
 def _call(s: Scheduler, what: str, op: Callable[[], T], error: type[Exception],
           mutates: bool, at_cas: bool = False) -> T:
     s.yield_point(at_cas)
+    store = what.split(" ", 1)[0]
+    if s.store_down(store):
+        s.stats.failed_calls += 1
+        raise error(f"simulated: {store} is down ({what} did not take effect)")
     if s.roll(s.nemesis.fail_before):
         s.stats.failed_calls += 1
         raise error(f"simulated: {what} failed before it took effect")
