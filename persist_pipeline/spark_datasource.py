@@ -1,6 +1,6 @@
 """The PySpark classes of the ``persist`` data source (the Python Data Source API).
 
-This module imports PySpark (the ``pipeline`` extra); only
+This module imports PySpark (the ``spark`` extra); only
 :func:`persist_pipeline.spark_source.register` imports it. What the classes run (planning
 a read, reading a partition, uploading a task's parts, committing or aborting a write)
 lives in :mod:`persist_pipeline.spark_source`, which imports PySpark only inside the
@@ -20,8 +20,8 @@ from persist_pipeline.internal.extras import missing_extra
 try:
     import pyspark  # noqa: F401
 except ModuleNotFoundError as e:
-    raise missing_extra("the persist Spark data source needs PySpark 4", "pyspark>=4",
-                        e) from e
+    raise missing_extra("the persist Spark data source needs PySpark 4", "spark",
+                        "pyspark>=4", e) from e
 
 from pyspark.sql.datasource import (
     DataSource,

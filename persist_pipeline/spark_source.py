@@ -1,6 +1,6 @@
 """The ``persist`` data source for PySpark 4 (the Python Data Source API): read and write.
 
-It needs PySpark (the ``pipeline`` extra), imported where Spark types are built; its
+It needs PySpark (the ``spark`` extra), imported where Spark types are built; its
 PySpark classes are in :mod:`persist_pipeline.spark_datasource`, which :func:`register`
 imports. The functions here import without PySpark, so the deterministic simulation
 (``persist-pipeline simulate``, no extra needed) runs the data source's write path.

@@ -2,19 +2,21 @@
 
 Installing the library without extras brings only the core dependencies of pyproject.toml;
 Dagster, PySpark, PyYAML, pandas, polars, DuckDB and the benchmark peers come with the
-``pipeline`` / ``bench`` extras or the user's own project. Each check runs in a fresh
-interpreter where importing any of them raises ModuleNotFoundError (a finder first on
-``sys.meta_path``), as it does in a venv that has only the core: a module of the library
-that imports one of them at import time fails here, although this environment has them
-all installed.
+``dagster`` / ``spark`` / ``pipeline`` / ``bench`` extras or the user's own project. Each
+check runs in a fresh interpreter where importing any of them raises ModuleNotFoundError
+(a finder first on ``sys.meta_path``), as it does in a venv that has only the core: a
+module of the library that imports one of them at import time fails here, although this
+environment has them all installed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,8 +69,43 @@ print(json.dumps(failed))
     # say which: not only "No module named 'dagster'".
     assert "No module named 'pyspark'" in failed["persist_pipeline.spark_datasource"]
     assert "No module named 'dagster'" in failed["persist_pipeline.dagster_io"]
-    for module in ("persist_pipeline.spark_datasource", "persist_pipeline.dagster_io"):
-        assert "[pipeline]" in failed[module], failed[module]
+    # Each names its own lean extra (not `pipeline`, which also brings PySpark and the
+    # webserver), and that extra exists in pyproject.toml and brings the missing package.
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for module, extra, package in (("persist_pipeline.spark_datasource", "spark", "pyspark"),
+                                   ("persist_pipeline.dagster_io", "dagster", "dagster")):
+        assert f"[{extra}]" in failed[module] and "[pipeline]" not in failed[module], \
+            failed[module]
+        assert [r for r in extras[extra] if re.match(rf"{package}\b", r)], extras[extra]
+
+
+def test_the_dagster_extra_is_what_dagster_io_imports_and_pipeline_includes_it() -> None:
+    # `dagster` is lean: everything persist_pipeline.dagster_io imports at import time
+    # beyond the core, and nothing of the code location's (PySpark, the webserver).
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    names = {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].lower() for r in extras["dagster"]}
+    assert names == {"dagster"}, extras["dagster"]
+    # What dagster_io imports beyond Dagster itself (and what Dagster imports: pydantic,
+    # PyYAML) is core: no optional package that the dagster extra does not bring.
+    probe = f"""
+import importlib, json, pkgutil, sys
+import dagster
+before = {{name.split(".")[0] for name in sys.modules}}
+import persist_pipeline.dagster_io as io
+for info in pkgutil.walk_packages(io.__path__, "persist_pipeline.dagster_io."):
+    importlib.import_module(info.name)
+new = {{name.split(".")[0] for name in sys.modules}} - before
+print(json.dumps(sorted(new & set({OPTIONAL!r}))))
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == [], out.stdout
+    # `pipeline` (this repository's code location) stays a superset of both lean extras.
+    assert "persist-pipeline[dagster,spark]" in extras["pipeline"], extras["pipeline"]
 
 
 def test_the_simulation_runs_without_pyspark() -> None:
