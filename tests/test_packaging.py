@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -121,6 +122,20 @@ def test_the_sdist_and_wheel_hold_the_package_and_nothing_else(tmp_path: Path) -
         assert stray == [], stray
     assert all(n.split("/")[0] in {"persist_pipeline", "persist_pipeline-0.1.0.dist-info"}
                for n in in_wheel), sorted(in_wheel)
+    # The sdist carries the docs the README links to (and setup.py, which writes the long
+    # description); the wheel, only the package.
+    for doc in ("docs/design.md", "docs/pipeline.md", "README.md", "setup.py"):
+        assert doc in in_sdist, doc
+    assert not any(n.startswith("docs/") for n in in_wheel)
+    # The long description (what a package index renders) has no relative link: the
+    # README's links to files and headings resolve to nothing on an index page.
+    metadata = zipfile.ZipFile(wheel).read("persist_pipeline-0.1.0.dist-info/METADATA")
+    headers, _, description = metadata.decode().partition("\n\n")
+    assert "Content-Type: text/markdown" in headers
+    assert "How it works and what it guarantees: `docs/design.md`." in description
+    relative = [t for t in re.findall(r"\]\(([^)\s]+)\)", description)
+                if not re.match(r"[a-z][a-z0-9+.-]*:", t, re.I)]
+    assert relative == [], relative
     # The license text pyproject.toml's license names travels with both.
     assert "LICENSE" in in_sdist
     assert "persist_pipeline-0.1.0.dist-info/licenses/LICENSE" in in_wheel, sorted(in_wheel)
