@@ -851,6 +851,12 @@ def _cast_back(column: pa.ChunkedArray, type_: pa.DataType) -> pa.ChunkedArray:
         return pa.chunked_array([pa.nulls(len(column))], pa.null())
     if pa.types.is_map(type_):
         return pa.chunked_array([_as_map(chunk, type_) for chunk in column.chunks], type_)
+    if pa.types.is_dictionary(type_):
+        # An unordered categorical: encoded again from its values (Arrow casts only
+        # strings to a dictionary type, not e.g. integers or dates).
+        values = column if column.type.equals(type_.value_type) \
+            else column.cast(type_.value_type)
+        return values.dictionary_encode().cast(type_)
     return column.cast(type_)
 
 

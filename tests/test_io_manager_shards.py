@@ -546,3 +546,14 @@ def test_unordered_categoricals_with_other_categories_stay_in_one_shard(
         io_manager.store("trips", visits(["a", "b"]))
     assert io_manager.store("trips", visits(many))["dagster/table_name"] == "trips"
     assert sorted(io_manager.load("trips").to_pandas()["city"]) == many
+
+
+def test_an_unordered_categorical_of_numbers_or_dates_loads(io_manager: PersistIOManager
+                                                            ) -> None:
+    # Arrow casts only strings to a dictionary type: other values are encoded again.
+    days = pd.to_datetime(["2026-01-02", "2026-01-01", "2026-01-02"])
+    frame = pd.DataFrame({"n": pd.Categorical([3, 1, 3]), "day": pd.Categorical(days)})
+    io_manager.store("numbers", pa.Table.from_pandas(frame))
+    loaded = io_manager.load("numbers").to_pandas()
+    assert loaded["n"].dtype == "category" and sorted(loaded["n"]) == [1, 3, 3]
+    assert loaded["day"].dtype == "category" and sorted(loaded["day"]) == sorted(days)
