@@ -699,11 +699,30 @@ def _kept_schema(schema: pa.Schema) -> pa.Schema:
       they return, :func:`_range_stops_set`);
     - an unordered dictionary column's index width and pandas' count of its categories
       and width of its codes (all follow the categories its rows use): kept as 32-bit
-      indices.
+      indices;
+    - the versions of pandas and pyarrow that wrote pandas' metadata (``pandas_version``,
+      ``creator.version``; pyarrow never reads them back), and the dtype of string column
+      *labels* (``column_indexes``: ``object`` in pandas 2, ``str`` in pandas 3; pyarrow
+      gives labels the loading pandas' own string dtype either way), which would make an
+      upgrade of either start a generation of every pandas-made table.
 
     Returns ``schema`` itself when there is nothing to leave out."""
     doc = _pandas_meta(schema)
     changed = False
+    if doc is not None:
+        if doc.get("pandas_version") is not None:
+            doc["pandas_version"] = None
+            changed = True
+        creator = doc.get("creator")
+        if isinstance(creator, dict) and creator.get("version") is not None:
+            creator["version"] = None
+            changed = True
+        labels = doc.get("column_indexes")
+        for level in labels if isinstance(labels, list) else []:
+            if isinstance(level, dict) and level.get("pandas_type") == "unicode" \
+                    and level.get("numpy_type") == "str":
+                level["numpy_type"] = "object"
+                changed = True
     for d in _range_indexes(doc) if doc is not None else []:
         if d.get("stop") is not None:
             d["stop"] = None

@@ -557,3 +557,38 @@ def test_an_unordered_categorical_of_numbers_or_dates_loads(io_manager: PersistI
     loaded = io_manager.load("numbers").to_pandas()
     assert loaded["n"].dtype == "category" and sorted(loaded["n"]) == [1, 3, 3]
     assert loaded["day"].dtype == "category" and sorted(loaded["day"]) == sorted(days)
+
+
+def _written_by(frame: pd.DataFrame, pandas_version: str, pyarrow_version: str,
+                labels: str) -> pa.Table:
+    """``frame`` as pandas ``pandas_version`` and pyarrow ``pyarrow_version`` describe it
+    (``labels``: the dtype of string column labels, ``str`` from pandas 3 on)."""
+    table = pa.Table.from_pandas(frame)
+    doc = json.loads(table.schema.metadata[b"pandas"])
+    doc["pandas_version"] = pandas_version
+    doc["creator"]["version"] = pyarrow_version
+    doc["column_indexes"][0]["numpy_type"] = labels
+    return table.replace_schema_metadata({**table.schema.metadata,
+                                          b"pandas": json.dumps(doc).encode()})
+
+
+def test_upgrading_pandas_or_pyarrow_keeps_a_tables_generation(
+        io_manager: PersistIOManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    # pandas' metadata names the versions of pandas and pyarrow that wrote it, and pandas
+    # 3 gives string column labels another dtype: none of it is the table's, so the same
+    # frame written after an upgrade is the same table's next version.
+    frame = pd.DataFrame({"id": [1, 2], "x": [0.5, 1.5]})
+    writers = [("2.2.3", "16.1.0", "object"), ("2.3.3", "21.0.0", "object"),
+               ("3.0.0", "23.0.0", "str")]
+    stored = [io_manager.store("upgraded", _written_by(frame, *w)) for w in writers]
+    assert [m["dagster/table_name"] for m in stored] == ["upgraded"] * 3
+    loaded = io_manager.load("upgraded").to_pandas()
+    assert sorted(loaded["id"]) == [1, 2] and list(loaded.columns) == ["id", "x"]
+    # A shard an earlier version stored (the versions kept) stays the table's shard.
+    from persist_pipeline import tables
+
+    with monkeypatch.context() as m:
+        m.setattr(tables, "_kept_schema", lambda schema: schema)
+        io_manager.store("kept_versions", _written_by(frame, *writers[0]))
+    again = io_manager.store("kept_versions", _written_by(frame, *writers[2]))
+    assert again["dagster/table_name"] == "kept_versions" and again["persist/upper"] == 2
