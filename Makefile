@@ -35,7 +35,7 @@ run: $(STAMP)
 	DAGSTER_HOME="$${DAGSTER_HOME:-$(CURDIR)/.dagster_home}" $(PY) -m assets.run_demo
 
 ui: $(STAMP)
-	DAGSTER_HOME="$${DAGSTER_HOME:-$(CURDIR)/.dagster_home}" $(VENV)/bin/dagster dev \
+	DAGSTER_HOME="$${DAGSTER_HOME:-$(CURDIR)/.dagster_home}" $(VENV)/bin/dg dev \
 		-w workspace.yaml -h 127.0.0.1 -p "$${DAGSTER_UI_PORT:-3000}"
 
 quickstart: $(STAMP)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 #: start-up notices and log4j lines belong in a file, not among the run's messages.
 SPARK_LOG_ENV = "PERSIST_SPARK_LOG"
 #: The folder of the default log under ``$DAGSTER_HOME``. Not ``logs``: that is Dagster's
-#: telemetry spool, whose files the webserver and the daemon (``dagster dev``) send to
+#: telemetry spool, whose files the webserver and the daemon (``dg dev``, ``make ui``) send to
 #: Dagster's telemetry server and delete, whatever dagster.yaml's ``telemetry`` says.
 SPARK_LOG_DIR = "spark"
 

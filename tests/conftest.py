@@ -53,7 +53,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 #: Modules whose tests share a module fixture too costly to set up on every worker:
-#: tests/test_ui_browser.py's runs the demo pipeline and ``dagster dev`` (35-70 s).
+#: tests/test_ui_browser.py's runs the demo pipeline and ``dg dev`` (35-70 s).
 ONE_WORKER_MODULES = frozenset({"tests/test_ui_browser.py"})
 
 

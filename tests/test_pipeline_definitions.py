@@ -133,6 +133,24 @@ def test_dagster_loads_the_project_without_a_workspace_file(shipped_env: Path) -
     assert "persist_pipeline" in done.stdout + done.stderr
 
 
+
+def test_dg_launch_materializes_from_the_project_folder(shipped_env: Path) -> None:
+    """`dg launch --assets ...`, the command the docs give (Dagster 1.13 supersedes
+    `dagster asset materialize` with it), finds the code location through [tool.dg] and
+    runs the selection without a SupersessionWarning; `make ui` is `dg dev`."""
+    env = {**os.environ, "DAGSTER_HOME": str(shipped_env.parent / "dagster_home")}
+    Path(env["DAGSTER_HOME"]).mkdir()
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "dg"), "launch", "--assets", "ingest/clicks"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "RUN_SUCCESS" in out and "SupersessionWarning" not in out, out[-3000:]
+    assert (shipped_env / "consensus.db").exists()  # written where pipeline.yaml says
+    makefile = (REPO_ROOT / "Makefile").read_text().replace("\\\n", " ")
+    ui = [line for line in makefile.splitlines() if "-w workspace.yaml" in line]
+    assert ui and all("/bin/dg dev" in line for line in ui), ui
+
 def test_env_templates_and_redaction() -> None:
     env = {"A": "x", "EMPTY": ""}
     assert expand_env("${A}/${B:-d}/${EMPTY:-e}", env) == "x/d/e"

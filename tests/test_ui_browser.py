@@ -4,7 +4,7 @@ A module fixture runs the pipeline on a throwaway instance of the embedded defau
 (``python -m assets.run_demo`` with its own ``DAGSTER_HOME`` and data dir: ingestion runs,
 a bad landing file, sensor-requested Spark compactions, the schedules' runs), lands one
 more file with a long name (a partner's export in dated folders) and ingests it through
-the landing sensor, then starts ``dagster dev`` on that instance exactly as ``make ui``
+the landing sensor, then starts ``dg dev`` on that instance exactly as ``make ui``
 does, on a free port of 127.0.0.1. Headless Chromium (``/usr/bin/chromium`` or
 ``$PERSIST_CHROMIUM``; ``make browser`` installs it), in a 1920x1080 window, then checks
 what a user sees:
@@ -26,7 +26,7 @@ what a user sees:
   compaction run that ``inline_pressure_sensor`` requested succeeded, in the runs list
   and on the run's page, with none of the Spark driver JVM's own output in its stderr,
   event log or the demo's terminal (it is in ``$DAGSTER_HOME/spark/spark-driver.log``,
-  still there after ``dagster dev`` ran).
+  still there after ``dg dev`` ran).
 
 Screenshots go to ``results/ui/`` (linked from the README). Without Chromium the tests
 fail with a message saying how to install it; they never skip.
@@ -99,7 +99,7 @@ class Facts:
 
 @dataclass
 class DagsterUI:
-    """``dagster dev`` serving the throwaway instance."""
+    """``dg dev`` serving the throwaway instance."""
 
     url: str
     facts: Facts
@@ -229,7 +229,7 @@ def _graphql(url: str, query: str) -> Any:
 
 @pytest.fixture(scope="module")
 def dagster_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagsterUI]:
-    """The pipeline's runs on a throwaway instance, served by ``dagster dev``."""
+    """The pipeline's runs on a throwaway instance, served by ``dg dev``."""
     _require_browser()
     root = tmp_path_factory.mktemp("ui")
     home, data = root / "dagster_home", root / "data"
@@ -254,7 +254,7 @@ def dagster_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagsterUI]:
     url = f"http://127.0.0.1:{port}"
     log = root / "dagster_dev.log"
     # The same command as `make ui`, on the throwaway instance.
-    cmd = [str(Path(sys.executable).parent / "dagster"), "dev", "-w", "workspace.yaml",
+    cmd = [str(Path(sys.executable).parent / "dg"), "dev", "-w", "workspace.yaml",
            "-h", "127.0.0.1", "-p", str(port)]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out,
@@ -265,8 +265,8 @@ def dagster_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagsterUI]:
         query = ("{ workspaceOrError { ... on Workspace { locationEntries { name "
                  "locationOrLoadError { __typename } } } } }")
         while True:
-            assert proc.poll() is None, f"dagster dev exited:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"dagster dev not ready:\n{log.read_text()[-3000:]}"
+            assert proc.poll() is None, f"dg dev exited:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"dg dev not ready:\n{log.read_text()[-3000:]}"
             try:
                 entries = _graphql(url, query)["data"]["workspaceOrError"]["locationEntries"]
             except (OSError, KeyError, TypeError, ValueError):
@@ -277,7 +277,7 @@ def dagster_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagsterUI]:
                 break
             time.sleep(1)
         yield DagsterUI(url, facts, log, home)
-    finally:  # dagster dev and its children are their own process group
+    finally:  # dg dev and its children are their own process group
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -576,7 +576,7 @@ def test_sensor_requested_compaction_run_succeeded(dagster_ui: DagsterUI, page: 
 
 
 def test_the_spark_driver_log_outlives_dagster_dev(dagster_ui: DagsterUI) -> None:
-    """The driver log is not in $DAGSTER_HOME/logs, which dagster dev's webserver and
+    """The driver log is not in $DAGSTER_HOME/logs, which dg dev's webserver and
     daemon upload to Dagster's telemetry server and empty as soon as they start."""
     driver_log = dagster_ui.home / "spark" / "spark-driver.log"
     assert driver_log.stat().st_size > 0
