@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -439,6 +440,32 @@ def test_every_file_the_compose_file_references_exists() -> None:
                    DOCKER / "minio" / "create-bucket.sh"):
         shebang = script.read_text(encoding="utf-8").splitlines()[0]
         subprocess.run([shebang.split("/")[-1].split()[-1], "-n", str(script)], check=True)
+
+
+def test_the_user_code_image_installs_the_project_from_what_it_copies(tmp_path: Path) -> None:
+    """The image's ``pip install -e .`` sees only the files its COPY lines bring into the
+    working directory: those alone must build the package (its metadata included)."""
+    context, dockerfile = build_specs()["user-code"]
+    workdir = tmp_path / "image"
+    workdir.mkdir()
+    for ins in dockerfile_instructions(dockerfile):
+        args = [a for a in shlex.split(ins.args) if not a.startswith("--")]
+        if ins.keyword != "COPY" or not args[-1].startswith("."):
+            continue  # only what lands in the working directory
+        sources, dest = args[:-1], workdir / args[-1]
+        for source in sources:
+            path = context / source
+            target = dest / path.name if args[-1].endswith("/") else dest
+            if path.is_dir():
+                shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, target)
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist"), str(workdir)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_start_order_and_health_checks() -> None:

@@ -192,7 +192,8 @@ def test_the_wheel_installs_the_library_only(tmp_path: Path) -> None:
     # the repository and none from an earlier build is packaged.
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    # setup.py computes the long description (the readme pyproject.toml declares dynamic).
+    for name in ("pyproject.toml", "setup.py", "README.md", "LICENSE", "MANIFEST.in"):
         shutil.copy(REPO_ROOT / name, src / name)
     for name in ("persist_pipeline", "assets", "resources"):
         shutil.copytree(REPO_ROOT / name, src / name,
