@@ -295,6 +295,8 @@ class SnapshotPlan:
 
         Raises:
             LeaseExpired: the plan was closed (its files are no longer held).
+            PartMissing: a file of the plan is gone (its reader's lease ran out); local
+                files are looked up here, S3 ones when the dataset is scanned.
         """
         self._check_open()
         import pyarrow.dataset as pads
@@ -302,9 +304,13 @@ class SnapshotPlan:
         pieces: list[pads.Dataset] = []
         for store in self.stores():
             paths = [f.path for f in self.file_details if f.store == store]
-            # A typed shard's older files may lack value columns added since: null.
-            pieces.append(pads.dataset(paths, schema=self.dataset_schema, format="parquet",
-                                       filesystem=self.filesystem(store)))
+            try:
+                # A typed shard's older files may lack value columns added since: null.
+                pieces.append(pads.dataset(paths, schema=self.dataset_schema,
+                                           format="parquet",
+                                           filesystem=self.filesystem(store)))
+            except (OSError, pa.ArrowException) as e:
+                raise self._read_error(e) from e
         if self.inline.num_rows or not pieces:
             pieces.append(pads.dataset(self.inline.cast(self.dataset_schema)))
         return pieces[0] if len(pieces) == 1 else pads.dataset(pieces)
