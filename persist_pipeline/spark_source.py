@@ -39,7 +39,9 @@ that outlasts its lease may fail on a part GC has deleted (never return wrong da
 timestamps in microseconds), and writes take those columns (``d`` optional, 1). A
 DataFrame's columns are fixed by ``load()``, its plan by the action that reads it: a
 schema that appended nullable value columns in between still reads the loaded columns;
-any other change (a shard typed since) is refused with ``SchemaMismatch``.
+any other change (a shard typed since) is refused with ``SchemaMismatch``. A read at an
+``as_of`` before columns were appended has the current columns (those null), as
+``snapshot(as_of)``; only a table load pinned to an upper has the columns stored then.
 
 **Writing.** Each task validates its rows (``k``, ``v`` binary; ``t``, ``d`` long; every
 ``t`` in ``[expected_upper, new_upper)``), consolidates them and writes Parquet parts to
