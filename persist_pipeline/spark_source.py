@@ -177,6 +177,10 @@ class _Location:
             ShardNameNotFound: a read of a name that no shard has.
         """
         check_options(options, writing=writing)
+        if writing:
+            # Before the name is resolved (and created: names are registered for good),
+            # so that a write refused for its bounds leaves nothing behind.
+            write_bounds(options)
         opts = {k.lower(): v for k, v in options.items()}
         consensus = opts.get("consensus") or os.environ.get("PERSIST_CONSENSUS_URI")
         blob = opts.get("blob") or os.environ.get("PERSIST_BLOB_URI")
@@ -253,6 +257,22 @@ def _int_option(options: Mapping[str, str], name: str, default: int, low: int = 
     if value < low:
         raise InvalidConfig(f"option {name} must be at least {low}, got {value}")
     return value
+
+
+def write_bounds(options: Mapping[str, str]) -> tuple[int, Frontier]:
+    """A write's ``(expected_upper, new_upper)`` options.
+
+    Raises:
+        InvalidFrontier: one is missing or malformed, expected_upper is closed, or
+            new_upper is not beyond it.
+    """
+    expected = _frontier_option(options, "expected_upper")
+    upper = _frontier_option(options, "new_upper")
+    if expected is None:
+        raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
+    if upper is not None and upper <= expected:
+        raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper ({expected})")
+    return expected, upper
 
 
 def _frontier_option(options: Mapping[str, str], name: str) -> Frontier:
@@ -542,12 +562,7 @@ def _write_job(options: Mapping[str, str], overwrite: bool) -> _WriteJob:
         raise InvalidConfig("persist shards are append-only: write with mode('append') "
                             "and options expected_upper / new_upper")
     location = _Location.from_options(options, writing=True)
-    expected = _frontier_option(options, "expected_upper")
-    upper = _frontier_option(options, "new_upper")
-    if expected is None:
-        raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
-    if upper is not None and upper <= expected:
-        raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper ({expected})")
+    expected, upper = write_bounds(options)
     client = location.client()
     try:
         return plan_write(location, client, expected, upper)

@@ -161,6 +161,18 @@ def test_spark_source_refuses_bad_options(spark_session: Any, tmp_path: Path) ->
     with pytest.raises(Exception, match="append-only"):
         df.write.format("persist").options(**opts, expected_upper="0", new_upper="1"
                                            ).mode("overwrite").save()
+    # Bad bounds are refused before a name is resolved: a name is registered for good,
+    # so a refused write must not leave one behind.
+    opts["shard"] = "fresh/orders"
+    for bounds, error in (({"expected_upper": "5", "new_upper": "3"}, "must be beyond"),
+                          ({"expected_upper": "x", "new_upper": "3"}, "must be a time"),
+                          ({"expected_upper": "closed", "new_upper": "3"}, "must be a time"),
+                          ({"new_upper": "3"}, "needs option expected_upper")):
+        with pytest.raises(Exception, match=f"InvalidFrontier.*{error}"):
+            df.write.format("persist").options(**opts, **bounds).mode("append").save()
+    client = PersistClient.open(opts["consensus"], opts["blob"])
+    assert client.shard_names() == {} and client.list_shards() == []
+    client.close()
 
 
 def test_a_planned_read_keeps_its_files_until_its_lease_runs_out(
