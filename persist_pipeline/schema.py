@@ -449,8 +449,11 @@ def _to_table(obj: object, schema: ShardSchema) -> pa.Table:
     if isinstance(obj, list) and all(isinstance(row, dict) for row in obj):
         try:
             return pa.Table.from_pylist(obj)
-        except (pa.ArrowException, TypeError, ValueError) as e:
-            raise InvalidUpdates(f"cannot read the rows as a table: {e}") from None
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+            # OverflowError: pyarrow infers int64, so 2**63 and beyond (a uint64's upper
+            # half) need a pyarrow Table of the column's type.
+            raise InvalidUpdates(f"cannot read the rows as a table: {e} (pass a pyarrow "
+                                 f"Table with the shard's column types)") from None
     if isinstance(obj, list | tuple) and obj and \
             all(isinstance(row, tuple | list) for row in obj):
         # The untyped update form: refused as the schema mismatch it is, as a raw

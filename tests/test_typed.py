@@ -476,6 +476,20 @@ def test_frames_and_row_dicts_are_accepted() -> None:
     client.close()
 
 
+def test_row_dicts_arrow_cannot_read_are_refused_with_a_typed_error() -> None:
+    """Row dicts become a table by pyarrow's own inference: an integer beyond int64
+    (2**63 for a uint64 column) is refused as bad input, never a raw OverflowError, and
+    nothing changes; a pyarrow Table of the column's type writes it."""
+    client, shard, writer = _id_writer("mem://typed-row-overflow", ("n", pa.uint64()))
+    with pytest.raises(InvalidUpdates, match="cannot read the rows as a table"):
+        writer.compare_and_append([{"id": 1, "n": 2**63, "t": 0}], 0, 1)
+    assert client.inspect(shard)["upper"] == 0
+    writer.compare_and_append(pa.table({"id": [1], "n": pa.array([2**63], pa.uint64()),
+                                        "t": [0]}), 0, 1)
+    assert client.open_reader(shard).snapshot(0).column("n").to_pylist() == [2**63]
+    client.close()
+
+
 def test_upsert_and_delete_bad_input_changes_nothing(location: Location) -> None:
     client = location.client(InlinePolicy(4096, 1 << 20))
     shard = ShardId.new()
