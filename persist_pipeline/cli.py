@@ -19,7 +19,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +45,8 @@ from persist_pipeline.ids import ShardId
 from persist_pipeline.ingest import file_problem, read_typed_file, read_updates_file
 from persist_pipeline.read import ReadHandle
 from persist_pipeline.schema import ShardSchema
-from persist_pipeline.updates import SCHEMA
-from persist_pipeline.write import WriteHandle
+from persist_pipeline.updates import SCHEMA, Updates
+from persist_pipeline.write import check_append_bounds, check_times
 
 
 class _Parser(argparse.ArgumentParser):
@@ -420,9 +420,11 @@ def _append(client: PersistClient, args: argparse.Namespace) -> None:
         if not args.create:
             raise ShardNotFound(f"shard {shard} does not exist; pass --create to create "
                                 f"it")
-        # A shard created here is untyped: a bad file is refused before the name or the
-        # shard is written.
+        # A shard created here is untyped: a bad file, bad bounds or times outside them
+        # are refused before the name or the shard is written (a new shard's upper is 0).
         untyped = _read_untyped(args)
+        expected, new_upper = check_append_bounds(*_append_bounds(lambda: 0, untyped, args))
+        check_times(Updates.coerce(untyped), expected, new_upper)
         if shard is None:
             shard = client.resolve(args.shard, create=True)
     with client.open_writer(shard, debug="cli") as writer:
@@ -430,7 +432,7 @@ def _append(client: PersistClient, args: argparse.Namespace) -> None:
             updates = read_typed_file(args.file, writer.schema, args.format)
         else:
             updates = untyped if untyped is not None else _read_untyped(args)
-        expected, new_upper = _append_bounds(writer, updates, args)
+        expected, new_upper = _append_bounds(writer.fetch_recent_upper, updates, args)
         res = writer.compare_and_append(updates, expected, new_upper)
     _print_json({"placement": res.placement, "encoded_bytes": res.encoded_bytes,
                  "seqno": res.seqno, "upper": res.upper, "updates": res.num_updates})
@@ -492,15 +494,15 @@ def _schema_arg(text: str, keys: list[str]) -> ShardSchema:
     return ShardSchema.from_json(data)
 
 
-def _append_bounds(writer: WriteHandle, updates: Any,
+def _append_bounds(current_upper: Callable[[], Frontier], updates: Any,
                    args: argparse.Namespace) -> tuple[int, Frontier]:
     """``append``'s ``(expected_upper, new_upper)``: as given, else the shard's current
     upper and one past the file's largest time (or the upper + 1 for an empty file)."""
     expected = args.expected_upper
     if expected is None:
-        current = writer.fetch_recent_upper()
+        current = current_upper()
         if current is None:
-            raise InvalidFrontier(f"shard {writer.shard_id} is closed: it takes no writes")
+            raise InvalidFrontier(f"shard {args.shard} is closed: it takes no writes")
         expected = current
     if args.new_upper is not _UNSET:
         return expected, args.new_upper

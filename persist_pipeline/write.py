@@ -240,13 +240,7 @@ class WriteHandle:
         self._check_open()
         if idempotency_token is not None:  # the hot path (no token) pays one test
             check_token(idempotency_token)
-        expected = check_frontier(expected_upper, "expected_upper")
-        if expected is None:
-            raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
-        upper = check_frontier(new_upper, "new_upper")
-        if not less_than(expected, upper):
-            raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
-                                  f"({expected})")
+        expected, upper = check_append_bounds(expected_upper, new_upper)
         data = self._coerce(updates)
         check_times(data, expected, upper)
         return self._compare_and_append(data, expected, upper, idempotency_token,
@@ -803,6 +797,23 @@ def with_row_counts(result: WriteResult, data: Updates) -> WriteResult:
 def already_appended(result: transitions.AppendResult) -> bool:
     """Whether an append result that changed nothing found the write's own batch."""
     return isinstance(result, transitions.Appended) and result.already_committed
+
+
+def check_append_bounds(expected_upper: object, new_upper: object) -> tuple[int, Frontier]:
+    """An append's ``(expected_upper, new_upper)``, checked.
+
+    Raises:
+        InvalidFrontier: either is not a frontier, expected_upper is closed, or new_upper
+            is not beyond it.
+    """
+    expected = check_frontier(expected_upper, "expected_upper")
+    if expected is None:
+        raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
+    upper = check_frontier(new_upper, "new_upper")
+    if not less_than(expected, upper):
+        raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
+                              f"({expected})")
+    return expected, upper
 
 
 def check_times(data: Updates, lower: int, upper: Frontier) -> None:

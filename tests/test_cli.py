@@ -223,6 +223,13 @@ def test_create_with_a_name_registers_the_name_and_creates_the_shard(env, tmp_pa
     refused = cli(env, "append", "other/shard", str(bad), "--create")
     assert refused.returncode == 2 and "bad.jsonl: line 1" in refused.stderr
     assert "other/shard" not in json.loads(cli(env, "names").stdout)  # nothing written
+    # Bounds the append would refuse are refused before the name or the shard is made.
+    for bounds, error in ((["--expected-upper", "3", "--new-upper", "2"], "must be beyond"),
+                          (["--expected-upper", "3"], "times must lie in [3, 4)"),
+                          (["--new-upper", "0"], "must be beyond")):
+        refused = cli(env, "append", "other/shard", str(rows), "--create", *bounds)
+        assert refused.returncode == 2 and error in refused.stderr, refused.stderr
+    assert "other/shard" not in json.loads(cli(env, "names").stdout)
     assert len(json.loads(cli(env, "shards").stdout)) == 1
 
     resolved = cli(env, "resolve", "made/by-resolve", "--create")
