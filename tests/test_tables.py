@@ -150,3 +150,25 @@ def test_the_ambiguity_message_names_no_other_table_as_the_first_generation(
         generations = message[message.index("generations ["):message.index("]")]
         assert "'y/_v1'" not in generations, message
         assert "first generation's is 'y/_v1'" not in message, message
+
+
+def test_other_entry_points_read_a_generation_by_the_name_its_store_reported(
+        tmp_path: Path) -> None:
+    """A name maps to one shard for good: after a schema change the table lives in
+    ``name/_v2``, the name its store reports (Dagster's ``dagster/table_name``), and
+    ``snapshot``, plans, the CLI and Spark read it by that name; the table's own name
+    keeps reading the first generation (only ``load_table`` follows generations)."""
+    keyed_by_text = pa.table({"id": pa.array(["k"]), "name": pa.array(["z"])})
+    with _client(tmp_path) as client:
+        first = tables.store_table(client, "t", V1, ["id"])
+        second = tables.store_table(client, "t", keyed_by_text, ["id"])
+        assert (first.name, second.name) == ("t", "t/_v2")
+        assert client.resolve("t") == first.shard
+        assert tables.load_table(client, "t").equals(keyed_by_text)
+        for stored, table in ((first, V1), (second, keyed_by_text)):
+            reader = client.open_reader(client.resolve(stored.name))
+            read = reader.snapshot("latest").select(table.column_names)
+            assert read.sort_by("id").equals(table.sort_by("id"))
+            with reader.snapshot_plan() as plan:
+                assert plan.to_table().select(table.column_names).equals(read)
+            reader.expire()
