@@ -277,3 +277,47 @@ def test_a_closed_plan_refuses_to_read(tmp_path: Path) -> None:
         assert rows(again.to_table(), 1) == [(b"a", b"1", 1), (b"b", b"1", 1)]
     reader.expire()
     client.close()
+
+
+def test_a_plan_made_before_an_evolution_compaction_and_gc_reads_its_own_version(
+        tmp_path: Path) -> None:
+    """A typed shard's plan is of one state version: a nullable column appended after it
+    was made, a compaction merging parts of both schemas and a GC change nothing it
+    reads (its files are held while it is open), and a new plan reads the new version
+    with the new column, alike through pyarrow and DuckDB."""
+    import pyarrow as pa
+
+    from persist_pipeline import ShardSchema
+
+    client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
+                                inline_policy=INLINE_ON)
+    shard = ShardId.new()
+    v1 = ShardSchema([("id", pa.int64())], [("name", pa.string())])
+    v2 = ShardSchema([("id", pa.int64())], [("name", pa.string()), ("n", pa.int64())])
+    client.open_writer(shard, schema=v1).compare_and_append(
+        [{"id": i, "name": f"a{i}", "t": 0} for i in range(300)], 0, 1)  # a blob part
+    reader = client.open_reader(shard)
+    old = reader.snapshot_plan(0)
+    before = old.to_table()
+    assert before.column_names == ["id", "name", "t", "d"] and before.num_rows == 300
+    writer = client.open_writer(shard, schema=v2)
+    writer.compare_and_append([{"id": i, "name": "b", "n": i, "t": 1} for i in range(300)],
+                              1, 2)
+    writer.compare_and_append([{"id": 0, "name": "a0", "t": 2, "d": -1}], 2, 3)  # inline
+    client.compact(shard)
+    client.gc(shard)
+    assert old.to_table().equals(before)
+    ds = old.to_dataset()
+    assert duckdb.sql("SELECT count(*) FROM ds WHERE t <= 0").fetchone() == (300,)
+    old.close()
+    with reader.snapshot_plan(2) as new:
+        after = new.to_table()
+        assert after.column_names == ["id", "name", "n", "t", "d"]
+        assert after.equals(reader.snapshot(2))
+        ds = new.to_dataset()  # noqa: F841
+        got = duckdb.sql("SELECT id, name, n, sum(d)::BIGINT FROM ds WHERE t <= 2 "
+                         "GROUP BY ALL HAVING sum(d) <> 0").fetchall()
+        assert sorted(got) == sorted((r["id"], r["name"], r["n"], r["d"])
+                                     for r in after.to_pylist())
+    reader.expire()
+    client.close()
