@@ -69,7 +69,7 @@ class PersistReader(DataSourceReader):
     def __init__(self, options: Mapping[str, str], declared: StructType | None = None
                  ) -> None:
         (self.location, self.as_of, self._partitions, self.lease_s,
-         self.schema) = make_read_plan(options)
+         self.schema, self.reader_id) = make_read_plan(options)
         self.columns = declared_columns(declared, self.schema, self.location.shard_id)
 
     def partitions(self) -> Sequence[InputPartition]:
@@ -78,7 +78,7 @@ class PersistReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, PersistInputPartition)
         return _read_partition(self.location, self.as_of, partition.partition, self.lease_s,
-                               self.schema, self.columns)
+                               self.schema, self.columns, self.reader_id)
 
 
 @dataclass

@@ -337,10 +337,12 @@ def plan_partitions(plan: SnapshotPlan, blobs: ShardBlobs,
 
 def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
                     lease_s: float, schema: bytes = b"",
-                    columns: int | None = None) -> Iterator[pa.RecordBatch]:
+                    columns: int | None = None, reader_id: str = ""
+                    ) -> Iterator[pa.RecordBatch]:
     """Run on an executor: this key range's rows of every part, consolidated at as_of,
     streamed through the k-way merge in bounded memory (each batch's parts are sorted
-    runs, read row group by row group)."""
+    runs, read row group by row group). ``reader_id``: the planner's reader, whose
+    hold keeps the plan's files."""
     from persist_pipeline.spark import _blob
 
     main = _blob(location.blob_uri)
@@ -383,10 +385,30 @@ def _read_partition(location: _Location, as_of: int, partition: _ReadPartition,
                     table = table.select(keep)
                 yield from table.to_batches(max_chunksize=_ROWS_PER_BATCH)
     except PartMissing as e:
+        if reader_id and _reader_registered(location, reader_id):
+            # The planner's reader still holds the plan's state version, so GC kept
+            # every file of it: the lease is not why this part is missing.
+            raise PartMissing(f"{e}, while this read's reader still holds it: is the "
+                              f"blob option the location's own store?") from None
         raise LeaseExpired(
             f"a part of shard {location.shard_id} is gone: this Spark read ran longer than "
             f"its reader's lease ({lease_s:g} s) and GC collected it; re-run the read, or "
             f"give it a longer option lease_seconds ({e})") from None
+
+
+def _reader_registered(location: _Location, reader_id: str) -> bool:
+    """Whether ``reader_id`` is still a leased reader of the shard, asked of consensus
+    (False when that cannot be told)."""
+    try:
+        client = location.client()
+    except PersistError:
+        return False
+    try:
+        return reader_id in client._machine(location.shard_id).fetch_latest().leased_readers
+    except PersistError:
+        return False
+    finally:
+        client.close()
 
 
 def _as_of_option(options: Mapping[str, str]) -> int | str:
@@ -405,9 +427,10 @@ def _as_of_option(options: Mapping[str, str]) -> int | str:
 
 
 def make_read_plan(options: Mapping[str, str]) -> tuple[_Location, int, list[_ReadPartition],
-                                                         float, bytes]:
+                                                         float, bytes, str]:
     """The planner's side of a read: a leased reader (left to expire), its plan at
-    ``as_of``, the partitions and the shard's encoded schema (empty: untyped)."""
+    ``as_of``, the partitions, the shard's encoded schema (empty: untyped) and the
+    reader's id."""
     location = _Location.from_options(options)
     as_of = _as_of_option(options)
     partition_bytes = _int_option(options, "partition_bytes", _DEFAULT_PARTITION_BYTES)
@@ -436,7 +459,7 @@ def make_read_plan(options: Mapping[str, str]) -> tuple[_Location, int, list[_Re
             reader.downgrade_since(plan.as_of)
             partitions = plan_partitions(plan, client.blobs, partition_bytes, max_partitions)
             schema = plan.schema.to_bytes() if plan.schema is not None else b""
-            return location, plan.as_of, partitions, lease, schema
+            return location, plan.as_of, partitions, lease, schema, reader.reader_id
         except BaseException:
             with contextlib.suppress(PersistError):
                 reader.expire()

@@ -18,6 +18,7 @@ import pytest
 from persist_pipeline import InlinePolicy, PersistClient, ShardId
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
+from persist_pipeline.exceptions import LeaseExpired, PartMissing
 from persist_pipeline.spark import register
 from tests.fixtures.location import Location, location_kinds, make_location
 from tests.helpers import expected_snapshot, rows
@@ -205,11 +206,12 @@ def test_a_planned_read_keeps_its_files_until_its_lease_runs_out(
         return plan
 
     monkeypatch.setattr(ReadHandle, "snapshot_plan", compacting_meanwhile)
-    location, as_of, partitions, lease, _ = make_read_plan(opts)
+    location, as_of, partitions, lease, _, reader_id = make_read_plan(opts)
     assert len(partitions) > 1 and lease == 1.5
     assert client.gc(shard)["blobs_deleted"] == 0
     got = sorted((r["k"], r["v"], r["d"]) for p in partitions
-                 for b in _read_partition(location, as_of, p, lease) for r in b.to_pylist())
+                 for b in _read_partition(location, as_of, p, lease, reader_id=reader_id)
+                 for r in b.to_pylist())
     assert got == expected_snapshot(written, 9)
     # Once the lease ran out, GC expires the planner's reader and collects the files:
     # a read that late fails clearly instead of returning wrong data.
@@ -217,9 +219,31 @@ def test_a_planned_read_keeps_its_files_until_its_lease_runs_out(
 
     time.sleep(1.6)
     assert client.gc(shard)["blobs_deleted"] >= 10
-    with pytest.raises(Exception, match="lease"):
+    with pytest.raises(LeaseExpired, match="longer than its reader's lease"):
         for p in partitions:
-            list(_read_partition(location, as_of, p, lease))
+            list(_read_partition(location, as_of, p, lease, reader_id=reader_id))
+    client.close()
+
+
+def test_a_part_missing_while_its_reader_holds_the_plan_is_no_lease_that_ran_out(
+        tmp_path: Path) -> None:
+    """A read whose blob option names another store than the location's (the planner
+    finds the state in consensus, the executors no part) fails with PartMissing saying
+    the reader still holds the files, not with advice to lengthen a lease that did not
+    run out (no Spark needed)."""
+    from persist_pipeline.spark_source import _read_partition, make_read_plan
+
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    client = PersistClient.open(consensus, blob, inline_policy=InlinePolicy(0, 0))
+    shard = str(ShardId.new())
+    with client.open_writer(shard) as writer:
+        writer.compare_and_append([(b"k", b"v", 0, 1)], 0, 1)
+    (tmp_path / "other").mkdir()
+    opts = {"consensus": consensus, "blob": f"file://{tmp_path / 'other'}", "shard": shard}
+    location, as_of, [partition], lease, _, reader_id = make_read_plan(opts)
+    with pytest.raises(PartMissing, match="reader still holds it") as missing:
+        list(_read_partition(location, as_of, partition, lease, reader_id=reader_id))
+    assert not isinstance(missing.value, LeaseExpired)
     client.close()
 
 
