@@ -592,3 +592,23 @@ def test_upgrading_pandas_or_pyarrow_keeps_a_tables_generation(
         io_manager.store("kept_versions", _written_by(frame, *writers[0]))
     again = io_manager.store("kept_versions", _written_by(frame, *writers[2]))
     assert again["dagster/table_name"] == "kept_versions" and again["persist/upper"] == 2
+
+
+def test_a_pinned_upper_pins_each_partition_to_its_own_version(io_manager: Any) -> None:
+    """Each partition is its own shard with its own uppers: input metadata ``upper``
+    loads every partition's version at that upper of its own shard, and a partition
+    whose shard has not reached it is refused by name."""
+    io_manager.store("visits/_partitions/eu", pa.table({"r": ["eu"], "n": [1]}))
+    io_manager.store("visits/_partitions/us", pa.table({"r": ["us"], "n": [1]}))
+    io_manager.store("visits/_partitions/us", pa.table({"r": ["us", "us"], "n": [2, 2]}))
+    regions = dg.StaticPartitionsDefinition(["eu", "us"])
+
+    def load(upper: int) -> pa.Table:
+        return io_manager.load_input(dg.build_input_context(
+            asset_key=dg.AssetKey("visits"), definition_metadata={"upper": upper},
+            asset_partitions_def=regions, dagster_type=dg.PythonObjectDagsterType(pa.Table),
+            asset_partition_key_range=dg.PartitionKeyRange("eu", "us")))
+
+    assert sorted(load(1).to_pylist(), key=str) == [{"r": "eu", "n": 1}, {"r": "us", "n": 1}]
+    with pytest.raises(InvalidInput, match=r"visits partition eu: input metadata upper=2"):
+        load(2)
