@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from persist_pipeline.exceptions import (
     InvalidInput,
@@ -41,6 +42,19 @@ RESERVED_COLUMNS = frozenset({"k", "v", "t", "d"})
 _KEY_COLUMNS_META = b"persist_pipeline.key_columns"
 #: The schemas a recorded schema evolved from (see :attr:`ShardSchema.history`).
 _HISTORY_META = b"persist_pipeline.schema_history"
+#: The categories of a column that holds only them, in their order (a table's ordered
+#: dictionary column, by its storage name): an IPC stream of one column. Typed writes
+#: refuse other values (see :meth:`ShardSchema.categories`).
+DICTIONARY_META = b"persist_pipeline.dictionary."
+
+
+def categories_bytes(categories: pa.Array) -> bytes:
+    """``categories`` as kept under :data:`DICTIONARY_META` in a schema's metadata."""
+    batch = pa.record_batch([categories], names=["dictionary"])
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as stream:
+        stream.write_batch(batch)
+    return bytes(sink.getvalue().to_pybytes())
 
 
 def _as_schema(obj: object, what: str) -> pa.Schema:
@@ -135,6 +149,39 @@ class ShardSchema:
     def columns(self) -> list[str]:
         """Key then value column names."""
         return [*self.key.names, *self.value.names]
+
+    def categories(self, column: str) -> pa.Array | None:
+        """The only values ``column`` may hold (besides null), in their order, if the
+        schema's metadata restricts it (:data:`DICTIONARY_META`: a table's ordered
+        categorical), else None."""
+        return self._categories.get(column)
+
+    @cached_property
+    def _categories(self) -> dict[str, pa.Array]:
+        out = {}
+        for key, raw in self.metadata.items():
+            if key.startswith(DICTIONARY_META):
+                stream = pa.ipc.open_stream(pa.py_buffer(raw))
+                out[key[len(DICTIONARY_META):].decode()] = \
+                    stream.read_all().column(0).combine_chunks()
+        return out
+
+    def _check_categories(self, columns: Mapping[str, pa.Array | pa.ChunkedArray]) -> None:
+        """Refuse values outside a restricted column's categories: a table load could
+        not give them back as its ordered categorical (a table store with other
+        categories starts a new generation instead)."""
+        for name, allowed in self._categories.items():
+            column = columns.get(name)
+            if column is None or not len(column):
+                continue
+            outside = pc.and_(pc.is_valid(column), pc.invert(pc.is_in(
+                column, value_set=allowed.cast(column.type))))
+            if pc.any(outside).as_py():
+                value = column.filter(outside)[0].as_py()
+                raise SchemaMismatch(f"column {name!r} holds {value!r}, which is not one of "
+                                     f"its categories {allowed.to_pylist()[:20]} (an "
+                                     f"ordered categorical: a table store with other "
+                                     f"categories starts a new generation)")
 
     def arrow_schema(self) -> pa.Schema:
         """The schema of typed reads: key and value columns, then ``t`` and ``d``."""
@@ -338,6 +385,7 @@ class ShardSchema:
         given = _to_table(table, self)
         fast = self._exact_columns(given, with_times)
         if fast is not None:
+            self._check_categories(fast)
             return fast, given.num_rows
         names = given.column_names
         if len(set(names)) != len(names):
@@ -376,6 +424,7 @@ class ShardSchema:
                 raise InvalidUpdates("a typed write needs a t column (the update times)")
             out["t"] = _int64_column(given, "t")
             out["d"] = _int64_column(given, "d") if "d" in names else _ones(n)
+        self._check_categories(out)
         return out, n
 
     def decode(self, updates: pa.Table, where: str = "a read") -> pa.Table:

@@ -72,7 +72,12 @@ from persist_pipeline.exceptions import (
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.ids import ShardId
 from persist_pipeline.internal import rowcodec
-from persist_pipeline.schema import RESERVED_COLUMNS, ShardSchema
+from persist_pipeline.schema import (
+    DICTIONARY_META,
+    RESERVED_COLUMNS,
+    ShardSchema,
+    categories_bytes,
+)
 from persist_pipeline.write import encode_contents
 
 if TYPE_CHECKING:
@@ -83,9 +88,6 @@ if TYPE_CHECKING:
 ARROW_SCHEMA_META = b"persist_pipeline.arrow_schema"
 #: The storage name of each original column, in the original order (JSON).
 COLUMNS_META = b"persist_pipeline.columns"
-#: The dictionary of an ordered dictionary column, by its storage name (an IPC record
-#: batch of one column).
-DICTIONARY_META = b"persist_pipeline.dictionary."
 #: The most bytes of one ordered dictionary the shard schema keeps.
 MAX_DICTIONARY_BYTES = 1 << 20
 #: Where a name's generations live, and its partitions.
@@ -635,7 +637,7 @@ def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None,
                 COLUMNS_META: json.dumps(list(storage_names)).encode()}
     for name, dictionary in (dictionaries or {}).items():
         stored = storage_names[names.index(name)]
-        raw = _serialized(dictionary)
+        raw = categories_bytes(dictionary)
         if len(raw) > MAX_DICTIONARY_BYTES:
             raise UnsupportedOutput(
                 f"column {name!r} is an ordered categorical whose categories take "
@@ -648,21 +650,6 @@ def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None,
 
 #: pandas' metadata in an Arrow schema (its index, column dtypes).
 _PANDAS_META = b"pandas"
-
-
-def _serialized(dictionary: pa.Array) -> bytes:
-    batch = pa.record_batch([dictionary], names=["dictionary"])
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, batch.schema) as stream:
-        stream.write_batch(batch)
-    return bytes(sink.getvalue().to_pybytes())
-
-
-def _dictionary(shard_schema: ShardSchema, stored: str) -> pa.Array | None:
-    raw = shard_schema.metadata.get(DICTIONARY_META + stored.encode())
-    if raw is None:
-        return None
-    return pa.ipc.open_stream(pa.py_buffer(raw)).read_all().column(0).combine_chunks()
 
 
 def _pandas_meta(schema: pa.Schema) -> dict[str, object] | None:
@@ -842,7 +829,7 @@ def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
         typed = typed.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
     columns = []
     for field, stored in zip(schema, storage_names, strict=True):
-        dictionary = _dictionary(shard_schema, stored)
+        dictionary = shard_schema.categories(stored)
         column = typed.column(stored)
         columns.append(_cast_back(column, field.type) if dictionary is None
                        else _with_dictionary(column, field.type, dictionary, stored))

@@ -172,3 +172,32 @@ def test_other_entry_points_read_a_generation_by_the_name_its_store_reported(
             with reader.snapshot_plan() as plan:
                 assert plan.to_table().select(table.column_names).equals(read)
             reader.expire()
+
+
+def test_a_write_outside_an_ordered_categorical_is_refused_so_the_table_still_loads(
+        tmp_path: Path) -> None:
+    """A table's ordered categorical keeps its categories in the shard schema: a typed
+    write by another entry point (the API here; the CLI's append and Spark writes encode
+    the same way) of a value outside them is refused with SchemaMismatch and changes
+    nothing, rather than accepted and leaving every load failing; values among them,
+    and nulls, are written and load."""
+    import pandas as pd
+
+    from persist_pipeline.exceptions import SchemaMismatch
+
+    sizes = pd.CategoricalDtype(["S", "M", "L"], ordered=True)
+    frame = pd.DataFrame({"id": [1, 2], "size": pd.Categorical(["S", "M"], dtype=sizes)})
+    with _client(tmp_path) as client:
+        stored = tables.store_table(client, "sizes", pa.Table.from_pandas(frame), ["id"])
+        writer = client.open_writer(stored.shard)
+        with pytest.raises(SchemaMismatch, match=r"'XL'.*categories"):
+            writer.compare_and_append([{"id": 3, "size": "XL", "t": 1}], 1, 2)
+        with pytest.raises(SchemaMismatch, match=r"'XL'.*categories"):
+            writer.upsert([{"id": 1, "size": "XL"}])
+        assert client.inspect(stored.shard)["upper"] == 1
+        writer.compare_and_append([{"id": 3, "size": "L", "t": 1}, {"id": 4, "t": 1}], 1, 2)
+        loaded = tables.load_table(client, "sizes").to_pandas().sort_values("id")
+        assert loaded["size"].dtype == sizes
+        assert loaded["size"].tolist()[:3] == ["S", "M", "L"]
+        assert pd.isna(loaded["size"].tolist()[3])
+        writer.expire()
