@@ -32,7 +32,8 @@ fails on a missing file, it never returns wrong data.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, quote, urlsplit
@@ -366,9 +367,11 @@ class SnapshotPlan:
         """A JSON-ready description: times, files (no credentials) and inline rows.
 
         A typed shard's inline rows are shown with its columns (values as JSON can hold
-        them: dates and times as ISO text, decimals and binary as text or hex). An untyped
-        shard's inline keys (values) are shown as UTF-8 text when every key (value) is
-        valid UTF-8, else all as hex; ``"inline_encoding"`` says which, per column.
+        them: dates and times as ISO text, decimals as text, NaN and infinities as
+        ``"NaN"``, ``"Infinity"``, ``"-Infinity"``). Binary values, an untyped shard's
+        keys and values included, are shown as UTF-8 text when every one of their column
+        is valid UTF-8, else all as hex (never a mix: two values never show alike);
+        ``"inline_encoding"`` says which, per column that holds any.
         """
         out: dict[str, Any] = {
             "shard_id": self.shard_id,
@@ -382,8 +385,16 @@ class SnapshotPlan:
         }
         if self.schema is not None:
             rows = self.schema.decode(self.inline, f"shard {self.shard_id}").to_pylist()
+            encodings = {}
+            for name in self.schema.columns:
+                found = [b for row in rows for b in _bytes_in(row[name])]
+                if found:
+                    encodings[name] = "utf-8" if all(map(_is_utf8, found)) else "hex"
             out["schema"] = repr(self.schema)
-            out["inline"] = [{k: _jsonable(v) for k, v in row.items()} for row in rows]
+            out["inline"] = [{k: _jsonable(v, encodings.get(k) == "hex")
+                              for k, v in row.items()} for row in rows]
+            if encodings:
+                out["inline_encoding"] = encodings
             return out
         k_enc, ks = text_or_hex(self.inline.column("k"))
         v_enc, vs = text_or_hex(self.inline.column("v"))
@@ -406,22 +417,43 @@ def _file_schema(schema: ShardSchema) -> pa.Schema:
     return pa.schema([*SCHEMA, *schema.key, *schema.value])
 
 
-def _jsonable(value: Any) -> Any:
-    """A decoded typed value as JSON can hold it."""
+def _jsonable(value: Any, hex_bytes: bool) -> Any:
+    """A decoded typed value as JSON can hold it; its bytes as hex if ``hex_bytes``,
+    else as text (its column's are all UTF-8)."""
     if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
+        return {k: _jsonable(v, hex_bytes) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
+        return [_jsonable(v, hex_bytes) for v in value]
     if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError:
-            return value.hex()
+        return value.hex() if hex_bytes else value.decode("utf-8")
+    if isinstance(value, float) and not math.isfinite(value):
+        # Strict JSON has no NaN or infinities (json.dumps would write bare NaN).
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if hasattr(value, "isoformat"):
         return value.isoformat()
     return str(value)
+
+
+def _bytes_in(value: Any) -> Iterator[bytes]:
+    """Every bytes value inside a decoded typed value (lists, structs, maps)."""
+    if isinstance(value, bytes):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _bytes_in(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _bytes_in(v)
+
+
+def _is_utf8(value: bytes) -> bool:
+    try:
+        value.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def text_or_hex(column: pa.ChunkedArray | pa.Array) -> tuple[str, list[str | None]]:

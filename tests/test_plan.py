@@ -321,3 +321,37 @@ def test_a_plan_made_before_an_evolution_compaction_and_gc_reads_its_own_version
                                      for r in after.to_pylist())
     reader.expire()
     client.close()
+
+
+def test_a_typed_plans_json_tells_binary_values_apart_and_is_strict_json(
+        tmp_path: Path) -> None:
+    """The plan's description (the CLI's ``plan``) shows a typed shard's binary values
+    as text only when every one of the column is UTF-8, else all as hex (said in
+    ``inline_encoding``), as for untyped keys: two different values never print alike.
+    Floats JSON cannot hold (NaN, infinities) are named as text, so strict parsers
+    read it."""
+    import json
+
+    import pyarrow as pa
+
+    from persist_pipeline import ShardSchema
+
+    client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
+                                inline_policy=INLINE_ON)
+    shard = ShardId.new()
+    schema = ShardSchema([("id", pa.int64())], [
+        ("b", pa.binary()), ("l", pa.list_(pa.binary())), ("s", pa.binary()),
+        ("f", pa.float64())])
+    client.open_writer(shard, schema=schema).compare_and_append(pa.table({
+        "id": [1, 2, 3], "b": [b"abcd", b"\xab\xcd", None], "l": [[b"abcd"], [b"\xab\xcd"], []],
+        "s": [b"ok", b"fine", None], "f": [float("nan"), float("-inf"), 1.5],
+        "t": [0, 0, 0]}), 0, 1)
+    with client.open_reader(shard) as reader, reader.snapshot_plan() as plan:
+        shown = json.loads(plan.to_json(), parse_constant=lambda c: pytest.fail(c))
+    by_id = {r["id"]: r for r in shown["inline"]}
+    assert (by_id[1]["b"], by_id[2]["b"], by_id[3]["b"]) == ("61626364", "abcd", None)
+    assert (by_id[1]["l"], by_id[2]["l"]) == (["61626364"], ["abcd"])
+    assert (by_id[1]["s"], by_id[2]["s"]) == ("ok", "fine")
+    assert shown["inline_encoding"] == {"b": "hex", "l": "hex", "s": "utf-8"}
+    assert [by_id[i]["f"] for i in (1, 2, 3)] == ["NaN", "-Infinity", 1.5]
+    client.close()
