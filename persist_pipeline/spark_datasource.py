@@ -115,7 +115,8 @@ class PersistDataSource(DataSource):
 
     def schema(self) -> str | StructType:
         writing = any(k.lower() in ("expected_upper", "new_upper") for k in self.options)
-        typed = _shard_schema(_Location.from_options(self.options, writing=writing))
+        typed = _shard_schema(_Location.from_options(self.options, writing=writing),
+                              writing=writing)
         return SPARK_SCHEMA if typed is None else spark_struct(typed)
 
     def reader(self, schema: StructType) -> DataSourceReader:

@@ -59,7 +59,9 @@ Options: ``consensus``, ``blob``, ``wal_blob`` (default to ``PERSIST_CONSENSUS_U
 yet); reads: ``as_of`` (a time or ``latest``, the default), ``partitions``,
 ``partition_bytes``, ``lease_seconds``; writes: ``expected_upper``, ``new_upper`` (a
 time or ``closed``). Any other option is refused (``InvalidConfig`` listing the valid
-ones), never ignored. ``mem://`` stores are refused: executors are other processes.
+ones), never ignored. ``mem://`` stores are refused: executors are other processes. A
+read creates nothing: a store that does not exist (a mistyped URI) is refused with
+``ConsensusLocationNotFound`` or ``BlobLocationNotFound``, as by the CLI's reads.
 """
 
 from __future__ import annotations
@@ -202,14 +204,22 @@ class _Location:
         except InvalidShardId:
             pass
         location = cls(consensus, blob, wal, "")
-        client = location.client()
+        client = location.client(create=writing)
         try:
             shard_id = client.resolve(shard, create=writing)
         finally:
             client.close()
         return cls(consensus, blob, wal, str(shard_id))
 
-    def client(self, lease_s: float | None = None) -> PersistClient:
+    def client(self, lease_s: float | None = None, *, create: bool = False
+               ) -> PersistClient:
+        """A client of the location; only a write creates a missing one (``create``): a
+        read of a mistyped URI is reported as no store there, leaving nothing behind.
+
+        Raises:
+            ConsensusLocationNotFound / BlobLocationNotFound: no store there and not
+                ``create``.
+        """
         from persist_pipeline.client import PersistClient
         from persist_pipeline.config import PersistConfig
 
@@ -220,7 +230,7 @@ class _Location:
         # no background heartbeats (a read's lease is renewed by nobody, on purpose).
         config = replace(config, heartbeat_interval_s=0)
         return PersistClient.open(self.consensus_uri, self.blob_uri, self.wal_blob_uri,
-                                  config=config)
+                                  config=config, create=create)
 
 
 #: Every option a read and a write take (Spark passes option names lower-cased or not).
@@ -539,8 +549,8 @@ def declared_columns(declared: StructType | None, encoded: bytes,
         f"in between): load the DataFrame again")
 
 
-def _shard_schema(location: _Location) -> ShardSchema | None:
-    client = location.client()
+def _shard_schema(location: _Location, *, writing: bool = False) -> ShardSchema | None:
+    client = location.client(create=writing)
     try:
         return client.schema(location.shard_id)
     except ShardNotFound:
@@ -586,7 +596,7 @@ def _write_job(options: Mapping[str, str], overwrite: bool) -> _WriteJob:
                             "and options expected_upper / new_upper")
     location = _Location.from_options(options, writing=True)
     expected, upper = write_bounds(options)
-    client = location.client()
+    client = location.client(create=True)
     try:
         return plan_write(location, client, expected, upper)
     finally:
@@ -675,7 +685,7 @@ def _commit(job: _WriteJob, messages: Sequence[Any],
     updates = sum(m.num_updates for m in messages)
     own = client is None
     if client is None:
-        client = job.location.client()
+        client = job.location.client(create=True)
     try:
         with client.open_writer(job.location.shard_id, debug="spark write") as writer:
             # The schema the tasks encoded with, fixed when the write was planned: a

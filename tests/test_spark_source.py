@@ -247,6 +247,33 @@ def test_a_part_missing_while_its_reader_holds_the_plan_is_no_lease_that_ran_out
     client.close()
 
 
+def test_a_read_of_a_mistyped_location_creates_nothing_there(tmp_path: Path) -> None:
+    """A read opens the location without creating it, as the CLI's reads do: a
+    mistyped consensus or blob URI is reported as no store there, rather than leaving
+    an empty database and folder behind and reporting the shard missing (no Spark
+    needed: the planner's and the declared schema's side)."""
+    from persist_pipeline.exceptions import BlobLocationNotFound, ConsensusLocationNotFound
+    from persist_pipeline.spark_source import _Location, _shard_schema, make_read_plan
+
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    client = PersistClient.open(consensus, blob)
+    shard = str(ShardId.new())
+    with client.open_writer(shard) as writer:
+        writer.compare_and_append([(b"k", b"v", 0, 1)], 0, 1)
+    client.register_name("sales/orders", ShardId.parse(shard))
+    client.close()
+    typo_db, typo_dir = tmp_path / "typo.db", tmp_path / "typo"
+    for bad, error in (({"consensus": f"sqlite:///{typo_db}"}, ConsensusLocationNotFound),
+                       ({"blob": f"file://{typo_dir}"}, BlobLocationNotFound)):
+        for name in ("sales/orders", shard):
+            opts = {"consensus": consensus, "blob": blob, "shard": name, **bad}
+            with pytest.raises(error):
+                make_read_plan(opts)
+            with pytest.raises(error):
+                _shard_schema(_Location.from_options(opts))
+    assert not typo_db.exists() and not typo_dir.exists()
+
+
 def test_abort_deletes_parts_only_when_no_commit_was_attempted(tmp_path: Path) -> None:
     """Spark calls abort after a failed task (no commit ran: the parts are certainly
     unreferenced) and after a failed commit (which may have been indeterminate: the
