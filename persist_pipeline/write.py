@@ -86,6 +86,9 @@ UNTYPED = Encoding()
 #: every lost reply before it answers "no", so its uploaded parts may be deleted.
 CERTAINLY_NOT_COMMITTED = (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates,
                            SchemaMismatch)
+#: The refusals of a retry (a write given the token of an attempt whose outcome its
+#: caller never learnt) that the batch's history settles (see WriteHandle._settle_retry).
+RETRY_REFUSALS = (UpperMismatch, CommitDeadlineExceeded)
 
 
 @quick_init
@@ -251,21 +254,33 @@ class WriteHandle:
         token = new_token() if idempotency_token is None else idempotency_token
         try:
             return self._commit(data, expected, upper, token, encoding)
-        except UpperMismatch:
+        except RETRY_REFUSALS:
             if idempotency_token is None:
                 raise
-            # A retry: the first attempt may have committed, and GC may have expired this
-            # writer (and its token) since. The batch's identity in history decides.
-            found = self._machine.batch_committed(batch_id_of(token), expected)
-            if found is None:
-                raise Indeterminate(
-                    f"shard {self.shard_id}: cannot tell whether the write with token "
-                    f"{token} committed: GC truncated the history that would say") from None
-            if not found:
+            settled = self._settle_retry(token, expected)
+            if settled is None:
                 raise
-            state = self._machine.state
-            return WriteResult("none", 0, state.seqno, state.upper, 0,
-                               already_committed=True)
+            return settled
+
+    def _settle_retry(self, token: str, expected: int) -> WriteResult | None:
+        """A retry with ``token`` that was refused (:data:`RETRY_REFUSALS`), settled by
+        its batch's history: the first attempt may have committed, and compaction merged
+        the batch away and GC expired this writer (and its token) since, so that the
+        retry's own transition saw only a moved upper or its passed deadline. Returns the
+        result of a write found committed, or None when it certainly never was.
+
+        Raises:
+            Indeterminate: GC truncated the history that would tell.
+        """
+        found = self._machine.batch_committed(batch_id_of(token), expected)
+        if found is None:
+            raise Indeterminate(
+                f"shard {self.shard_id}: cannot tell whether the write with token "
+                f"{token} committed: GC truncated the history that would say") from None
+        if not found:
+            return None
+        state = self._machine.state
+        return WriteResult("none", 0, state.seqno, state.upper, 0, already_committed=True)
 
     def committed(self, idempotency_token: str, expected_upper: int) -> bool | None:
         """Whether the write made with ``idempotency_token`` at ``expected_upper`` was
@@ -307,7 +322,10 @@ class WriteHandle:
         refused (``SchemaMismatch``, parts deleted) unless it fits the shard's schema.
 
         When nothing was committed for certain (upper mismatch, deadline, bad parts) the
-        parts are deleted; an indeterminate outcome leaves them to GC.
+        parts are deleted; an indeterminate outcome leaves them to GC. A retry with the
+        token of an attempt whose outcome was unknown is settled by the batch's history,
+        as :meth:`compare_and_append`'s: found committed (perhaps merged away by
+        compaction since), it reports ``already_committed`` and keeps the parts.
 
         Raises:
             UpperMismatch / CommitDeadlineExceeded / InvalidUpdates / Indeterminate: as
@@ -348,8 +366,16 @@ class WriteHandle:
                         upload_started_s=upload_started_s)
         try:
             result = self._apply(staged)
-        except CERTAINLY_NOT_COMMITTED:
-            # Certainly not committed (the CaS loop settled every lost reply first).
+        except CERTAINLY_NOT_COMMITTED as refused:
+            # This attempt certainly did not commit (the CaS loop settled every lost reply
+            # first), but these parts may be those of an earlier attempt with this token
+            # that did, merged away since by compaction while older versions still
+            # reference them: they are deleted only if that never committed either (and
+            # left to GC, with Indeterminate, when history cannot tell).
+            if isinstance(refused, RETRY_REFUSALS):
+                settled = self._settle_retry(idempotency_token, expected)
+                if settled is not None:
+                    return settled
             self._delete_uncommitted(parts)
             raise
         assert result is not None  # hollow batches never exceed the inline budget

@@ -35,6 +35,7 @@ from persist_pipeline.exceptions import (
     Indeterminate,
     InvalidInput,
 )
+from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal import paths, transitions
 from persist_pipeline.internal.blobs import write_parts
@@ -483,6 +484,41 @@ def test_token_retry_of_a_write_committed_before_its_lease_expired_is_not_denied
     state = lost.gc._machine(lost.shard).fetch_latest()
     assert all(blob_exists(lost.gc, p) for p in batch_with(state, LATE[0]).hollow_parts())
     assert clients.snapshot(lost.shard, 1) == expected_snapshot(BASE + LATE, 1)
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["in-time", "past-deadline"])
+def test_parts_retry_of_a_write_compacted_away_keeps_its_parts(clients: Clients,
+                                                               late: bool):
+    """``compare_and_append_parts`` retried with its token and the same parts (the
+    documented recovery after Indeterminate) once compaction merged the committed batch
+    away, through a fresh writer as a Spark driver commits: reported committed, as
+    ``compare_and_append``'s retry is, never "nothing was written"; and the parts, which
+    the versions kept from before the merge still reference, are not deleted."""
+    client = clients.plain(gc_orphan_min_age_s=ORPHAN_AGE_S)
+    shard = ShardId.new()
+    client.open_writer(shard).compare_and_append(BASE, 0, 1)
+    token = new_token()
+    started_s = client.clock.monotonic()
+    table = consolidate(pa.table({"k": [u[0] for u in LATE], "v": [u[1] for u in LATE],
+                                  "t": [u[2] for u in LATE], "d": [u[3] for u in LATE]}))
+    parts = write_parts(table, str(shard), batch_id_of(token), client.blobs.main, "main",
+                        client.config.blob_target_size_bytes)
+
+    def commit() -> Any:
+        return client.open_writer(shard).compare_and_append_parts(
+            parts, len(LATE), 1, 2, idempotency_token=token, upload_started_s=started_s,
+            schema=None)
+
+    commit()  # ...whose reply its process never saw
+    client.compact(shard)
+    assert len(client._machine(shard).fetch_latest().batches) == 1
+    if late:
+        clients.clock.advance(ORPHAN_AGE_S)
+    retry = commit()
+    assert retry.already_committed and retry.upper == 2
+    assert all(blob_exists(client, p) for p in parts)
+    assert missing_parts(client, shard) == []
+    assert clients.snapshot(shard, 1) == expected_snapshot(BASE + LATE, 1)
 
 
 # --- idempotency before the commit deadline -----------------------------------------------
