@@ -357,23 +357,22 @@ class Transaction:
         planned again while ``replan``. Any other refusal is final (the caller raises
         it)."""
         retry = False
+        landed = self._earlier_attempt_landed(live, results)
         for op, result in zip(live, results, strict=True):
             staged = op.staged
             assert staged is not None
-            if isinstance(result, transitions.Appended) and result.already_committed \
-                    and op.given_token:
-                # A retry (the caller's token) found its batch already committed:
-                # reported as such, as a single write's retry is; the other appends go
+            if landed and op.given_token and (
+                    isinstance(result, transitions.UpperMismatchResult)
+                    or (isinstance(result, transitions.Appended) and result.already_committed)):
+                # A retry (the caller's tokens) of a transaction that committed: each of
+                # its appends is reported committed, as a single write's retry is, also
+                # one holding no rows (no batch of its own to find); the other appends go
                 # on. With tokens of this commit's own, some shards holding its batches
                 # and others not is a torn commit, refused below (CorruptState).
-                op.result = op.handle._finish(staged, result, op.handle._machine.state)
-                retry = True
-            elif isinstance(result, transitions.UpperMismatchResult) and op.given_token \
-                    and staged.batch is not None and \
-                    self._committed_before(op, staged.batch.id):
                 state = op.handle._machine.state
-                op.result = WriteResult("none", 0, state.seqno, state.upper, 0,
-                                        already_committed=True)
+                op.result = op.handle._finish(staged, result, state) \
+                    if isinstance(result, transitions.Appended) else \
+                    WriteResult("none", 0, state.seqno, state.upper, 0, already_committed=True)
                 retry = True
             elif isinstance(result, transitions.InlineBudgetExceeded):
                 op.staged = op.handle._stage(op.data, op.expected, op.upper, op.token,
@@ -399,20 +398,33 @@ class Transaction:
         return retry
 
     @staticmethod
-    def _committed_before(op: _Op, batch_id: str) -> bool:
-        """Whether the batch of ``op``'s given token was committed by an earlier attempt
-        (found in its shard's kept history, as :meth:`WriteHandle.compare_and_append`
-        settles a retry).
+    def _earlier_attempt_landed(live: list[_Op],
+                                results: list[transitions.AppendResult]) -> bool:
+        """Whether this commit retries (with the caller's tokens) a transaction that
+        committed: one of its appends finds its batch in its shard's state or kept
+        history (as :meth:`WriteHandle.compare_and_append` settles a retry). All or none
+        of a transaction lands, so then every append of it did.
 
         Raises:
-            Indeterminate: GC truncated the history that would tell.
+            Indeterminate: no batch was found, and GC truncated the history of one that
+                would tell.
         """
-        found = op.handle._machine.batch_committed(batch_id, op.expected)
-        if found is None:
-            raise Indeterminate(
-                f"shard {op.handle.shard_id}: cannot tell whether the write with token "
-                f"{op.token} committed: GC truncated the history that would say")
-        return found
+        unknown: Indeterminate | None = None
+        for op, result in zip(live, results, strict=True):
+            staged = op.staged
+            if not op.given_token or staged is None:
+                continue
+            if isinstance(result, transitions.Appended) and result.already_committed:
+                return True
+            if isinstance(result, transitions.UpperMismatchResult) and staged.batch is not None:
+                try:
+                    if op.handle._settle_retry(op.token, op.expected) is not None:
+                        return True
+                except Indeterminate as e:
+                    unknown = unknown or e
+        if unknown is not None:
+            raise unknown
+        return False
 
     def _results(self, ops: list[_Op]) -> dict[str, WriteResult]:
         out: dict[str, WriteResult] = {}

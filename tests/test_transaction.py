@@ -618,6 +618,31 @@ def test_a_retried_transaction_token_is_reported_committed(location):
     client.close()
 
 
+def test_a_retried_transaction_with_an_empty_append_is_reported_committed(location):
+    """A retried transaction (same tokens, through fresh writers: its process died
+    before it learnt the outcome) one of whose appends holds no rows: that append leaves
+    no batch to find, but the other shard's batch shows the transaction committed, and
+    all or none of it did. The retry reports it committed, never ``UpperMismatch`` ("no
+    shard changed"), after which its caller would write the rows again."""
+    client = location.client(InlinePolicy(0, 0))
+    a, b = ShardId.new(), ShardId.new()
+    for s in (a, b):
+        client.create_shard(s)
+
+    def commit() -> dict[str, Any]:
+        txn = client.transaction()
+        txn.compare_and_append(a, [], 0, 1, idempotency_token="tok-a")
+        txn.compare_and_append(b, [(b"y", b"", 0, 1)], 0, 1, idempotency_token="tok-b")
+        return txn.commit()
+
+    commit()  # ...whose reply the process never saw
+    again = commit()
+    assert again[str(a)].already_committed and again[str(b)].already_committed
+    assert again[str(a)].upper == again[str(b)].upper == 1
+    assert snapshot_rows(client, b) == [(b"y", b"", 1)]
+    client.close()
+
+
 def test_bad_input_to_a_transaction_by_name_registers_no_name_and_creates_no_shard(
         tmp_path: Path) -> None:
     """A transaction's append given a name: bad input "raises here and leaves the
