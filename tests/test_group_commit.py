@@ -137,6 +137,37 @@ def test_the_in_flight_bound_blocks_writers_beyond_it():
     assert funnel._inflight == 1000
 
 
+def test_a_writer_waiting_for_room_is_not_overtaken_by_smaller_later_ones():
+    """Room in the in-flight bound goes to the writers waiting for it in arrival order:
+    a later, smaller append that would fit must not go first, or a steady stream of
+    small appends keeps the bytes in flight above what a larger one needs, and that one
+    waits for as long as the stream lasts."""
+    funnel = Funnel(_WaitWatchingClock(), MachineMetrics(), window_s=0.0,
+                    max_inflight_bytes=100)
+    from persist_pipeline.internal.funnel import _Entry
+
+    def entry(shard: str, size: int) -> Any:
+        return _Entry(SimpleNamespace(shard_id=shard), None, None, size)  # type: ignore[arg-type]
+
+    def admit_in_thread(e: Any) -> threading.Event:
+        done = threading.Event()
+        threading.Thread(target=lambda: (funnel._admit(e), done.set()), daemon=True).start()
+        return done
+
+    first = entry("a", 60)
+    funnel._admit(first)
+    big_in = admit_in_thread(entry("b", 80))
+    assert not big_in.wait(0.3)  # no room: 60 + 80 > 100
+    small_in = admit_in_thread(entry("c", 30))  # 60 + 30 would fit
+    assert not small_in.wait(0.5), "a later, smaller append overtook the waiting one"
+    with funnel._queue_lock:
+        funnel._inflight -= first.size  # the first append is done
+    assert big_in.wait(5) and not small_in.wait(0.3)  # 80 + 30 > 100
+    with funnel._queue_lock:
+        funnel._inflight -= 80  # so is the big one
+    assert small_in.wait(5) and funnel._inflight == 30
+
+
 @pytest.mark.timeout(120)
 def test_many_threads_on_many_shards_all_commit(durable_location):
     """32 threads each appending 20 times to its own shard through one client: every

@@ -26,6 +26,7 @@ sleep are used, so the deterministic simulation runs every interleaving of it.
 from __future__ import annotations
 
 import copy
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -120,6 +121,8 @@ class Funnel:
         self._busy: set[str] = set()
         self._leaders = 0
         self._inflight = 0
+        #: Under _queue_lock: appends waiting for room in the in-flight bound, oldest first.
+        self._wanting_room: deque[_Entry] = deque()
 
     def commit(self, machine: Machine, transition: Callable[[State], tuple[State, Any]],
                proves_done: Callable[[Any], bool] | None = None,
@@ -166,9 +169,17 @@ class Funnel:
         window is set: then ``entry`` is not queued but taken at once, as a group of
         its own, whose slot its thread holds."""
         shard = entry.machine.shard_id
+        waiting = False
         while True:
             with self._queue_lock:
-                if self._inflight == 0 or self._inflight + entry.size <= self._max_inflight:
+                # Room goes to the writers waiting for it oldest first: were a later,
+                # smaller append let in ahead, a stream of them would keep a larger
+                # one out for as long as the stream lasts.
+                turn = self._wanting_room[0] is entry if waiting else not self._wanting_room
+                if turn and (self._inflight == 0
+                             or self._inflight + entry.size <= self._max_inflight):
+                    if waiting:
+                        self._wanting_room.popleft()
                     self._inflight += entry.size
                     if not self._queue and not self._window_s and \
                             self._leaders < GROUPS_IN_FLIGHT and shard not in self._busy:
@@ -178,7 +189,15 @@ class Funnel:
                         return True
                     self._queue.append(entry)
                     return False
-            self._clock.sleep(_ADMIT_POLL_S)
+                if not waiting:
+                    self._wanting_room.append(entry)
+                    waiting = True
+            try:
+                self._clock.sleep(_ADMIT_POLL_S)
+            except BaseException:
+                with self._queue_lock:  # out of the line, or nobody behind it gets in
+                    self._wanting_room.remove(entry)
+                raise
 
     def _commit_alone(self, entry: _Entry) -> tuple[Any, State]:
         """Commit ``entry`` as a group of one, as :meth:`Machine.apply` commits it."""
