@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId, UpperMismatch
-from persist_pipeline.exceptions import InvalidConfig
+from persist_pipeline.exceptions import Indeterminate, InvalidConfig
+from persist_pipeline.internal import transitions
 from persist_pipeline.internal.clock import SYSTEM_CLOCK
 from persist_pipeline.internal.funnel import Funnel
 from persist_pipeline.internal.machine import MachineMetrics
@@ -166,6 +167,77 @@ def test_a_writer_waiting_for_room_is_not_overtaken_by_smaller_later_ones():
     with funnel._queue_lock:
         funnel._inflight -= 80  # so is the big one
     assert small_in.wait(5) and funnel._inflight == 30
+
+
+class _GatedWindowClock:
+    """The system clock, except that each thread's group-commit window lasts until the
+    test opens that thread's gate."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.gates: dict[str, threading.Event] = {}
+        self.waiting: dict[str, threading.Event] = {}
+
+    def now_ms(self) -> int:
+        return SYSTEM_CLOCK.now_ms()
+
+    def monotonic(self) -> float:
+        return SYSTEM_CLOCK.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        name = threading.current_thread().name
+        if seconds == self.window_s and name in self.gates:
+            self.waiting[name].set()
+            assert self.gates[name].wait(30)
+            return
+        SYSTEM_CLOCK.sleep(seconds)
+
+    def gate(self, name: str) -> None:
+        self.gates[name], self.waiting[name] = threading.Event(), threading.Event()
+
+
+def test_a_leader_whose_group_fails_leaves_no_append_of_its_own_behind():
+    """Two appends to one shard lead a group each (a window is set); the later one's
+    thread takes the earlier append (a shard's oldest goes first), whose transition fails
+    with an error that is no persist error (a bug, an interrupt): that thread's own
+    append was never tried, and it must not be committed by the next group once its
+    caller got the error."""
+    client = PersistClient.open("mem://", "mem://", config=PersistConfig(group_commit=False))
+    shard = ShardId.new()
+    machine = client._machine(shard)
+    machine.open(create=True)
+    clock = _GatedWindowClock(0.05)
+    funnel = Funnel(clock, MachineMetrics(), window_s=clock.window_s,
+                    max_inflight_bytes=1 << 20)
+    outcomes: dict[str, object] = {}
+
+    def broken(state: Any) -> Any:
+        raise RuntimeError("a bug in the first append's transition")
+
+    def register(state: Any) -> Any:
+        return transitions.register_writer(state, "second", machine.now_ms(), 60_000)
+
+    def append(name: str, transition: Any) -> None:
+        try:
+            outcomes[name] = funnel.commit(machine, transition)
+        except BaseException as e:  # asserted below
+            outcomes[name] = e
+
+    threads = {}
+    for name, transition in (("first", broken), ("second", register)):
+        clock.gate(name)
+        threads[name] = threading.Thread(target=append, args=(name, transition), name=name)
+        threads[name].start()
+        assert clock.waiting[name].wait(10)  # leading a group, in its window
+    clock.gates["second"].set()  # takes the first append (the shard's oldest) and fails
+    threads["second"].join(10)
+    assert isinstance(outcomes["second"], RuntimeError)
+    clock.gates["first"].set()  # the next group
+    threads["first"].join(10)
+    assert isinstance(outcomes["first"], Indeterminate)
+    assert "second" not in machine.fetch_latest().writers, \
+        "an append whose caller got an error was committed afterwards"
+    client.close()
 
 
 @pytest.mark.timeout(120)

@@ -156,8 +156,17 @@ class Funnel:
                 if alone is not None:
                     return alone
         finally:
+            successor = None
             with self._queue_lock:
                 self._inflight -= entry.size
+                if not entry.taken:
+                    # Its thread leaves without it having been tried (an error in a group
+                    # it led, an interrupt): no later group may commit it behind its
+                    # caller's back, nor be left waiting for it to lead.
+                    self._queue.remove(entry)
+                    successor = self._successor()
+            if successor is not None:
+                successor.set()
         if entry.error is not None:
             raise entry.error
         assert entry.outcome is not None and entry.state is not None
@@ -263,13 +272,19 @@ class Funnel:
             for entry in group:
                 busy.discard(entry.machine.shard_id)
             wakes = [e.wake for e in group if e.wake is not None]
-            for waiting in self._queue:
-                if waiting.machine.shard_id not in busy:
-                    if waiting.wake is not None:
-                        wakes.append(waiting.wake)
-                    break
+            successor = self._successor()
+            if successor is not None:
+                wakes.append(successor)
         for wake in wakes:
             wake.set()
+
+    def _successor(self) -> EventLike | None:
+        """The event of the oldest waiting append that may lead the next group (under
+        the lock)."""
+        for waiting in self._queue:
+            if waiting.machine.shard_id not in self._busy:
+                return waiting.wake
+        return None
 
     def _commit_group(self, group: list[_Entry]) -> None:
         """Commit ``group``, giving every entry its outcome whatever happens."""
