@@ -385,6 +385,16 @@ def listen_release_raises() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def retry_not_settled_by_history() -> Iterator[None]:
+    """A write retried with the token of an attempt whose outcome its caller never
+    learnt is not settled by its batch's history: once compaction merged the committed
+    batch away, the retry is refused as if nothing was written, and a retried
+    ``compare_and_append_parts`` deletes the parts older versions still reference."""
+    with _patched(write.WriteHandle, "_settle_retry", lambda self, token, expected: None):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -411,4 +421,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "table_schema_recorded_at_open": table_schema_recorded_at_open,
     "pinned_loads_with_the_newest_schema": pinned_loads_with_the_newest_schema,
     "listen_release_raises": listen_release_raises,
+    "retry_not_settled_by_history": retry_not_settled_by_history,
 }

@@ -71,6 +71,9 @@ class Profile:
     #: Start a compactor when the cast has none (a shard nobody compacts keeps every
     #: batch in its head, which is what some races need).
     compaction: bool = True
+    #: Spark writers now and then commit an earlier write again, with its token and
+    #: parts, as a driver does that never learnt the outcome.
+    recommits: bool = False
 
 
 PROFILES: dict[str, Profile] = {
@@ -93,7 +96,7 @@ PROFILES: dict[str, Profile] = {
     "typed": Profile({"typed_writer": (2, 3), "evolver": (1, 1), "typed_reader": (1, 2),
                       "spark_writer": (1, 1), "namer": (0, 1), "table_writer": (0, 2),
                       "compactor": (1, 1),
-                      "spark_compactor": (0, 1), "gc": (1, 2)}),
+                      "spark_compactor": (0, 1), "gc": (1, 2)}, recommits=True),
     # Where features meet: Spark writes planned before a shard is typed, huge diffs,
     # listens after the largest time, beside ordinary writers and maintenance.
     "seams": Profile({"spark_writer": (1, 2), "overflow_writer": (1, 1), "closer": (0, 1),

@@ -171,6 +171,8 @@ class SeamState:
     #: Each committed store's generation name, the upper it reported and its rows: a
     #: load pinned to that upper must return exactly those rows and columns.
     pinned: list[tuple[str, int, list[str]]] = field(default_factory=list)
+    #: Spark writes (job, task messages, first outcome) to commit again later.
+    recommits: list[tuple[Any, list[Any], str]] = field(default_factory=list)
 
     def table_event(self) -> int:
         self.table_events += 1
@@ -371,19 +373,41 @@ def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table])
     except PersistError as e:
         run.violation(f"Spark write task: unexpected {type(e).__name__}: {e}")
         return "failed"
+    status = _commit_job(run, client, job, messages)
+    if status != "failed":
+        # Committed again later with the same token and parts, as by a driver that
+        # never learnt the outcome (see _commit_again).
+        run.seams.recommits.append((job, messages, status))
+    if status != "acked":
+        with contextlib.suppress(PersistError):  # its parts are then left to GC
+            spark_source._abort(job, messages)
+    return status
+
+
+def _commit_job(run: SimRun, client: PersistClient, job: Any, messages: list[Any]) -> str:
+    """The driver's commit of ``job``: acked, failed (certainly not committed), or
+    unknown."""
     try:
         spark_source._commit(job, messages, client)
         return "acked"
     except (UpperMismatch, CommitDeadlineExceeded, SchemaMismatch):
-        status = "failed"
+        return "failed"
     except Indeterminate:
-        status = "unknown"
+        return "unknown"
     except PersistError as e:
         run.violation(f"Spark write commit: unexpected {type(e).__name__}: {e}")
-        status = "unknown"
-    with contextlib.suppress(PersistError):  # its parts are then left to GC
-        spark_source._abort(job, messages)
-    return status
+        return "unknown"
+
+
+def _commit_again(run: SimRun, client: PersistClient) -> None:
+    """Commit an earlier Spark write again, with its token and parts, some writes later
+    (compaction may have merged its batch away since): one that committed is reported
+    committed again, never refused, and keeps its parts (a read finds them)."""
+    job, messages, status = run.seams.recommits.pop(0)
+    again = _commit_job(run, client, job, messages)
+    if status == "acked" and again == "failed":
+        run.violation("a committed Spark write, committed again with its token, was "
+                      "refused as never written")
 
 
 def spark_writer(run: SimRun, proc: Process) -> None:
@@ -392,7 +416,10 @@ def spark_writer(run: SimRun, proc: Process) -> None:
     client = run.client(proc)
     while not run.stopping:
         run.think(scale=3.0)
-        if run.rng.random() < 0.5:
+        roll = run.rng.random()
+        if run.profile.recommits and roll < 0.2 and run.seams.recommits:
+            _commit_again(run, client)
+        elif roll < 0.5:
             _typed_append(run, client)
         else:
             _untyped_write_typed_mid_job(run, client)
