@@ -119,6 +119,10 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # one whose Spark writers commit again)
     "retry_not_settled_by_history": (r"committed again with its token, was refused", 60,
                                      "typed"),
+    # a transaction retried with its tokens is not recognised as one that landed: one
+    # whose append to a shard held no rows is refused with UpperMismatch (1)
+    "transaction_retry_not_settled": (r"retried with its tokens, was refused", 20,
+                                      "transactions"),
 }
 
 #: Reverted fixes the random simulation reaches too rarely to test this way (a heartbeat

@@ -395,6 +395,18 @@ def retry_not_settled_by_history() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def transaction_retry_not_settled() -> Iterator[None]:
+    """A transaction retried with its tokens is never recognised as one that landed: an
+    append found committed is not reported so, and one that held no rows (no batch to
+    find) is refused with UpperMismatch, though the transaction committed."""
+    from persist_pipeline import transaction
+
+    with _patched(transaction.Transaction, "_earlier_attempt_landed",
+                  staticmethod(lambda live, results: False)):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -422,4 +434,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "pinned_loads_with_the_newest_schema": pinned_loads_with_the_newest_schema,
     "listen_release_raises": listen_release_raises,
     "retry_not_settled_by_history": retry_not_settled_by_history,
+    "transaction_retry_not_settled": transaction_retry_not_settled,
 }

@@ -3,12 +3,15 @@
 Transactors commit pair transactions on two shards shared by every transactor of the
 seed (one row per transaction, the same key in both), inline or in blob, at the uppers
 they believe current (sometimes stale), while they also append to the first shard
-alone. Compaction and GC run on both shards as on every shard of the seed.
+alone; now and then one commits a pair whose second append holds no rows, then commits
+it again with the same tokens through fresh writers, as a process that never learnt the
+outcome does. Compaction and GC run on both shards as on every shard of the seed.
 
 What they check: a transaction's row is in both shards or neither, read in the order
 first, second, first again (a commit lands in both at one moment, so the first read's
 rows are in the second's, and the second's in the third's); an acknowledged
-transaction is never lost; a refused one is never written.
+transaction is never lost; a refused one is never written; a retried one that landed
+is reported committed, neither refused nor written twice.
 
 Grouped writers are processes of several threads sharing one client, each appending to
 its own shard (or one of the pair) at once, so their appends meet in the client's
@@ -32,13 +35,13 @@ from persist_pipeline.exceptions import (
     SinceViolation,
     UpperMismatch,
 )
-from persist_pipeline.ids import ShardId
+from persist_pipeline.ids import ShardId, new_token
 from persist_pipeline.sim.scheduler import Process
 
 if TYPE_CHECKING:
     from persist_pipeline.client import PersistClient
     from persist_pipeline.sim.runner import SimRun
-    from persist_pipeline.write import WriteHandle
+    from persist_pipeline.write import WriteHandle, WriteResult
 
 #: Transaction rows' keys start with this; the first shard's lone appends do not.
 TXN_PREFIX = b"txn/"
@@ -52,6 +55,8 @@ class Txn:
 
     key: bytes
     status: str = "pending"  # pending | acked | failed | unknown
+    #: Its append to the second shard held no rows (its row is in the first only).
+    first_only: bool = False
 
 
 @dataclass
@@ -107,6 +112,56 @@ def _commit(run: SimRun, client: PersistClient, ledger: TxnLedger,
         entry.status = "unknown"
 
 
+def _commit_and_retry(run: SimRun, client: PersistClient, ledger: TxnLedger) -> None:
+    """A pair transaction whose append to the second shard holds no rows, committed with
+    recorded tokens, then committed again with the same tokens through fresh writers
+    (the shards' ids), as a process does that never learnt the outcome: a transaction
+    that landed is reported committed again, never refused nor written twice."""
+    pair = ledger.pair
+    assert pair is not None
+    uppers = [run.monitors.get(shard).upper for shard in pair]
+    if None in uppers:
+        return
+    ledger.count += 1
+    entry = Txn(TXN_PREFIX + b"%d" % ledger.count, first_only=True)
+    tokens = [new_token(), new_token()]
+
+    def commit() -> dict[str, WriteResult]:
+        txn = client.transaction()
+        for shard, upper, token, rows in zip(pair, uppers, tokens,
+                                             ([(entry.key, b"v", uppers[0], 1)], []),
+                                             strict=True):
+            assert upper is not None
+            txn.compare_and_append(shard, rows, upper, upper + 1, idempotency_token=token)
+        return txn.commit()
+
+    ledger.txns.append(entry)
+    try:
+        commit()
+        entry.status = "acked"
+    except (UpperMismatch, CommitDeadlineExceeded):
+        entry.status = "failed"
+        return
+    except Indeterminate:
+        entry.status = "unknown"
+    run.think()
+    try:
+        again = commit()
+    except (UpperMismatch, CommitDeadlineExceeded) as e:
+        if entry.status == "acked":
+            run.violation(f"committed transaction {entry.key!r}, retried with its tokens, "
+                          f"was refused ({type(e).__name__})")
+        else:
+            entry.status = "failed"
+        return
+    except Indeterminate:
+        return
+    if entry.status == "acked" and not all(r.already_committed for r in again.values()):
+        run.violation(f"committed transaction {entry.key!r}, retried with its tokens, was "
+                      f"committed again (written twice)")
+    entry.status = "acked"
+
+
 def latest_diffs(client: PersistClient, shard: str, prefix: bytes) -> dict[bytes, int] | None:
     """``{key: d}`` of the keys with ``prefix`` in ``shard`` at its latest complete time
     (None: no time yet)."""
@@ -144,9 +199,11 @@ def check(run: SimRun, client: PersistClient, where: str) -> None:
     first, second, third = _keys(client, a), _keys(client, b), _keys(client, a)
     if first is None or second is None or third is None:
         return
-    if not first <= second:
-        run.violation(f"{where}: transactions {sorted(first - second)[:3]} in the first shard "
-                      f"but not (later) in the second: a transaction landed in one shard only")
+    first_only = {e.key for e in ledger.txns if e.first_only}
+    if not first - first_only <= second:
+        run.violation(f"{where}: transactions {sorted(first - first_only - second)[:3]} in "
+                      f"the first shard but not (later) in the second: a transaction landed "
+                      f"in one shard only")
     if not second <= third:
         run.violation(f"{where}: transactions {sorted(second - third)[:3]} in the second shard "
                       f"but not (later) in the first: a transaction landed in one shard only")
@@ -240,6 +297,8 @@ def transactor(run: SimRun, proc: Process) -> None:
         try:
             if roll < 0.6:
                 _commit(run, client, ledger, writers, stale=run.rng.random() < 0.3)
+            elif roll < 0.65:
+                _commit_and_retry(run, client, ledger)
             elif roll < 0.8:
                 a = pair[0]
                 upper = run.monitors.get(a).upper
