@@ -521,6 +521,36 @@ def test_parts_retry_of_a_write_compacted_away_keeps_its_parts(clients: Clients,
     assert clients.snapshot(shard, 1) == expected_snapshot(BASE + LATE, 1)
 
 
+def test_token_retry_past_its_deadline_of_a_write_compacted_away_is_reported_committed(
+        clients: Clients, monkeypatch: pytest.MonkeyPatch):
+    """A write committed with a token its process never saw answered; compaction merges
+    its batch away. A retry with the token (a restarted process: a fresh writer) pauses
+    past its own commit deadline while uploading: its transition then sees only that
+    deadline, and history must settle it (committed), never CommitDeadlineExceeded
+    ("nothing was written")."""
+    from persist_pipeline import write
+
+    client = clients.plain(gc_orphan_min_age_s=ORPHAN_AGE_S)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append(BASE, 0, 1)
+    token = new_token()
+    writer.compare_and_append(LATE, 1, 2, idempotency_token=token)  # reply never seen
+    client.compact(shard)
+    assert len(client._machine(shard).fetch_latest().batches) == 1
+    real = write.write_parts
+
+    def paused_upload(*args: Any, **kwargs: Any) -> Any:
+        parts = real(*args, **kwargs)
+        clients.clock.advance(ORPHAN_AGE_S)  # past half the orphan age after its start
+        return parts
+
+    monkeypatch.setattr(write, "write_parts", paused_upload)
+    retry = client.open_writer(shard).compare_and_append(LATE, 1, 2, idempotency_token=token)
+    assert retry.already_committed and retry.upper == 2
+    assert clients.snapshot(shard, 1) == expected_snapshot(BASE + LATE, 1)
+
+
 # --- idempotency before the commit deadline -----------------------------------------------
 
 
