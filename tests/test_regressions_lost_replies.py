@@ -551,6 +551,59 @@ def test_token_retry_past_its_deadline_of_a_write_compacted_away_is_reported_com
     assert clients.snapshot(shard, 1) == expected_snapshot(BASE + LATE, 1)
 
 
+class _FailsBeforeRunning(ForwardingConsensus):
+    """Raw consensus whose next compare_and_set, once armed, fails without running (the
+    connection dropped before the statement reached the database)."""
+
+    armed = False
+
+    def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
+        if self.armed:
+            self.armed = False
+            raise ConsensusUnavailable("test: the statement never ran")
+        return self.inner.compare_and_set(shard, expected, new)
+
+
+class _HookedClock(ManualClock):
+    """A :class:`ManualClock` that runs a hook at its next sleep (a retry's back-off)."""
+
+    hook: Callable[[], None] | None = None
+
+    def sleep(self, seconds: float) -> None:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        super().sleep(seconds)
+
+
+def test_a_failed_commit_beaten_during_its_back_off_is_an_upper_mismatch(location: Location):
+    """A compare-and-set fails with no reply (it never ran); nothing is at the next seqno
+    yet, so the loop backs off; meanwhile another writer takes that seqno. The attempt
+    has certainly lost (the seqno holds another commit), so the answer is the confirmed
+    UpperMismatch, not Indeterminate as if it might still land."""
+    clock = _HookedClock()
+    failing = _FailsBeforeRunning(open_consensus(location.consensus_uri))
+    config = PersistConfig(inline_policy=NO_INLINE, heartbeat_interval_s=0,
+                           background_maintenance=False, group_commit=False)
+    wal = open_blob(location.wal_blob_uri) if location.wal_blob_uri else None
+    client = PersistClient(failing, open_blob(location.blob_uri), wal, config, clock=clock)
+    other = location.client(NO_INLINE)
+    try:
+        shard = ShardId.new()
+        rival = other.open_writer(shard)
+        writer = client.open_writer(shard)
+        failing.armed = True
+        clock.hook = lambda: rival.compare_and_append(BASE, 0, 1)
+        with pytest.raises(UpperMismatch) as info:
+            writer.compare_and_append([(b"mine", b"1", 0, 1)], 0, 1)
+        assert info.value.current == 1
+        assert clock.hook is None  # the rival wrote during the back-off
+        assert rows(other.open_reader(shard).snapshot(0), 0) == [(b"base", b"1", 1)]
+    finally:
+        client.close()
+        other.close()
+
+
 # --- idempotency before the commit deadline -----------------------------------------------
 
 

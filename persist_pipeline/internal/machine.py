@@ -364,9 +364,13 @@ class _RollupMissing(PersistError):
     """The rollup the head names is gone (GC may have replaced it): re-read the head."""
 
 
-def _require_settled(attempts: list[_Attempt[R]]) -> None:
+def _require_settled(lead: Machine, attempts: list[_Attempt[R]]) -> None:
     """Refuse to give a negative answer while a lost-reply attempt may have committed."""
-    open_attempts = [a for a in attempts if a.resolution in ("pending", "unknown")]
+    if any(a.resolution == "pending" for a in attempts):
+        # Its record may have appeared since it was last looked for: another commit's
+        # settles it lost (ours keeps it open, as it stays when nothing is there yet).
+        lead._resolve(attempts)
+    open_attempts = [a for a in attempts if a.resolution != "lost"]
     if open_attempts:
         where = "; ".join(", ".join(f"shard {w.shard} seqno {w.expected + 1}" for w in a.writes)
                           for a in open_attempts)
@@ -450,7 +454,7 @@ def _apply_locked(steps: Sequence[Step[R]], routine: bool,
                 lead.metrics.negative_answers_confirmed += 1
                 states, confirmed = _refresh_all(machines), True
                 continue
-            _require_settled(attempts)
+            _require_settled(lead, attempts)
             raise
         if True in unchanged:
             if not confirmed:
@@ -460,7 +464,7 @@ def _apply_locked(steps: Sequence[Step[R]], routine: bool,
             done = bool(attempts) and proves_done is not None and all(
                 proves_done(r) for r in results)
             if not done:
-                _require_settled(attempts)
+                _require_settled(lead, attempts)
             return Applied(done, results, states, [] if done else unchanged)
         news: list[State] = []
         writes: list[CasWrite] = []
