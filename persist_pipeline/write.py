@@ -372,7 +372,7 @@ class WriteHandle:
             # that did, merged away since by compaction while older versions still
             # reference them: they are deleted only if that never committed either (and
             # left to GC, with Indeterminate, when history cannot tell).
-            if isinstance(refused, RETRY_REFUSALS):
+            if batch is not None and isinstance(refused, RETRY_REFUSALS):
                 settled = self._settle_retry(idempotency_token, expected)
                 if settled is not None:
                     return settled
