@@ -303,6 +303,20 @@ def test_reads_take_latest_and_refuse_none(tmp_path: Path) -> None:
             reader.snapshot_plan(None)  # type: ignore[arg-type]
 
 
+def test_a_load_from_a_mistyped_location_creates_nothing(tmp_path: Path) -> None:
+    """A load opens the location without creating it: a mistyped URI is reported (the
+    asset is not stored there) and leaves no empty store behind; a store then creates
+    it as before."""
+    manager = PersistIOManager(consensus_uri=f"sqlite:///{tmp_path}/typo/c.db",
+                               blob_uri=f"file://{tmp_path}/typo-blob")
+    with pytest.raises(AssetNotStored, match=r"no persist store exists .*typo"):
+        manager.load("orders")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "typo").mkdir()
+    manager.store("orders", pa.table({"n": [1, 2]}))
+    assert manager.load("orders").num_rows == 2
+
+
 @pytest.mark.parametrize("kwargs", [
     {"retry_after_seconds": -1}, {"retry_after_seconds": 1.5},
     {"retry_after_seconds": "600"}, {"retry_after_seconds": True},

@@ -49,6 +49,7 @@ from persist_pipeline.dagster_io.templates import expand_env
 from persist_pipeline.exceptions import (
     InvalidConfig,
     InvalidInput,
+    LocationNotFound,
     PersistError,
     ShardNameNotFound,
 )
@@ -174,14 +175,21 @@ class PersistIOManager(dg.ConfigurableIOManager):
 
     # --- the client ----------------------------------------------------------------------
 
-    def client(self) -> PersistClient:
-        """This run's client (opened on first use, closed when the run ends)."""
+    def client(self, create: bool = True) -> PersistClient:
+        """This run's client (opened on first use, closed when the run ends).
+
+        ``create=False`` (loads) opens an existing location only: a load never creates a
+        store, so a mistyped URI is reported as such instead of leaving an empty one.
+
+        Raises:
+            LocationNotFound: ``create`` is False and nothing is stored at the URIs.
+        """
         if self._client is None:
             consensus = expand_env(self.consensus_uri, what="io_manager.consensus_uri").strip()
             blob = expand_env(self.blob_uri, what="io_manager.blob_uri").strip()
             wal = expand_env(self.wal_blob_uri, what="io_manager.wal_blob_uri").strip()
             self._client = PersistClient.open(
-                consensus, blob, wal or None,
+                consensus, blob, wal or None, create=create,
                 inline_policy=InlinePolicy(self.persist_inline_update_threshold_bytes,
                                            self.persist_inline_update_max_bytes))
         return self._client
@@ -335,8 +343,14 @@ class PersistIOManager(dg.ConfigurableIOManager):
             InvalidInput: ``upper`` is beyond the shard's upper or not positive.
             SinceViolation: ``upper`` is so old that compaction merged it away.
         """
-        client = self.client()
         what = what or name
+        try:
+            client = self.client(create=False)
+        except LocationNotFound as e:
+            raise AssetNotStored(f"{what}: nothing stored yet, and no persist store exists "
+                                 f"at this IO manager's URIs ({e}); check them, or "
+                                 "materialize it first (its first store creates the "
+                                 "store)") from None
         try:
             return tables.load_table(client, name, upper, what=what)
         except ShardNameNotFound:
