@@ -172,7 +172,8 @@ def test_cli_prints_one_line_and_exits_zero():
     assert out.returncode == 0, out.stderr
     (line,) = out.stdout.splitlines()
     assert re.fullmatch(r"seeds=3 steps=\d+ ops=\d+ lost_replies=\d+ failed_calls=\d+ "
-                        r"pauses=\d+ stalls=\d+ crashes=\d+ violations=0 ops_per_s=\d+", line)
+                        r"pauses=\d+ stalls=\d+ crashes=\d+ outages=\d+ violations=0 "
+                        r"ops_per_s=\d+", line)
 
 
 def test_cli_reports_the_reproducing_seed_and_exits_nonzero():
