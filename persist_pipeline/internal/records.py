@@ -18,7 +18,8 @@ T = TypeVar("T")
 def quick_init(cls: type[T]) -> type[T]:
     """Replace the ``__init__`` of ``cls`` (a frozen, slotted dataclass whose fields all
     take plain defaults, without ``__post_init__``) by one that fills its slots
-    directly. Apply it above ``@dataclass``.
+    directly. Apply it above ``@dataclass``. A field with ``init=False`` (and a plain
+    default) is set to its default, as the generated ``__init__`` does.
 
     Raises:
         TypeError: ``cls`` is not such a dataclass.
@@ -32,9 +33,15 @@ def quick_init(cls: type[T]) -> type[T]:
     args: list[str] = []
     body: list[str] = []
     for f in fields(cls):
-        if not f.init or f.kw_only or f.default_factory is not MISSING:
+        if f.kw_only or f.default_factory is not MISSING or (not f.init
+                                                              and f.default is MISSING):
             raise TypeError(f"quick_init: field {f.name} of {cls.__name__} is not a plain "
                             f"positional field")
+        if not f.init:
+            env[f"_default_{f.name}"] = f.default
+            env[f"_set_{f.name}"] = cls.__dict__[f.name].__set__
+            body.append(f"    _set_{f.name}(self, _default_{f.name})")
+            continue
         if f.default is MISSING:
             args.append(f.name)
         else:

@@ -102,6 +102,18 @@ class Batch:
     desc: Description
     parts: tuple[Part, ...]
     num_updates: int
+    #: This batch's ``Batch`` protobuf bytes, kept by the state codec
+    #: (``state_codec.batch_bytes``) the first time it encodes the batch: a batch never
+    #: changes, so every later rollup reuses them instead of encoding it again. Not part
+    #: of equality; :func:`dataclasses.replace` drops it, and so does pickling (a batch
+    #: shipped to a Spark task carries its inline updates once, not twice).
+    encoded: bytes | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> tuple[str, Description, tuple[Part, ...], int]:
+        return self.id, self.desc, self.parts, self.num_updates
+
+    def __setstate__(self, state: tuple[str, Description, tuple[Part, ...], int]) -> None:
+        Batch.__init__(self, *state)
 
     @property
     def inline_bytes(self) -> int:

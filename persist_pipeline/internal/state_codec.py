@@ -109,6 +109,41 @@ def _batch_from(p: pb.Batch) -> Batch:
     return Batch(p.id, _desc_from(p.desc), tuple(_part_from(x) for x in p.parts), p.num_updates)
 
 
+#: The tag of ``State.batches`` (field 5, length-delimited).
+_BATCHES_TAG = bytes(((5 << 3) | 2,))
+assert pb.State.DESCRIPTOR.fields_by_name["batches"].number == 5
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _keep(b: Batch, encoded: pb.Batch) -> None:
+    """Keep ``encoded`` (``b`` as a message) serialized on ``b`` for later rollups.
+
+    Set on a frozen instance on purpose: a cache of the value's own encoding, never a
+    change of the value (two threads racing here store equal bytes)."""
+    object.__setattr__(b, "encoded", encoded.SerializeToString())
+
+
+def batch_bytes(b: Batch) -> bytes:
+    """``b``'s ``Batch`` message bytes, encoded at most once per batch (batches are
+    immutable): kept on the batch by the first diff or rollup that holds it."""
+    data = b.encoded
+    if data is None:
+        msg = pb.Batch()
+        _batch_to(b, msg)
+        _keep(b, msg)
+        data = b.encoded
+        assert data is not None
+    return data
+
+
 def _spine_to(e: SpineEntry, out: pb.SpineEntry) -> None:
     out.lower, out.level = e.lower, e.level
     frontier_to_proto(e.upper, out.upper)
@@ -192,10 +227,20 @@ def _scalars_from(p: pb.Scalars) -> dict[str, Any]:
 
 def encode_state(state: State) -> bytes:
     """The whole state, deterministically (maps in key order), as ``State`` protobuf."""
-    msg = pb.State(format_version=FORMAT_VERSION, shard_id=state.shard_id, seqno=state.seqno)
-    _scalars_to(state, msg.scalars)
-    for k in sorted(state.batches):
-        _batch_to(state.batches[k], msg.batches.add())
+    # A message's encoding is its fields' encodings in field-number order, and a repeated
+    # message field's is each element's tag, length and bytes: so fields 1-4, then the
+    # batches (field 5) from their kept bytes, then fields 6-11 are exactly the bytes
+    # SerializeToString gives for the whole message, with no batch encoded again.
+    head = pb.State(format_version=FORMAT_VERSION, shard_id=state.shard_id, seqno=state.seqno)
+    _scalars_to(state, head.scalars)
+    batches = state.batches
+    encoded = [head.SerializeToString(deterministic=True)]
+    for k in sorted(batches):
+        data = batch_bytes(batches[k])
+        n = len(data)
+        encoded.append(_BATCHES_TAG + (bytes((n,)) if n < 0x80 else _varint(n)))
+        encoded.append(data)
+    msg = pb.State()
     for lo in sorted(state.spine):
         _spine_to(state.spine[lo], msg.spine.add())
     for k in sorted(state.leased_readers):
@@ -207,7 +252,8 @@ def encode_state(state: State) -> bytes:
     for seqno in sorted(state.rollups):
         _rollup_to(state.rollups[seqno], msg.rollups.add())
     msg.schema = state.schema
-    return msg.SerializeToString(deterministic=True)
+    encoded.append(msg.SerializeToString(deterministic=True))
+    return b"".join(encoded)
 
 
 def decode_state(data: bytes, where: str) -> State:
@@ -315,7 +361,16 @@ def encode_diff(old: State, new: State) -> bytes:
     msg = pb.StateDiff(format_version=FORMAT_VERSION, shard_id=new.shard_id, seqno=new.seqno)
     _scalars_to(new, msg.scalars)
     if old.batches is not new.batches:
-        _emit(_batch_diff(old, new), msg, "batch_upserts", "batch_deletes", _batch_to)
+        upserts, deletes = _batch_diff(old, new)
+        if upserts:
+            out = msg.batch_upserts
+            for b in upserts:
+                element = out.add()
+                _batch_to(b, element)
+                if b.encoded is None:
+                    _keep(b, element)  # for the rollups that will hold it
+        if deletes:
+            msg.batch_deletes.extend(deletes)
     if old.spine is not new.spine:
         _emit(_map_diff(old.spine, new.spine), msg, "spine_upserts", "spine_deletes",
               _spine_to)
