@@ -31,7 +31,7 @@ from persist_pipeline.internal.funnel import Funnel
 from persist_pipeline.internal.machine import Machine, MachineMetrics
 from persist_pipeline.internal.state import HollowPart, InlinePart
 from persist_pipeline.internal.trace import merge_requests
-from persist_pipeline.names import NameRegistry, is_registry_key
+from persist_pipeline.names import NameRegistry, is_registry_key, refuse_new_generation_name
 from persist_pipeline.read import CriticalReaderHandle, ReadHandle, check_opaque
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.transaction import Transaction
@@ -445,21 +445,35 @@ class PersistClient:
 
         Args:
             name: 1-200 characters of ``A-Z a-z 0-9 . _ / -``, not shaped like a shard id.
-            create: register a fresh shard id under ``name`` if it has none.
+            create: register a fresh shard id under ``name`` if it has none. A name whose
+                last segment is ``_v<N>`` (N > 1) is a table's generation: only that
+                table's stores register it.
 
         Raises:
-            InvalidShardName: ``name`` is malformed (nothing is written).
+            InvalidShardName: ``name`` is malformed, or ``create`` would register a table
+                generation's name (nothing is written).
             ShardNameNotFound: no such name and ``create`` is False (a ``ShardNotFound``).
             Indeterminate: consensus stayed unavailable past the retry deadline.
             InvalidInput: ``create`` is not a bool.
         """
         _check_bool(create, "create")
-        return self.name_registry.resolve(name, create=create)
+        registry = self.name_registry
+        if create:
+            refuse_new_generation_name(registry, name)
+        return registry.resolve(name, create=create)
 
     def register_name(self, name: str, shard: ShardLike) -> ShardId:
         """Registers ``name`` for ``shard`` unless the name already has an id; returns the
-        id registered under ``name`` (compare it with ``shard`` to detect a conflict)."""
-        return self.name_registry.register(name, ShardId.parse(shard))
+        id registered under ``name`` (compare it with ``shard`` to detect a conflict).
+
+        Raises:
+            InvalidShardName: ``name`` is malformed, or is a table generation's name
+                (``base/_v<N>``, N > 1) not registered yet (nothing is written).
+        """
+        registry = self.name_registry
+        shard_id = ShardId.parse(shard)
+        refuse_new_generation_name(registry, name)
+        return registry.register(name, shard_id)
 
     def shard_names(self) -> dict[str, ShardId]:
         """Every registered shard name and its id, in one consensus query."""

@@ -66,6 +66,40 @@ def check_name(name: object) -> str:
     return name
 
 
+#: A last segment ``_v<N>`` (``N`` > 1, written without leading zeros) names generation
+#: ``N`` of the table stored under the rest of the name (its schema after a change).
+_GENERATION = re.compile(r"(.+)/_v([1-9][0-9]*)")
+
+
+def generation_of(name: str) -> tuple[str, int] | None:
+    """``(base, N)`` when ``name`` is generation ``N`` > 1 of table ``base``, else None."""
+    match = _GENERATION.fullmatch(name)
+    if match is None or int(match.group(2)) < 2:
+        return None
+    return match.group(1), int(match.group(2))
+
+
+def refuse_new_generation_name(registry: NameRegistry, name: str) -> None:
+    """Refuse to register ``name`` anew outside a table store if it is shaped like a
+    table's generation (``base/_v<N>``, N >= 1 without leading zeros): a load of the table
+    would read whatever it names as one of its versions. A generation name already
+    registered (by a table store) passes; other names cost no lookup.
+
+    Raises:
+        InvalidShardName: ``name`` is a generation name not registered yet (nothing is
+            written).
+    """
+    # _v1 too: table loads read ``base/_v1`` as the first generation (``base`` itself).
+    match = _GENERATION.fullmatch(name) if isinstance(name, str) else None
+    if match is None or registry.lookup(name) is not None:
+        return
+    base, n = match.group(1), match.group(2)
+    raise InvalidShardName(
+        f"{name!r}: a last segment _v{n} names generation {n} of the table {base!r}, "
+        "which only that table's stores create (PersistIOManager, store_table); once "
+        "one has, its name reads and writes the generation")
+
+
 def registry_key(name: str) -> str:
     """The consensus key of ``name``'s record (``name`` must be valid)."""
     return KEY_PREFIX + name

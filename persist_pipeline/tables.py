@@ -72,6 +72,7 @@ from persist_pipeline.exceptions import (
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.ids import ShardId
 from persist_pipeline.internal import rowcodec
+from persist_pipeline.names import generation_of
 from persist_pipeline.schema import (
     DICTIONARY_META,
     RESERVED_COLUMNS,
@@ -168,12 +169,10 @@ def generations(base: str, names: Mapping[str, object]) -> list[int]:
     Only names :func:`generation_name` gives count: ``base/_v1`` (or ``base/_v02``)
     registered literally, as before such table names were refused, is another table."""
     found = [1] if base in names else []
-    prefix = base + _GENERATION
     for name in names:
-        suffix = name[len(prefix):]
-        if name.startswith(prefix) and suffix.isdigit() and suffix.isascii() \
-                and str(int(suffix)) == suffix and int(suffix) > 1:
-            found.append(int(suffix))
+        generation = generation_of(name)
+        if generation is not None and generation[0] == base:
+            found.append(generation[1])
     return sorted(found)
 
 
@@ -380,7 +379,9 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
     generation = found[-1] if found else 1
     for _ in range(MAX_GENERATION_ATTEMPTS):
         gen_name = generation_name(name, generation)
-        shard = client.resolve(gen_name, create=True)
+        # Through the registry itself: the client's resolve keeps generation names for
+        # table stores like this one.
+        shard = client.name_registry.resolve(gen_name, create=True)
         try:
             # The schema is recorded by the store's own commit: a refused store leaves
             # the generation's schema (and so its loads) as they were.

@@ -139,7 +139,7 @@ def test_the_ambiguity_message_names_no_other_table_as_the_first_generation(
         assert tables.store_table(client, "y", keyed_by_text, ["id"]).name == "y/_v2"
         # The legacy table, stored as store_table did before "y/_v1" was refused.
         plan = storage_plan(other.schema, None, [])
-        writer = client.open_writer(client.resolve("y/_v1", create=True),
+        writer = client.open_writer(client.name_registry.resolve("y/_v1", create=True),
                                     schema=plan.shard_schema)
         writer._replace_encoded(_encode(plan, other, None))
         writer.expire()
@@ -172,6 +172,35 @@ def test_other_entry_points_read_a_generation_by_the_name_its_store_reported(
             with reader.snapshot_plan() as plan:
                 assert plan.to_table().select(table.column_names).equals(read)
             reader.expire()
+
+
+def test_only_a_tables_stores_register_its_generation_names(tmp_path: Path) -> None:
+    """``t/_v<N>`` (N > 1) names generation N of table ``t``: registered by any other
+    entry point, a load of ``t`` would return whatever it names. Registering one anew
+    elsewhere is refused and changes nothing; one a store registered resolves and
+    registers as any name (``t/_v1``, which loads read as the first generation, is never
+    registered anew); ``_v0`` and ``_v02`` are ordinary names."""
+    from persist_pipeline.exceptions import InvalidShardName
+
+    with _client(tmp_path) as client:
+        tables.store_table(client, "t", V1, ["id"])
+        names = dict(client.shard_names())
+        for name in ("t/_v2", "t/_v17", "other/_v3", "t/_v1"):
+            with pytest.raises(InvalidShardName, match="only that table's stores"):
+                client.resolve(name, create=True)
+            with pytest.raises(InvalidShardName, match="only that table's stores"):
+                client.register_name(name, client.resolve("t"))
+        with pytest.raises(InvalidShardName, match="only that table's stores"), \
+                client.transaction() as txn:
+            txn.compare_and_append("t/_v2", [(b"k", b"v", 0, 1)], 0, 1)
+        assert dict(client.shard_names()) == names
+        assert tables.load_table(client, "t").equals(V1)
+        for name in ("t/_v0", "t/_v02", "t/v2", "t/_v2x"):
+            assert client.resolve(name, create=True) == client.resolve(name)
+        second = tables.store_table(client, "t", pa.table({"id": pa.array(["k"])}), ["id"])
+        assert second.name == "t/_v2"
+        assert client.resolve("t/_v2", create=True) == second.shard
+        assert client.register_name("t/_v2", second.shard) == second.shard
 
 
 def test_a_write_outside_an_ordered_categorical_is_refused_so_the_table_still_loads(

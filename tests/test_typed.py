@@ -451,7 +451,7 @@ def test_a_generation_named_by_a_store_that_died_loads_the_previous_table() -> N
     store_table(client, "orders", pa.table({"id": [1, 2]}))
     # A store of a new schema named its generation and died before creating its shard,
     # or before its write.
-    client.resolve("orders/_v2", create=True)
+    client.name_registry.resolve("orders/_v2", create=True)  # as a table store does
     assert load_table(client, "orders").to_pylist() == [{"id": 1}, {"id": 2}]
     client.create_shard(client.resolve("orders/_v2"))
     assert load_table(client, "orders").to_pylist() == [{"id": 1}, {"id": 2}]
