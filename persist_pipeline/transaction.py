@@ -58,6 +58,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The refusals of an append retried with its caller's token that its batch's history
+#: settles, as :data:`~persist_pipeline.write.RETRY_REFUSALS` for a single write: the
+#: deadline is checked before the upper, so a retry paused past it after compaction
+#: merged the batch away sees only the deadline.
+_RETRY_REFUSED = (transitions.UpperMismatchResult, transitions.DeadlineExceeded)
+
 
 @dataclass
 class _Op:
@@ -362,7 +368,7 @@ class Transaction:
             staged = op.staged
             assert staged is not None
             if landed and op.given_token and (
-                    isinstance(result, transitions.UpperMismatchResult)
+                    isinstance(result, _RETRY_REFUSED)
                     or (isinstance(result, transitions.Appended) and result.already_committed)):
                 # A retry (the caller's tokens) of a transaction that committed: each of
                 # its appends is reported committed, as a single write's retry is, also
@@ -416,7 +422,7 @@ class Transaction:
                 continue
             if isinstance(result, transitions.Appended) and result.already_committed:
                 return True
-            if isinstance(result, transitions.UpperMismatchResult) and staged.batch is not None:
+            if isinstance(result, _RETRY_REFUSED) and staged.batch is not None:
                 try:
                     if op.handle._settle_retry(op.token, op.expected) is not None:
                         return True

@@ -551,6 +551,45 @@ def test_token_retry_past_its_deadline_of_a_write_compacted_away_is_reported_com
     assert clients.snapshot(shard, 1) == expected_snapshot(BASE + LATE, 1)
 
 
+def test_transaction_retry_past_its_deadline_of_batches_compacted_away_is_committed(
+        clients: Clients, monkeypatch: pytest.MonkeyPatch):
+    """The transaction twin of the test above: a transaction with tokens committed (its
+    process never saw the reply) and compaction merged both shards' batches away. Its
+    retry (the same tokens, fresh writers) pauses past its commit deadline while
+    uploading, so each append's transition sees only that deadline: history must settle
+    it committed, never CommitDeadlineExceeded ("no shard changed")."""
+    from persist_pipeline import write
+
+    client = clients.plain(gc_orphan_min_age_s=ORPHAN_AGE_S)
+    a, b = ShardId.new(), ShardId.new()
+    for shard in (a, b):
+        client.open_writer(shard).compare_and_append(BASE, 0, 1)
+
+    def commit() -> Any:
+        txn = client.transaction()
+        txn.compare_and_append(a, LATE, 1, 2, idempotency_token="txn-a")
+        txn.compare_and_append(b, LATE, 1, 2, idempotency_token="txn-b")
+        return txn.commit()
+
+    commit()  # ...whose reply its process never saw
+    for shard in (a, b):
+        client.compact(shard)
+        assert len(client._machine(shard).fetch_latest().batches) == 1
+    real = write.write_parts
+
+    def paused_upload(*args: Any, **kwargs: Any) -> Any:
+        parts = real(*args, **kwargs)
+        clients.clock.advance(ORPHAN_AGE_S)  # past half the orphan age after its start
+        return parts
+
+    monkeypatch.setattr(write, "write_parts", paused_upload)
+    retry = commit()
+    assert all(retry[str(s)].already_committed and retry[str(s)].upper == 2
+               for s in (a, b))
+    for shard in (a, b):
+        assert clients.snapshot(shard, 1) == expected_snapshot(BASE + LATE, 1)
+
+
 class _FailsBeforeRunning(ForwardingConsensus):
     """Raw consensus whose next compare_and_set, once armed, fails without running (the
     connection dropped before the statement reached the database)."""
