@@ -602,6 +602,12 @@ class _FailsBeforeRunning(ForwardingConsensus):
             raise ConsensusUnavailable("test: the statement never ran")
         return self.inner.compare_and_set(shard, expected, new)
 
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        if self.armed:
+            self.armed = False
+            raise ConsensusUnavailable("test: the statement never ran")
+        return self.inner.compare_and_set_many(writes)
+
 
 class _HookedClock(ManualClock):
     """A :class:`ManualClock` that runs a hook at its next sleep (a retry's back-off)."""
@@ -638,6 +644,39 @@ def test_a_failed_commit_beaten_during_its_back_off_is_an_upper_mismatch(locatio
         assert info.value.current == 1
         assert clock.hook is None  # the rival wrote during the back-off
         assert rows(other.open_reader(shard).snapshot(0), 0) == [(b"base", b"1", 1)]
+    finally:
+        client.close()
+        other.close()
+
+
+def test_a_failed_transaction_beaten_on_its_second_shard_is_an_upper_mismatch(
+        location: Location):
+    """The transaction twin of the test above: its one statement fails with no reply
+    (it never ran), and during the back-off another writer takes the next seqno of the
+    transaction's second shard only, so nothing is at the first shard's next seqno. The
+    statement needed both heads: it has certainly lost, and the answer is the confirmed
+    UpperMismatch naming that shard, not Indeterminate."""
+    clock = _HookedClock()
+    failing = _FailsBeforeRunning(open_consensus(location.consensus_uri))
+    config = PersistConfig(inline_policy=NO_INLINE, heartbeat_interval_s=0,
+                           background_maintenance=False, group_commit=False)
+    wal = open_blob(location.wal_blob_uri) if location.wal_blob_uri else None
+    client = PersistClient(failing, open_blob(location.blob_uri), wal, config, clock=clock)
+    other = location.client(NO_INLINE)
+    try:
+        first, second = ShardId.new(), ShardId.new()
+        rival = other.open_writer(second)
+        writers = [client.open_writer(s) for s in (first, second)]
+        txn = client.transaction()
+        for writer in writers:
+            txn.compare_and_append(writer, [(b"mine", b"1", 0, 1)], 0, 1)
+        failing.armed = True
+        clock.hook = lambda: rival.compare_and_append(BASE, 0, 1)
+        with pytest.raises(UpperMismatch) as info:
+            txn.commit()
+        assert info.value.shard == str(second) and info.value.current == 1
+        assert clock.hook is None  # the rival wrote during the back-off
+        assert other._machine(first).fetch_latest().upper == 0
     finally:
         client.close()
         other.close()

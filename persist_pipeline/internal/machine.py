@@ -322,16 +322,22 @@ class Machine:
             if attempt.resolution in ("lost", "unknown"):
                 continue
             attempt.resolution = "unknown"
+            pending = False
             for write in attempt.writes:
                 following = self.consensus.scan(write.shard, write.expected + 1, limit=1)
                 if not following:
-                    attempt.resolution = "pending"  # nothing at S+1 yet: it may still land
-                    break
+                    # Nothing at S+1 yet: it may still land, unless another shard's
+                    # record shows the one statement cannot (it needed every head).
+                    pending = True
+                    continue
                 if following[0].seqno != write.expected + 1:
                     continue  # GC truncated the record that would tell: ask the next shard
                 attempt.resolution = "committed" if following[0].data == write.new.data \
                     else "lost"
                 break
+            else:
+                if pending:
+                    attempt.resolution = "pending"
             if attempt.resolution == "committed":
                 return attempt
         return None
