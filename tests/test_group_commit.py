@@ -169,6 +169,60 @@ def test_a_writer_waiting_for_room_is_not_overtaken_by_smaller_later_ones():
     assert small_in.wait(5) and funnel._inflight == 30
 
 
+class _InterruptedLock:
+    """A lock that raises KeyboardInterrupt (a signal landing while the thread takes
+    it) at the next acquisition by the thread named ``victim``."""
+
+    def __init__(self, victim: str) -> None:
+        self._lock = threading.Lock()
+        self.victim = victim
+        self.armed = False
+
+    def __enter__(self) -> object:
+        if self.armed and threading.current_thread().name == self.victim:
+            self.armed = False
+            raise KeyboardInterrupt
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.__exit__(*exc)
+
+
+def test_a_writer_interrupted_while_waiting_for_room_leaves_the_line():
+    """A signal may land anywhere in a writer's wait for room, also while it takes the
+    funnel's lock between two sleeps: its place in the line must go with it, or every
+    later writer of the client waits behind an append nobody will ever admit."""
+    clock = _WaitWatchingClock()
+    funnel = Funnel(clock, MachineMetrics(), window_s=0.0, max_inflight_bytes=100)
+    lock = _InterruptedLock("big")
+    funnel._queue_lock = lock  # type: ignore[assignment]
+    from persist_pipeline.internal.funnel import _Entry
+
+    def entry(shard: str, size: int) -> Any:
+        return _Entry(SimpleNamespace(shard_id=shard), None, None, size)  # type: ignore[arg-type]
+
+    first = entry("a", 60)
+    funnel._admit(first)
+    outcome: list[BaseException] = []
+
+    def big() -> None:
+        try:
+            funnel._admit(entry("b", 80))
+        except BaseException as e:  # asserted below
+            outcome.append(e)
+
+    thread = threading.Thread(target=big, name="big", daemon=True)
+    thread.start()
+    assert clock.slept.wait(5)  # in line, waiting for room
+    lock.armed = True
+    thread.join(5)
+    assert outcome and isinstance(outcome[0], KeyboardInterrupt)
+    small_in = threading.Event()
+    threading.Thread(target=lambda: (funnel._admit(entry("c", 30)), small_in.set()),
+                     daemon=True).start()
+    assert small_in.wait(5), "a later writer waits behind an interrupted one"
+
+
 class _GatedWindowClock:
     """The system clock, except that each thread's group-commit window lasts until the
     test opens that thread's gate."""

@@ -179,34 +179,39 @@ class Funnel:
         its own, whose slot its thread holds."""
         shard = entry.machine.shard_id
         waiting = False
-        while True:
-            with self._queue_lock:
-                # Room goes to the writers waiting for it oldest first: were a later,
-                # smaller append let in ahead, a stream of them would keep a larger
-                # one out for as long as the stream lasts.
-                turn = self._wanting_room[0] is entry if waiting else not self._wanting_room
-                if turn and (self._inflight == 0
-                             or self._inflight + entry.size <= self._max_inflight):
-                    if waiting:
-                        self._wanting_room.popleft()
-                    self._inflight += entry.size
-                    if not self._queue and not self._window_s and \
-                            self._leaders < GROUPS_IN_FLIGHT and shard not in self._busy:
-                        self._leaders += 1
-                        self._busy.add(shard)
-                        entry.taken = True
-                        return True
-                    self._queue.append(entry)
-                    return False
-                if not waiting:
-                    self._wanting_room.append(entry)
-                    waiting = True
-            try:
+        try:
+            while True:
+                with self._queue_lock:
+                    # Room goes to the writers waiting for it oldest first: were a later,
+                    # smaller append let in ahead, a stream of them would keep a larger
+                    # one out for as long as the stream lasts.
+                    turn = self._wanting_room[0] is entry if waiting \
+                        else not self._wanting_room
+                    if turn and (self._inflight == 0
+                                 or self._inflight + entry.size <= self._max_inflight):
+                        if waiting:
+                            self._wanting_room.popleft()
+                            waiting = False
+                        self._inflight += entry.size
+                        if not self._queue and not self._window_s and \
+                                self._leaders < GROUPS_IN_FLIGHT and shard not in self._busy:
+                            self._leaders += 1
+                            self._busy.add(shard)
+                            entry.taken = True
+                            return True
+                        self._queue.append(entry)
+                        return False
+                    if not waiting:
+                        self._wanting_room.append(entry)
+                        waiting = True
                 self._clock.sleep(_ADMIT_POLL_S)
-            except BaseException:
-                with self._queue_lock:  # out of the line, or nobody behind it gets in
+        except BaseException:
+            # Wherever an interrupt lands (in the sleep, or taking the lock between two
+            # of them): out of the line, or nobody behind it gets in.
+            if waiting:
+                with self._queue_lock:
                     self._wanting_room.remove(entry)
-                raise
+            raise
 
     def _commit_alone(self, entry: _Entry) -> tuple[Any, State]:
         """Commit ``entry`` as a group of one, as :meth:`Machine.apply` commits it."""
