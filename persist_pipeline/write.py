@@ -321,8 +321,9 @@ class WriteHandle:
         encoded with (None: untyped), as known where they were written: the commit is
         refused (``SchemaMismatch``, parts deleted) unless it fits the shard's schema.
 
-        When nothing was committed for certain (upper mismatch, deadline, bad parts) the
-        parts are deleted; an indeterminate outcome leaves them to GC. A retry with the
+        When nothing was committed for certain (upper mismatch, deadline) the parts are
+        deleted; an indeterminate outcome, and bad input (bounds, parts' times or keys
+        that do not fit), leave them to GC. A retry with the
         token of an attempt whose outcome was unknown is settled by the batch's history,
         as :meth:`compare_and_append`'s: found committed (perhaps merged away by
         compaction since), it reports ``already_committed`` and keeps the parts.
@@ -340,22 +341,21 @@ class WriteHandle:
         check_token(idempotency_token)
         expected = check_frontier(expected_upper, "expected_upper")
         upper = check_frontier(new_upper, "new_upper")
-        try:
-            if expected is None or not less_than(expected, upper):
-                raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
-                                      f"({expected})")
-            prefix = f"{self.shard_id}/p/{batch_id_of(idempotency_token)}/"
-            for part in parts:
-                if not part.key.startswith(prefix):
-                    raise InvalidUpdates(f"part {part.key!r} was not written for this "
-                                         f"batch (expected keys under {prefix!r})")
-                if part.min_time < expected or not less_equal(part.max_time + 1, upper):
-                    raise InvalidUpdates(f"update times must lie in [{expected}, {upper}); "
-                                         f"part {part.key!r} has {part.min_time}.."
-                                         f"{part.max_time}")
-        except (InvalidFrontier, InvalidUpdates):
-            self._delete_uncommitted(parts)
-            raise
+        # Bad input deletes nothing: the parts may be those of an earlier attempt with
+        # this token that committed (a retry given other bounds), or another batch's;
+        # GC's orphan sweep deletes them if no state references them.
+        if expected is None or not less_than(expected, upper):
+            raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
+                                  f"({expected})")
+        prefix = f"{self.shard_id}/p/{batch_id_of(idempotency_token)}/"
+        for part in parts:
+            if not part.key.startswith(prefix):
+                raise InvalidUpdates(f"part {part.key!r} was not written for this "
+                                     f"batch (expected keys under {prefix!r})")
+            if part.min_time < expected or not less_equal(part.max_time + 1, upper):
+                raise InvalidUpdates(f"update times must lie in [{expected}, {upper}); "
+                                     f"part {part.key!r} has {part.min_time}.."
+                                     f"{part.max_time}")
         since = self._machine.state.since
         desc = Description(expected, upper, since if since is not None else 0)
         batch = Batch(batch_id_of(idempotency_token), desc, parts, num_updates) if parts else None

@@ -34,6 +34,7 @@ from persist_pipeline.exceptions import (
     FencedOut,
     Indeterminate,
     InvalidInput,
+    InvalidUpdates,
 )
 from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ids import new_token
@@ -516,6 +517,36 @@ def test_parts_retry_of_a_write_compacted_away_keeps_its_parts(clients: Clients,
         clients.clock.advance(ORPHAN_AGE_S)
     retry = commit()
     assert retry.already_committed and retry.upper == 2
+    assert all(blob_exists(client, p) for p in parts)
+    assert missing_parts(client, shard) == []
+    assert clients.snapshot(shard, 1) == expected_snapshot(BASE + LATE, 1)
+
+
+def test_parts_retry_refused_as_bad_input_deletes_nothing(clients: Clients):
+    """``compare_and_append_parts`` committed, its reply never seen; a retry with its
+    token and parts but bounds at the shard's current upper (a caller that read the
+    upper before retrying) is bad input: refused, and it changes nothing. The parts are
+    the committed batch's: deleting them loses the acknowledged data. Parts under
+    another batch's folder (a wrong token) are not this call's to delete either."""
+    client = clients.plain()
+    shard = ShardId.new()
+    client.open_writer(shard).compare_and_append(BASE, 0, 1)
+    token = new_token()
+    table = consolidate(pa.table({"k": [u[0] for u in LATE], "v": [u[1] for u in LATE],
+                                  "t": [u[2] for u in LATE], "d": [u[3] for u in LATE]}))
+    parts = write_parts(table, str(shard), batch_id_of(token), client.blobs.main, "main",
+                        client.config.blob_target_size_bytes)
+
+    def commit(expected: int, upper: int, with_token: str) -> Any:
+        return client.open_writer(shard).compare_and_append_parts(
+            parts, len(LATE), expected, upper, idempotency_token=with_token,
+            upload_started_s=client.clock.monotonic(), schema=None)
+
+    commit(1, 2, token)  # ...whose reply its process never saw
+    with pytest.raises(InvalidUpdates):
+        commit(2, 3, token)  # its times (1) lie below the upper it now gives
+    with pytest.raises(InvalidUpdates):
+        commit(2, 3, new_token())  # parts of another batch
     assert all(blob_exists(client, p) for p in parts)
     assert missing_parts(client, shard) == []
     assert clients.snapshot(shard, 1) == expected_snapshot(BASE + LATE, 1)
