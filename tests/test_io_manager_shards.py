@@ -311,6 +311,8 @@ def test_a_load_from_a_mistyped_location_creates_nothing(tmp_path: Path) -> None
                                blob_uri=f"file://{tmp_path}/typo-blob")
     with pytest.raises(AssetNotStored, match=r"no persist store exists .*typo"):
         manager.load("orders")
+    with pytest.raises(AssetNotStored, match=r"no persist store exists .*typo"):
+        manager.migrate(dg.AssetKey("orders"))
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "typo").mkdir()
     manager.store("orders", pa.table({"n": [1, 2]}))

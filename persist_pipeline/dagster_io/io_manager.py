@@ -194,6 +194,20 @@ class PersistIOManager(dg.ConfigurableIOManager):
                                            self.persist_inline_update_max_bytes))
         return self._client
 
+    def _existing_client(self, what: str) -> PersistClient:
+        """The client, for a read: a read never creates the store.
+
+        Raises:
+            AssetNotStored: no persist store exists at the URIs (nothing was created).
+        """
+        try:
+            return self.client(create=False)
+        except LocationNotFound as e:
+            raise AssetNotStored(f"{what}: nothing stored yet, and no persist store exists "
+                                 f"at this IO manager's URIs ({e}); check them, or "
+                                 "materialize it first (its first store creates the "
+                                 "store)") from None
+
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
         self._client = None  # this run's own client, never a copy's
 
@@ -344,13 +358,7 @@ class PersistIOManager(dg.ConfigurableIOManager):
             SinceViolation: ``upper`` is so old that compaction merged it away.
         """
         what = what or name
-        try:
-            client = self.client(create=False)
-        except LocationNotFound as e:
-            raise AssetNotStored(f"{what}: nothing stored yet, and no persist store exists "
-                                 f"at this IO manager's URIs ({e}); check them, or "
-                                 "materialize it first (its first store creates the "
-                                 "store)") from None
+        client = self._existing_client(what)
         try:
             return tables.load_table(client, name, upper, what=what)
         except ShardNameNotFound:
@@ -377,7 +385,7 @@ class PersistIOManager(dg.ConfigurableIOManager):
         """
         name = asset_shard_name(asset_key.path, partition)
         legacy = asset_shard_id(asset_key, partition)
-        client = self.client()
+        client = self._existing_client(asset_key.to_user_string())
         if legacy not in client.list_shards():
             raise AssetNotStored(f"{asset_key.to_user_string()}: no shard {legacy} from an "
                                  f"earlier version of the library")
