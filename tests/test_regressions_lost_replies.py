@@ -552,6 +552,21 @@ def test_parts_retry_refused_as_bad_input_deletes_nothing(clients: Clients):
     assert clients.snapshot(shard, 1) == expected_snapshot(BASE + LATE, 1)
 
 
+def _pause_every_upload(clients: Clients, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on each write's upload ends past half the orphan age after its start
+    (past its commit deadline), as a process paused while uploading."""
+    from persist_pipeline import write
+
+    real = write.write_parts
+
+    def paused_upload(*args: Any, **kwargs: Any) -> Any:
+        parts = real(*args, **kwargs)
+        clients.clock.advance(ORPHAN_AGE_S)
+        return parts
+
+    monkeypatch.setattr(write, "write_parts", paused_upload)
+
+
 def test_token_retry_past_its_deadline_of_a_write_compacted_away_is_reported_committed(
         clients: Clients, monkeypatch: pytest.MonkeyPatch):
     """A write committed with a token its process never saw answered; compaction merges
@@ -559,8 +574,6 @@ def test_token_retry_past_its_deadline_of_a_write_compacted_away_is_reported_com
     past its own commit deadline while uploading: its transition then sees only that
     deadline, and history must settle it (committed), never CommitDeadlineExceeded
     ("nothing was written")."""
-    from persist_pipeline import write
-
     client = clients.plain(gc_orphan_min_age_s=ORPHAN_AGE_S)
     shard = ShardId.new()
     writer = client.open_writer(shard)
@@ -569,14 +582,7 @@ def test_token_retry_past_its_deadline_of_a_write_compacted_away_is_reported_com
     writer.compare_and_append(LATE, 1, 2, idempotency_token=token)  # reply never seen
     client.compact(shard)
     assert len(client._machine(shard).fetch_latest().batches) == 1
-    real = write.write_parts
-
-    def paused_upload(*args: Any, **kwargs: Any) -> Any:
-        parts = real(*args, **kwargs)
-        clients.clock.advance(ORPHAN_AGE_S)  # past half the orphan age after its start
-        return parts
-
-    monkeypatch.setattr(write, "write_parts", paused_upload)
+    _pause_every_upload(clients, monkeypatch)
     retry = client.open_writer(shard).compare_and_append(LATE, 1, 2, idempotency_token=token)
     assert retry.already_committed and retry.upper == 2
     assert clients.snapshot(shard, 1) == expected_snapshot(BASE + LATE, 1)
@@ -589,8 +595,6 @@ def test_transaction_retry_past_its_deadline_of_batches_compacted_away_is_commit
     retry (the same tokens, fresh writers) pauses past its commit deadline while
     uploading, so each append's transition sees only that deadline: history must settle
     it committed, never CommitDeadlineExceeded ("no shard changed")."""
-    from persist_pipeline import write
-
     client = clients.plain(gc_orphan_min_age_s=ORPHAN_AGE_S)
     a, b = ShardId.new(), ShardId.new()
     for shard in (a, b):
@@ -606,14 +610,7 @@ def test_transaction_retry_past_its_deadline_of_batches_compacted_away_is_commit
     for shard in (a, b):
         client.compact(shard)
         assert len(client._machine(shard).fetch_latest().batches) == 1
-    real = write.write_parts
-
-    def paused_upload(*args: Any, **kwargs: Any) -> Any:
-        parts = real(*args, **kwargs)
-        clients.clock.advance(ORPHAN_AGE_S)  # past half the orphan age after its start
-        return parts
-
-    monkeypatch.setattr(write, "write_parts", paused_upload)
+    _pause_every_upload(clients, monkeypatch)
     retry = commit()
     assert all(retry[str(s)].already_committed and retry[str(s)].upper == 2
                for s in (a, b))
