@@ -649,17 +649,25 @@ class _HookedClock(ManualClock):
         super().sleep(seconds)
 
 
-def test_a_failed_commit_beaten_during_its_back_off_is_an_upper_mismatch(location: Location):
-    """A compare-and-set fails with no reply (it never ran); nothing is at the next seqno
-    yet, so the loop backs off; meanwhile another writer takes that seqno. The attempt
-    has certainly lost (the seqno holds another commit), so the answer is the confirmed
-    UpperMismatch, not Indeterminate as if it might still land."""
+def _client_whose_next_cas_can_fail(location: Location
+                                    ) -> tuple[_HookedClock, _FailsBeforeRunning, PersistClient]:
+    """A client on ``location`` whose next compare-and-set fails without running once
+    armed, and whose clock runs a hook at its next back-off."""
     clock = _HookedClock()
     failing = _FailsBeforeRunning(open_consensus(location.consensus_uri))
     config = PersistConfig(inline_policy=NO_INLINE, heartbeat_interval_s=0,
                            background_maintenance=False, group_commit=False)
     wal = open_blob(location.wal_blob_uri) if location.wal_blob_uri else None
     client = PersistClient(failing, open_blob(location.blob_uri), wal, config, clock=clock)
+    return clock, failing, client
+
+
+def test_a_failed_commit_beaten_during_its_back_off_is_an_upper_mismatch(location: Location):
+    """A compare-and-set fails with no reply (it never ran); nothing is at the next seqno
+    yet, so the loop backs off; meanwhile another writer takes that seqno. The attempt
+    has certainly lost (the seqno holds another commit), so the answer is the confirmed
+    UpperMismatch, not Indeterminate as if it might still land."""
+    clock, failing, client = _client_whose_next_cas_can_fail(location)
     other = location.client(NO_INLINE)
     try:
         shard = ShardId.new()
@@ -684,12 +692,7 @@ def test_a_failed_transaction_beaten_on_its_second_shard_is_an_upper_mismatch(
     transaction's second shard only, so nothing is at the first shard's next seqno. The
     statement needed both heads: it has certainly lost, and the answer is the confirmed
     UpperMismatch naming that shard, not Indeterminate."""
-    clock = _HookedClock()
-    failing = _FailsBeforeRunning(open_consensus(location.consensus_uri))
-    config = PersistConfig(inline_policy=NO_INLINE, heartbeat_interval_s=0,
-                           background_maintenance=False, group_commit=False)
-    wal = open_blob(location.wal_blob_uri) if location.wal_blob_uri else None
-    client = PersistClient(failing, open_blob(location.blob_uri), wal, config, clock=clock)
+    clock, failing, client = _client_whose_next_cas_can_fail(location)
     other = location.client(NO_INLINE)
     try:
         first, second = ShardId.new(), ShardId.new()
