@@ -36,6 +36,13 @@ class UntypedUpdates(SchemaMismatch, InvalidUpdates):
     catches it; nothing was changed."""
 
 
+class NotATable(InvalidInput):
+    """A shard loaded as a table does not hold one: it is untyped or was not written by
+    a table store, or other writers' updates left it holding what no table is (a key
+    twice in a keyed table, a row counted below once). Nothing was changed; a store of
+    the table replaces its contents."""
+
+
 class InvalidFrontier(InvalidInput):
     """A frontier argument is malformed or does not advance as required."""
 

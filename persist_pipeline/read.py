@@ -242,11 +242,13 @@ class ReadHandle:
         return (empty_table() if schema is None else schema.arrow_schema().empty_table(),
                 schema)
 
-    def _contents_with_schema(self) -> tuple[pa.Table, ShardSchema | None]:
+    def _contents_with_schema(self) -> tuple[pa.Table, ShardSchema | None, Frontier]:
         """Every row of the latest state, each update counted whatever its time (its
-        times as compaction left them), decoded with that state's schema: a shard's
-        whole contents even when its since reached its upper, so that no time below the
-        upper is exact any more (what a table load reads then)."""
+        times as compaction left them), decoded with that state's schema, and that
+        state's upper: a shard's whole contents even when its since reached its upper,
+        so that no time below the upper is exact any more (what a table load reads
+        then); they are the collection as of ``upper - 1``, every update lying below
+        the upper."""
         with self._reading_state() as state:
             schema = ShardSchema.from_bytes(state.schema) if state.schema else None
             try:
@@ -259,7 +261,7 @@ class ReadHandle:
         table = pa.concat_tables(tables) if tables else empty_table()
         if schema is not None:
             table = schema.decode(table, f"shard {self.shard_id}")
-        return table, schema
+        return table, schema, state.upper
 
     def schema(self) -> ShardSchema | None:
         """The shard's schema as last seen (None: untyped). Reads of a typed shard

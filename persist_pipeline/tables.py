@@ -62,6 +62,7 @@ from persist_pipeline.exceptions import (
     InvalidFrontier,
     InvalidInput,
     InvalidUpdates,
+    NotATable,
     NotYetAvailable,
     PersistError,
     SchemaMismatch,
@@ -432,27 +433,28 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
     try:
         # Decoded with the schema of the state the snapshot read: a store evolving the
         # schema meanwhile must not make the newer one decode the older rows.
+        as_of = as_of_upper(client, shard, upper, what)
         try:
-            as_of = as_of_upper(client, shard, upper, what)
             typed, schema = reader._snapshot_with_schema(as_of)
-            if upper is not None and schema is not None:
-                # The version a pinned load asks for has the columns it was stored with,
-                # not those a later evolution appended (a prefix of them).
-                stored = schema.as_of(as_of)
-                if stored is not schema:
-                    typed = typed.select([*stored.columns, "t", "d"])
-                    schema = stored
         except SinceViolation:
-            if upper is not None:
-                raise
             # Readers released every time up to the upper (since == upper): no time
-            # below it is exact, but the latest table is every update's sum.
-            typed, schema = reader._contents_with_schema()
+            # below it is exact, but the latest table is every update's sum, and so is
+            # the version pinned at the upper it was read at (the one its write left).
+            typed, schema, at = reader._contents_with_schema()
+            if upper is not None and at != upper:
+                raise
+        if upper is not None and schema is not None:
+            # The version a pinned load asks for has the columns it was stored with,
+            # not those a later evolution appended (a prefix of them).
+            stored = schema.as_of(as_of)
+            if stored is not schema:
+                typed = typed.select([*stored.columns, "t", "d"])
+                schema = stored
     finally:
         reader.expire()
     if schema is None:
-        raise InvalidInput(f"{what}: shard {shard} ({name}) is untyped: it was not "
-                           f"written as a table")
+        raise NotATable(f"{what}: shard {shard} ({name}) is untyped: it was not "
+                        f"written as a table")
     return from_storage(typed, schema)
 
 
@@ -816,16 +818,14 @@ def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
     original names, types and metadata, each row repeated ``d`` times."""
     found = original_schema(shard_schema)
     if found is None:
-        raise InvalidInput("this shard was not written by the IO manager (its schema keeps "
-                           "no original table schema)")
+        raise NotATable("this shard was not written by the IO manager (its schema keeps "
+                        "no original table schema)")
     schema, storage_names = found
     # As this version keeps it: a shard an earlier version stored may hold rows of later
     # outputs with more categories than its recorded index width.
     schema = _kept_schema(schema)
+    _check_is_table(typed, shard_schema)
     counts = typed.column("d").to_numpy()
-    if len(counts) and (counts.min() < 1):
-        raise InvalidInput("the shard holds retractions without rows (a negative count): "
-                           "it was not written as a table")
     if len(counts) and counts.max() > 1:
         typed = typed.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
     columns = []
@@ -835,6 +835,47 @@ def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
         columns.append(_cast_back(column, field.type) if dictionary is None
                        else _with_dictionary(column, field.type, dictionary, stored))
     return pa.Table.from_arrays(columns, schema=_range_stops_set(schema, typed.num_rows))
+
+
+def _check_is_table(typed: pa.Table, shard_schema: ShardSchema) -> None:
+    """Refuse contents no table store leaves, which other writers' appends can: a row
+    counted below once (a retraction of a row never added) has no table to show, and a
+    keyed table holds each key once (a load showing two rows for a key would break the
+    key the table was stored with).
+
+    Raises:
+        NotATable: either; the first offending key is named.
+    """
+    counts = typed.column("d")
+    if len(counts) and pc.min(counts).as_py() < 1:
+        row = typed.filter(pc.less(counts, 1)).slice(0, 1).to_pylist()[0]
+        raise NotATable(f"the shard holds a row counted {row.pop('d')} (a retraction of "
+                        f"a row never added, by a write other than a table store): "
+                        f"{_shown(row, shard_schema.columns)}; storing the table again "
+                        f"replaces its contents")
+    if not shard_schema.value or not len(counts):
+        return  # the whole row is the key: equal rows keep their multiplicity
+    keys = shard_schema.key.names
+    repeated = typed.filter(pc.greater(counts, 1))
+    if not repeated.num_rows:
+        # By the keys' row encoding: defined for every type a key column can have.
+        encoded = rowcodec.encode_rows([typed.column(c) for c in keys], typed.num_rows,
+                                       strip_trailing_nulls=False)
+        if pc.count_distinct(encoded).as_py() != typed.num_rows:
+            seen = pc.value_counts(encoded)
+            twice = seen.field("values").filter(pc.greater(seen.field("counts"), 1))[0]
+            repeated = typed.filter(pc.equal(encoded, twice))
+    if repeated.num_rows:
+        row = repeated.select(keys).slice(0, 1).to_pylist()[0]
+        raise NotATable(f"the keyed table holds key {_shown(row, keys)} more than once "
+                        f"(rows appended by a write other than a table store, which "
+                        f"replaces each key's row); storing the table again replaces its "
+                        f"contents")
+
+
+def _shown(row: Mapping[str, object], columns: Sequence[str]) -> str:
+    text = repr({c: row[c] for c in columns if c in row})
+    return text if len(text) <= 200 else text[:200] + "...}"
 
 
 def _with_dictionary(values: pa.ChunkedArray, type_: pa.DictionaryType,

@@ -1,0 +1,90 @@
+"""Tables (:mod:`persist_pipeline.tables`) at their edges: what a load returns when other
+writers' appends left the shard holding what no table is, and pinned loads around the
+shard's since and upper."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from persist_pipeline import NotATable, PersistClient, SinceViolation, tables
+
+
+def _client(tmp_path: Path) -> PersistClient:
+    return PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}")
+
+
+def _append(client: PersistClient, name: str, rows: pa.Table) -> None:
+    """``rows`` (with ``t``, maybe ``d``) appended at the upper by a plain typed writer."""
+    writer = client.open_writer(client.resolve(name))
+    upper = writer.fetch_recent_upper()
+    assert isinstance(upper, int)
+    writer.compare_and_append(rows.append_column("t", pa.array([upper] * rows.num_rows)),
+                              upper, upper + 1)
+    writer.expire()
+
+
+ORDERS = pa.table({"id": [1, 2], "val": ["a", "b"]})
+
+
+def test_a_retraction_of_a_row_never_stored_makes_loads_refuse_until_a_store(
+        tmp_path: Path) -> None:
+    with _client(tmp_path) as client:
+        first = tables.store_table(client, "orders", ORDERS, ["id"])
+        _append(client, "orders", pa.table({"id": [9], "val": ["z"], "d": [-1]}))
+        with pytest.raises(NotATable, match=r"counted -1.*'id': 9"):
+            tables.load_table(client, "orders")
+        # The version the store left is still there, and a store replaces the contents.
+        assert tables.load_table(client, "orders", first.result.upper).equals(ORDERS)
+        tables.store_table(client, "orders", ORDERS.slice(1), ["id"])
+        assert tables.load_table(client, "orders").equals(ORDERS.slice(1))
+
+
+def test_a_key_appended_twice_to_a_keyed_table_is_refused_not_shown_twice(
+        tmp_path: Path) -> None:
+    with _client(tmp_path) as client:
+        tables.store_table(client, "orders", ORDERS, ["id"])
+        _append(client, "orders", pa.table({"id": [1], "val": ["other"]}))
+        with pytest.raises(NotATable, match=r"key \{'id': 1\} more than once"):
+            tables.load_table(client, "orders")
+        tables.store_table(client, "orders", ORDERS, ["id"])
+        assert tables.load_table(client, "orders").sort_by("id").equals(ORDERS)
+
+
+def test_a_key_of_nested_columns_appended_with_a_count_of_two_is_refused(
+        tmp_path: Path) -> None:
+    table = pa.table({"id": [[1, 2], [3]], "s": [{"a": 1}, {"a": 2}], "x": ["a", "b"]})
+    with _client(tmp_path) as client:
+        tables.store_table(client, "nested", table, ["id", "s"])
+        _append(client, "nested", pa.table({"id": [[3]], "s": [{"a": 2}], "x": ["b"],
+                                            "d": [1]}))
+        with pytest.raises(NotATable, match="more than once"):
+            tables.load_table(client, "nested")
+
+
+def test_a_table_without_a_key_keeps_repeated_rows(tmp_path: Path) -> None:
+    rows = pa.table({"id": [1, 1], "val": ["a", "a"]})
+    with _client(tmp_path) as client:
+        tables.store_table(client, "bag", rows)
+        _append(client, "bag", rows.slice(0, 1))
+        assert tables.load_table(client, "bag").num_rows == 3
+
+
+def test_a_load_pinned_at_the_upper_reads_when_since_reached_it(tmp_path: Path) -> None:
+    with _client(tmp_path) as client:
+        stored = [tables.store_table(client, "p", pa.table({"id": [i], "val": [str(i)]}),
+                                     ["id"]) for i in range(3)]
+        shard = client.resolve("p")
+        reader = client.open_reader(shard)
+        reader.downgrade_since(3)
+        reader.expire()
+        assert client.inspect(shard)["since"] == client.inspect(shard)["upper"] == 3
+        latest = tables.load_table(client, "p")
+        # The version the last store left at upper 3 is the latest: every update lies
+        # below the upper, so every update's sum is exactly it.
+        assert tables.load_table(client, "p", stored[-1].result.upper).equals(latest)
+        assert latest.to_pylist() == [{"id": 2, "val": "2"}]
+        with pytest.raises(SinceViolation):  # an earlier version may be merged away
+            tables.load_table(client, "p", stored[-2].result.upper)
