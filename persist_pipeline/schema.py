@@ -46,6 +46,11 @@ _HISTORY_META = b"persist_pipeline.schema_history"
 #: dictionary column, by its storage name): an IPC stream of one column. Typed writes
 #: refuse other values (see :meth:`ShardSchema.categories`).
 DICTIONARY_META = b"persist_pipeline.dictionary."
+#: A table's original Arrow schema (an IPC schema message), kept by a table store
+#: (:mod:`persist_pipeline.tables`) in its shard schema's metadata.
+ARROW_SCHEMA_META = b"persist_pipeline.arrow_schema"
+#: The storage name of each of a table's original columns, in the original order (JSON).
+COLUMNS_META = b"persist_pipeline.columns"
 
 
 def categories_bytes(categories: pa.Array) -> bytes:
@@ -165,6 +170,40 @@ class ShardSchema:
                 out[key[len(DICTIONARY_META):].decode()] = \
                     stream.read_all().column(0).combine_chunks()
         return out
+
+    def _check_values(self, columns: Mapping[str, pa.Array | pa.ChunkedArray]) -> None:
+        """Refuse values a table load could not give back (see the two checks)."""
+        self._check_categories(columns)
+        self._check_narrowed(columns)
+
+    @cached_property
+    def _narrowed(self) -> dict[str, pa.DataType]:
+        """The storage columns of a table whose own type is narrower than the stored
+        one, with that type: ``float16`` (stored as ``float32``) and Arrow's ``null``
+        (a column of nulls only, stored as ``int8``)."""
+        raw, names = self.metadata.get(ARROW_SCHEMA_META), self.metadata.get(COLUMNS_META)
+        if raw is None or names is None:
+            return {}
+        original = pa.ipc.read_schema(pa.py_buffer(raw))
+        return {stored: f.type for f, stored in zip(original, json.loads(names), strict=True)
+                if pa.types.is_float16(f.type) or pa.types.is_null(f.type)}
+
+    def _check_narrowed(self, columns: Mapping[str, pa.Array | pa.ChunkedArray]) -> None:
+        """Refuse values that a table's narrower column type cannot hold: a load casts
+        them back, and would return infinity or zero for a float16 out of range, and
+        null for any value in a column of nulls only (rounding to the nearest float16
+        is what a float16 column means)."""
+        for name, type_ in self._narrowed.items():
+            column = columns.get(name)
+            if column is None or not len(column):
+                continue
+            if pa.types.is_null(type_):
+                if column.null_count != len(column):
+                    raise SchemaMismatch(f"column {name!r} holds only nulls in the stored "
+                                         f"table (its type is null): it cannot hold "
+                                         f"{pc.drop_null(column)[0].as_py()!r}")
+                continue
+            _check_in_range(column, column.cast(type_), pa.field(name, type_))
 
     def _check_categories(self, columns: Mapping[str, pa.Array | pa.ChunkedArray]) -> None:
         """Refuse values outside a restricted column's categories: a table load could
@@ -385,7 +424,7 @@ class ShardSchema:
         given = _to_table(table, self)
         fast = self._exact_columns(given, with_times)
         if fast is not None:
-            self._check_categories(fast)
+            self._check_values(fast)
             return fast, given.num_rows
         names = given.column_names
         if len(set(names)) != len(names):
@@ -409,12 +448,7 @@ class ShardSchema:
                                      f"({_describe(field)})")
             column = given.column(field.name)
             if not column.type.equals(field.type):
-                try:
-                    column = column.cast(field.type, safe=True)
-                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-                    raise SchemaMismatch(f"column {field.name!r} is {column.type}, the shard "
-                                         f"stores {field.type}, and it does not cast "
-                                         f"safely: {e}") from None
+                column = _safe_cast(column, field)
             if not field.nullable and column.null_count:
                 raise InvalidUpdates(f"column {field.name!r} is not nullable but holds "
                                      f"{column.null_count} null(s)")
@@ -424,7 +458,7 @@ class ShardSchema:
                 raise InvalidUpdates("a typed write needs a t column (the update times)")
             out["t"] = _int64_column(given, "t")
             out["d"] = _int64_column(given, "d") if "d" in names else _ones(n)
-        self._check_categories(out)
+        self._check_values(out)
         return out, n
 
     def decode(self, updates: pa.Table, where: str = "a read") -> pa.Table:
@@ -472,6 +506,54 @@ def _ones(n: int) -> pa.Array:
         if n <= 4096 and len(_ONES) < 4096:
             _ONES[n] = ones
     return ones
+
+
+def _safe_cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
+    """``column`` cast to ``field``'s type, refused where a value would change beyond
+    rounding. Arrow's safe cast checks integers and decimals, not floats: a float
+    narrowed past its range (to infinity or zero) or into a decimal's scale (``0.125``
+    into ``decimal(10, 2)``) would be stored as another number.
+
+    Raises:
+        SchemaMismatch: the column does not cast, or some value would change so.
+    """
+    source = column.type
+    try:
+        cast = column.cast(field.type, safe=True)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+        raise SchemaMismatch(f"column {field.name!r} is {source}, the shard stores "
+                             f"{field.type}, and it does not cast safely: {e}") from None
+    if not pa.types.is_floating(source):
+        return cast
+    if pa.types.is_float16(source):  # compared as float32, which holds each exactly
+        column, source = column.cast(pa.float32()), pa.float32()
+    if pa.types.is_floating(field.type):
+        if field.type.bit_width < source.bit_width:  # narrowed (widening is exact)
+            _check_in_range(column, cast, field)
+    elif pa.types.is_decimal(field.type):
+        # A decimal is exact: the stored value must read back as the float written.
+        _refuse_changed(column, cast, pc.not_equal(cast.cast(source), column), field)
+    return cast
+
+
+def _check_in_range(column: pa.ChunkedArray | pa.Array, cast: pa.ChunkedArray | pa.Array,
+                    field: pa.Field) -> None:
+    """Refuse floats that ``cast`` (to a narrower float) took out of their range: a
+    finite value to infinity, a non-zero one to zero. Rounding to the nearest value
+    of the narrower type is what its column means."""
+    if pa.types.is_float16(cast.type):  # compared as float32, which holds each exactly
+        cast = cast.cast(pa.float32())
+    changed = pc.or_(pc.and_(pc.is_finite(column), pc.invert(pc.is_finite(cast))),
+                     pc.and_(pc.not_equal(column, 0), pc.equal(cast, 0)))
+    _refuse_changed(column, cast, changed, field)
+
+
+def _refuse_changed(column: pa.ChunkedArray | pa.Array, cast: pa.ChunkedArray | pa.Array,
+                    changed: pa.ChunkedArray | pa.Array, field: pa.Field) -> None:
+    if pc.any(changed).as_py():
+        raise SchemaMismatch(f"column {field.name!r}: {column.filter(changed)[0].as_py()!r} "
+                             f"({column.type}) does not fit {field.type}: it would be stored "
+                             f"as {cast.filter(changed)[0].as_py()!r}; nothing was written")
 
 
 def _int64_column(table: pa.Table, name: str) -> pa.ChunkedArray:

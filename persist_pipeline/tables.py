@@ -15,7 +15,9 @@ metadata and schema metadata (pandas' index and dtypes) that were stored:
   one with the categories its rows use;
 - maps are stored as lists of ``key``/``value`` structs (top-level map columns);
 - ``float16`` is stored as ``float32`` (exactly), and a column of nulls only (Arrow's
-  ``null`` type, e.g. an all-``None`` pandas column) as a nullable ``int8``;
+  ``null`` type, e.g. an all-``None`` pandas column) as a nullable ``int8``; other
+  writers' values that such a column cannot hold are refused
+  (:meth:`~persist_pipeline.ShardSchema.conform`), so a load never changes them;
 - every other type the codec supports is stored as it is (integers, floats, booleans,
   decimals, strings, binary, dates, times, timestamps with their time zone, durations,
   lists and structs of these). Anything else is refused with a clear error.
@@ -75,6 +77,8 @@ from persist_pipeline.ids import ShardId
 from persist_pipeline.internal import rowcodec
 from persist_pipeline.names import generation_of
 from persist_pipeline.schema import (
+    ARROW_SCHEMA_META,
+    COLUMNS_META,
     DICTIONARY_META,
     RESERVED_COLUMNS,
     ShardSchema,
@@ -86,10 +90,6 @@ if TYPE_CHECKING:
     from persist_pipeline.client import PersistClient
     from persist_pipeline.write import WriteHandle, WriteResult
 
-#: The original Arrow schema of the stored table (an IPC schema message).
-ARROW_SCHEMA_META = b"persist_pipeline.arrow_schema"
-#: The storage name of each original column, in the original order (JSON).
-COLUMNS_META = b"persist_pipeline.columns"
 #: The most bytes of one ordered dictionary the shard schema keeps.
 MAX_DICTIONARY_BYTES = 1 << 20
 #: Where a name's generations live, and its partitions.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from persist_pipeline import NotATable, PersistClient, SinceViolation, tables
+from persist_pipeline import NotATable, PersistClient, SchemaMismatch, SinceViolation, tables
 
 
 def _client(tmp_path: Path) -> PersistClient:
@@ -88,3 +88,35 @@ def test_a_load_pinned_at_the_upper_reads_when_since_reached_it(tmp_path: Path) 
         assert latest.to_pylist() == [{"id": 2, "val": "2"}]
         with pytest.raises(SinceViolation):  # an earlier version may be merged away
             tables.load_table(client, "p", stored[-2].result.upper)
+
+
+def test_a_float16_column_refuses_appended_values_out_of_its_range(tmp_path: Path) -> None:
+    halves = pa.table({"id": [1], "x": pa.array([1.5], pa.float16())})
+    with _client(tmp_path) as client:
+        tables.store_table(client, "h", halves, ["id"])
+        # Stored as float32: a float32 beyond float16's range would load as infinity.
+        with pytest.raises(SchemaMismatch, match="would be stored as inf"):
+            _append(client, "h", pa.table({"id": [2], "x": pa.array([1e10], pa.float32())}))
+        with pytest.raises(SchemaMismatch, match="would be stored as 0"):
+            _append(client, "h", pa.table({"id": [2], "x": pa.array([1e-10], pa.float32())}))
+        # Within it (rounded to the nearest float16), NaN and infinity are kept.
+        _append(client, "h", pa.table({"id": [2, 3, 4],
+                                       "x": pa.array([0.1, float("nan"), float("inf")],
+                                                     pa.float32())}))
+        got = tables.load_table(client, "h").sort_by("id")
+        assert got.schema == halves.schema
+        assert got.column("x").to_pylist()[:2] == [1.5, pa.array([0.1], pa.float16())[0]
+                                                   .as_py()]
+        assert got.column("x").to_pylist()[3] == float("inf")
+
+
+def test_a_column_of_nulls_only_refuses_appended_values(tmp_path: Path) -> None:
+    empty = pa.table({"id": [1], "n": pa.nulls(1)})
+    with _client(tmp_path) as client:
+        tables.store_table(client, "nulls", empty, ["id"])
+        # Stored as int8: a value there would load as null, silently.
+        with pytest.raises(SchemaMismatch, match="only nulls"):
+            _append(client, "nulls", pa.table({"id": [2], "n": pa.array([5], pa.int8())}))
+        _append(client, "nulls", pa.table({"id": [2], "n": pa.nulls(1, pa.int8())}))
+        assert tables.load_table(client, "nulls").sort_by("id").equals(
+            pa.table({"id": [1, 2], "n": pa.nulls(2)}))
