@@ -512,12 +512,26 @@ def _safe_cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
     """``column`` cast to ``field``'s type, refused where a value would change beyond
     rounding. Arrow's safe cast checks integers and decimals, not floats: a float
     narrowed past its range (to infinity or zero) or into a decimal's scale (``0.125``
-    into ``decimal(10, 2)``) would be stored as another number.
+    into ``decimal(10, 2)``) would be stored as another number; nor time zones: a
+    timestamp without one would be taken for UTC, one with a zone for its UTC wall
+    clock.
 
     Raises:
         SchemaMismatch: the column does not cast, or some value would change so.
     """
     source = column.type
+    if pa.types.is_timestamp(source) and pa.types.is_timestamp(field.type) \
+            and (source.tz is None) != (field.type.tz is None) \
+            and column.null_count != len(column):
+        # Arrow would take a wall-clock time for UTC (and drop an instant's zone): a
+        # guess, which the CLI's CSV reading (Arrow's parser) refuses too.
+        raise SchemaMismatch(
+            f"column {field.name!r} is {source}, the shard stores {field.type}: a "
+            f"timestamp {'without' if source.tz is None else 'with'} a time zone is not "
+            f"one {'with' if source.tz is None else 'without'}; "
+            + ("localize it first (pandas: tz_localize)" if source.tz is None else
+               "convert it to the wall clock wanted and drop the zone first "
+               "(pandas: tz_convert(...).tz_localize(None))"))
     try:
         cast = column.cast(field.type, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:

@@ -53,3 +53,39 @@ def test_floats_that_fit_are_stored_rounded_as_the_column_type_means(tmp_path: P
     assert [str(r["price"]) for r in got] == ["0.10", "2.50", "None"]
     assert got[0]["ratio"] == pa.array([0.1], pa.float32())[0].as_py()
     assert got[1]["ratio"] == float("inf")
+
+
+NAIVE = pa.timestamp("us")
+AWARE = pa.timestamp("us", "Europe/Paris")
+
+
+@pytest.mark.parametrize(("stored", "written"), [(AWARE, NAIVE), (NAIVE, AWARE)])
+def test_a_timestamp_with_and_one_without_a_time_zone_are_not_taken_for_each_other(
+        tmp_path: Path, stored: pa.DataType, written: pa.DataType) -> None:
+    schema = ShardSchema([("id", pa.int64())], [("at", stored)])
+    with PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}",
+                            f"file://{tmp_path / 'b'}") as client:
+        writer = client.open_writer(client.resolve("at", create=True), schema=schema)
+        at = pa.array([1_700_000_000_000_000], written)
+        with pytest.raises(SchemaMismatch, match="time zone"):
+            writer.compare_and_append(pa.table({"id": [1], "at": at, "t": [0]}), 0, 1)
+        # Nulls only carry no time to mistake.
+        writer.compare_and_append(pa.table({"id": [1], "at": pa.nulls(1, written),
+                                            "t": [0]}), 0, 1)
+        got = client.open_reader(writer.shard_id).snapshot(0)
+        assert got.column("at").type == stored and got.column("at").to_pylist() == [None]
+        writer.expire()
+
+
+def test_a_timestamp_in_another_time_zone_is_stored_as_the_same_instant(
+        tmp_path: Path) -> None:
+    schema = ShardSchema([("id", pa.int64())], [("at", AWARE)])
+    with PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}",
+                            f"file://{tmp_path / 'b'}") as client:
+        writer = client.open_writer(client.resolve("at", create=True), schema=schema)
+        at = pa.array([1_700_000_000_000_000], pa.timestamp("us", "UTC"))
+        writer.compare_and_append(pa.table({"id": [1], "at": at, "t": [0]}), 0, 1)
+        got = client.open_reader(writer.shard_id).snapshot(0).column("at")
+        assert got.type == AWARE
+        assert got.cast(pa.int64()).to_pylist() == [1_700_000_000_000_000]
+        writer.expire()

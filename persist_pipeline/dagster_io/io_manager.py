@@ -356,6 +356,8 @@ class PersistIOManager(dg.ConfigurableIOManager):
             AssetNotStored: nothing was ever stored there.
             InvalidInput: ``upper`` is beyond the shard's upper or not positive.
             SinceViolation: ``upper`` is so old that compaction merged it away.
+            NotATable: other writers' appends left the shard holding what no table is
+                (a key twice, a row retracted that was never stored).
         """
         what = what or name
         client = self._existing_client(what)
