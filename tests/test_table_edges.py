@@ -88,6 +88,11 @@ def test_a_load_pinned_at_the_upper_reads_when_since_reached_it(tmp_path: Path) 
         assert latest.to_pylist() == [{"id": 2, "val": "2"}]
         with pytest.raises(SinceViolation):  # an earlier version may be merged away
             tables.load_table(client, "p", stored[-2].result.upper)
+        # Once a later store moved the upper, the contents are that store's: upper 3
+        # is no longer exact, and is refused rather than answered with the newer table.
+        tables.store_table(client, "p", pa.table({"id": [7], "val": ["7"]}), ["id"])
+        with pytest.raises(SinceViolation):
+            tables.load_table(client, "p", stored[-1].result.upper)
 
 
 def test_a_float16_column_refuses_appended_values_out_of_its_range(tmp_path: Path) -> None:
