@@ -342,6 +342,15 @@ def _ragged_csv_row(path: Path) -> str | None:
     return None
 
 
+def _csv_header(path: Path) -> list[str]:
+    """The column names in a CSV file's first line (none if it cannot be read)."""
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as f:
+            return next(csv.reader(f), [])
+    except (UnicodeDecodeError, csv.Error, OSError):
+        return []  # the read itself says what is wrong
+
+
 def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = None) -> pa.Table:
     """Read a file of a typed shard's rows (its key and value columns, ``t``, optional
     ``d``), parsed to the schema's types; raises :class:`InvalidUpdates`.
@@ -359,6 +368,14 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
     _check_file(path)
     types = {f.name: f.type for f in [*schema.key, *schema.value]}
     types.update({"t": pa.int64(), "d": pa.int64()})
+    nested = [name for name in _csv_header(path) if name in types
+              and pa.types.is_nested(types[name])] if kind == "csv" else []
+    if nested:
+        # Said up front: Arrow's CSV reader names no column, and the JSON text a CSV
+        # snapshot writes for them is for reading, not a typed encoding to parse back.
+        raise InvalidUpdates(f"{path}: column(s) {nested} of {schema!r} are lists or "
+                             f"structs, which a CSV file cannot hold: append them from "
+                             f"Parquet or JSON Lines (snapshot --out FILE.parquet)")
     try:
         if kind == "csv":
             # A quoted cell is text, never null: "" is empty and "NULL" the word (the

@@ -240,3 +240,28 @@ def test_a_csv_snapshot_of_binary_columns_appends_back_as_the_same_bytes(
         reader.expire()
     assert got.column("blob").to_pylist() == values
     assert got.column("s").to_pylist() == strings
+
+
+def test_a_csv_with_list_or_struct_columns_is_refused_naming_them(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    schema = ShardSchema([("id", pa.int64())], [("tags", pa.list_(pa.string())),
+                                                ("at", pa.struct([("x", pa.int64())]))])
+    with _client(tmp_path) as client:
+        shard = client.resolve("tagged", create=True)
+        writer = client.open_writer(shard, schema=schema)
+        writer.compare_and_append(pa.table({"id": [1], "tags": [["a"]], "at": [{"x": 1}],
+                                            "t": [0]}), 0, 1)
+        writer.expire()
+    out = tmp_path / "tagged.csv"
+    code, _, err = _run(env, capsys, "snapshot", "tagged", "--as-of", "0", "--out", str(out))
+    assert code == 0, err
+    # The snapshot's JSON text is for reading: appending it back says which columns a
+    # CSV cannot hold and where to take them from, and writes nothing.
+    code, _, err = _run(env, capsys, "append", "tagged", str(out))
+    assert code == 2 and "['tags', 'at']" in err and "Parquet or JSON Lines" in err
+    with _client(tmp_path) as client:
+        assert client.inspect(shard)["upper"] == 1
+    # Without them (nullable: left out, null) a CSV appends.
+    out.write_text("id,t\n2,1\n")
+    code, _, err = _run(env, capsys, "append", "tagged", str(out))
+    assert code == 0, err
