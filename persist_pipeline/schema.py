@@ -512,9 +512,9 @@ def _safe_cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
     """``column`` cast to ``field``'s type, refused where a value would change beyond
     rounding. Arrow's safe cast checks integers and decimals, not floats: a float
     narrowed past its range (to infinity or zero) or into a decimal's scale (``0.125``
-    into ``decimal(10, 2)``) would be stored as another number; nor time zones: a
-    timestamp without one would be taken for UTC, one with a zone for its UTC wall
-    clock.
+    into ``decimal(10, 2)``) would be stored as another number; nor time zones and
+    days: a timestamp without a zone would be taken for UTC, one with a zone for its
+    UTC wall clock, and one cut to a date would lose its time of day.
 
     Raises:
         SchemaMismatch: the column does not cast, or some value would change so.
@@ -537,6 +537,9 @@ def _safe_cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
         raise SchemaMismatch(f"column {field.name!r} is {source}, the shard stores "
                              f"{field.type}, and it does not cast safely: {e}") from None
+    if pa.types.is_timestamp(source) and pa.types.is_date(field.type):
+        _check_whole_days(column, cast, field)
+        return cast
     if not pa.types.is_floating(source):
         return cast
     if pa.types.is_float16(source):  # compared as float32, which holds each exactly
@@ -548,6 +551,20 @@ def _safe_cast(column: pa.ChunkedArray, field: pa.Field) -> pa.ChunkedArray:
         # A decimal is exact: the stored value must read back as the float written.
         _refuse_changed(column, cast, pc.not_equal(cast.cast(source), column), field)
     return cast
+
+
+def _check_whole_days(column: pa.ChunkedArray, cast: pa.ChunkedArray,
+                      field: pa.Field) -> None:
+    """Refuse timestamps that a date column would cut to their day: a time of day is
+    dropped, and an instant's day depends on the zone it is seen from (Arrow takes
+    UTC's)."""
+    if column.null_count == len(column):
+        return
+    if column.type.tz is not None:
+        raise SchemaMismatch(f"column {field.name!r} is {column.type}, the shard stores "
+                             f"{field.type}: which day an instant falls on depends on the "
+                             f"time zone; convert it to dates first")
+    _refuse_changed(column, cast, pc.not_equal(cast.cast(column.type), column), field)
 
 
 def _check_in_range(column: pa.ChunkedArray | pa.Array, cast: pa.ChunkedArray | pa.Array,

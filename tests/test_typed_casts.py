@@ -4,6 +4,7 @@ and nothing is written (Arrow's own safe cast lets both through)."""
 
 from __future__ import annotations
 
+import datetime
 import re
 from pathlib import Path
 
@@ -88,4 +89,25 @@ def test_a_timestamp_in_another_time_zone_is_stored_as_the_same_instant(
         got = client.open_reader(writer.shard_id).snapshot(0).column("at")
         assert got.type == AWARE
         assert got.cast(pa.int64()).to_pylist() == [1_700_000_000_000_000]
+        writer.expire()
+
+
+@pytest.mark.parametrize("written", [NAIVE, AWARE])
+def test_a_timestamp_is_not_cut_to_a_date(tmp_path: Path, written: pa.DataType) -> None:
+    schema = ShardSchema([("id", pa.int64())], [("day", pa.date32())])
+    noon = 1_767_268_800_000_000  # 2026-01-01 12:00 UTC
+    with PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}",
+                            f"file://{tmp_path / 'b'}") as client:
+        writer = client.open_writer(client.resolve("days", create=True), schema=schema)
+        # The time of day would be dropped (and an instant's day depends on its zone).
+        refusal = "time zone" if written.tz else "does not fit date32"
+        with pytest.raises(SchemaMismatch, match=refusal):
+            writer.compare_and_append(pa.table({"id": [1], "day": pa.array(
+                [noon], written), "t": [0]}), 0, 1)
+        if written.tz is None:  # midnight is a whole day
+            midnight = noon - 12 * 3600 * 1_000_000
+            writer.compare_and_append(pa.table({"id": [1], "day": pa.array(
+                [midnight], written), "t": [0]}), 0, 1)
+            got = client.open_reader(writer.shard_id).snapshot(0).column("day")
+            assert got.to_pylist() == [datetime.date(2026, 1, 1)]
         writer.expire()
