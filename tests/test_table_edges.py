@@ -1,19 +1,30 @@
 """Tables (:mod:`persist_pipeline.tables`) at their edges: what a load returns when other
 writers' appends left the shard holding what no table is, and pinned loads around the
-shard's since and upper."""
+shard's since and upper. On SQLite + files and PostgreSQL + S3, every write to blob
+parts (what other engines read)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pytest
 
-from persist_pipeline import NotATable, PersistClient, SchemaMismatch, SinceViolation, tables
+from persist_pipeline import (
+    InlinePolicy,
+    NotATable,
+    PersistClient,
+    SchemaMismatch,
+    SinceViolation,
+    tables,
+)
+from tests.fixtures.location import Location
 
 
-def _client(tmp_path: Path) -> PersistClient:
-    return PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}")
+@pytest.fixture
+def client(durable_location: Location) -> Iterator[PersistClient]:
+    with durable_location.client(InlinePolicy(0, 0)) as c:
+        yield c
 
 
 def _append(client: PersistClient, name: str, rows: pa.Table) -> None:
@@ -30,98 +41,95 @@ ORDERS = pa.table({"id": [1, 2], "val": ["a", "b"]})
 
 
 def test_a_retraction_of_a_row_never_stored_makes_loads_refuse_until_a_store(
-        tmp_path: Path) -> None:
-    with _client(tmp_path) as client:
-        first = tables.store_table(client, "orders", ORDERS, ["id"])
-        _append(client, "orders", pa.table({"id": [9], "val": ["z"], "d": [-1]}))
-        with pytest.raises(NotATable, match=r"counted -1.*'id': 9"):
-            tables.load_table(client, "orders")
-        # The version the store left is still there, and a store replaces the contents.
-        assert tables.load_table(client, "orders", first.result.upper).equals(ORDERS)
-        tables.store_table(client, "orders", ORDERS.slice(1), ["id"])
-        assert tables.load_table(client, "orders").equals(ORDERS.slice(1))
+        client: PersistClient) -> None:
+    first = tables.store_table(client, "orders", ORDERS, ["id"])
+    _append(client, "orders", pa.table({"id": [9], "val": ["z"], "d": [-1]}))
+    with pytest.raises(NotATable, match=r"counted -1.*'id': 9"):
+        tables.load_table(client, "orders")
+    # The version the store left is still there, and a store replaces the contents.
+    assert tables.load_table(client, "orders", first.result.upper).equals(ORDERS)
+    tables.store_table(client, "orders", ORDERS.slice(1), ["id"])
+    assert tables.load_table(client, "orders").equals(ORDERS.slice(1))
 
 
 def test_a_key_appended_twice_to_a_keyed_table_is_refused_not_shown_twice(
-        tmp_path: Path) -> None:
-    with _client(tmp_path) as client:
-        tables.store_table(client, "orders", ORDERS, ["id"])
-        _append(client, "orders", pa.table({"id": [1], "val": ["other"]}))
-        with pytest.raises(NotATable, match=r"key \{'id': 1\} more than once"):
-            tables.load_table(client, "orders")
-        tables.store_table(client, "orders", ORDERS, ["id"])
-        assert tables.load_table(client, "orders").sort_by("id").equals(ORDERS)
+        client: PersistClient) -> None:
+    tables.store_table(client, "orders", ORDERS, ["id"])
+    _append(client, "orders", pa.table({"id": [1], "val": ["other"]}))
+    with pytest.raises(NotATable, match=r"key \{'id': 1\} more than once"):
+        tables.load_table(client, "orders")
+    tables.store_table(client, "orders", ORDERS, ["id"])
+    assert tables.load_table(client, "orders").sort_by("id").equals(ORDERS)
 
 
 def test_a_key_of_nested_columns_appended_with_a_count_of_two_is_refused(
-        tmp_path: Path) -> None:
+        client: PersistClient) -> None:
     table = pa.table({"id": [[1, 2], [3]], "s": [{"a": 1}, {"a": 2}], "x": ["a", "b"]})
-    with _client(tmp_path) as client:
-        tables.store_table(client, "nested", table, ["id", "s"])
-        _append(client, "nested", pa.table({"id": [[3]], "s": [{"a": 2}], "x": ["b"],
-                                            "d": [1]}))
-        with pytest.raises(NotATable, match="more than once"):
-            tables.load_table(client, "nested")
+    tables.store_table(client, "nested", table, ["id", "s"])
+    _append(client, "nested", pa.table({"id": [[3]], "s": [{"a": 2}], "x": ["b"],
+                                        "d": [1]}))
+    with pytest.raises(NotATable, match="more than once"):
+        tables.load_table(client, "nested")
 
 
-def test_a_table_without_a_key_keeps_repeated_rows(tmp_path: Path) -> None:
+def test_a_table_without_a_key_keeps_repeated_rows(
+        client: PersistClient) -> None:
     rows = pa.table({"id": [1, 1], "val": ["a", "a"]})
-    with _client(tmp_path) as client:
-        tables.store_table(client, "bag", rows)
-        _append(client, "bag", rows.slice(0, 1))
-        assert tables.load_table(client, "bag").num_rows == 3
+    tables.store_table(client, "bag", rows)
+    _append(client, "bag", rows.slice(0, 1))
+    assert tables.load_table(client, "bag").num_rows == 3
 
 
-def test_a_load_pinned_at_the_upper_reads_when_since_reached_it(tmp_path: Path) -> None:
-    with _client(tmp_path) as client:
-        stored = [tables.store_table(client, "p", pa.table({"id": [i], "val": [str(i)]}),
-                                     ["id"]) for i in range(3)]
-        shard = client.resolve("p")
-        reader = client.open_reader(shard)
-        reader.downgrade_since(3)
-        reader.expire()
-        assert client.inspect(shard)["since"] == client.inspect(shard)["upper"] == 3
-        latest = tables.load_table(client, "p")
-        # The version the last store left at upper 3 is the latest: every update lies
-        # below the upper, so every update's sum is exactly it.
-        assert tables.load_table(client, "p", stored[-1].result.upper).equals(latest)
-        assert latest.to_pylist() == [{"id": 2, "val": "2"}]
-        with pytest.raises(SinceViolation):  # an earlier version may be merged away
-            tables.load_table(client, "p", stored[-2].result.upper)
-        # Once a later store moved the upper, the contents are that store's: upper 3
-        # is no longer exact, and is refused rather than answered with the newer table.
-        tables.store_table(client, "p", pa.table({"id": [7], "val": ["7"]}), ["id"])
-        with pytest.raises(SinceViolation):
-            tables.load_table(client, "p", stored[-1].result.upper)
+def test_a_load_pinned_at_the_upper_reads_when_since_reached_it(
+        client: PersistClient) -> None:
+    stored = [tables.store_table(client, "p", pa.table({"id": [i], "val": [str(i)]}),
+                                 ["id"]) for i in range(3)]
+    shard = client.resolve("p")
+    reader = client.open_reader(shard)
+    reader.downgrade_since(3)
+    reader.expire()
+    assert client.inspect(shard)["since"] == client.inspect(shard)["upper"] == 3
+    latest = tables.load_table(client, "p")
+    # The version the last store left at upper 3 is the latest: every update lies
+    # below the upper, so every update's sum is exactly it.
+    assert tables.load_table(client, "p", stored[-1].result.upper).equals(latest)
+    assert latest.to_pylist() == [{"id": 2, "val": "2"}]
+    with pytest.raises(SinceViolation):  # an earlier version may be merged away
+        tables.load_table(client, "p", stored[-2].result.upper)
+    # Once a later store moved the upper, the contents are that store's: upper 3
+    # is no longer exact, and is refused rather than answered with the newer table.
+    tables.store_table(client, "p", pa.table({"id": [7], "val": ["7"]}), ["id"])
+    with pytest.raises(SinceViolation):
+        tables.load_table(client, "p", stored[-1].result.upper)
 
 
-def test_a_float16_column_refuses_appended_values_out_of_its_range(tmp_path: Path) -> None:
+def test_a_float16_column_refuses_appended_values_out_of_its_range(
+        client: PersistClient) -> None:
     halves = pa.table({"id": [1], "x": pa.array([1.5], pa.float16())})
-    with _client(tmp_path) as client:
-        tables.store_table(client, "h", halves, ["id"])
-        # Stored as float32: a float32 beyond float16's range would load as infinity.
-        with pytest.raises(SchemaMismatch, match="would be stored as inf"):
-            _append(client, "h", pa.table({"id": [2], "x": pa.array([1e10], pa.float32())}))
-        with pytest.raises(SchemaMismatch, match="would be stored as 0"):
-            _append(client, "h", pa.table({"id": [2], "x": pa.array([1e-10], pa.float32())}))
-        # Within it (rounded to the nearest float16), NaN and infinity are kept.
-        _append(client, "h", pa.table({"id": [2, 3, 4],
-                                       "x": pa.array([0.1, float("nan"), float("inf")],
-                                                     pa.float32())}))
-        got = tables.load_table(client, "h").sort_by("id")
-        assert got.schema == halves.schema
-        assert got.column("x").to_pylist()[:2] == [1.5, pa.array([0.1], pa.float16())[0]
-                                                   .as_py()]
-        assert got.column("x").to_pylist()[3] == float("inf")
+    tables.store_table(client, "h", halves, ["id"])
+    # Stored as float32: a float32 beyond float16's range would load as infinity.
+    with pytest.raises(SchemaMismatch, match="would be stored as inf"):
+        _append(client, "h", pa.table({"id": [2], "x": pa.array([1e10], pa.float32())}))
+    with pytest.raises(SchemaMismatch, match="would be stored as 0"):
+        _append(client, "h", pa.table({"id": [2], "x": pa.array([1e-10], pa.float32())}))
+    # Within it (rounded to the nearest float16), NaN and infinity are kept.
+    _append(client, "h", pa.table({"id": [2, 3, 4],
+                                   "x": pa.array([0.1, float("nan"), float("inf")],
+                                                 pa.float32())}))
+    got = tables.load_table(client, "h").sort_by("id")
+    assert got.schema == halves.schema
+    assert got.column("x").to_pylist()[:2] == [1.5, pa.array([0.1], pa.float16())[0]
+                                               .as_py()]
+    assert got.column("x").to_pylist()[3] == float("inf")
 
 
-def test_a_column_of_nulls_only_refuses_appended_values(tmp_path: Path) -> None:
+def test_a_column_of_nulls_only_refuses_appended_values(
+        client: PersistClient) -> None:
     empty = pa.table({"id": [1], "n": pa.nulls(1)})
-    with _client(tmp_path) as client:
-        tables.store_table(client, "nulls", empty, ["id"])
-        # Stored as int8: a value there would load as null, silently.
-        with pytest.raises(SchemaMismatch, match="only nulls"):
-            _append(client, "nulls", pa.table({"id": [2], "n": pa.array([5], pa.int8())}))
-        _append(client, "nulls", pa.table({"id": [2], "n": pa.nulls(1, pa.int8())}))
-        assert tables.load_table(client, "nulls").sort_by("id").equals(
-            pa.table({"id": [1, 2], "n": pa.nulls(2)}))
+    tables.store_table(client, "nulls", empty, ["id"])
+    # Stored as int8: a value there would load as null, silently.
+    with pytest.raises(SchemaMismatch, match="only nulls"):
+        _append(client, "nulls", pa.table({"id": [2], "n": pa.array([5], pa.int8())}))
+    _append(client, "nulls", pa.table({"id": [2], "n": pa.nulls(1, pa.int8())}))
+    assert tables.load_table(client, "nulls").sort_by("id").equals(
+        pa.table({"id": [1, 2], "n": pa.nulls(2)}))
