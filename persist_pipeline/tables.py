@@ -824,7 +824,7 @@ def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
     # As this version keeps it: a shard an earlier version stored may hold rows of later
     # outputs with more categories than its recorded index width.
     schema = _kept_schema(schema)
-    _check_is_table(typed, shard_schema)
+    _check_is_table(typed, shard_schema, dict(zip(storage_names, schema.names, strict=True)))
     counts = typed.column("d").to_numpy()
     if len(counts) and counts.max() > 1:
         typed = typed.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
@@ -837,7 +837,8 @@ def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=_range_stops_set(schema, typed.num_rows))
 
 
-def _check_is_table(typed: pa.Table, shard_schema: ShardSchema) -> None:
+def _check_is_table(typed: pa.Table, shard_schema: ShardSchema,
+                    names: Mapping[str, str]) -> None:
     """Refuse contents no table store leaves, which other writers' appends can: a row
     counted below once (a retraction of a row never added) has no table to show, and a
     keyed table holds each key once (a load showing two rows for a key would break the
@@ -851,7 +852,7 @@ def _check_is_table(typed: pa.Table, shard_schema: ShardSchema) -> None:
         row = typed.filter(pc.less(counts, 1)).slice(0, 1).to_pylist()[0]
         raise NotATable(f"the shard holds a row counted {row.pop('d')} (a retraction of "
                         f"a row never added, by a write other than a table store): "
-                        f"{_shown(row, shard_schema.columns)}; storing the table again "
+                        f"{_shown(row, shard_schema.columns, names)}; storing the table again "
                         f"replaces its contents")
     if not shard_schema.value or not len(counts):
         return  # the whole row is the key: equal rows keep their multiplicity
@@ -867,14 +868,16 @@ def _check_is_table(typed: pa.Table, shard_schema: ShardSchema) -> None:
             repeated = typed.filter(pc.equal(encoded, twice))
     if repeated.num_rows:
         row = repeated.select(keys).slice(0, 1).to_pylist()[0]
-        raise NotATable(f"the keyed table holds key {_shown(row, keys)} more than once "
+        raise NotATable(f"the keyed table holds key {_shown(row, keys, names)} more than once "
                         f"(rows appended by a write other than a table store, which "
                         f"replaces each key's row); storing the table again replaces its "
                         f"contents")
 
 
-def _shown(row: Mapping[str, object], columns: Sequence[str]) -> str:
-    text = repr({c: row[c] for c in columns if c in row})
+def _shown(row: Mapping[str, object], columns: Sequence[str],
+           names: Mapping[str, str]) -> str:
+    """``row``'s ``columns`` under the table's own column names, shortened."""
+    text = repr({names.get(c, c): row[c] for c in columns if c in row})
     return text if len(text) <= 200 else text[:200] + "...}"
 
 

@@ -133,3 +133,13 @@ def test_a_column_of_nulls_only_refuses_appended_values(
     _append(client, "nulls", pa.table({"id": [2], "n": pa.nulls(1, pa.int8())}))
     assert tables.load_table(client, "nulls").sort_by("id").equals(
         pa.table({"id": [1, 2], "n": pa.nulls(2)}))
+
+
+def test_a_repeated_key_is_named_by_the_tables_own_column_names(
+        client: PersistClient) -> None:
+    # "k" is stored as "k_col0" (the storage format reserves k): the error says "k".
+    table = pa.table({"k": [1], "val": ["a"]})
+    tables.store_table(client, "reserved", table, ["k"])
+    _append(client, "reserved", pa.table({"k_col0": [1], "val": ["b"]}))
+    with pytest.raises(NotATable, match=r"key \{'k': 1\}"):
+        tables.load_table(client, "reserved")
