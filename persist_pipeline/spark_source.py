@@ -103,6 +103,7 @@ from persist_pipeline.internal.state import Batch, Description, HollowPart, Stor
 from persist_pipeline.plan import LATEST, PlanFile, SnapshotPlan
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import Updates, consolidate, naming_shard
+from persist_pipeline.write import check_append_bounds
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -276,13 +277,8 @@ def write_bounds(options: Mapping[str, str]) -> tuple[int, Frontier]:
         InvalidFrontier: one is missing or malformed, expected_upper is closed, or
             new_upper is not beyond it.
     """
-    expected = _frontier_option(options, "expected_upper")
-    upper = _frontier_option(options, "new_upper")
-    if expected is None:
-        raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
-    if upper is not None and upper <= expected:
-        raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper ({expected})")
-    return expected, upper
+    return check_append_bounds(_frontier_option(options, "expected_upper"),
+                               _frontier_option(options, "new_upper"))
 
 
 def _frontier_option(options: Mapping[str, str], name: str) -> Frontier:

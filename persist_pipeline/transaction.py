@@ -27,16 +27,15 @@ from persist_pipeline.exceptions import (
     CorruptPart,
     CorruptState,
     Indeterminate,
-    InvalidFrontier,
     InvalidInput,
     PersistError,
     SchemaMismatch,
     ShardNotFound,
     UpperMismatch,
 )
-from persist_pipeline.frontier import Frontier, check_frontier, less_than
+from persist_pipeline.frontier import Frontier, less_than
 from persist_pipeline.ids import ShardId, check_token, new_token
-from persist_pipeline.internal import transitions
+from persist_pipeline.internal import history, transitions
 from persist_pipeline.internal.machine import Step, apply_many
 from persist_pipeline.updates import Updates
 from persist_pipeline.write import (
@@ -46,6 +45,7 @@ from persist_pipeline.write import (
     Staged,
     WriteHandle,
     WriteResult,
+    check_append_bounds,
     check_times,
     with_row_counts,
 )
@@ -60,9 +60,10 @@ log = logging.getLogger(__name__)
 
 #: The refusals of an append retried with its caller's token that its batch's history
 #: settles, as :data:`~persist_pipeline.write.RETRY_REFUSALS` for a single write: the
-#: deadline is checked before the upper, so a retry paused past it after compaction
-#: merged the batch away sees only the deadline.
-_RETRY_REFUSED = (transitions.UpperMismatchResult, transitions.DeadlineExceeded)
+#: deadline and the schema are checked before the upper, so a retry paused past it (or
+#: met by a schema recorded since) after compaction merged the batch away sees only that.
+_RETRY_REFUSED = (transitions.UpperMismatchResult, transitions.DeadlineExceeded,
+                  transitions.SchemaChanged)
 
 
 @dataclass
@@ -141,10 +142,8 @@ class Transaction:
         """
         if idempotency_token is not None:
             check_token(idempotency_token)
-        expected = check_frontier(expected_upper, "expected_upper")
-        if expected is None:
-            raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
-        self._add(shard, updates, expected, new_upper, lower=None, token=idempotency_token)
+        expected, upper = check_append_bounds(expected_upper, new_upper)
+        self._add(shard, updates, expected, upper, lower=None, token=idempotency_token)
 
     def append(self, shard: WriteHandle | ShardLike, updates: object, lower: int,
                upper: Frontier) -> None:
@@ -155,10 +154,8 @@ class Transaction:
         Raises:
             as :meth:`compare_and_append`.
         """
-        lo = check_frontier(lower, "lower")
-        if lo is None:
-            raise InvalidFrontier("lower must be a time")
-        self._add(shard, updates, lo, upper, lower=lo)
+        lo, hi = check_append_bounds(lower, upper, names=("lower", "upper"))
+        self._add(shard, updates, lo, hi, lower=lo)
 
     def replace_contents(self, shard: WriteHandle | ShardLike, table: object) -> None:
         """Add a :meth:`WriteHandle.replace_contents` of a typed shard: at commit it
@@ -191,12 +188,9 @@ class Transaction:
                                   contents=contents)
 
     def _add(self, shard: WriteHandle | ShardLike, updates: object, expected: int,
-             new_upper: Frontier, lower: int | None, token: str | None = None) -> None:
+             upper: Frontier, lower: int | None, token: str | None = None) -> None:
+        """Add an append whose bounds :func:`check_append_bounds` checked."""
         self._check_open()
-        upper = check_frontier(new_upper, "new_upper")
-        if not less_than(expected, upper):
-            raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
-                                  f"({expected})")
         if self._is_new(shard):
             # Checked as the untyped updates of the shard it would be, before its name is
             # registered or the shard created: bad input changes nothing.
@@ -315,7 +309,10 @@ class Transaction:
                     committed, results = applied.committed, applied.results
                     states = applied.states
                 except Indeterminate as e:
-                    results = [_settle_in_history(staged, e)] * len(staged)
+                    # Every shard or none has its batch: any one found in its shard's
+                    # kept history tells the transaction committed.
+                    history.settle_lost_reply([s.attempt for s in staged], e)
+                    results = [transitions.Appended(already_committed=True)] * len(staged)
                     committed, states = True, [s.handle._machine.state for s in staged]
                 if not committed:
                     if self._retry_refused(live, results, clock.monotonic() < deadline):
@@ -415,7 +412,7 @@ class Transaction:
             Indeterminate: no batch was found, and GC truncated the history of one that
                 would tell.
         """
-        unknown: Indeterminate | None = None
+        refused: list[history.Attempt] = []
         for op, result in zip(live, results, strict=True):
             staged = op.staged
             if not op.given_token or staged is None:
@@ -423,14 +420,8 @@ class Transaction:
             if isinstance(result, transitions.Appended) and result.already_committed:
                 return True
             if isinstance(result, _RETRY_REFUSED) and staged.batch is not None:
-                try:
-                    if op.handle._settle_retry(op.token, op.expected) is not None:
-                        return True
-                except Indeterminate as e:
-                    unknown = unknown or e
-        if unknown is not None:
-            raise unknown
-        return False
+                refused.append(staged.attempt)
+        return history.retry_landed(refused)
 
     def _results(self, ops: list[_Op]) -> dict[str, WriteResult]:
         out: dict[str, WriteResult] = {}
@@ -455,23 +446,6 @@ class Transaction:
             self.commit()
         else:
             self.abort()
-
-
-def _settle_in_history(staged: list[Staged], error: Indeterminate
-                       ) -> transitions.AppendResult:
-    """A transaction's lost reply the CaS loop could not settle. Every shard or none has
-    its batch, so any one batch found in its shard's kept history tells it committed
-    (a shard whose append holds no rows has no batch to look for). Re-raises ``error``
-    when none is found."""
-    with_batch = [s for s in staged if s.batch is not None]
-    for s in with_batch:
-        assert s.batch is not None
-        if s.handle._found_in_history(s.batch.id, s.expected):
-            return transitions.Appended(already_committed=True)
-    if with_batch:
-        first = with_batch[0]
-        return first.handle._settle_in_history(first, error)  # raises, naming its batch
-    raise error
 
 
 def _raise_refusal(staged: list[Staged], results: list[transitions.AppendResult],

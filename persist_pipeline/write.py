@@ -22,13 +22,12 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     PersistError,
     SchemaMismatch,
-    UnsettledCommit,
     UpperMismatch,
 )
 from persist_pipeline.frontier import MAX_TIME, Frontier, check_frontier, less_equal, less_than
 from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ids import check_token, new_token
-from persist_pipeline.internal import transitions
+from persist_pipeline.internal import history, transitions
 from persist_pipeline.internal.blobs import write_parts
 from persist_pipeline.internal.funnel import Funnel
 from persist_pipeline.internal.heartbeat import Heartbeater
@@ -87,8 +86,11 @@ UNTYPED = Encoding()
 CERTAINLY_NOT_COMMITTED = (UpperMismatch, CommitDeadlineExceeded, InvalidUpdates,
                            SchemaMismatch)
 #: The refusals of a retry (a write given the token of an attempt whose outcome its
-#: caller never learnt) that the batch's history settles (see WriteHandle._settle_retry).
-RETRY_REFUSALS = (UpperMismatch, CommitDeadlineExceeded)
+#: caller never learnt) that the batch's history settles (see
+#: :func:`~persist_pipeline.internal.history.retry_landed`): the attempt that landed is
+#: no longer in the state (compaction merged its batch away), so the retry's own
+#: transition sees only a moved upper, its passed deadline or a schema recorded since.
+RETRY_REFUSALS = (UpperMismatch, CommitDeadlineExceeded, SchemaMismatch)
 
 
 @quick_init
@@ -117,6 +119,13 @@ class Staged:
         if self.batch is None:
             return ()
         return tuple(p for p in self.batch.parts if isinstance(p, HollowPart))
+
+    @property
+    def attempt(self) -> history.Attempt:
+        """This write's batch, as its shard's history is asked for it."""
+        return history.Attempt(self.handle._machine,
+                               self.batch.id if self.batch is not None else None,
+                               self.expected)
 
 
 @quick_init
@@ -255,30 +264,23 @@ class WriteHandle:
         try:
             return self._commit(data, expected, upper, token, encoding)
         except RETRY_REFUSALS:
-            if idempotency_token is None:
+            if idempotency_token is None or not self._earlier_attempt_landed(token, expected):
                 raise
-            settled = self._settle_retry(token, expected)
-            if settled is None:
-                raise
-            return settled
+            return self._found_committed()
 
-    def _settle_retry(self, token: str, expected: int) -> WriteResult | None:
-        """A retry with ``token`` that was refused (:data:`RETRY_REFUSALS`), settled by
-        its batch's history: the first attempt may have committed, and compaction merged
-        the batch away and GC expired this writer (and its token) since, so that the
-        retry's own transition saw only a moved upper or its passed deadline. Returns the
-        result of a write found committed, or None when it certainly never was.
+    def _earlier_attempt_landed(self, token: str, expected: int) -> bool:
+        """Whether a refused retry with ``token`` (:data:`RETRY_REFUSALS`) had an earlier
+        attempt that landed at ``expected``, by its batch's history.
 
         Raises:
             Indeterminate: GC truncated the history that would tell.
         """
-        found = self._machine.batch_committed(batch_id_of(token), expected)
-        if found is None:
-            raise Indeterminate(
-                f"shard {self.shard_id}: cannot tell whether the write with token "
-                f"{token} committed: GC truncated the history that would say") from None
-        if not found:
-            return None
+        return history.retry_landed(
+            [history.Attempt(self._machine, batch_id_of(token), expected)])
+
+    def _found_committed(self) -> WriteResult:
+        """The result of a retry whose earlier attempt was found committed in history
+        (nothing of this attempt was written)."""
         state = self._machine.state
         return WriteResult("none", 0, state.seqno, state.upper, 0, already_committed=True)
 
@@ -302,7 +304,7 @@ class WriteHandle:
         expected = check_frontier(expected_upper, "expected_upper")
         if expected is None:
             raise InvalidFrontier("expected_upper must be a time")
-        return self._machine.batch_committed(batch_id_of(idempotency_token), expected)
+        return history.batch_landed(self._machine, batch_id_of(idempotency_token), expected)
 
     def compare_and_append_parts(
         self, parts: tuple[HollowPart, ...], num_updates: int, expected_upper: int,
@@ -321,12 +323,15 @@ class WriteHandle:
         encoded with (None: untyped), as known where they were written: the commit is
         refused (``SchemaMismatch``, parts deleted) unless it fits the shard's schema.
 
-        When nothing was committed for certain (upper mismatch, deadline) the parts are
-        deleted; an indeterminate outcome, and bad input (bounds, parts' times or keys
-        that do not fit), leave them to GC. A retry with the
-        token of an attempt whose outcome was unknown is settled by the batch's history,
-        as :meth:`compare_and_append`'s: found committed (perhaps merged away by
-        compaction since), it reports ``already_committed`` and keeps the parts.
+        When nothing was committed for certain (upper mismatch, deadline, schema) the
+        parts are deleted; an indeterminate outcome, and bad input (bounds, parts' times
+        or keys that do not fit), leave them to GC. Any call may retry an earlier attempt
+        with the same token and parts whose outcome was unknown, so a refusal is settled
+        by the batch's history first, as :meth:`compare_and_append`'s retry: found
+        committed (perhaps merged away by compaction since), it reports
+        ``already_committed`` and keeps the parts (they may be that attempt's); when GC
+        truncated the history that would tell, it raises ``Indeterminate`` and leaves
+        them to GC.
 
         Raises:
             UpperMismatch / CommitDeadlineExceeded / InvalidUpdates / Indeterminate: as
@@ -339,14 +344,10 @@ class WriteHandle:
         # (and before anything is deleted): a malformed token names no folder of this
         # shard, so its parts are left to GC's orphan sweep.
         check_token(idempotency_token)
-        expected = check_frontier(expected_upper, "expected_upper")
-        upper = check_frontier(new_upper, "new_upper")
         # Bad input deletes nothing: the parts may be those of an earlier attempt with
         # this token that committed (a retry given other bounds), or another batch's;
         # GC's orphan sweep deletes them if no state references them.
-        if expected is None or not less_than(expected, upper):
-            raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
-                                  f"({expected})")
+        expected, upper = check_append_bounds(expected_upper, new_upper)
         prefix = f"{self.shard_id}/p/{batch_id_of(idempotency_token)}/"
         for part in parts:
             if not part.key.startswith(prefix):
@@ -366,16 +367,15 @@ class WriteHandle:
                         upload_started_s=upload_started_s)
         try:
             result = self._apply(staged)
-        except CERTAINLY_NOT_COMMITTED as refused:
+        except CERTAINLY_NOT_COMMITTED:
             # This attempt certainly did not commit (the CaS loop settled every lost reply
             # first), but these parts may be those of an earlier attempt with this token
             # that did, merged away since by compaction while older versions still
-            # reference them: they are deleted only if that never committed either (and
-            # left to GC, with Indeterminate, when history cannot tell).
-            if batch is not None and isinstance(refused, RETRY_REFUSALS):
-                settled = self._settle_retry(idempotency_token, expected)
-                if settled is not None:
-                    return settled
+            # reference them: whatever the refusal, they are deleted only if that never
+            # committed either (and left to GC, with Indeterminate, when history cannot
+            # tell).
+            if batch is not None and self._earlier_attempt_landed(idempotency_token, expected):
+                return self._found_committed()
             self._delete_uncommitted(parts)
             raise
         assert result is not None  # hollow batches never exceed the inline budget
@@ -393,10 +393,7 @@ class WriteHandle:
             UpperMismatch: the shard's upper is below ``lower`` (a gap would open).
         """
         self._check_open()
-        lo = check_frontier(lower, "lower")
-        hi = check_frontier(upper, "upper")
-        if lo is None or not less_than(lo, hi):
-            raise InvalidFrontier(f"upper ({hi}) must be beyond lower ({lo})")
+        lo, hi = check_append_bounds(lower, upper, names=("lower", "upper"))
         data = self._coerce(updates)
         check_times(data, lo, hi)
         token = new_token()
@@ -710,21 +707,12 @@ class WriteHandle:
                 result, state = machine.apply(self._transition(staged),
                                               proves_done=already_appended)
         except Indeterminate as e:
-            result, state = self._settle_in_history(staged, e), machine.state
+            # The record that would settle a lost reply may be gone (GC truncated it,
+            # perhaps after expiring this writer and its token); the batch's id may
+            # still be found in the state's kept history.
+            history.settle_lost_reply([staged.attempt], e)
+            result, state = transitions.Appended(already_committed=True), machine.state
         return self._finish(staged, result, state)
-
-    def _settle_in_history(self, staged: Staged, error: Indeterminate
-                           ) -> transitions.AppendResult:
-        """A lost reply the CaS loop could not settle: the record that would settle it
-        may be gone (GC truncated it, perhaps after expiring this writer and its token),
-        but the batch's id, derived from the token, may still be found in the state's
-        kept history. Re-raises ``error`` unless it is found there."""
-        batch = staged.batch
-        if batch is None or not self._found_in_history(batch.id, staged.expected):
-            if isinstance(error, UnsettledCommit) and batch is not None:
-                error.batch_id = batch.id
-            raise error
-        return transitions.Appended(already_committed=True)
 
     def _finish(self, staged: Staged, result: transitions.AppendResult,
                 state: State) -> WriteResult | None:
@@ -748,14 +736,6 @@ class WriteHandle:
                            staged.num_parts, fell_back=staged.fell_back,
                            already_committed=result.already_committed,
                            inline_size=staged.inline_size)
-
-    def _found_in_history(self, batch_id: str, lower: int) -> bool:
-        try:
-            return self._machine.batch_committed(batch_id, lower) is True
-        except PersistError as e:  # consensus still away: the outcome stays unknown
-            log.warning("shard %s: could not look for batch %s in history: %s",
-                        self.shard_id, batch_id, e)
-            return False
 
     def _check_open(self) -> None:
         if self._closed:
@@ -825,19 +805,25 @@ def already_appended(result: transitions.AppendResult) -> bool:
     return isinstance(result, transitions.Appended) and result.already_committed
 
 
-def check_append_bounds(expected_upper: object, new_upper: object) -> tuple[int, Frontier]:
-    """An append's ``(expected_upper, new_upper)``, checked.
+def check_append_bounds(expected_upper: object, new_upper: object, *,
+                        names: tuple[str, str] = ("expected_upper", "new_upper")
+                        ) -> tuple[int, Frontier]:
+    """An append's ``(expected_upper, new_upper)``, checked: the one bounds check of
+    every write entry point (handles, parts commits, transactions, Spark options, the
+    CLI), so that they refuse alike. ``names`` are the arguments' names in messages
+    (``append`` calls them lower and upper).
 
     Raises:
         InvalidFrontier: either is not a frontier, expected_upper is closed, or new_upper
             is not beyond it.
     """
-    expected = check_frontier(expected_upper, "expected_upper")
+    lower_name, upper_name = names
+    expected = check_frontier(expected_upper, lower_name)
     if expected is None:
-        raise InvalidFrontier("expected_upper must be a time: a closed shard takes no writes")
-    upper = check_frontier(new_upper, "new_upper")
+        raise InvalidFrontier(f"{lower_name} must be a time: a closed shard takes no writes")
+    upper = check_frontier(new_upper, upper_name)
     if not less_than(expected, upper):
-        raise InvalidFrontier(f"new_upper ({upper}) must be beyond expected_upper "
+        raise InvalidFrontier(f"{upper_name} ({upper}) must be beyond {lower_name} "
                               f"({expected})")
     return expected, upper
 

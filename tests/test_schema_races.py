@@ -83,6 +83,38 @@ def test_spark_write_planned_with_an_older_schema_commits_into_the_evolved_shard
                    {"id": 2, "a": "y", "b": None, "t": 0, "d": 1}]
 
 
+def test_spark_write_committed_again_once_the_shard_was_typed_keeps_its_landed_parts(
+        durable_location: Location, client: PersistClient):
+    """A Spark write's commit lands but its driver never learns it, so the same write is
+    committed again (its token and parts) later. Meanwhile its rows were retracted,
+    compaction consolidated both writes away (the shard then holds no updates) and
+    another client typed the shard: the second commit meets a schema that no longer
+    fits. Its parts are the landed batch's, still referenced by the versions a reader's
+    plan holds: it must find the batch in the shard's history and report the write
+    committed, never delete them as "nothing was written"."""
+    shard = str(ShardId.new())
+    job = _write_job(_spark_options(durable_location, shard, 0, 1), overwrite=False)
+    assert job.schema == b""
+    rows = pa.table({"k": [b"raw"], "v": [b"x"], "t": [0], "d": [1]})
+    message = PersistCommitMessage(*_write_task(job, iter(rows.to_batches())))
+    assert message.parts
+    _commit(job, [message])  # ...whose outcome its driver never learnt
+    client.open_writer(shard).compare_and_append([(b"raw", b"x", 1, -1)], 1, 2)
+    reader = client.open_reader(shard)
+    with reader.snapshot_plan(1) as plan:
+        assert {f.key for f in plan.file_details} >= {p.key for p in message.parts}
+        reader.downgrade_since(1)  # the plan holds its version; its times consolidate
+        client.compact(shard)
+        assert sum(b.num_updates for b in
+                   client._machine(shard).fetch_latest().batches.values()) == 0
+        client.open_writer(shard, schema=V1)  # a shard without updates may be typed
+        _commit(job, [message])  # committed again: found in history, not refused
+        assert all(client.blobs.main.get(p.key) is not None for p in message.parts)
+        assert plan.to_table().num_rows == 0  # every file of the plan is still there
+    assert client.schema(shard) == V1
+    assert client.open_reader(shard).snapshot(1).to_pylist() == []
+
+
 @pytest.fixture(params=[BLOB, INLINE], ids=["blob", "inline"])
 def policy(request: pytest.FixtureRequest) -> InlinePolicy:
     return request.param  # type: ignore[no-any-return]

@@ -36,7 +36,6 @@ from persist_pipeline.exceptions import (
     Unavailable,
     UnsettledCommit,
 )
-from persist_pipeline.frontier import Frontier
 from persist_pipeline.internal import state_codec, transitions
 from persist_pipeline.internal.blobs import ShardBlobs
 from persist_pipeline.internal.clock import SYSTEM_CLOCK, Clock
@@ -275,43 +274,6 @@ class Machine:
         with self._lock:  # apply_many of this one step
             applied = _apply_locked((Step(self, transition),), routine, proves_done)
         return applied.results[0], applied.states[0]
-
-    def batch_committed(self, batch_id: str, lower: int) -> bool | None:
-        """Whether a batch starting at ``lower`` was ever committed, from state history.
-
-        A batch id derives from its write's token, so finding it settles a write whose
-        reply was lost even after GC expired the writer and truncated the record of the
-        commit. True if the latest state, a kept record (adding it, or a merge removing
-        it) or a kept rollup holds it; False if none does and the kept history reaches
-        back to when the shard's upper was still ``lower`` (where it would be); None
-        when GC truncated that far.
-        """
-        latest = self.fetch_latest()
-        if batch_id in latest.batches:
-            return True
-        records = self.consensus.scan(self.shard_id, 0)
-        for rec in records:
-            diff = state_codec.decode_diff(rec.data, f"shard {self.shard_id} seqno {rec.seqno}")
-            if batch_id in diff.batch_deletes or any(b.id == batch_id
-                                                     for b in diff.batch_upserts):
-                return True
-        if not records or records[0].seqno <= 1:
-            return False
-        first = records[0].seqno
-        base_upper: Frontier | None = None
-        known = False
-        for seqno, rollup in sorted(latest.rollups.items()):
-            data = self.blobs.main.get(rollup.key)
-            if data is None:
-                continue  # replaced by a concurrent GC: the others still tell
-            rolled = state_codec.decode_state(data, f"rollup {rollup.key}")
-            if batch_id in rolled.batches:
-                return True
-            if seqno == first:
-                base_upper, known = rolled.upper, True
-        if known and base_upper is not None and base_upper <= lower:
-            return False
-        return None
 
     def _resolve(self, attempts: list[_Attempt[R]]) -> _Attempt[R] | None:
         """Settle lost-reply attempts by the record each would have written.

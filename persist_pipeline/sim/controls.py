@@ -18,7 +18,7 @@ from persist_pipeline import client as client_module
 from persist_pipeline import gc, read, updates, write
 from persist_pipeline.exceptions import CorruptState, LeaseExpired
 from persist_pipeline.frontier import MAX_TIME
-from persist_pipeline.internal import machine, transitions
+from persist_pipeline.internal import history, machine, transitions
 
 
 @contextmanager
@@ -206,7 +206,7 @@ def settle_by_token_only() -> Iterator[None]:
     write's batch is in the head state (the batch id, derived from the token, is not
     looked for once the writer's token expired)."""
     with _patched(write, "already_appended", lambda result: False), \
-            _patched(write.WriteHandle, "_found_in_history", lambda self, b, lower: False):
+            _patched(history, "lost_reply_landed", lambda attempt: False):
         yield
 
 
@@ -391,7 +391,7 @@ def retry_not_settled_by_history() -> Iterator[None]:
     learnt is not settled by its batch's history: once compaction merged the committed
     batch away, the retry is refused as if nothing was written, and a retried
     ``compare_and_append_parts`` deletes the parts older versions still reference."""
-    with _patched(write.WriteHandle, "_settle_retry", lambda self, token, expected: None):
+    with _patched(history, "retry_landed", lambda attempts: False):
         yield
 
 

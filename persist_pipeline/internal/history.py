@@ -1,0 +1,131 @@
+"""Did a write's batch land? The write side's one answer from a shard's state history.
+
+A batch id derives from its write's idempotency token, so finding it in the shard's
+state, a kept record or a kept rollup tells that an attempt of the write committed,
+even after GC expired the writer (and its token) and truncated the record of the
+commit, and after compaction merged the batch away. Every write path asks here:
+
+- :func:`settle_lost_reply`: a lost reply the CaS loop could not settle (the record
+  that would tell is gone) is reported committed when its batch is found;
+- :func:`retry_landed`: a write retried with the token of an attempt whose outcome its
+  caller never learnt, refused now (upper moved, deadline passed, schema changed), is
+  reported committed when that attempt landed, and deletes parts only when it certainly
+  did not;
+- :func:`batch_landed`: the lookup itself (``WriteHandle.committed``).
+
+A transaction commits every shard's batch or none, so any one batch found answers for
+all of them; a write of no rows has no batch to find (its ``batch_id`` is None).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from persist_pipeline.exceptions import Indeterminate, PersistError, UnsettledCommit
+from persist_pipeline.frontier import Frontier
+from persist_pipeline.internal import state_codec
+
+if TYPE_CHECKING:
+    from persist_pipeline.internal.machine import Machine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One shard's batch of a write attempt: ``batch_id`` (None: the write held no rows,
+    so it left no batch) appended at ``lower`` (its expected upper)."""
+
+    machine: Machine
+    batch_id: str | None
+    lower: int
+
+
+def batch_landed(machine: Machine, batch_id: str, lower: int) -> bool | None:
+    """Whether a batch appended at ``lower`` was ever committed, from state history.
+
+    True if the latest state, a kept record (adding it, or a merge removing it) or a
+    kept rollup holds it; False if none does and the kept history reaches back to when
+    the shard's upper was still ``lower`` (where it would be); None when GC truncated
+    that far.
+    """
+    latest = machine.fetch_latest()
+    if batch_id in latest.batches:
+        return True
+    records = machine.consensus.scan(machine.shard_id, 0)
+    for rec in records:
+        diff = state_codec.decode_diff(rec.data, f"shard {machine.shard_id} seqno {rec.seqno}")
+        if batch_id in diff.batch_deletes or any(b.id == batch_id
+                                                 for b in diff.batch_upserts):
+            return True
+    if not records or records[0].seqno <= 1:
+        return False
+    first = records[0].seqno
+    base_upper: Frontier | None = None
+    known = False
+    for seqno, rollup in sorted(latest.rollups.items()):
+        data = machine.blobs.main.get(rollup.key)
+        if data is None:
+            continue  # replaced by a concurrent GC: the others still tell
+        rolled = state_codec.decode_state(data, f"rollup {rollup.key}")
+        if batch_id in rolled.batches:
+            return True
+        if seqno == first:
+            base_upper, known = rolled.upper, True
+    if known and base_upper is not None and base_upper <= lower:
+        return False
+    return None
+
+
+def retry_landed(attempts: Iterable[Attempt]) -> bool:
+    """Whether an earlier attempt of a refused retry landed: True if one of its batches
+    is found; False only if every batch certainly never committed (its parts may then
+    be deleted).
+
+    Raises:
+        Indeterminate: none was found, and GC truncated the history of one that would
+            tell (parts must be left to GC).
+    """
+    unknown: str | None = None
+    for attempt in attempts:
+        if attempt.batch_id is None:
+            continue
+        found = batch_landed(attempt.machine, attempt.batch_id, attempt.lower)
+        if found:
+            return True
+        if found is None and unknown is None:
+            unknown = f"shard {attempt.machine.shard_id} batch {attempt.batch_id}"
+    if unknown is not None:
+        raise Indeterminate(f"cannot tell whether the write of {unknown} (retried with its "
+                            f"idempotency token) committed: GC truncated the history that "
+                            f"would say")
+    return False
+
+
+def lost_reply_landed(attempt: Attempt) -> bool:
+    """Whether the batch of a lost reply is found in history (False also when it cannot
+    be looked for: consensus still away leaves the outcome unknown, never "lost")."""
+    if attempt.batch_id is None:
+        return False
+    try:
+        return batch_landed(attempt.machine, attempt.batch_id, attempt.lower) is True
+    except PersistError as e:
+        log.warning("shard %s: could not look for batch %s in history: %s",
+                    attempt.machine.shard_id, attempt.batch_id, e)
+        return False
+
+
+def settle_lost_reply(attempts: Sequence[Attempt], error: Indeterminate) -> None:
+    """A lost reply the CaS loop could not settle: returns if one of its batches is found
+    in history (it committed), else re-raises ``error``, an ``UnsettledCommit`` naming
+    the first batch a caller can look for later."""
+    if any(lost_reply_landed(a) for a in attempts):
+        return
+    if isinstance(error, UnsettledCommit):
+        named = next((a.batch_id for a in attempts if a.batch_id is not None), None)
+        if named is not None:
+            error.batch_id = named
+    raise error
