@@ -43,6 +43,13 @@ class NotATable(InvalidInput):
     the table replaces its contents."""
 
 
+class TokenReused(InvalidInput):
+    """An idempotency token that already named a write appended at another
+    ``expected_upper`` was given to this one. A token names one write and is reused
+    only to retry that write (same shard and bounds): this is a new write, and nothing
+    was written (its parts, perhaps the other write's, are left to GC)."""
+
+
 class InvalidFrontier(InvalidInput):
     """A frontier argument is malformed or does not advance as required."""
 

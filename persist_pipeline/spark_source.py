@@ -53,15 +53,25 @@ mismatch, a failed task, the commit deadline passed), it deletes the parts; when
 outcome cannot be known (a lost reply), the parts are left to GC's orphan sweep, which
 deletes them only if no state references them. Only ``mode("append")`` is accepted.
 
+**Retrying a write.** Each save draws a fresh idempotency token when it is planned: a
+save run again is a new write. With option ``idempotency_token`` (1-128 characters
+``[A-Za-z0-9_-]``), a save run again with the same token and bounds retries the one
+that used it: if that one landed (even merged away by compaction since), the save
+succeeds and appends nothing; a token that named a write at another ``expected_upper``
+is refused with ``TokenReused``. A commit's refusal is always settled by the batch's
+history before any part is deleted (a commit cannot know that no earlier commit of the
+same write landed).
+
 Options: ``consensus``, ``blob``, ``wal_blob`` (default to ``PERSIST_CONSENSUS_URI``,
 ``PERSIST_BLOB_URI``, ``PERSIST_WAL_BLOB_URI`` of the Spark driver's environment),
 ``shard`` (a shard id or a registered name; a write creates a name that has no shard
 yet); reads: ``as_of`` (a time or ``latest``, the default), ``partitions``,
 ``partition_bytes``, ``lease_seconds``; writes: ``expected_upper``, ``new_upper`` (a
-time or ``closed``). Any other option is refused (``InvalidConfig`` listing the valid
-ones), never ignored. ``mem://`` stores are refused: executors are other processes. A
-read creates nothing: a store that does not exist (a mistyped URI) is refused with
-``ConsensusLocationNotFound`` or ``BlobLocationNotFound``, as by the CLI's reads.
+time or ``closed``), ``idempotency_token`` (see *Retrying a write*). Any other option
+is refused (``InvalidConfig`` listing the valid ones), never ignored. ``mem://`` stores
+are refused: executors are other processes. A read creates nothing: a store that does
+not exist (a mistyped URI) is refused with ``ConsensusLocationNotFound`` or
+``BlobLocationNotFound``, as by the CLI's reads.
 """
 
 from __future__ import annotations
@@ -86,6 +96,7 @@ from persist_pipeline.exceptions import (
     CommitDeadlineExceeded,
     InvalidConfig,
     InvalidFrontier,
+    InvalidInput,
     InvalidShardId,
     InvalidUpdates,
     LeaseExpired,
@@ -95,7 +106,7 @@ from persist_pipeline.exceptions import (
     ShardNotFound,
 )
 from persist_pipeline.frontier import Frontier, check_frontier
-from persist_pipeline.ids import ShardId, new_token
+from persist_pipeline.ids import ShardId, check_token, new_token
 from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.internal.blobs import ShardBlobs, key_starts, split_keys
 from persist_pipeline.internal.merge import memory_plan, merge_runs
@@ -182,8 +193,9 @@ class _Location:
         check_options(options, writing=writing)
         if writing:
             # Before the name is resolved (and created: names are registered for good),
-            # so that a write refused for its bounds leaves nothing behind.
+            # so that a write refused for its bounds or token leaves nothing behind.
             write_bounds(options)
+            write_token(options)
         opts = {k.lower(): v for k, v in options.items()}
         consensus = opts.get("consensus") or os.environ.get("PERSIST_CONSENSUS_URI")
         blob = opts.get("blob") or os.environ.get("PERSIST_BLOB_URI")
@@ -237,7 +249,7 @@ class _Location:
 #: Every option a read and a write take (Spark passes option names lower-cased or not).
 _COMMON_OPTIONS = ("consensus", "blob", "wal_blob", "shard")
 READ_OPTIONS = (*_COMMON_OPTIONS, "as_of", "partitions", "partition_bytes", "lease_seconds")
-WRITE_OPTIONS = (*_COMMON_OPTIONS, "expected_upper", "new_upper")
+WRITE_OPTIONS = (*_COMMON_OPTIONS, "expected_upper", "new_upper", "idempotency_token")
 
 
 def check_options(options: Mapping[str, str], *, writing: bool) -> None:
@@ -279,6 +291,21 @@ def write_bounds(options: Mapping[str, str]) -> tuple[int, Frontier]:
     """
     return check_append_bounds(_frontier_option(options, "expected_upper"),
                                _frontier_option(options, "new_upper"))
+
+
+def write_token(options: Mapping[str, str]) -> str | None:
+    """A write's ``idempotency_token`` option (None: not given, a fresh token).
+
+    Raises:
+        InvalidConfig: not 1-128 characters ``[A-Za-z0-9_-]``.
+    """
+    text = {k.lower(): v for k, v in options.items()}.get("idempotency_token")
+    if text is None:
+        return None
+    try:
+        return check_token(text)
+    except InvalidInput as e:
+        raise InvalidConfig(f"option {e}") from None
 
 
 def _frontier_option(options: Mapping[str, str], name: str) -> Frontier:
@@ -576,6 +603,9 @@ class _WriteJob:
     #: Which boot of which host that clock belongs to (a monotonic clock means nothing
     #: elsewhere): a commit on another host is refused.
     planned_on: str = ""
+    #: This plan's own id: runs of a save retried with one ``idempotency_token`` share
+    #: the token, never their commit markers (each run's abort judges its own commit).
+    plan_id: str = ""
 
     @property
     def store(self) -> Store:
@@ -592,27 +622,30 @@ def _write_job(options: Mapping[str, str], overwrite: bool) -> _WriteJob:
                             "and options expected_upper / new_upper")
     location = _Location.from_options(options, writing=True)
     expected, upper = write_bounds(options)
+    token = write_token(options)
     client = location.client(create=True)
     try:
-        return plan_write(location, client, expected, upper)
+        return plan_write(location, client, expected, upper, token)
     finally:
         client.close()
 
 
 def plan_write(location: _Location, client: PersistClient, expected: int,
-               upper: Frontier) -> _WriteJob:
+               upper: Frontier, token: str | None = None) -> _WriteJob:
     """The driver's plan of one write: the token, and the schema its tasks encode with.
 
-    The shard is created if it does not exist, before any task uploads: the parts of a
-    task attempt that never commits (a retried task, an aborted job) are then swept by
-    GC's orphan sweep of that shard.
+    ``token``: the user's ``idempotency_token`` (the write may retry an earlier one with
+    it); None draws a fresh one, for this write alone. The shard is created if it does
+    not exist, before any task uploads: the parts of a task attempt that never commits
+    (a retried task, an aborted job) are then swept by GC's orphan sweep of that shard.
     """
     client.create_shard(location.shard_id)
     typed = client.schema(location.shard_id)
-    return _WriteJob(location, expected, upper, new_token(),
+    return _WriteJob(location, expected, upper, new_token() if token is None else token,
                      client.config.blob_target_size_bytes,
                      typed.to_bytes() if typed is not None else b"",
-                     planned_s=client.clock.monotonic(), planned_on=_this_boot())
+                     planned_s=client.clock.monotonic(), planned_on=_this_boot(),
+                     plan_id=new_token())
 
 
 def _this_boot() -> str:
@@ -663,7 +696,7 @@ def _commit_marker(job: _WriteJob) -> Path:
     """A file on the driver's host that says a commit of this write was attempted (commit
     and abort run in separate Python workers of the driver; abort must know)."""
     folder = MARKER_DIR if MARKER_DIR is not None else Path(tempfile.gettempdir())
-    return folder / f"persist-spark-commit-{job.token}"
+    return folder / f"persist-spark-commit-{job.token}-{job.plan_id}"
 
 
 def _commit(job: _WriteJob, messages: Sequence[Any],

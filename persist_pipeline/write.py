@@ -245,6 +245,8 @@ class WriteHandle:
             SchemaMismatch: a table that does not fit a typed shard's schema, or untyped
                 updates (tuples, a k/v table) for a typed shard; nothing changed.
             InvalidInput: a malformed ``idempotency_token``; nothing changed.
+            TokenReused: ``idempotency_token`` already named a write appended at
+                another ``expected_upper``: this is not its retry; nothing changed.
             Indeterminate: a lost reply (or a retried token) whose outcome cannot be
                 told; the parts are left for GC. Read the shard, or retry with the
                 same ``idempotency_token``.
@@ -297,7 +299,8 @@ class WriteHandle:
         Raises:
             InvalidInput: a malformed ``idempotency_token`` (see
                 :meth:`compare_and_append`). InvalidFrontier: ``expected_upper`` is not
-                a time.
+                a time. TokenReused: the token's write was appended at another
+                ``expected_upper``.
         """
         self._check_open()
         check_token(idempotency_token)
@@ -721,6 +724,10 @@ class WriteHandle:
         if isinstance(result, transitions.SchemaChanged):
             raise SchemaMismatch(_schema_changed(self.shard_id, result.recorded,
                                                  staged.encoding))
+        if isinstance(result, transitions.TokenReusedResult):
+            assert staged.batch is not None  # only a batch can be found in the state
+            raise history.token_reused(self.shard_id, staged.batch.id, result.lower,
+                                       result.upper, staged.expected)
         if isinstance(result, transitions.DeadlineExceeded):
             raise CommitDeadlineExceeded(
                 f"shard {self.shard_id}: parts uploaded too long ago to commit safely (GC "

@@ -13,6 +13,10 @@ commit, and after compaction merged the batch away. Every write path asks here:
   did not;
 - :func:`batch_landed`: the lookup itself (``WriteHandle.committed``).
 
+A token names one write: a batch found appended at another lower than the one asked
+about is another write's, and the write asking reuses its token (``TokenReused``), never
+its retry.
+
 A transaction commits every shard's batch or none, so any one batch found answers for
 all of them; a write of no rows has no batch to find (its ``batch_id`` is None).
 """
@@ -24,9 +28,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from persist_pipeline.exceptions import Indeterminate, PersistError, UnsettledCommit
+from persist_pipeline.exceptions import (
+    Indeterminate,
+    PersistError,
+    TokenReused,
+    UnsettledCommit,
+)
 from persist_pipeline.frontier import Frontier
 from persist_pipeline.internal import state_codec
+from persist_pipeline.internal.state import Description
 
 if TYPE_CHECKING:
     from persist_pipeline.internal.machine import Machine
@@ -44,6 +54,16 @@ class Attempt:
     lower: int
 
 
+def token_reused(shard_id: str, batch_id: str, lower: int, upper: Frontier,
+                 expected: int) -> TokenReused:
+    """The error of a new write whose token (batch ``batch_id``) already named a write
+    appended at ``[lower, upper)``."""
+    return TokenReused(f"shard {shard_id}: the idempotency token of batch {batch_id} "
+                       f"already named a write appended at [{lower}, {upper}); this write "
+                       f"at expected_upper {expected} is not a retry of it (a token names "
+                       f"one write: give a new write a new token); nothing was written")
+
+
 def batch_landed(machine: Machine, batch_id: str, lower: int) -> bool | None:
     """Whether a batch appended at ``lower`` was ever committed, from state history.
 
@@ -51,19 +71,31 @@ def batch_landed(machine: Machine, batch_id: str, lower: int) -> bool | None:
     kept rollup holds it; False if none does and the kept history reaches back to when
     the shard's upper was still ``lower`` (where it would be); None when GC truncated
     that far.
+
+    Raises:
+        TokenReused: the batch was found appended at another lower: the token named
+            another write, and this one is not its retry.
     """
+    def at(desc: Description) -> bool:
+        if desc.lower != lower:
+            raise token_reused(machine.shard_id, batch_id, desc.lower, desc.upper, lower)
+        return True
+
     latest = machine.fetch_latest()
     if batch_id in latest.batches:
-        return True
+        return at(latest.batches[batch_id].desc)
     records = machine.consensus.scan(machine.shard_id, 0)
+    merged_away = False
     for rec in records:
         diff = state_codec.decode_diff(rec.data, f"shard {machine.shard_id} seqno {rec.seqno}")
-        if batch_id in diff.batch_deletes or any(b.id == batch_id
-                                                 for b in diff.batch_upserts):
-            return True
-    if not records or records[0].seqno <= 1:
+        for b in diff.batch_upserts:
+            if b.id == batch_id:
+                return at(state_codec.description_from(b.desc))
+        merged_away = merged_away or batch_id in diff.batch_deletes
+    truncated = bool(records) and records[0].seqno > 1
+    if not merged_away and not truncated:
         return False
-    first = records[0].seqno
+    first = records[0].seqno if records else 0
     base_upper: Frontier | None = None
     known = False
     for seqno, rollup in sorted(latest.rollups.items()):
@@ -72,9 +104,11 @@ def batch_landed(machine: Machine, batch_id: str, lower: int) -> bool | None:
             continue  # replaced by a concurrent GC: the others still tell
         rolled = state_codec.decode_state(data, f"rollup {rollup.key}")
         if batch_id in rolled.batches:
-            return True
+            return at(rolled.batches[batch_id].desc)
         if seqno == first:
             base_upper, known = rolled.upper, True
+    if merged_away:
+        return True  # every kept version naming its bounds is gone: they cannot be checked
     if known and base_upper is not None and base_upper <= lower:
         return False
     return None
@@ -88,6 +122,8 @@ def retry_landed(attempts: Iterable[Attempt]) -> bool:
     Raises:
         Indeterminate: none was found, and GC truncated the history of one that would
             tell (parts must be left to GC).
+        TokenReused: a batch was found appended at another lower (see
+            :func:`batch_landed`): not a retry of that write (parts left to GC).
     """
     unknown: str | None = None
     for attempt in attempts:

@@ -67,6 +67,11 @@ def _desc_from(p: pb.Description) -> Description:
     return Description(lower, frontier_from_proto(p.upper), since)
 
 
+def description_from(p: pb.Description) -> Description:
+    """A batch description decoded from a record's diff (e.g. a batch it adds)."""
+    return _desc_from(p)
+
+
 def _part_to(part: Part, out: pb.Part) -> None:
     if isinstance(part, HollowPart):
         h = out.hollow

@@ -78,11 +78,20 @@ class SchemaChanged:
     recorded: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class TokenReusedResult:
+    """The write's batch id (its token) names a batch already in the state at another
+    lower: not a retry of that write but a new write reusing its token."""
+
+    lower: int
+    upper: Frontier
+
+
 #: The result of an append that committed (results are immutable: one is shared).
 APPENDED = Appended()
 
 AppendResult = (Appended | UpperMismatchResult | InlineBudgetExceeded | DeadlineExceeded
-                | SchemaChanged)
+                | SchemaChanged | TokenReusedResult)
 
 
 def _with_since(state: State, **changes: object) -> State:
@@ -150,7 +159,12 @@ def compare_and_append(
             and writer.most_recent_write_upper == new_upper):
         return state, Appended(already_committed=True)
     if batch_in_state(state, batch):
-        # Committed, even if the writer (and its token) expired meanwhile.
+        assert batch is not None
+        # Committed, even if the writer (and its token) expired meanwhile; unless it
+        # landed at another lower: then this is a new write reusing the token.
+        desc = state.batches[batch.id].desc
+        if desc.lower != expected_upper:
+            return state, TokenReusedResult(desc.lower, desc.upper)
         return state, Appended(already_committed=True)
     if commit_deadline is not None and commit_deadline.passed:
         return state, DeadlineExceeded(commit_deadline)
