@@ -98,7 +98,6 @@ from persist_pipeline.exceptions import (
     InvalidFrontier,
     InvalidInput,
     InvalidShardId,
-    InvalidUpdates,
     LeaseExpired,
     PartMissing,
     PersistError,
@@ -114,7 +113,7 @@ from persist_pipeline.internal.state import Batch, Description, HollowPart, Stor
 from persist_pipeline.plan import LATEST, PlanFile, SnapshotPlan
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import Updates, consolidate, naming_shard
-from persist_pipeline.write import check_append_bounds
+from persist_pipeline.write import check_append_bounds, check_times
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -673,12 +672,7 @@ def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
     typed = ShardSchema.from_bytes(job.schema) if job.schema else None
     table = pa.Table.from_batches(collected)
     data = Updates.coerce(table if typed is None else typed.encode(table))
-    bounds = data.time_bounds()
-    if bounds is not None:
-        lo, hi = bounds
-        if lo < job.expected_upper or (job.new_upper is not None and hi >= job.new_upper):
-            raise InvalidUpdates(f"update times must lie in [{job.expected_upper}, "
-                                 f"{job.new_upper}); this task got times {lo}..{hi}")
+    check_times(data, job.expected_upper, job.new_upper)
     if not len(data):
         return (), 0
     uri = job.location.wal_blob_uri if job.store == "wal" else job.location.blob_uri
