@@ -27,8 +27,10 @@ READER_LEASE_DURATION_S = 15 * 60.0
 #: How often handles heartbeat in the background (a fraction of the lease).
 HEARTBEAT_INTERVAL_S = 60.0
 #: GC only deletes unreferenced blobs older than this (protects in-flight writes), and
-#: commits that reference fresh blobs must land within half of it. Every process on a
-#: location must use the same value (a GC may use a larger one, never a smaller one).
+#: commits that reference fresh blobs must land within half of it. A shard records the
+#: value of the process that created it, and every process goes by the shard's: a GC
+#: configured larger sweeps with its own, a writer configured smaller commits within
+#: half its own.
 GC_ORPHAN_MIN_AGE_S = 3600.0
 #: Bytes of fetched parts kept in the in-process LRU cache.
 BLOB_CACHE_BYTES = 64 << 20

@@ -14,18 +14,20 @@ cut C, and:
    the head's latest rollup or from a cached state, and records below C are gone);
 4. optionally sweeps orphans: blobs under the shard's prefix that no kept version
    references (for rollups: that the head does not list) and that are older than
-   ``gc_orphan_min_age_s`` (uploads whose commit failed, rollups a killed GC dropped).
+   the shard's orphan age A (uploads whose commit failed, rollups a killed GC dropped).
    Writes, merge results and rollups only commit references to blobs whose upload
    started less than half that age before their transition ran, measured on the
    committer's monotonic clock (:meth:`Machine.commit_deadline`). The sweep first reads
    the store's own time T0 (:meth:`Blob.clock_now`), then commits a *fence* (a state
    change): a commit computed on an older state then loses its CaS and runs its
    transition again, after T0, where the deadline refuses any blob uploaded before
-   ``T0 - gc_orphan_min_age_s / 2``, while the sweep only deletes blobs the store
-   stamped before ``T0 - gc_orphan_min_age_s``. So every reference to such a blob is
+   ``T0 - A / 2``, while the sweep only deletes blobs the store
+   stamped before ``T0 - A``. So every reference to such a blob is
    in a version the sweep reads, however long either side pauses. No clock is compared
    with another machine's: wall-clock skew between writers, GC and the store does not
-   matter; clock *rates* must agree within a factor of two.
+   matter; clock *rates* must agree within a factor of two. A is recorded in the state
+   (:func:`transitions.orphan_min_age_ms`): every process goes by it, never only by its
+   own ``gc_orphan_min_age_s``, so processes configured differently stay safe.
 
 Any number of GCs may run at once, or die anywhere. A GC that finds another one got
 ahead of it (the rollup it starts from is gone, or records it needs were truncated)
@@ -195,12 +197,14 @@ def _sweep_orphans(machine: Machine) -> int:
     stores: list[Store] = ["main", "wal"] if machine.blobs.wal is not None else ["main"]
     # Each store's own time, read before the fence commits: an age is its clock minus
     # its own stamp, never GC's clock minus the store's (guarantee: safe under skew).
-    min_age_s = machine.config.gc_orphan_min_age_s
-    cutoffs = {}
-    for store in stores:
-        blob = machine.blobs.store(store)
-        cutoffs[store] = _store_now(machine, store) - min_age_s - blob.stamp_resolution_s
-    machine.apply(lambda s: transitions.fence_orphan_sweep(s, machine.now_ms()))
+    store_now = {store: _store_now(machine, store) for store in stores}
+    # The age is the shard's (the fence records this GC's own on a shard without one),
+    # never only this process's config: a GC configured with a shorter age than the
+    # writers' would sweep parts they may still commit.
+    age_ms, _ = machine.apply(lambda s: transitions.fence_orphan_sweep(
+        s, machine.now_ms(), machine.orphan_min_age_ms))
+    cutoffs = {store: now - age_ms / 1000 - machine.blobs.store(store).stamp_resolution_s
+               for store, now in store_now.items()}
     listed: list[tuple[Store, str, float]] = []
     for store in stores:
         for meta in machine.blobs.store(store).list_keys(paths.shard_prefix(machine.shard_id)):

@@ -7,10 +7,18 @@ from pathlib import Path
 import pytest
 
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
+from persist_pipeline.blob import open_blob
+from persist_pipeline.consensus import open_consensus
 from persist_pipeline.exceptions import CommitDeadlineExceeded, CorruptData, InvalidConfig
 from persist_pipeline.updates import Updates, encode_parquet
 from tests.fixtures.location import Location
-from tests.helpers import HandClock, client_on_clock, expected_snapshot, rows
+from tests.helpers import (
+    HandClock,
+    StoreOnClock,
+    client_on_clock,
+    expected_snapshot,
+    rows,
+)
 
 BLOB_ONLY = InlinePolicy(0, 0)
 
@@ -135,3 +143,101 @@ def test_reading_a_wal_part_without_the_wal_store_is_a_config_error(tmp_path: Pa
     with PersistClient.open(consensus, blob, inline_policy=BLOB_ONLY) as forgetful, \
             pytest.raises(InvalidConfig, match="wal_blob_uri"):
         forgetful.open_reader(shard).snapshot(0)
+
+
+WRITER_AGE_S = 600.0  # this writer's deadline: 300 s after its upload started
+GC_AGE_S = 60.0  # a GC configured with a tenth of it
+
+
+def _paused_write_while_gc_runs(writer: PersistClient, collector: PersistClient,
+                                clock: HandClock, shard: ShardId, pause_s: float
+                                ) -> tuple[list[dict[str, object]], object]:
+    """``writer`` uploads a part, pauses ``pause_s`` before its compare-and-set, and
+    ``collector`` runs GC meanwhile. Returns GC's metrics and the write's result (or
+    the error it raised)."""
+    handle = writer.open_writer(shard)
+    real_transition = handle._transition
+    metrics: list[dict[str, object]] = []
+
+    def paused_transition(staged):  # type: ignore[no-untyped-def]
+        if not metrics:  # once: the pause between the upload and the first CaS
+            clock.advance(pause_s)
+            metrics.append(collector.gc(shard))
+        return real_transition(staged)
+
+    handle._transition = paused_transition  # type: ignore[method-assign]
+    try:
+        outcome: object = handle.compare_and_append([(b"late", b"x", 1, 1)], 1, 2)
+    except CommitDeadlineExceeded as e:
+        outcome = e
+    return metrics, outcome
+
+
+class _FastWallClock:
+    """Another process on ``clock``'s time, whose wall clock runs an hour fast and whose
+    monotonic clock has its own origin."""
+
+    def __init__(self, clock: HandClock) -> None:
+        self._clock = clock
+
+    def now_ms(self) -> int:
+        return self._clock.now_ms() + 3_600_000
+
+    def monotonic(self) -> float:
+        return self._clock.monotonic() + 12_345.0
+
+    def sleep(self, seconds: float) -> None:
+        self._clock.sleep(seconds)
+
+
+def _client_with_fast_wall_clock(location: Location, clock: HandClock,
+                                 config: PersistConfig) -> PersistClient:
+    """A client whose blob stores keep ``clock``'s time (the store's clock is one for
+    everybody) and whose own clocks are :class:`_FastWallClock`."""
+    wal = (StoreOnClock(open_blob(location.wal_blob_uri), clock)
+           if location.wal_blob_uri else None)
+    return PersistClient(open_consensus(location.consensus_uri),
+                         StoreOnClock(open_blob(location.blob_uri), clock), wal, config,
+                         _FastWallClock(clock))
+
+
+@pytest.mark.parametrize("created_by", ["writer", "collector"])
+def test_processes_configured_with_different_orphan_ages_never_lose_a_write(
+        location: Location, created_by: str):
+    """The orphan age is the shard's, recorded when it is created: a GC configured with
+    a smaller age never sweeps a part a writer configured with a larger one may still
+    commit, and such a writer's deadline is the shard's (shorter) one. The GC's wall
+    clock also runs an hour fast: it plays no part in a blob's age."""
+    clock = HandClock()
+    writer = client_on_clock(location, clock, BLOB_ONLY,
+                             PersistConfig(gc_orphan_min_age_s=WRITER_AGE_S,
+                                           heartbeat_interval_s=0))
+    collector = _client_with_fast_wall_clock(location, clock, PersistConfig(
+        inline_policy=BLOB_ONLY, gc_orphan_min_age_s=GC_AGE_S, heartbeat_interval_s=0))
+    shard = ShardId.new()
+    creator = writer if created_by == "writer" else collector
+    creator.open_writer(shard).compare_and_append([(b"a", b"b", 0, 1)], 0, 1)
+    # Paused past the GC's age, well within the writer's own deadline.
+    metrics, outcome = _paused_write_while_gc_runs(writer, collector, clock, shard,
+                                                   pause_s=2 * GC_AGE_S)
+    assert metrics, "GC ran while the write was paused"
+    state = writer._machine(str(shard)).fetch_latest()
+    missing = [key for store, key in state.referenced_blobs()
+               if writer.blobs.store(store).get(key) is None]
+    assert missing == [], "the shard references a part GC deleted"
+    if created_by == "writer":
+        # The shard's age is the writer's: GC waits for it, the write commits.
+        assert metrics[0]["orphans_deleted"] == 0
+        assert not isinstance(outcome, Exception)
+        expected = [(b"a", b"b", 0, 1), (b"late", b"x", 1, 1)]
+    else:
+        # The shard's age is the GC's: the writer's part may be swept, so its commit
+        # is refused (a typed error, nothing written) rather than referencing it.
+        assert isinstance(outcome, CommitDeadlineExceeded)
+        expected = [(b"a", b"b", 0, 1)]
+    assert state.upper == (2 if created_by == "writer" else 1)
+    fresh = location.client(BLOB_ONLY)
+    assert rows(fresh.open_reader(shard).snapshot(state.upper - 1), state.upper - 1) == \
+        expected_snapshot(expected, state.upper - 1)
+    for client in (writer, collector, fresh):
+        client.close()

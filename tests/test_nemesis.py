@@ -119,7 +119,8 @@ def _check(client: PersistClient, shard: ShardId, keys: list[bytes], max_bytes: 
 
 def test_control_gc_that_ignores_what_is_live_is_caught(location, monkeypatch):
     # Written with the default commit deadline (a loaded machine may take longer than the
-    # half second a 1 s orphan age leaves); collected with a 1 s orphan age.
+    # half second a 1 s orphan age leaves), so the shard has the default orphan age;
+    # collected by a GC configured with 1 s, which goes by the shard's.
     writing = location.client(InlinePolicy(0, 0), PersistConfig(rollup_threshold=2))
     shard = _two_batches(writing)
     for t in range(2, 6):
@@ -129,7 +130,8 @@ def test_control_gc_that_ignores_what_is_live_is_caught(location, monkeypatch):
     client = client_on_clock(location, clock, InlinePolicy(0, 0), collecting)
     # Every part is now old enough for the orphan sweep on the store's clock, whose
     # stamps may be rounded down (S3: to the second).
-    clock.advance(collecting.gc_orphan_min_age_s + client.blobs.main.stamp_resolution_s + 0.1)
+    clock.advance(writing.config.gc_orphan_min_age_s
+                  + client.blobs.main.stamp_resolution_s + 0.1)
     from persist_pipeline import gc
 
     # The broken build: the orphan sweep believes no version references anything.

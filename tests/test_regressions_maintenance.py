@@ -963,9 +963,11 @@ def test_rollups_a_killed_gc_dropped_are_swept_by_the_next_gc(location: Location
     from persist_pipeline import gc as gc_module
 
     # Writes get the default commit deadline (a loaded machine may need more than the half
-    # second a 1 s orphan age leaves); GC runs with a 1 s orphan age.
+    # second a 1 s orphan age leaves), and the shard the default orphan age, which GC
+    # goes by whatever it is configured with. The reader's lease outlives the time GC's
+    # clock is advanced by.
     writing = location.client(InlinePolicy(0, 0), PersistConfig(
-        rollup_threshold=2, background_maintenance=False))
+        rollup_threshold=2, background_maintenance=False, reader_lease_duration_s=86400))
     config = PersistConfig(rollup_threshold=2, gc_orphan_min_age_s=1,
                            background_maintenance=False)
     clock = HandClock()  # GC's time: its store's clock is what ages the dropped rollups
@@ -990,7 +992,8 @@ def test_rollups_a_killed_gc_dropped_are_swept_by_the_next_gc(location: Location
     writer.compare_and_append([], 12, 13)
     # The dropped rollups are now old enough for the sweep on the store's clock, whose
     # stamps may be rounded down (S3: to the second).
-    clock.advance(config.gc_orphan_min_age_s + client.blobs.main.stamp_resolution_s + 0.1)
+    clock.advance(writing.config.gc_orphan_min_age_s
+                  + client.blobs.main.stamp_resolution_s + 0.1)
     client.gc(shard)
     head = client._machine(shard).fetch_latest()
     listed = {m.key for m in client.blobs.main.list_keys(f"{shard}/") if "/rollup/" in m.key}

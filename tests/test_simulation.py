@@ -80,6 +80,10 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # comment; the test runs the profile that catches it, to stay quick):
     # a GC whose clock is ahead sweeps a write in flight (13)
     "gc_sweeps_on_its_own_clock": (r"missing blob|CorruptPart", 40, "clocks"),
+    # processes go by their own orphan ages, not the shard's: a GC configured shorter
+    # than a writer sweeps the part that writer, paused within its own deadline, then
+    # commits (20 of the clocks profile, whose processes draw their ages)
+    "orphan_age_per_process": (r"missing blob|PartMissing|CorruptPart", 40, "clocks"),
     # an untyped Spark write commits into a shard typed mid-job (5)
     "spark_commit_rederives_schema": (r"does not read|corrupt typed", 40, "seams"),
     # an old writer re-decodes rows written after an evolution (74)

@@ -338,7 +338,9 @@ def test_a_lost_task_attempt_of_a_write_to_a_new_shard_is_swept(tmp_path: Path) 
     try:
         assert shard in client.list_shards()
         assert store.get(lost[0].key) is not None
-        clock.offset_s = 61.0  # the store's clock: the orphan is old now
+        # The store's clock: the orphan is now older than the shard's age, which its
+        # planner (default config) recorded and GC goes by, whatever its own config.
+        clock.offset_s = PersistConfig().gc_orphan_min_age_s + 1
         assert client.gc(shard)["orphans_deleted"] == 1
         assert store.get(lost[0].key) is None
     finally:

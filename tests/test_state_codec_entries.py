@@ -112,6 +112,7 @@ def states(draw: st.DrawFn) -> State:
         created_ms=draw(_u64),
         upper=draw(frontier), since=draw(frontier), inline_bytes=draw(_u64),
         inline_fallbacks=draw(_u64), orphan_sweep_ms=draw(_u64),
+        orphan_min_age_ms=draw(_u64),
         batches={i: draw(batches(i)) for i in ids},
         spine={lo: SpineEntry(lo, draw(frontier), draw(st.integers(0, 63)), draw(_u64),
                               draw(_u64))

@@ -115,6 +115,27 @@ def test_compaction_output_may_not_be_inline():
         transitions.apply_merge(state, MergeRes(req.input_ids, bad), 1)
 
 
+def test_the_orphan_age_is_the_shards_whatever_each_process_is_configured_with():
+    created = transitions.create(State(shard_id=SHARD), 1, 60_000)
+    assert created.orphan_min_age_ms == 60_000
+    # A GC configured shorter sweeps with the shard's age; one configured longer keeps
+    # its own (it only keeps more). Neither changes the shard's.
+    for configured, sweeps_with in ((10_000, 60_000), (600_000, 600_000)):
+        fenced, age = transitions.fence_orphan_sweep(created, 2, configured)
+        assert (age, fenced.orphan_min_age_ms) == (sweeps_with, 60_000)
+    # A commit's deadline is half the shard's age, or of the committer's own if shorter.
+    for own, half in ((600_000, 30_000), (20_000, 10_000)):
+        assert not transitions.CommitDeadline(0, own, half).passed_in(created)
+        assert transitions.CommitDeadline(0, own, half + 1).passed_in(created)
+    # A shard from before the age was recorded gets the first sweeper's; until then a
+    # committer goes by its own.
+    legacy = replace(created, orphan_min_age_ms=0)
+    assert transitions.CommitDeadline(0, 600_000, 300_000).passed_in(legacy) is False
+    fenced, age = transitions.fence_orphan_sweep(legacy, 2, 10_000)
+    assert (age, fenced.orphan_min_age_ms) == (10_000, 10_000)
+    assert transitions.CommitDeadline(0, 600_000, 5_001).passed_in(fenced)
+
+
 def test_since_is_the_meet_of_readers_and_never_regresses():
     state = grow(1)
     state, _ = transitions.register_leased_reader(state, "r1", 1, 1000)
@@ -150,7 +171,7 @@ def _roundtrip(old: State, new: State) -> State:
                           st.integers(0, 5)), min_size=1, max_size=40))
 def test_diffs_and_rollups_reproduce_every_state(ops):
     state = State(shard_id=SHARD, seqno=0)
-    state = replace(transitions.create(state, 1), seqno=1)
+    state = replace(transitions.create(state, 1, 60_000), seqno=1)
     rebuilt = state_codec.apply_diff(State(shard_id=SHARD),
                                      state_codec.decode_diff(state_codec.encode_diff(
                                          State(shard_id=SHARD), state), "t"), "t")

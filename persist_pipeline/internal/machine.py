@@ -145,14 +145,21 @@ class Machine:
         """The deadline, as of now, of a commit referencing blobs whose upload started at
         ``started_s`` (:meth:`monotonic`, taken before the first upload).
 
-        GC's orphan sweep deletes unreferenced blobs older than ``gc_orphan_min_age_s``,
+        GC's orphan sweep deletes unreferenced blobs older than the shard's orphan age,
         measured on the blob store's own clock; anything that references fresh blobs (a
         write, a merge result, a rollup) commits within half that age of starting to
         upload them, measured on the committer's monotonic clock, or not at all. Neither
-        side compares its clock with another machine's, so skew cannot break this.
+        side compares its clock with another machine's, so skew cannot break this. The
+        age is the one recorded in the state the commit lands on (see
+        :meth:`~transitions.CommitDeadline.passed_in`), not this process's config alone.
         """
-        at_ms = int(started_s * 1000) + int(self.config.gc_orphan_min_age_s * 500)
-        return transitions.CommitDeadline(at_ms, int(self.monotonic() * 1000))
+        return transitions.CommitDeadline(int(started_s * 1000), self.orphan_min_age_ms,
+                                          int(self.monotonic() * 1000))
+
+    @property
+    def orphan_min_age_ms(self) -> int:
+        """This process's configured orphan age (``gc_orphan_min_age_s``), in ms."""
+        return int(self.config.gc_orphan_min_age_s * 1000)
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -205,7 +212,7 @@ class Machine:
 
     def _create(self) -> None:
         empty = State(shard_id=self.shard_id)
-        first = transitions.create(empty, self.now_ms())
+        first = transitions.create(empty, self.now_ms(), self.orphan_min_age_ms)
         first = replace(first, seqno=1)
         data = VersionedData(1, state_codec.encode_diff(empty, first),
                              state_codec.encode_summary(first))

@@ -108,7 +108,7 @@ class RollupMaintenance:
             ready.folded = True  # this very commit records it
             return new
         latest = new.latest_rollup()
-        stale = (self._machine.commit_deadline(ready.started_s).passed
+        stale = (self._machine.commit_deadline(ready.started_s).passed_in(new)
                  or (latest is not None and latest.seqno >= ready.rollup.seqno)
                  or ready.rollup.seqno > new.seqno)
         if stale:

@@ -240,6 +240,8 @@ class State:
         inline_bytes: total encoded size of inline parts (bounded by the policy).
         inline_fallbacks: inline-candidate writes that went to blob (budget full).
         orphan_sweep_ms: when GC's orphan sweep last fenced commits (see :mod:`gc`).
+        orphan_min_age_ms: the shard's orphan age (0: not recorded yet), the one every
+            process's GC and commit deadlines go by (see :mod:`gc`).
         batches: by batch id.
         spine: Spine entries by their lower.
         schema: a typed shard's encoded :class:`~persist_pipeline.schema.ShardSchema`
@@ -255,6 +257,7 @@ class State:
     inline_bytes: int = 0
     inline_fallbacks: int = 0
     orphan_sweep_ms: int = 0
+    orphan_min_age_ms: int = 0
     batches: Mapping[str, Batch] = field(default_factory=dict)
     spine: Mapping[int, SpineEntry] = field(default_factory=dict)
     leased_readers: Mapping[str, LeasedReader] = field(default_factory=dict)

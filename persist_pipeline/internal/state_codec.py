@@ -212,7 +212,7 @@ def _scalars_to(s: State, out: pb.Scalars) -> None:
     else:
         out.since.SetInParent()
     out.inline_bytes, out.inline_fallbacks = s.inline_bytes, s.inline_fallbacks
-    out.orphan_sweep_ms = s.orphan_sweep_ms
+    out.orphan_sweep_ms, out.orphan_min_age_ms = s.orphan_sweep_ms, s.orphan_min_age_ms
 
 
 def _scalars_from(p: pb.Scalars) -> dict[str, Any]:
@@ -224,6 +224,7 @@ def _scalars_from(p: pb.Scalars) -> dict[str, Any]:
         "inline_bytes": p.inline_bytes,
         "inline_fallbacks": p.inline_fallbacks,
         "orphan_sweep_ms": p.orphan_sweep_ms,
+        "orphan_min_age_ms": p.orphan_min_age_ms,
     }
 
 

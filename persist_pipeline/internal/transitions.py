@@ -43,16 +43,28 @@ class UpperMismatchResult:
 
 @dataclass(frozen=True, slots=True)
 class CommitDeadline:
-    """When a commit that references freshly uploaded blobs must land by, and the time
-    now, both in milliseconds of the committing process's monotonic clock (never a wall
-    clock, so neither skew between machines nor a wall-clock step can stretch it)."""
+    """The deadline of a commit that references freshly uploaded blobs: half the orphan
+    age after ``started_ms``, when the first upload started. Times are milliseconds of
+    the committing process's monotonic clock (never a wall clock, so neither skew
+    between machines nor a wall-clock step can stretch it). The age is the shard's
+    (:func:`orphan_min_age_ms`), never more than this process's ``own_age_ms``: a
+    process configured with a longer age than GC's cannot commit a blob GC swept."""
 
-    at_ms: int
+    started_ms: int
+    own_age_ms: int
     now_ms: int
 
-    @property
-    def passed(self) -> bool:
-        return self.now_ms > self.at_ms
+    def passed_in(self, state: State) -> bool:
+        """Whether the deadline has passed, for a commit on ``state``."""
+        age_ms = min(self.own_age_ms, orphan_min_age_ms(state, self.own_age_ms))
+        return self.now_ms > self.started_ms + age_ms // 2
+
+
+def orphan_min_age_ms(state: State, configured_ms: int) -> int:
+    """The shard's orphan age: the one recorded in ``state`` (when the shard was
+    created, or by the first orphan sweep of a shard older than the record), else the
+    ``configured_ms`` of the process asking."""
+    return state.orphan_min_age_ms or configured_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +116,11 @@ def _with_since(state: State, **changes: object) -> State:
     return new if since == new.since else replace(new, since=since)
 
 
-def create(state: State, now_ms: int) -> State:
-    """The first state of a new shard (seqno 1): empty, ``since = upper = 0``."""
-    return replace(state, walltime_ms=now_ms, created_ms=now_ms)
+def create(state: State, now_ms: int, orphan_min_age_ms: int) -> State:
+    """The first state of a new shard (seqno 1): empty, ``since = upper = 0``, with the
+    creating process's orphan age recorded as the shard's."""
+    return replace(state, walltime_ms=now_ms, created_ms=now_ms,
+                   orphan_min_age_ms=orphan_min_age_ms)
 
 
 def register_writer(
@@ -166,7 +180,7 @@ def compare_and_append(
         if desc.lower != expected_upper:
             return state, TokenReusedResult(desc.lower, desc.upper)
         return state, Appended(already_committed=True)
-    if commit_deadline is not None and commit_deadline.passed:
+    if commit_deadline is not None and commit_deadline.passed_in(state):
         return state, DeadlineExceeded(commit_deadline)
     # Every refusal below returns the state as it was (unchanged): only a committed
     # append carries the recorded schema.
@@ -257,7 +271,7 @@ def apply_merge(state: State, res: MergeRes, now_ms: int,
     inputs = [state.batches[i] for i in res.input_ids if i in state.batches]
     if len(inputs) == len(res.input_ids):
         _check_merge_result(res, inputs)
-    if commit_deadline is not None and commit_deadline.passed:
+    if commit_deadline is not None and commit_deadline.passed_in(state):
         return state, "deadline_exceeded"
     batches = dict(state.batches)
     spine = dict(state.spine)
@@ -412,18 +426,25 @@ def add_rollup(state: State, rollup: Rollup, now_ms: int,
         return state, False
     if rollup.seqno > state.seqno:
         return state, False
-    if commit_deadline is not None and commit_deadline.passed:
+    if commit_deadline is not None and commit_deadline.passed_in(state):
         return state, False
     rollups = dict(state.rollups)
     rollups[rollup.seqno] = rollup
     return replace(state, rollups=rollups, walltime_ms=now_ms), True
 
 
-def fence_orphan_sweep(state: State, now_ms: int) -> tuple[State, int]:
+def fence_orphan_sweep(state: State, now_ms: int, configured_age_ms: int
+                       ) -> tuple[State, int]:
     """Record the start of an orphan sweep. Committing it fences every transition computed
-    on an older state: those commits now fail their CaS and re-check their deadline."""
+    on an older state: those commits now fail their CaS and re-check their deadline,
+    with the shard's orphan age (recorded now from ``configured_age_ms`` if the shard
+    has none yet). Returns the age the sweep must use: the shard's, or the sweeper's
+    own when that is longer (a longer age only keeps more)."""
     stamp = max(now_ms, state.orphan_sweep_ms + 1)
-    return replace(state, orphan_sweep_ms=stamp, walltime_ms=now_ms), stamp
+    recorded = orphan_min_age_ms(state, configured_age_ms)
+    return (replace(state, orphan_sweep_ms=stamp, orphan_min_age_ms=recorded,
+                    walltime_ms=now_ms),
+            max(recorded, configured_age_ms))
 
 
 def remove_rollups_below(state: State, seqno: int, now_ms: int) -> tuple[State, list[Rollup]]:

@@ -153,7 +153,7 @@ class Rollup(_message.Message):
     def __init__(self, seqno: _Optional[int] = ..., key: _Optional[str] = ..., encoded_size: _Optional[int] = ...) -> None: ...
 
 class Scalars(_message.Message):
-    __slots__ = ("walltime_ms", "upper", "since", "inline_bytes", "created_ms", "inline_fallbacks", "orphan_sweep_ms")
+    __slots__ = ("walltime_ms", "upper", "since", "inline_bytes", "created_ms", "inline_fallbacks", "orphan_sweep_ms", "orphan_min_age_ms")
     WALLTIME_MS_FIELD_NUMBER: _ClassVar[int]
     UPPER_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class Scalars(_message.Message):
     CREATED_MS_FIELD_NUMBER: _ClassVar[int]
     INLINE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     ORPHAN_SWEEP_MS_FIELD_NUMBER: _ClassVar[int]
+    ORPHAN_MIN_AGE_MS_FIELD_NUMBER: _ClassVar[int]
     walltime_ms: int
     upper: Frontier
     since: Frontier
@@ -168,7 +169,8 @@ class Scalars(_message.Message):
     created_ms: int
     inline_fallbacks: int
     orphan_sweep_ms: int
-    def __init__(self, walltime_ms: _Optional[int] = ..., upper: _Optional[_Union[Frontier, _Mapping]] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., inline_bytes: _Optional[int] = ..., created_ms: _Optional[int] = ..., inline_fallbacks: _Optional[int] = ..., orphan_sweep_ms: _Optional[int] = ...) -> None: ...
+    orphan_min_age_ms: int
+    def __init__(self, walltime_ms: _Optional[int] = ..., upper: _Optional[_Union[Frontier, _Mapping]] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., inline_bytes: _Optional[int] = ..., created_ms: _Optional[int] = ..., inline_fallbacks: _Optional[int] = ..., orphan_sweep_ms: _Optional[int] = ..., orphan_min_age_ms: _Optional[int] = ...) -> None: ...
 
 class State(_message.Message):
     __slots__ = ("format_version", "shard_id", "seqno", "scalars", "batches", "spine", "leased_readers", "critical_readers", "writers", "rollups", "schema")

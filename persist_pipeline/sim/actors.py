@@ -98,7 +98,11 @@ def writer(run: SimRun, proc: Process) -> None:
                               f"{expected}) when consensus already had {floor}")
         except CommitDeadlineExceeded:
             status = "failed"
-            deadline = started_s + run.config.gc_orphan_min_age_s / 2
+            # The shard's age (the driver's, which created it), or the writer's own
+            # when shorter.
+            age_s = min(run.config.gc_orphan_min_age_s,
+                        run.config_of(proc).gc_orphan_min_age_s)
+            deadline = started_s + age_s / 2
             if run.clock.monotonic() <= deadline:
                 run.violation("CommitDeadlineExceeded before the deadline passed")
         except UnsettledCommit as e:

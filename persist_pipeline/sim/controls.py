@@ -64,7 +64,7 @@ def deadline_before_token() -> Iterator[None]:
 
     def reordered(state: Any, batch: Any, **kw: Any) -> Any:
         deadline = kw.get("commit_deadline")
-        if deadline is not None and deadline.passed:
+        if deadline is not None and deadline.passed_in(state):
             return state, transitions.DeadlineExceeded(deadline)
         return original(state, batch, **kw)
 
@@ -162,6 +162,15 @@ def gc_sweeps_on_its_own_clock() -> Iterator[None]:
     """GC's orphan sweep measures blob ages with its own wall clock instead of the blob
     store's: a GC whose clock runs ahead deletes fresh uploads a writer then commits."""
     with _patched(gc, "_store_now", lambda m, store: m.now_ms() / 1000):
+        yield
+
+
+@contextmanager
+def orphan_age_per_process() -> Iterator[None]:
+    """Every process goes by its own ``gc_orphan_min_age_s`` instead of the shard's: a GC
+    configured with a shorter age than a writer's sweeps a part the writer, paused
+    within its own deadline, then commits."""
+    with _patched(transitions, "orphan_min_age_ms", lambda state, configured_ms: configured_ms):
         yield
 
 
@@ -418,6 +427,7 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "open_fails_on_replaced_rollup": open_fails_on_replaced_rollup,
     "expired_read_reports_corruption": expired_read_reports_corruption,
     "gc_sweeps_on_its_own_clock": gc_sweeps_on_its_own_clock,
+    "orphan_age_per_process": orphan_age_per_process,
     "spark_commit_rederives_schema": spark_commit_rederives_schema,
     "upsert_decodes_with_writer_schema": upsert_decodes_with_writer_schema,
     "wrapping_diff_sums": wrapping_diff_sums,

@@ -7,7 +7,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -74,6 +74,10 @@ class Profile:
     #: Spark writers now and then commit an earlier write again, with its token and
     #: parts, as a driver does that never learnt the outcome.
     recommits: bool = False
+    #: Each process's own ``gc_orphan_min_age_s``, drawn from these (empty: the seed's
+    #: config for all): GCs and writers configured with different ages, a shorter one
+    #: than the shard's among them.
+    orphan_age_choices_s: tuple[float, ...] = ()
 
 
 PROFILES: dict[str, Profile] = {
@@ -104,13 +108,15 @@ PROFILES: dict[str, Profile] = {
                       "writer": (1, 2), "reader": (0, 1), "namer": (0, 1),
                       "compactor": (1, 1), "gc": (1, 2)}),
     # Clocks and lost replies: blob writes racing GCs whose clocks are off (every
-    # process's wall clock skewed), commits whose replies are lost while the writer
-    # pauses past its lease and GC truncates the record that would settle them.
+    # process's wall clock skewed) and that are configured with other orphan ages than
+    # the writers', commits whose replies are lost while the writer pauses past its
+    # lease and GC truncates the record that would settle them.
     "clocks": Profile({"writer": (2, 3), "appender": (0, 1), "gc": (2, 2)}, skewed=True,
                       compaction=False,
                       skew_choices_s=(-8.0, -4.0, 0.0, 4.0, 8.0),
                       nemesis=Nemesis(pause_at_cas=0.25, pause_choices_s=(1.0, 2.0, 3.5),
-                                      pause_then_lose=0.08)),
+                                      pause_then_lose=0.08),
+                      orphan_age_choices_s=(1.0, 8.0, 16.0)),
     # Multi-shard transactions racing each other and lone writers of one of their
     # shards, threads of one process whose appends meet in its group-commit funnel, and
     # pipeline ingestion of landed files whose runs die between commit and record, with
@@ -202,6 +208,9 @@ class SimRun:
         # threads are off: they would run on OS threads, outside the scheduler).
         self.heartbeat_interval_s = self.rng.choice(self.profile.heartbeat_choices_s)
         self._processes = 0
+        self._orphan_ages: dict[str, float] = {}
+        # Drawn apart from the seed's other choices, which stay as they were.
+        self._age_rng = random.Random(seed + 0x5EED_A6E)
 
     # --- for the actors ------------------------------------------------------------------
 
@@ -214,9 +223,21 @@ class SimRun:
         return self.monitors.get(self.shard)
 
     def client(self, proc: Process | None = None) -> PersistClient:
-        """A client of process ``proc`` (on its own clocks), or of the driver."""
-        clock = self.clock if proc is None else SimClock(self.scheduler, proc)
-        return PersistClient(self.consensus, self.main, self.wal, self.config, clock)
+        """A client of process ``proc`` (on its own clocks and config), or of the driver."""
+        if proc is None:
+            return PersistClient(self.consensus, self.main, self.wal, self.config, self.clock)
+        return PersistClient(self.consensus, self.main, self.wal, self.config_of(proc),
+                             SimClock(self.scheduler, proc))
+
+    def config_of(self, proc: Process) -> PersistConfig:
+        """Process ``proc``'s config: the seed's, with its own orphan age if it drew one."""
+        age = self._orphan_ages.get(proc.name)
+        return self.config if age is None else replace(self.config, gc_orphan_min_age_s=age)
+
+    @property
+    def longest_orphan_age_s(self) -> float:
+        """The longest orphan age any process (or the driver) is configured with."""
+        return max([self.config.gc_orphan_min_age_s, *self._orphan_ages.values()])
 
     def _skew(self) -> float:
         if not self.skewed:
@@ -261,6 +282,8 @@ class SimRun:
 
     def new_process(self, name: str) -> Process:
         """A process with its own clocks (skewed in skewed seeds)."""
+        if self.profile.orphan_age_choices_s:
+            self._orphan_ages[name] = self._age_rng.choice(self.profile.orphan_age_choices_s)
         return Process(name, wall_skew_s=self._skew(),
                        mono_origin_s=self.rng.uniform(0.0, 1e6))
 
@@ -335,7 +358,7 @@ class SimRun:
         """With every client gone and faults off: the data, then a final GC, then leaks."""
         s = self.scheduler
         s.faults_enabled = False
-        s.now += self.config.gc_orphan_min_age_s + self.config.reader_lease_duration_s + 1
+        s.now += self.longest_orphan_age_s + self.config.reader_lease_duration_s + 1
         client = self.client()
         try:
             for shard in self.shards():
@@ -352,7 +375,7 @@ class SimRun:
             for w in self.model.writes.values():
                 if w.status == "pending":
                     w.status = "unknown"
-            s.now += self.config.gc_orphan_min_age_s + 1
+            s.now += self.longest_orphan_age_s + 1
             for _ in range(2):
                 for shard in self.shards():
                     client.gc(shard)
