@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import gc
 
+import pyarrow as pa
 import pytest
 
-from persist_pipeline import PersistClient, PersistConfig, ShardId
-from persist_pipeline.exceptions import LeaseExpired
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
+from persist_pipeline.exceptions import CommitDeadlineExceeded, LeaseExpired
+from persist_pipeline.ids import batch_id as batch_id_of
+from persist_pipeline.ids import new_token
+from persist_pipeline.internal.blobs import write_parts
 from tests.fixtures.location import Location
-from tests.helpers import WAIT_S, HandClock, client_on_clock, wait_until
+from tests.helpers import WAIT_S, HandClock, client_on_clock, rows, wait_until
 
 FAST = PersistConfig(reader_lease_duration_s=0.5, heartbeat_interval_s=0.05)
 #: A fresh in-memory location (each ``mem://`` without a name is its own).
@@ -59,4 +63,103 @@ def test_a_reader_expired_by_someone_else_gets_a_typed_error():
     client.gc(shard)
     with pytest.raises(LeaseExpired):
         reader.snapshot(5)
+    client.close()
+
+
+# --- a writer that was expired and reappears -----------------------------------------------
+
+WRITER_CFG = PersistConfig(reader_lease_duration_s=30, heartbeat_interval_s=0,
+                           gc_orphan_min_age_s=120, blob_cache_bytes=0,
+                           background_maintenance=False)
+BLOB_ONLY = InlinePolicy(0, 0)
+
+
+def test_a_writer_gc_expired_mid_write_commits_and_loses_nothing(location: Location):
+    """A writer pauses past its lease between uploading its part and committing it; GC
+    (its clock past the lease) expires it and sweeps orphans meanwhile. The part is young
+    on the store's clock, so it survives; the writer's commit lands (it registers again),
+    and a retry with its token is settled as committed though the token went with the
+    lease."""
+    clock = HandClock()
+    client = client_on_clock(location, clock, BLOB_ONLY, WRITER_CFG)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    real_transition = writer._transition
+    expired: list[bool] = []
+
+    def paused(staged):  # type: ignore[no-untyped-def]
+        if not expired:
+            clock.advance(WRITER_CFG.reader_lease_duration_s + 1)  # within the deadline
+            client.gc(shard)
+            expired.append(writer.writer_id not in client._machine(shard).fetch_latest()
+                           .writers)
+        return real_transition(staged)
+
+    writer._transition = paused  # type: ignore[method-assign]
+    token = new_token()
+    result = writer.compare_and_append([(b"b", b"2", 1, 1)], 1, 2, idempotency_token=token)
+    writer._transition = real_transition  # type: ignore[method-assign]
+    assert expired == [True] and not result.already_committed
+    assert writer.writer_id in client._machine(shard).fetch_latest().writers
+    # Expired again (and with it the token); a retry is settled by the batch's id.
+    clock.advance(WRITER_CFG.reader_lease_duration_s + 1)
+    client.gc(shard)
+    again = writer.compare_and_append([(b"b", b"2", 1, 1)], 1, 2, idempotency_token=token)
+    assert again.already_committed
+    fresh = location.client(BLOB_ONLY)
+    assert rows(fresh.open_reader(shard).snapshot(1), 1) == [(b"a", b"1", 1), (b"b", b"2", 1)]
+    fresh.close()
+    client.close()
+
+
+def test_an_expired_writer_gets_a_typed_error_and_its_parts_go_to_gc(location: Location):
+    """expire()d, a handle refuses every write with LeaseExpired and changes nothing.
+    Parts uploaded for it (a Spark write's) are not deleted on the refusal (another
+    handle may still commit them with their token, within the deadline) and not left
+    forever: past the shard's orphan age GC sweeps them, and a commit of them after
+    their deadline is refused instead of referencing what GC swept."""
+    clock = HandClock()
+    client = client_on_clock(location, clock, BLOB_ONLY, WRITER_CFG)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    token = new_token()
+    started_s = client._machine(shard).monotonic()
+    parts = write_parts(pa.table({"k": [b"s"], "v": [b"1"], "t": [1], "d": [1]}),
+                        str(shard), batch_id_of(token), client.blobs.main, "main",
+                        WRITER_CFG.blob_target_size_bytes)
+    writer.expire()
+    before = client._machine(shard).fetch_latest()
+    with pytest.raises(LeaseExpired):
+        writer.compare_and_append([(b"b", b"2", 1, 1)], 1, 2)
+    with pytest.raises(LeaseExpired):
+        writer.compare_and_append_parts(parts, 1, 1, 2, idempotency_token=token,
+                                        upload_started_s=started_s, schema=None)
+    after = client._machine(shard).fetch_latest()
+    assert (after.seqno, after.upper) == (before.seqno, before.upper)
+    assert writer.writer_id not in after.writers
+    assert all(client.blobs.main.get(p.key) is not None for p in parts)
+    # Another handle commits them in time.
+    retry = client.open_writer(shard)
+    assert not retry.compare_and_append_parts(parts, 1, 1, 2, idempotency_token=token,
+                                              upload_started_s=started_s,
+                                              schema=None).already_committed
+    # Parts a refused handle leaves, nobody commits: GC sweeps them once old enough.
+    token = new_token()
+    started_s = client._machine(shard).monotonic()
+    late = write_parts(pa.table({"k": [b"t"], "v": [b"1"], "t": [2], "d": [1]}),
+                       str(shard), batch_id_of(token), client.blobs.main, "main",
+                       WRITER_CFG.blob_target_size_bytes)
+    retry.expire()
+    with pytest.raises(LeaseExpired):
+        retry.compare_and_append_parts(late, 1, 2, 3, idempotency_token=token,
+                                       upload_started_s=started_s, schema=None)
+    clock.advance(WRITER_CFG.gc_orphan_min_age_s + client.blobs.main.stamp_resolution_s + 1)
+    assert client.gc(shard)["orphans_deleted"] >= len(late)
+    assert all(client.blobs.main.get(p.key) is None for p in late)
+    with pytest.raises(CommitDeadlineExceeded):
+        client.open_writer(shard).compare_and_append_parts(
+            late, 1, 2, 3, idempotency_token=token, upload_started_s=started_s, schema=None)
+    assert rows(client.open_reader(shard).snapshot(1), 1) == [(b"a", b"1", 1), (b"s", b"1", 1)]
     client.close()
