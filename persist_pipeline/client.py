@@ -390,6 +390,10 @@ class PersistClient:
             "inline_max_bytes": self.inline_policy.max_bytes,
             "hollow_bytes": sum(p.encoded_size for p in hollow),
             "inline_fallbacks": state.inline_fallbacks,
+            # The age every process's GC and commit deadlines go by (None: not recorded
+            # yet; the first orphan sweep records its own).
+            "orphan_min_age_s": state.orphan_min_age_ms / 1000 if state.orphan_min_age_ms
+            else None,
             "spine": [{"lower": e.lower, "upper": e.upper, "level": e.level,
                        "batches": e.num_batches, "pending": e.pending}
                       for e in state.ordered_spine],

@@ -217,6 +217,8 @@ def test_processes_configured_with_different_orphan_ages_never_lose_a_write(
     shard = ShardId.new()
     creator = writer if created_by == "writer" else collector
     creator.open_writer(shard).compare_and_append([(b"a", b"b", 0, 1)], 0, 1)
+    recorded = WRITER_AGE_S if created_by == "writer" else GC_AGE_S
+    assert writer.inspect(shard)["orphan_min_age_s"] == recorded
     # Paused past the GC's age, well within the writer's own deadline.
     metrics, outcome = _paused_write_while_gc_runs(writer, collector, clock, shard,
                                                    pause_s=2 * GC_AGE_S)
