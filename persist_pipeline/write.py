@@ -326,9 +326,11 @@ class WriteHandle:
         encoded with (None: untyped), as known where they were written: the commit is
         refused (``SchemaMismatch``, parts deleted) unless it fits the shard's schema.
 
-        When nothing was committed for certain (upper mismatch, deadline, schema) the
-        parts are deleted; an indeterminate outcome, and bad input (bounds, parts' times
-        or keys that do not fit), leave them to GC. Any call may retry an earlier attempt
+        When nothing was committed for certain and nothing can commit them any more
+        (an upper mismatch, a schema refusal) the parts are deleted; a deadline refusal
+        (another commit of the same parts, computed in time, may still land), an
+        indeterminate outcome, and bad input (bounds, parts' times or keys that do not
+        fit), leave them to GC's orphan sweep. Any call may retry an earlier attempt
         with the same token and parts whose outcome was unknown, so a refusal is settled
         by the batch's history first, as :meth:`compare_and_append`'s retry: found
         committed (perhaps merged away by compaction since), it reports
@@ -370,7 +372,7 @@ class WriteHandle:
                         upload_started_s=upload_started_s)
         try:
             result = self._apply(staged)
-        except CERTAINLY_NOT_COMMITTED:
+        except CERTAINLY_NOT_COMMITTED as refused:
             # This attempt certainly did not commit (the CaS loop settled every lost reply
             # first), but these parts may be those of an earlier attempt with this token
             # that did, merged away since by compaction while older versions still
@@ -379,7 +381,12 @@ class WriteHandle:
             # tell).
             if batch is not None and self._earlier_attempt_landed(idempotency_token, expected):
                 return self._found_committed()
-            self._delete_uncommitted(parts)
+            if not isinstance(refused, CommitDeadlineExceeded):
+                self._delete_uncommitted(parts)
+            # A deadline refusal changes no state, so it fences nothing: another commit
+            # of these very parts (the same write committed again while its first
+            # attempt, computed in time, is still on its way) may still land and
+            # reference them. GC's orphan sweep fences before it deletes them.
             raise
         assert result is not None  # hollow batches never exceed the inline budget
         return result

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
 import pytest
 
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
+from persist_pipeline.consensus.base import Consensus, VersionedData
 from persist_pipeline.exceptions import CommitDeadlineExceeded, CorruptData, InvalidConfig
+from persist_pipeline.ids import batch_id as batch_id_of
+from persist_pipeline.ids import new_token
+from persist_pipeline.internal.blobs import write_parts
 from persist_pipeline.updates import Updates, encode_parquet
 from tests.fixtures.location import Location
 from tests.helpers import (
+    ForwardingConsensus,
     HandClock,
     StoreOnClock,
     client_on_clock,
@@ -190,15 +198,16 @@ class _FastWallClock:
         self._clock.sleep(seconds)
 
 
-def _client_with_fast_wall_clock(location: Location, clock: HandClock,
-                                 config: PersistConfig) -> PersistClient:
+def _process(location: Location, clock: HandClock, config: PersistConfig, *,
+             own_clock: Any = None, consensus: Consensus | None = None) -> PersistClient:
     """A client whose blob stores keep ``clock``'s time (the store's clock is one for
-    everybody) and whose own clocks are :class:`_FastWallClock`."""
+    everybody), on its ``own_clock`` (default: ``clock``) and ``consensus`` (default:
+    the location's)."""
     wal = (StoreOnClock(open_blob(location.wal_blob_uri), clock)
            if location.wal_blob_uri else None)
-    return PersistClient(open_consensus(location.consensus_uri),
+    return PersistClient(consensus or open_consensus(location.consensus_uri),
                          StoreOnClock(open_blob(location.blob_uri), clock), wal, config,
-                         _FastWallClock(clock))
+                         own_clock or clock)
 
 
 @pytest.mark.parametrize("created_by", ["writer", "collector"])
@@ -212,8 +221,9 @@ def test_processes_configured_with_different_orphan_ages_never_lose_a_write(
     writer = client_on_clock(location, clock, BLOB_ONLY,
                              PersistConfig(gc_orphan_min_age_s=WRITER_AGE_S,
                                            heartbeat_interval_s=0))
-    collector = _client_with_fast_wall_clock(location, clock, PersistConfig(
-        inline_policy=BLOB_ONLY, gc_orphan_min_age_s=GC_AGE_S, heartbeat_interval_s=0))
+    collector = _process(location, clock, PersistConfig(
+        inline_policy=BLOB_ONLY, gc_orphan_min_age_s=GC_AGE_S, heartbeat_interval_s=0),
+        own_clock=_FastWallClock(clock))
     shard = ShardId.new()
     creator = writer if created_by == "writer" else collector
     creator.open_writer(shard).compare_and_append([(b"a", b"b", 0, 1)], 0, 1)
@@ -243,3 +253,68 @@ def test_processes_configured_with_different_orphan_ages_never_lose_a_write(
         expected_snapshot(expected, state.upper - 1)
     for client in (writer, collector, fresh):
         client.close()
+
+
+class _PausesBeforeNextCas(ForwardingConsensus):
+    """Runs a hook right before the next compare-and-set, once armed: a process paused
+    between computing its commit and sending it (or a request delayed in the network)."""
+
+    def __init__(self, inner: Consensus) -> None:
+        super().__init__(inner)
+        self.hook: Callable[[], None] | None = None
+
+    def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return self.inner.compare_and_set(shard, expected, new)
+
+
+def test_parts_refused_past_their_deadline_stay_while_another_commit_of_them_may_land(
+        location: Location):
+    """Two commits of the same uploaded parts with one token (a Spark driver that never
+    learnt the outcome commits them again): the first computed its commit in time and
+    pauses before sending it; the second, past the deadline, is refused. A refusal for
+    the deadline changes no state, so it fences nothing: the first then lands and
+    references the parts, which the refusal must not have deleted."""
+    clock = HandClock()
+    cfg = PersistConfig(inline_policy=BLOB_ONLY, gc_orphan_min_age_s=ORPHAN_AGE_S,
+                        heartbeat_interval_s=0, blob_cache_bytes=0)
+    paused = _PausesBeforeNextCas(open_consensus(location.consensus_uri))
+    first_client = _process(location, clock, cfg, consensus=paused)
+    second_client = _process(location, clock, cfg)
+    shard = ShardId.new()
+    first = first_client.open_writer(shard)
+    first.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    token = new_token()
+    started_s = clock.monotonic()  # one host: both commits measure from the plan
+    parts = write_parts(pa.table({"k": [b"s"], "v": [b"1"], "t": [1], "d": [1]}),
+                        str(shard), batch_id_of(token), first_client.blobs.main, "main",
+                        cfg.blob_target_size_bytes)
+    # Opened before: the second commit itself changes no state that would fence the
+    # first (opening a writer would).
+    second = second_client.open_writer(shard)
+    first.fetch_recent_upper()  # the first computes its commit on the latest state
+    refusals: list[Exception] = []
+
+    def the_second_commit_meanwhile() -> None:
+        clock.advance(ORPHAN_AGE_S / 2 + 1)
+        try:
+            second.compare_and_append_parts(
+                parts, 1, 1, 2, idempotency_token=token, upload_started_s=started_s,
+                schema=None)
+        except CommitDeadlineExceeded as e:
+            refusals.append(e)
+
+    paused.hook = the_second_commit_meanwhile
+    first.compare_and_append_parts(parts, 1, 1, 2, idempotency_token=token,
+                                   upload_started_s=started_s, schema=None)
+    assert len(refusals) == 1
+    state = second_client._machine(str(shard)).fetch_latest()
+    assert state.upper == 2
+    assert all(second_client.blobs.main.get(p.key) is not None for p in parts), \
+        "the refusal deleted parts the first commit then referenced"
+    assert rows(second_client.open_reader(shard).snapshot(1), 1) == \
+        [(b"a", b"1", 1), (b"s", b"1", 1)]
+    first_client.close()
+    second_client.close()
