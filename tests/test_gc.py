@@ -17,6 +17,7 @@ from persist_pipeline.exceptions import CommitDeadlineExceeded, CorruptData, Inv
 from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal.blobs import write_parts
+from persist_pipeline.sim import controls
 from persist_pipeline.updates import Updates, encode_parquet
 from tests.fixtures.location import Location
 from tests.helpers import (
@@ -270,14 +271,12 @@ class _PausesBeforeNextCas(ForwardingConsensus):
         return self.inner.compare_and_set(shard, expected, new)
 
 
-def test_parts_refused_past_their_deadline_stay_while_another_commit_of_them_may_land(
-        location: Location):
+def _two_commits_of_the_same_parts(location: Location, clock: HandClock
+                                   ) -> tuple[PersistClient, ShardId, Any, list[Exception]]:
     """Two commits of the same uploaded parts with one token (a Spark driver that never
-    learnt the outcome commits them again): the first computed its commit in time and
-    pauses before sending it; the second, past the deadline, is refused. A refusal for
-    the deadline changes no state, so it fences nothing: the first then lands and
-    references the parts, which the refusal must not have deleted."""
-    clock = HandClock()
+    learnt the outcome commits them again): the first computes its commit in time and
+    pauses before sending it; meanwhile the second, past the deadline, is refused; then
+    the first lands. Returns a client, the shard, the parts and the refusals."""
     cfg = PersistConfig(inline_policy=BLOB_ONLY, gc_orphan_min_age_s=ORPHAN_AGE_S,
                         heartbeat_interval_s=0, blob_cache_bytes=0)
     paused = _PausesBeforeNextCas(open_consensus(location.consensus_uri))
@@ -309,12 +308,32 @@ def test_parts_refused_past_their_deadline_stay_while_another_commit_of_them_may
     paused.hook = the_second_commit_meanwhile
     first.compare_and_append_parts(parts, 1, 1, 2, idempotency_token=token,
                                    upload_started_s=started_s, schema=None)
-    assert len(refusals) == 1
-    state = second_client._machine(str(shard)).fetch_latest()
-    assert state.upper == 2
-    assert all(second_client.blobs.main.get(p.key) is not None for p in parts), \
-        "the refusal deleted parts the first commit then referenced"
-    assert rows(second_client.open_reader(shard).snapshot(1), 1) == \
-        [(b"a", b"1", 1), (b"s", b"1", 1)]
     first_client.close()
-    second_client.close()
+    return second_client, shard, parts, refusals
+
+
+def test_parts_refused_past_their_deadline_stay_while_another_commit_of_them_may_land(
+        location: Location):
+    """A refusal for the deadline changes no state, so it fences nothing: the first
+    commit lands and references the parts, which the refusal must not have deleted."""
+    client, shard, parts, refusals = _two_commits_of_the_same_parts(location, HandClock())
+    assert len(refusals) == 1
+    assert client._machine(str(shard)).fetch_latest().upper == 2
+    assert all(client.blobs.main.get(p.key) is not None for p in parts), \
+        "the refusal deleted parts the first commit then referenced"
+    assert rows(client.open_reader(shard).snapshot(1), 1) == [(b"a", b"1", 1), (b"s", b"1", 1)]
+    client.close()
+
+
+def test_control_deadline_refusal_that_deletes_parts_loses_the_write(location: Location):
+    """The negative control: a deadline refusal that deletes the parts leaves the shard
+    referencing deleted parts once the first commit lands (reads fail)."""
+    with controls.deadline_refusal_deletes_parts():
+        client, shard, parts, refusals = _two_commits_of_the_same_parts(location,
+                                                                        HandClock())
+    assert len(refusals) == 1
+    assert client._machine(str(shard)).fetch_latest().upper == 2
+    assert all(client.blobs.main.get(p.key) is None for p in parts)
+    with pytest.raises(CorruptData):
+        client.open_reader(shard).snapshot(1)
+    client.close()

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from persist_pipeline import client as client_module
 from persist_pipeline import gc, read, updates, write
-from persist_pipeline.exceptions import CorruptState, LeaseExpired
+from persist_pipeline.exceptions import CommitDeadlineExceeded, CorruptState, LeaseExpired
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.internal import history, machine, transitions
 
@@ -171,6 +171,23 @@ def orphan_age_per_process() -> Iterator[None]:
     configured with a shorter age than a writer's sweeps a part the writer, paused
     within its own deadline, then commits."""
     with _patched(transitions, "orphan_min_age_ms", lambda state, configured_ms: configured_ms):
+        yield
+
+
+@contextmanager
+def deadline_refusal_deletes_parts() -> Iterator[None]:
+    """A commit of uploaded parts refused for its deadline deletes them, though another
+    commit of the same parts with the token, computed in time, may still land."""
+    original = write.WriteHandle.compare_and_append_parts
+
+    def deleting(self: write.WriteHandle, parts: Any, *args: Any, **kw: Any) -> Any:
+        try:
+            return original(self, parts, *args, **kw)
+        except CommitDeadlineExceeded:
+            self._delete_uncommitted(parts)
+            raise
+
+    with _patched(write.WriteHandle, "compare_and_append_parts", deleting):
         yield
 
 
@@ -428,6 +445,7 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "expired_read_reports_corruption": expired_read_reports_corruption,
     "gc_sweeps_on_its_own_clock": gc_sweeps_on_its_own_clock,
     "orphan_age_per_process": orphan_age_per_process,
+    "deadline_refusal_deletes_parts": deadline_refusal_deletes_parts,
     "spark_commit_rederives_schema": spark_commit_rederives_schema,
     "upsert_decodes_with_writer_schema": upsert_decodes_with_writer_schema,
     "wrapping_diff_sums": wrapping_diff_sums,

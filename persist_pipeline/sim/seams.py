@@ -361,8 +361,11 @@ def _run_tasks(run: SimRun, job: Any, tables: list[pa.Table], messages: list[Any
         messages.append(_TaskMessage(parts, updates))
 
 
-def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table]) -> str:
-    """Tasks, then the driver's commit (or abort): the outcome."""
+def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table],
+           proc: Process | None = None, append: Append | None = None) -> str:
+    """Tasks, then the driver's commit (or abort): the outcome. With ``proc`` (the
+    driver's process) and ``append`` (its model), a second commit of the same parts may
+    race the driver's (see :func:`_race_commit`)."""
     messages: list[Any] = []
     try:
         _run_tasks(run, job, tables, messages)
@@ -373,7 +376,15 @@ def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table])
     except PersistError as e:
         run.violation(f"Spark write task: unexpected {type(e).__name__}: {e}")
         return "failed"
+    racing = (proc is not None and append is not None and run.profile.recommits
+              and run.rng.random() < 0.5)
+    if racing:
+        assert proc is not None and append is not None
+        _race_commit(run, proc, job, messages, append)
     status = _commit_job(run, client, job, messages)
+    if racing and status == "failed":
+        # The racing commit of the same parts may land after this refusal: it decides.
+        status = "unknown"
     if status != "failed":
         # Committed again later with the same token and parts, as by a driver that
         # never learnt the outcome (see _commit_again).
@@ -399,6 +410,43 @@ def _commit_job(run: SimRun, client: PersistClient, job: Any, messages: list[Any
         return "unknown"
 
 
+def _race_commit(run: SimRun, proc: Process, job: Any, messages: list[Any],
+                 append: Append) -> None:
+    """Another thread of the driver's process commits the job's parts with its token
+    through a writer it opened before the driver's commit, while the driver commits
+    (a commit retried while the first attempt is still on its way): neither commit may
+    delete parts the other then references."""
+    client = run.client(proc)
+    shard = job.location.shard_id
+    opened = run.retry_open(lambda: client.open_writer(shard, debug="racing commit"))
+    if opened is None:
+        return
+    writer = opened
+    parts = tuple(p for m in messages for p in m.parts)
+    updates = sum(m.num_updates for m in messages)
+    schema = ShardSchema.from_bytes(job.schema) if job.schema else None
+
+    def commit() -> None:
+        # Just past the write's commit deadline, where a refusal is likeliest while
+        # the driver's commit, computed in time, may be paused on its way.
+        deadline_s = job.planned_s + run.config.gc_orphan_min_age_s / 2
+        client.clock.sleep(max(0.0, deadline_s - client.clock.monotonic())
+                           + run.rng.uniform(0.0, 1.0))
+        try:
+            writer.compare_and_append_parts(
+                parts, updates, job.expected_upper, job.new_upper,
+                idempotency_token=job.token, upload_started_s=job.planned_s, schema=schema)
+            append.status = "acked"
+        except (UpperMismatch, CommitDeadlineExceeded, SchemaMismatch, Indeterminate):
+            pass
+        except PersistError as e:
+            run.violation(f"racing Spark commit: unexpected {type(e).__name__}: {e}")
+        with contextlib.suppress(PersistError):
+            writer.expire()
+
+    run.spawn(f"{proc.name}/racing-commit", proc, commit)
+
+
 def _commit_again(run: SimRun, client: PersistClient) -> None:
     """Commit an earlier Spark write again, with its token and parts, some writes later
     (compaction may have merged its batch away since): one that committed is reported
@@ -420,13 +468,13 @@ def spark_writer(run: SimRun, proc: Process) -> None:
         if run.profile.recommits and roll < 0.2 and run.seams.recommits:
             _commit_again(run, client)
         elif roll < 0.5:
-            _typed_append(run, client)
+            _typed_append(run, client, proc)
         else:
             _untyped_write_typed_mid_job(run, client)
         run.ops += 1
 
 
-def _typed_append(run: SimRun, client: PersistClient) -> None:
+def _typed_append(run: SimRun, client: PersistClient, proc: Process) -> None:
     shard = run.seams.typed_shard
     if not shard:
         return
@@ -453,7 +501,9 @@ def _typed_append(run: SimRun, client: PersistClient) -> None:
     columns["t"] = [upper] * len(ids)
     table = pa.table(columns)
     cut = run.rng.randint(1, len(ids))
-    append.status = _drive(run, client, job, [table.slice(0, cut), table.slice(cut)])
+    status = _drive(run, client, job, [table.slice(0, cut), table.slice(cut)], proc, append)
+    if append.status != "acked":  # the racing commit may have acked it already
+        append.status = status
 
 
 def _untyped_write_typed_mid_job(run: SimRun, client: PersistClient) -> None:
