@@ -218,8 +218,17 @@ class WriteHandle:
     def _beat(self) -> None:
         lease = self._lease_ms()
         machine = self._machine
-        machine.apply(lambda s: transitions.register_writer(s, self.writer_id, machine.now_ms(),
-                                                             lease))
+
+        def renew(state: State) -> tuple[State, None]:
+            # Asked on every attempt: expire() closes the handle before it commits, so
+            # a beat whose commit would land after the expiry re-runs here and changes
+            # nothing, rather than registering the expired writer again.
+            if self._closed:
+                return state, None
+            return transitions.register_writer(state, self.writer_id, machine.now_ms(),
+                                               lease)[0], None
+
+        machine.apply(renew)
 
     def compare_and_append(
         self, updates: object, expected_upper: int, new_upper: Frontier, *,

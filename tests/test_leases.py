@@ -163,3 +163,17 @@ def test_an_expired_writer_gets_a_typed_error_and_its_parts_go_to_gc(location: L
             late, 1, 2, 3, idempotency_token=token, upload_started_s=started_s, schema=None)
     assert rows(client.open_reader(shard).snapshot(1), 1) == [(b"a", b"1", 1), (b"s", b"1", 1)]
     client.close()
+
+
+def test_a_heartbeat_landing_after_expire_does_not_bring_the_writer_back(location: Location):
+    """A heartbeat in flight when ``expire()`` commits (its thread not stopped in time:
+    consensus slow) lands afterwards: it must not register the expired writer again,
+    which would then sit in the state until its lease ran out."""
+    client = location.client(BLOB_ONLY, WRITER_CFG)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    writer.expire()
+    writer._beat()  # the beat that was on its way
+    assert writer.writer_id not in client._machine(shard).fetch_latest().writers
+    client.close()
