@@ -108,9 +108,11 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # shard's group is never woken (9)
     "funnel_forgets_successor": (r"simulated deadlock", 20, "transactions"),
     # a replacement that reads the shard at upper - 1 misses rows compaction advanced to
-    # a since at the upper, and a store leaves them twice (9 and 51 of the first 60: a
-    # scenario few seeds reach, so the test allows 60)
-    "contents_read_at_the_upper": (r"none of the tables stored", 60, "seams"),
+    # a since at the upper, and a store leaves them twice: a keyed table's load refuses
+    # its key held twice (NotATable), another loads a table never stored (72, 102 and
+    # 129 of the first 130: a scenario few seeds reach, so the test allows 80)
+    "contents_read_at_the_upper": (r"none of the tables stored|unexpected NotATable", 80,
+                                   "seams"),
     # table loads and stores remember each generation's upper: a load after another
     # process's store returns the table it replaced, a stale read (1)
     "table_uppers_memoized": (r"later store had replaced", 20, "seams"),
