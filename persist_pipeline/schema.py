@@ -17,7 +17,7 @@ import base64
 import dataclasses
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
@@ -179,31 +179,34 @@ class ShardSchema:
     @cached_property
     def _narrowed(self) -> dict[str, pa.DataType]:
         """The storage columns of a table whose own type is narrower than the stored
-        one, with that type: ``float16`` (stored as ``float32``) and Arrow's ``null``
-        (a column of nulls only, stored as ``int8``)."""
+        one somewhere (top-level or inside), with that type: ``float16`` (stored as
+        ``float32``) and Arrow's ``null`` (nulls only, stored as ``int8``)."""
         raw, names = self.metadata.get(ARROW_SCHEMA_META), self.metadata.get(COLUMNS_META)
         if raw is None or names is None:
             return {}
         original = pa.ipc.read_schema(pa.py_buffer(raw))
         return {stored: f.type for f, stored in zip(original, json.loads(names), strict=True)
-                if pa.types.is_float16(f.type) or pa.types.is_null(f.type)}
+                if next(narrow_types(f.type), None) is not None}
 
     def _check_narrowed(self, columns: Mapping[str, pa.Array | pa.ChunkedArray]) -> None:
         """Refuse values that a table's narrower column type cannot hold: a load casts
         them back, and would return infinity or zero for a float16 out of range, and
-        null for any value in a column of nulls only (rounding to the nearest float16
-        is what a float16 column means)."""
+        null for any value where the table holds nulls only (rounding to the nearest
+        float16 is what a float16 column means)."""
         for name, type_ in self._narrowed.items():
             column = columns.get(name)
             if column is None or not len(column):
                 continue
-            if pa.types.is_null(type_):
-                if column.null_count != len(column):
-                    raise SchemaMismatch(f"column {name!r} holds only nulls in the stored "
-                                         f"table (its type is null): it cannot hold "
-                                         f"{pc.drop_null(column)[0].as_py()!r}")
-                continue
-            _check_in_range(column, column.cast(type_), pa.field(name, type_))
+            chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+            for chunk in chunks:
+                for values, narrow, where in _narrow_leaves(chunk, type_, name):
+                    if not pa.types.is_null(narrow):
+                        _check_in_range(values, values.cast(narrow), pa.field(where, narrow))
+                    elif values.null_count != len(values):
+                        raise SchemaMismatch(
+                            f"column {where!r} holds only nulls in the stored table (its "
+                            f"type is null): it cannot hold "
+                            f"{pc.drop_null(values)[0].as_py()!r}")
 
     def _check_categories(self, columns: Mapping[str, pa.Array | pa.ChunkedArray]) -> None:
         """Refuse values outside a restricted column's categories: a table load could
@@ -565,6 +568,43 @@ def _check_whole_days(column: pa.ChunkedArray, cast: pa.ChunkedArray,
                              f"{field.type}: which day an instant falls on depends on the "
                              f"time zone; convert it to dates first")
     _refuse_changed(column, cast, pc.not_equal(cast.cast(column.type), column), field)
+
+
+def narrow_types(type_: pa.DataType) -> Iterator[pa.DataType]:
+    """The float16 and null types in a table's column type, at any depth."""
+    if pa.types.is_dictionary(type_):
+        type_ = type_.value_type
+    if pa.types.is_float16(type_) or pa.types.is_null(type_):
+        yield type_
+    elif pa.types.is_struct(type_):
+        for field in type_:
+            yield from narrow_types(field.type)
+    elif pa.types.is_map(type_):
+        yield from narrow_types(type_.key_type)
+        yield from narrow_types(type_.item_type)
+    elif pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        yield from narrow_types(type_.value_type)
+
+
+def _narrow_leaves(values: pa.Array, type_: pa.DataType, where: str
+                   ) -> Iterator[tuple[pa.Array, pa.DataType, str]]:
+    """The stored values of ``values`` (a storage column of a table column of type
+    ``type_``) where the table's type is float16 or null, with that type and a path
+    naming them: only the values that are there (a null struct's or list's children
+    are not)."""
+    if pa.types.is_dictionary(type_):
+        type_ = type_.value_type
+    if pa.types.is_float16(type_) or pa.types.is_null(type_):
+        yield values, type_, where
+    elif pa.types.is_struct(type_):
+        for field, child in zip(type_, values.flatten(), strict=True):
+            yield from _narrow_leaves(child, field.type, f"{where}.{field.name}")
+    elif pa.types.is_map(type_):  # stored as a list of key/value structs
+        key, item = values.flatten().flatten()
+        yield from _narrow_leaves(key, type_.key_type, f"{where}.key")
+        yield from _narrow_leaves(item, type_.item_type, f"{where}.value")
+    elif pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        yield from _narrow_leaves(values.flatten(), type_.value_type, f"{where}[]")
 
 
 def _check_in_range(column: pa.ChunkedArray | pa.Array, cast: pa.ChunkedArray | pa.Array,

@@ -83,6 +83,7 @@ from persist_pipeline.schema import (
     RESERVED_COLUMNS,
     ShardSchema,
     categories_bytes,
+    narrow_types,
 )
 from persist_pipeline.write import encode_contents
 
@@ -908,13 +909,35 @@ def _cast_back(column: pa.ChunkedArray, type_: pa.DataType) -> pa.ChunkedArray:
         values = column if column.type.equals(type_.value_type) \
             else column.cast(type_.value_type)
         return values.dictionary_encode().cast(type_)
+    if any(pa.types.is_null(t) for t in narrow_types(type_)):
+        # Arrow casts no values to null inside a struct or list: built child by child.
+        return pa.chunked_array([_with_nulls(chunk, type_) for chunk in column.chunks],
+                                type_)
     return column.cast(type_)
+
+
+def _with_nulls(values: pa.Array, type_: pa.DataType) -> pa.Array:
+    """A storage array as ``type_``, which may have fields or items of Arrow's null type
+    (stored as int8, all null) at any depth."""
+    if values.type.equals(type_):
+        return values
+    if pa.types.is_null(type_):
+        return pa.nulls(len(values))
+    mask = values.is_null() if values.null_count else None
+    if pa.types.is_struct(type_):
+        children = [_with_nulls(values.field(i), f.type) for i, f in enumerate(type_)]
+        return pa.StructArray.from_arrays(children, fields=list(type_), mask=mask)
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        items = _with_nulls(values.values, type_.value_type)
+        make = pa.ListArray if pa.types.is_list(type_) else pa.LargeListArray
+        return make.from_arrays(values.offsets, items, type=type_, mask=mask)
+    return values.cast(type_)
 
 
 def _as_map(chunk: pa.Array, type_: pa.MapType) -> pa.Array:
     entries = chunk.flatten()
-    keys = entries.field("key").cast(type_.key_type)
-    items = entries.field("value").cast(type_.item_type)
+    keys = _with_nulls(entries.field("key"), type_.key_type)
+    items = _with_nulls(entries.field("value"), type_.item_type)
     offsets = chunk.offsets
     if chunk.null_count:
         return pa.MapArray.from_arrays(offsets, keys, items, type=type_,
