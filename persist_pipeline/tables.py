@@ -43,7 +43,8 @@ read the newest generation, and every materialization reports the name it wrote.
 table whose generation was closed (its upper set to the empty frontier) is closed for
 good: a store is refused, whatever its schema, and loads keep reading it. A column of
 Arrow's null type (only nulls: an empty partition's, pandas' all-None column) takes the
-type the current generation stores for it, so it does not start a new generation.
+type the current generation stores for it (and pandas' dtype for it), so it does not
+start a new generation.
 """
 
 from __future__ import annotations
@@ -307,6 +308,7 @@ def _typed_nulls(client: PersistClient, name: str, names: Mapping[str, ShardId],
     if found is None:
         return table
     stored = found[0]
+    typed = []
     for i in nulls:
         field = table.schema.field(i)
         index = stored.get_field_index(field.name)
@@ -319,7 +321,25 @@ def _typed_nulls(client: PersistClient, name: str, names: Mapping[str, ShardId],
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
             continue  # stored as it is: its own generation
         table = table.set_column(i, target, column)
-    return table
+        typed.append(field.name)
+    return _pandas_types_from(table, stored, typed)
+
+
+def _pandas_types_from(table: pa.Table, stored: pa.Schema, names: list[str]) -> pa.Table:
+    """``table`` with pandas' description of the columns ``names`` (its dtype) taken
+    from the ``stored`` schema's: pandas calls an empty object column ``empty``, which
+    would make an output with no rows start a generation of its own."""
+    doc, kept = _pandas_meta(table.schema), _pandas_meta(stored)
+    if doc is None or kept is None or not names:
+        return table
+    for name in names:
+        was = _pandas_columns(kept, name)
+        for column in _pandas_columns(doc, name):
+            if len(was) == 1:
+                for key in ("pandas_type", "numpy_type", "metadata"):
+                    column[key] = was[0].get(key)
+    return table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                          _PANDAS_META: json.dumps(doc).encode()})
 
 
 def _encode(plan: StoragePlan, table: pa.Table, primary_key: Sequence[str] | None
