@@ -78,6 +78,18 @@ class Append:
 
 
 @dataclass
+class Recommit:
+    """A Spark write to commit again: its job, its tasks' messages and tables, its first
+    outcome, and the typed model's entry of it (None for an untyped write)."""
+
+    job: Any
+    messages: list[Any]
+    tables: list[pa.Table]
+    status: str
+    append: Append | None = None
+
+
+@dataclass
 class TypedModel:
     """What typed clients were told, and the check of each typed snapshot."""
 
@@ -171,8 +183,8 @@ class SeamState:
     #: Each committed store's generation name, the upper it reported and its rows: a
     #: load pinned to that upper must return exactly those rows and columns.
     pinned: list[tuple[str, int, list[str]]] = field(default_factory=list)
-    #: Spark writes (job, task messages, first outcome) to commit again later.
-    recommits: list[tuple[Any, list[Any], str]] = field(default_factory=list)
+    #: Spark writes to commit again later (see _commit_again).
+    recommits: list[Recommit] = field(default_factory=list)
 
     def table_event(self) -> int:
         self.table_events += 1
@@ -363,7 +375,8 @@ def _run_tasks(run: SimRun, job: Any, tables: list[pa.Table], messages: list[Any
 
 def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table],
            proc: Process | None = None, append: Append | None = None) -> str:
-    """Tasks, then the driver's commit (or abort): the outcome. With ``proc`` (the
+    """Tasks, then the driver's commit (or abort): the outcome ("aborted": a task
+    failed, so nothing was committed and no commit was attempted). With ``proc`` (the
     driver's process) and ``append`` (its model), a second commit of the same parts may
     race the driver's (see :func:`_race_commit`)."""
     messages: list[Any] = []
@@ -372,7 +385,7 @@ def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table],
     except BackendError:
         # A task failed for good: Spark aborts the job; nothing was committed.
         spark_source._abort(job, messages)
-        return "failed"
+        return "aborted"
     except PersistError as e:
         run.violation(f"Spark write task: unexpected {type(e).__name__}: {e}")
         return "failed"
@@ -388,7 +401,7 @@ def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table],
     if status != "failed":
         # Committed again later with the same token and parts, as by a driver that
         # never learnt the outcome (see _commit_again).
-        run.seams.recommits.append((job, messages, status))
+        run.seams.recommits.append(Recommit(job, messages, tables, status, append))
     if status != "acked":
         with contextlib.suppress(PersistError):  # its parts are then left to GC
             spark_source._abort(job, messages)
@@ -448,14 +461,30 @@ def _race_commit(run: SimRun, proc: Process, job: Any, messages: list[Any],
 
 
 def _commit_again(run: SimRun, client: PersistClient) -> None:
-    """Commit an earlier Spark write again, with its token and parts, some writes later
+    """Commit an earlier Spark write again, with its token, some writes later
     (compaction may have merged its batch away since): one that committed is reported
-    committed again, never refused, and keeps its parts (a read finds them)."""
-    job, messages, status = run.seams.recommits.pop(0)
-    again = _commit_job(run, client, job, messages)
-    if status == "acked" and again == "failed":
+    committed again, never refused, and keeps its parts (a read finds them). Either
+    its driver commits the same parts again, or the user runs the save again with
+    option ``idempotency_token`` (a new plan and new tasks over the same rows): never
+    written twice (the typed model reads each row once)."""
+    earlier = run.seams.recommits.pop(0)
+    job = earlier.job
+    if run.rng.random() < 0.5:
+        again = _commit_job(run, client, job, earlier.messages)
+    else:
+        try:
+            rerun = spark_source.plan_write(job.location, client, job.expected_upper,
+                                            job.new_upper, token=job.token)
+        except Indeterminate:
+            return
+        if rerun.schema != job.schema:
+            return  # evolved since: its rows would be written in another shape
+        again = _drive(run, client, rerun, earlier.tables, append=earlier.append)
+    if earlier.status == "acked" and again == "failed":
         run.violation("a committed Spark write, committed again with its token, was "
                       "refused as never written")
+    if earlier.append is not None and again == "acked" and earlier.append.status != "acked":
+        earlier.append.status = "acked"  # now it must be visible, exactly once
 
 
 def spark_writer(run: SimRun, proc: Process) -> None:
@@ -503,7 +532,7 @@ def _typed_append(run: SimRun, client: PersistClient, proc: Process) -> None:
     cut = run.rng.randint(1, len(ids))
     status = _drive(run, client, job, [table.slice(0, cut), table.slice(cut)], proc, append)
     if append.status != "acked":  # the racing commit may have acked it already
-        append.status = status
+        append.status = "failed" if status == "aborted" else status
 
 
 def _untyped_write_typed_mid_job(run: SimRun, client: PersistClient) -> None:
@@ -531,6 +560,7 @@ def _untyped_write_typed_mid_job(run: SimRun, client: PersistClient) -> None:
     run.spawn(typer.name, typer, type_it)
     raw = pa.table({"k": [b"raw-0", b"raw-1"], "v": [b"v", b"v"], "t": [0, 0], "d": [1, 1]})
     status = _drive(run, client, job, [raw])
+    status = "failed" if status == "aborted" else status
     while not typed and not run.stopping:
         run.think()
     _check_scratch(run, client, shard, status, raw)
