@@ -87,6 +87,8 @@ class PersistCommitMessage(WriterCommitMessage):
 
     parts: tuple[HollowPart, ...]
     num_updates: int
+    #: The largest ``|d|`` of the task's rows (see :func:`_write_task`).
+    diff_bound: int
 
 
 class PersistWriter(DataSourceArrowWriter):
@@ -96,8 +98,7 @@ class PersistWriter(DataSourceArrowWriter):
         self.job = job
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> WriterCommitMessage:
-        parts, updates = _write_task(self.job, iterator)
-        return PersistCommitMessage(parts, updates)
+        return PersistCommitMessage(*_write_task(self.job, iterator))
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         _commit(self.job, [m for m in messages if isinstance(m, PersistCommitMessage)])

@@ -46,7 +46,9 @@ any other change (a shard typed since) is refused with ``SchemaMismatch``. A rea
 **Writing.** Each task validates its rows (``k``, ``v`` binary; ``t``, ``d`` long; every
 ``t`` in ``[expected_upper, new_upper)``), consolidates them and writes Parquet parts to
 the blob store (the WAL store if ``wal_blob`` is given); a task holds its partition's
-rows in memory while it does (repartition a large DataFrame to bound that). The driver
+rows in memory while it does (repartition a large DataFrame to bound that). Diffs never
+wrap: equal ``(k, v, t)`` in different tasks whose diffs sum beyond 64 bits refuse the
+write with ``InvalidUpdates``, as one write holding them would be. The driver
 then commits every task's parts as ONE batch with one ``compare_and_append``: all rows
 become visible at once, or none. When the driver knows for certain nothing was committed (an upper
 mismatch, a failed task, the commit deadline passed), it deletes the parts; when the
@@ -94,6 +96,7 @@ from persist_pipeline.compaction import KeyRange
 from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import (
     CommitDeadlineExceeded,
+    DiffOverflow,
     InvalidConfig,
     InvalidFrontier,
     InvalidInput,
@@ -112,7 +115,7 @@ from persist_pipeline.internal.merge import memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Store
 from persist_pipeline.plan import LATEST, PlanFile, SnapshotPlan
 from persist_pipeline.schema import ShardSchema
-from persist_pipeline.updates import Updates, consolidate, naming_shard
+from persist_pipeline.updates import Updates, consolidate, naming_shard, sums_may_wrap
 from persist_pipeline.write import check_append_bounds, check_times
 
 if TYPE_CHECKING:
@@ -658,28 +661,30 @@ def _this_boot() -> str:
 
 
 def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
-        tuple[HollowPart, ...], int]:
+        tuple[HollowPart, ...], int, int]:
     """Run on an executor: validate, consolidate and upload this task's rows.
 
-    Returns ``(parts, updates)``.
+    Returns ``(parts, updates, diff_bound)``: the parts (one sorted run), how many
+    updates they hold and their largest ``|d|`` (for the driver's check that the
+    write's sums across tasks fit in 64 bits).
     """
     from persist_pipeline.internal.blobs import write_parts
     from persist_pipeline.spark import _blob
 
     collected = list(batches)
     if not collected:
-        return (), 0
+        return (), 0, 0
     typed = ShardSchema.from_bytes(job.schema) if job.schema else None
     table = pa.Table.from_batches(collected)
     data = Updates.coerce(table if typed is None else typed.encode(table))
     check_times(data, job.expected_upper, job.new_upper)
     if not len(data):
-        return (), 0
+        return (), 0, 0
     uri = job.location.wal_blob_uri if job.store == "wal" else job.location.blob_uri
     assert uri is not None
     parts = write_parts(data.table(), job.location.shard_id, job.batch_id, _blob(uri),
                         job.store, job.target_size_bytes, schema=typed)
-    return parts, len(data)
+    return parts, len(data), data.diff_bound()
 
 
 #: Where commit markers live (None: the driver host's temporary directory).
@@ -702,14 +707,16 @@ def _commit(job: _WriteJob, messages: Sequence[Any],
         raise CommitDeadlineExceeded(
             "this write was planned on another host (or before a reboot), so its commit "
             "deadline cannot be measured here; nothing was written")
-    marker = _commit_marker(job)
-    marker.touch()
     parts = tuple(p for m in messages for p in m.parts)
     updates = sum(m.num_updates for m in messages)
     own = client is None
     if client is None:
         client = job.location.client(create=True)
     try:
+        # Refused before the commit marker exists: the abort that follows deletes parts.
+        _refuse_wrapping_sums(client, job, messages)
+        marker = _commit_marker(job)
+        marker.touch()
         with client.open_writer(job.location.shard_id, debug="spark write") as writer:
             # The schema the tasks encoded with, fixed when the write was planned: a
             # schema recorded since (another client typing the shard) refuses the commit.
@@ -723,6 +730,35 @@ def _commit(job: _WriteJob, messages: Sequence[Any],
         if own:
             client.close()
     marker.unlink(missing_ok=True)
+
+
+def _refuse_wrapping_sums(client: PersistClient, job: _WriteJob,
+                          messages: Sequence[Any]) -> None:
+    """Diffs never wrap, whichever entry point writes: a write whose sums leave 64 bits
+    is refused, also when its equal ``(k, v, t)`` came to different tasks (each task
+    consolidated only its own rows).
+
+    Each task's parts are one consolidated sorted run, so no sum can leave 64 bits
+    unless the tasks' largest ``|d|`` add up beyond them; only then are the runs merged
+    (in bounded memory, as a read merges them) to find out exactly.
+
+    Raises:
+        InvalidUpdates: a ``(k, v, t)``'s diffs sum beyond 64 bits; nothing committed.
+    """
+    runs = [m.parts for m in messages if m.parts]
+    if len(runs) < 2 or not sums_may_wrap(m.diff_bound for m in messages):
+        return
+    machine = client._machine(job.location.shard_id)
+    where = f"the Spark write to shard {job.location.shard_id}"
+    bound = machine.config.compaction_memory_bound_bytes
+    plan = memory_plan(bound, len(runs), bound)
+    streams = [(machine.blobs.stream_run(run, where, plan.chunk_bytes // 2, plan.read_bytes),
+                f"task {n} of {where}") for n, run in enumerate(runs)]
+    try:
+        for _ in merge_runs(streams, plan.chunk_bytes):
+            pass
+    except DiffOverflow as e:
+        raise InvalidUpdates(f"the write's {e.what}; nothing was written") from None
 
 
 def _abort(job: _WriteJob, messages: Sequence[Any]) -> None:

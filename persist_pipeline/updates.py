@@ -252,6 +252,15 @@ class Updates:
                  pa.array(ts, pa.int64()), pa.array(ds, pa.int64())], schema=SCHEMA)
         return self._table
 
+    def diff_bound(self) -> int:
+        """The largest ``|d|`` of these (consolidated) updates; 0 when there are none."""
+        if not len(self):
+            return 0
+        if self._lists is not None:
+            return max(abs(d) for d in self._lists[3])
+        mm = pc.min_max(self.table().column("d")).as_py()
+        return max(abs(int(mm["min"])), abs(int(mm["max"])))
+
     def time_bounds(self) -> tuple[int, int] | None:
         if not len(self):
             return None
@@ -352,6 +361,13 @@ def decode_parquet(data: bytes, where: str) -> pa.Table:
                                 f"({len(data)} bytes): {e}") from None
     except (pa.ArrowException, KeyError, ValueError, OSError) as e:
         raise CorruptPart(f"corrupt Parquet part {where}: {e}") from None
+
+
+def sums_may_wrap(diff_bounds: Iterable[int]) -> bool:
+    """Whether one ``(k, v, t)`` may sum beyond 64 bits across consolidated runs whose
+    largest ``|d|`` are ``diff_bounds`` (each run holds it at most once): only then must
+    the runs be merged to tell (see :data:`OverflowMode`)."""
+    return sum(diff_bounds) > _MAX_DIFF
 
 
 #: What consolidation does with a ``(k, v, t)`` whose diffs sum beyond 64 bits:

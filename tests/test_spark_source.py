@@ -18,7 +18,7 @@ import pytest
 from persist_pipeline import InlinePolicy, PersistClient, ShardId
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
-from persist_pipeline.exceptions import LeaseExpired, PartMissing
+from persist_pipeline.exceptions import InvalidUpdates, LeaseExpired, PartMissing
 from persist_pipeline.spark import register
 from tests.fixtures.location import Location, location_kinds, make_location
 from tests.helpers import expected_snapshot, rows
@@ -145,6 +145,46 @@ def test_spark_write_round_trips_atomically(spark_session: Any, kind: str,
     assert _blob_keys(location, shard) == keys_before
     assert client._machine(shard).fetch_latest().seqno >= seqno_before
     reader.expire()
+    client.close()
+
+
+def test_a_spark_write_whose_tasks_sums_leave_64_bits_is_refused(
+        spark_session: Any, spark_location: Location) -> None:
+    """Diffs never wrap, whichever entry point writes: equal (k, v, t) in two tasks whose
+    diffs sum beyond 64 bits are refused like one API write holding them (InvalidUpdates,
+    nothing visible, no part left); sums that fit, also -2**63 exactly, commit."""
+    register(spark_session)
+    client = spark_location.client()
+    shard = str(ShardId.new())
+    half = 1 << 62
+    schema = "k binary, v binary, t long, d long"
+
+    def write(updates: list[tuple[bytes, bytes, int, int]], expected: int) -> None:
+        # One row per task: each task's own sums fit, only the write's do not.
+        df = spark_session.createDataFrame(
+            spark_session.sparkContext.parallelize(updates, len(updates)), schema)
+        (df.write.format("persist")
+         .options(**_options(spark_location, shard, expected_upper=expected,
+                             new_upper=expected + 1))
+         .mode("append").save())
+
+    with client.open_writer(shard) as writer:
+        writer.compare_and_append([(b"seed", b"x", 0, 1)], 0, 1)
+        with pytest.raises(InvalidUpdates, match="beyond 64 bits"):
+            writer.compare_and_append([(b"k", b"v", 1, half), (b"k", b"v", 1, half)], 1, 2)
+    keys_before = _blob_keys(spark_location, shard)
+    with pytest.raises(Exception, match=r"InvalidUpdates.*beyond 64 bits"):
+        write([(b"k", b"v", 1, half), (b"k", b"v", 1, half)], 1)
+    assert client._machine(shard).fetch_latest().upper == 1
+    assert _blob_keys(spark_location, shard) == keys_before
+    # Sums that fit commit, also across tasks: -2**63 exactly, and big diffs at
+    # different times.
+    write([(b"k", b"v", 1, -half), (b"k", b"v", 1, -half), (b"j", b"v", 1, half),
+           (b"j", b"w", 1, half)], 1)
+    with client.open_reader(shard) as reader:
+        assert _as_rows(reader.snapshot(1)) == [
+            (b"j", b"v", 1, half), (b"j", b"w", 1, half), (b"k", b"v", 1, -(1 << 63)),
+            (b"seed", b"x", 1, 1)]
     client.close()
 
 
@@ -294,9 +334,9 @@ def test_abort_deletes_parts_only_when_no_commit_was_attempted(tmp_path: Path) -
     batch = pa.RecordBatch.from_pylist([{"k": b"a", "v": b"b", "t": 1, "d": 1}])
 
     def uploaded(job: Any) -> PersistCommitMessage:
-        parts, n = _write_task(job, iter([batch]))
+        parts, n, bound = _write_task(job, iter([batch]))
         assert len(parts) == 1 and open_blob(blob).get(parts[0].key) is not None
-        return PersistCommitMessage(parts, n)
+        return PersistCommitMessage(parts, n, bound)
 
     failed_task = _write_job(opts, overwrite=False)
     message = uploaded(failed_task)
@@ -329,7 +369,7 @@ def test_a_lost_task_attempt_of_a_write_to_a_new_shard_is_swept(tmp_path: Path) 
     job = _write_job({"consensus": consensus, "blob": blob, "shard": shard,
                       "expected_upper": "0", "new_upper": "1"}, overwrite=False)
     batch = pa.RecordBatch.from_pylist([{"k": b"a", "v": b"b", "t": 0, "d": 1}])
-    lost, _ = _write_task(job, iter([batch]))  # its executor died: no message
+    lost, _, _ = _write_task(job, iter([batch]))  # its executor died: no message
     _abort(job, [])  # the retries failed too: Spark aborts the job
     clock = Clock()
     store = StoreOnClock(open_blob(blob), clock)

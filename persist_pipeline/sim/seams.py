@@ -354,6 +354,7 @@ class _TaskMessage:
 
     parts: tuple[Any, ...]
     num_updates: int
+    diff_bound: int
 
 
 def _spark_location(run: SimRun, shard: str) -> Any:
@@ -369,8 +370,7 @@ def _run_tasks(run: SimRun, job: Any, tables: list[pa.Table], messages: list[Any
         if run.rng.random() < 0.2:
             spark_source._write_task(job, iter(table.to_batches()))  # a lost attempt
             run.scheduler.count("spark_task_retries")
-        parts, updates = spark_source._write_task(job, iter(table.to_batches()))
-        messages.append(_TaskMessage(parts, updates))
+        messages.append(_TaskMessage(*spark_source._write_task(job, iter(table.to_batches()))))
 
 
 def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table],
