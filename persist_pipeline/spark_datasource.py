@@ -124,4 +124,15 @@ class PersistDataSource(DataSource):
         return PersistReader(self.options, schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
-        return PersistWriter(_write_job(self.options, overwrite))
+        return PersistWriter(_write_job(self.options, overwrite, _arrow_columns(schema)))
+
+
+def _arrow_columns(schema: StructType) -> pa.Schema | None:
+    """A DataFrame's columns as Arrow types (None: a type Arrow has not, left to the
+    tasks to refuse)."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    try:
+        return to_arrow_schema(schema, timezone="UTC")
+    except (TypeError, ValueError):
+        return None

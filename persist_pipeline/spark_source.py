@@ -43,7 +43,10 @@ any other change (a shard typed since) is refused with ``SchemaMismatch``. A rea
 ``as_of`` before columns were appended has the current columns (those null), as
 ``snapshot(as_of)``; only a table load pinned to an upper has the columns stored then.
 
-**Writing.** Each task validates its rows (``k``, ``v`` binary; ``t``, ``d`` long; every
+**Writing.** The driver checks the DataFrame's columns as a task checks its rows before
+it registers a shard name or creates the shard, so a write whose columns the shard cannot
+take (text ``k``/``v``, a typed shard's column missing) changes nothing. Each task
+validates its rows (``k``, ``v`` binary; ``t``, ``d`` long; every
 ``t`` in ``[expected_upper, new_upper)``), consolidates them and writes Parquet parts to
 the blob store (the WAL store if ``wal_blob`` is given); a task holds its partition's
 rows in memory while it does (repartition a large DataFrame to bound that). Diffs never
@@ -183,14 +186,19 @@ class _Location:
                 f"blob={redact_uri(self.blob_uri)!r}{wal}, shard={self.shard_id})")
 
     @classmethod
-    def from_options(cls, options: Mapping[str, str], *, writing: bool = False) -> _Location:
+    def from_options(cls, options: Mapping[str, str], *, writing: bool = False,
+                     columns: pa.Schema | None = None) -> _Location:
         """The location and shard the options name. ``shard`` is a shard id or a
         registered name (resolved here; a write creates a name that has no shard yet).
+
+        ``columns``: a write's columns, checked as its tasks check their rows before
+        the name is registered: a write the shard cannot take changes nothing.
 
         Raises:
             InvalidConfig: an option this data source does not take (the message lists
                 the valid ones), or a missing or in-memory store.
             ShardNameNotFound: a read of a name that no shard has.
+            InvalidUpdates / SchemaMismatch: ``columns`` cannot be a write of the shard.
         """
         check_options(options, writing=writing)
         if writing:
@@ -215,16 +223,24 @@ class _Location:
             raise InvalidConfig("the persist data source needs option shard (a shard id or "
                                 "a registered name)")
         try:
-            return cls(consensus, blob, wal, str(ShardId.parse(shard)))
+            shard_id: str | None = str(ShardId.parse(shard))
         except InvalidShardId:
-            pass
+            shard_id = None
+        check = writing and columns is not None
+        if shard_id is not None and not check:
+            return cls(consensus, blob, wal, shard_id)
         location = cls(consensus, blob, wal, "")
         client = location.client(create=writing)
         try:
-            shard_id = client.resolve(shard, create=writing)
+            if columns is not None and writing:
+                # Before the name is registered and the shard created (both for good).
+                found = shard_id or client.name_registry.lookup(shard)
+                check_write_columns(client, None if found is None else str(found), columns)
+            if shard_id is None:
+                shard_id = str(client.resolve(shard, create=writing))
         finally:
             client.close()
-        return cls(consensus, blob, wal, str(shard_id))
+        return cls(consensus, blob, wal, shard_id)
 
     def client(self, lease_s: float | None = None, *, create: bool = False
                ) -> PersistClient:
@@ -618,11 +634,13 @@ class _WriteJob:
         return batch_id_of(self.token)
 
 
-def _write_job(options: Mapping[str, str], overwrite: bool) -> _WriteJob:
+def _write_job(options: Mapping[str, str], overwrite: bool,
+               columns: pa.Schema | None = None) -> _WriteJob:
+    """The driver's plan of a write of a DataFrame with ``columns`` (when known)."""
     if overwrite:
         raise InvalidConfig("persist shards are append-only: write with mode('append') "
                             "and options expected_upper / new_upper")
-    location = _Location.from_options(options, writing=True)
+    location = _Location.from_options(options, writing=True, columns=columns)
     expected, upper = write_bounds(options)
     token = write_token(options)
     client = location.client(create=True)
@@ -675,8 +693,7 @@ def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
     if not collected:
         return (), 0, 0
     typed = ShardSchema.from_bytes(job.schema) if job.schema else None
-    table = pa.Table.from_batches(collected)
-    data = Updates.coerce(table if typed is None else typed.encode(table))
+    data = _task_updates(typed, pa.Table.from_batches(collected))
     check_times(data, job.expected_upper, job.new_upper)
     if not len(data):
         return (), 0, 0
@@ -685,6 +702,32 @@ def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
     parts = write_parts(data.table(), job.location.shard_id, job.batch_id, _blob(uri),
                         job.store, job.target_size_bytes, schema=typed)
     return parts, len(data), data.diff_bound()
+
+
+def _task_updates(typed: ShardSchema | None, table: pa.Table) -> Updates:
+    """A task's rows as the shard's updates: validated (as an API write's), encoded for
+    a typed shard, consolidated.
+
+    Raises:
+        InvalidUpdates / SchemaMismatch: the rows cannot be a write of the shard.
+    """
+    return Updates.coerce(table if typed is None else typed.encode(table))
+
+
+def check_write_columns(client: PersistClient, shard: str | None,
+                        columns: pa.Schema) -> None:
+    """Refuse, on the driver and before anything is created, a write whose columns
+    none of its rows could pass in a task (text keys, a typed shard's columns missing
+    or of other types): the checks of :func:`_task_updates`, of no rows.
+
+    Raises:
+        InvalidUpdates / SchemaMismatch: as a task would.
+    """
+    typed = None
+    if shard is not None:
+        with contextlib.suppress(ShardNotFound):
+            typed = client.schema(shard)
+    _task_updates(typed, columns.empty_table())
 
 
 #: Where commit markers live (None: the driver host's temporary directory).

@@ -216,6 +216,46 @@ def test_spark_source_refuses_bad_options(spark_session: Any, tmp_path: Path) ->
     client.close()
 
 
+def test_a_write_whose_columns_the_shard_cannot_take_creates_nothing(
+        spark_session: Any, tmp_path: Path) -> None:
+    """Bad input changes nothing, whichever entry point writes: a DataFrame whose
+    columns cannot be a write of the shard (text keys, a typed shard's columns missing)
+    is refused with the error an API write gets, before a name is registered (for good)
+    or a shard created, as the CLI's append --create and a transaction refuse it."""
+    from persist_pipeline import ShardSchema
+    from persist_pipeline.exceptions import SchemaMismatch
+
+    register(spark_session)
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    client = PersistClient.open(consensus, blob)
+    text = spark_session.createDataFrame([("k", "v", 0, 1)], "k string, v string, t long, "
+                                                             "d long")
+    with pytest.raises(InvalidUpdates, match="encode them as UTF-8"):
+        client.transaction().compare_and_append("fresh/orders", text.toArrow(), 0, 1)
+    fresh_id = str(ShardId.new())
+    for shard in ("fresh/orders", fresh_id):
+        with pytest.raises(Exception, match=r"InvalidUpdates.*encode them as UTF-8"):
+            (text.write.format("persist")
+             .options(consensus=consensus, blob=blob, shard=shard, expected_upper="0",
+                      new_upper="1").mode("append").save())
+    assert client.shard_names() == {} and client.list_shards() == []
+    # A typed shard: the DataFrame lacks its key column; the shard stays as it was.
+    typed = client.resolve("typed/orders", create=True)
+    client.open_writer(typed, schema=ShardSchema([("id", pa.int64())],
+                                                 [("name", pa.string())])).expire()
+    names = spark_session.createDataFrame([("ann", 0)], "name string, t long")
+    with client.open_writer(typed) as writer, pytest.raises(SchemaMismatch):
+        writer.compare_and_append(names.toArrow(), 0, 1)
+    seqno = client._machine(str(typed)).fetch_latest().seqno
+    with pytest.raises(Exception, match="SchemaMismatch"):
+        (names.write.format("persist")
+         .options(consensus=consensus, blob=blob, shard="typed/orders",
+                  expected_upper="0", new_upper="1").mode("append").save())
+    assert client._machine(str(typed)).fetch_latest().seqno == seqno
+    assert set(client.shard_names()) == {"typed/orders"}
+    client.close()
+
+
 def test_a_planned_read_keeps_its_files_until_its_lease_runs_out(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Compaction commits while the planner splits the plan, and GC runs before the
