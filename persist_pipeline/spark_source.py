@@ -36,7 +36,9 @@ that outlasts its lease may fail on a part GC has deleted (never return wrong da
 ``lease_seconds`` for such reads. The reader holds ``since`` at ``as_of`` only.
 
 **Typed shards** read as their key and value columns plus ``t`` and ``d`` (Spark's types:
-timestamps in microseconds), and writes take those columns (``d`` optional, 1). A
+timestamps in microseconds; unsigned integers, ``date64`` and ``time32``, which Spark has
+not, as the types that hold their values: :data:`_SPARK_READS_AS`), and writes take
+those columns (``d`` optional, 1). A
 DataFrame's columns are fixed by ``load()``, its plan by the action that reads it: a
 schema that appended nullable value columns in between still reads the loaded columns;
 any other change (a shard typed since) is refused with ``SchemaMismatch``. A read at an
@@ -527,16 +529,42 @@ def _untyped_struct() -> StructType:
                        StructField("t", LongType()), StructField("d", LongType())])
 
 
+#: Types Spark has no Arrow conversion for, and the type each is read as (every value
+#: exactly; a write casts back, refusing what does not fit).
+_SPARK_READS_AS = {
+    pa.uint8(): pa.int16(), pa.uint16(): pa.int32(), pa.uint32(): pa.int64(),
+    pa.uint64(): pa.decimal128(20, 0), pa.date64(): pa.date32(),
+    pa.time32("s"): pa.time64("us"), pa.time32("ms"): pa.time64("us"),
+}
+
+
+def _spark_readable(type_: pa.DataType) -> pa.DataType:
+    """``type_`` with every part Spark cannot hold replaced by one that holds its values
+    (see :data:`_SPARK_READS_AS`), so a shard any entry point stored (a pandas frame's
+    unsigned columns through the IO manager) reads in Spark too."""
+    if pa.types.is_struct(type_):
+        return pa.struct([f.with_type(_spark_readable(f.type)) for f in type_])
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        item = type_.value_field.with_type(_spark_readable(type_.value_type))
+        return pa.list_(item) if pa.types.is_list(type_) else pa.large_list(item)
+    return _SPARK_READS_AS.get(type_, type_)
+
+
 def spark_struct(schema: ShardSchema) -> StructType:
-    """A typed shard's read schema as Spark sees it.
+    """A typed shard's read schema as Spark sees it (unsigned integers, 64-bit dates and
+    32-bit times as the wider types that hold them: see :data:`_SPARK_READS_AS`).
 
     Raises:
-        InvalidConfig: a column type Spark cannot hold (e.g. unsigned 64-bit integers).
+        InvalidConfig: a column type Spark cannot hold (e.g. decimals of more than 38
+            digits).
     """
     from pyspark.sql.pandas.types import from_arrow_schema
 
+    arrow = schema.arrow_schema()
+    readable = pa.schema([f.with_type(_spark_readable(f.type)) for f in arrow],
+                         metadata=arrow.metadata)
     try:
-        struct: StructType = from_arrow_schema(schema.arrow_schema())
+        struct: StructType = from_arrow_schema(readable)
     except (TypeError, ValueError, AssertionError) as e:
         raise InvalidConfig(f"the shard's schema {schema!r} has a type Spark cannot read: "
                             f"{e}") from None

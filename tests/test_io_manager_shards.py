@@ -129,6 +129,68 @@ def test_spark_reads_an_io_managed_asset_by_name(spark_session: Any,
         manager.teardown_after_execution(None)  # type: ignore[arg-type]
 
 
+@dg.asset(key_prefix=["sensors"])
+def readings() -> pd.DataFrame:
+    return pd.DataFrame({
+        "sensor": pd.Series([1, 2, 255], dtype="uint8"),
+        "count": pd.Series([0, 70000, 4294967295], dtype="uint32"),
+        "total": pd.Series([0, 1, 2**64 - 1], dtype="uint64"),
+        "level": pd.Series([0, 1, 65535], dtype="uint16")})
+
+
+@pytest.mark.spark
+def test_spark_reads_and_writes_an_io_managed_frames_unsigned_columns(
+        spark_session: Any, tmp_path: Path) -> None:
+    """What the IO manager stores every entry point reads: a pandas frame's unsigned
+    columns (Spark has no unsigned types) read in Spark as the wider signed types (a
+    64-bit one as decimal(20,0)) holding every value exactly, and a Spark write of such
+    columns into the shard loads back as the frame's dtypes; a value that does not fit
+    is refused and changes nothing."""
+    import decimal
+
+    from persist_pipeline.spark import register
+
+    consensus, blob = f"sqlite:///{tmp_path}/c.db", f"file://{tmp_path}/b"
+    manager = PersistIOManager(consensus_uri=consensus, blob_uri=blob)
+    meta = _metadata(_materialize(manager, readings))
+    spark = spark_session
+    try:
+        register(spark)
+        options = {"consensus": consensus, "blob": blob, "shard": "sensors/readings"}
+        df = spark.read.format("persist").options(**options).load()
+        assert df.dtypes == [("sensor", "smallint"), ("count", "bigint"),
+                             ("total", "decimal(20,0)"), ("level", "int"), ("t", "bigint"),
+                             ("d", "bigint")]
+        assert sorted(tuple(r)[:4] for r in df.collect()) == [
+            (1, 0, decimal.Decimal(0), 0), (2, 70000, decimal.Decimal(1), 1),
+            (255, 4294967295, decimal.Decimal(2**64 - 1), 65535)]
+        upper = meta["persist/upper"]
+        write = {**options, "expected_upper": str(upper), "new_upper": str(upper + 1)}
+        row = [(7, 8, decimal.Decimal(9), 10, upper, 1)]
+        spark.createDataFrame(row, df.schema).write.format("persist").options(
+            **write).mode("append").save()
+        bad = [(-1, 8, decimal.Decimal(9), 10, upper + 1, 1)]
+        with pytest.raises(Exception, match=r"SchemaMismatch|InvalidUpdates"):
+            spark.createDataFrame(bad, df.schema).write.format("persist").options(
+                **{**write, "expected_upper": str(upper + 1), "new_upper": str(upper + 2)}
+            ).mode("append").save()
+        loaded = manager.load("sensors/readings").to_pandas()
+        assert [str(t) for t in loaded.dtypes] == ["uint8", "uint32", "uint64", "uint16"]
+        assert sorted(map(tuple, loaded.itertuples(index=False))) == [
+            (1, 0, 0, 0), (2, 70000, 1, 1), (7, 8, 9, 10), (255, 4294967295, 2**64 - 1, 65535)]
+        # 64-bit dates and 32-bit times read as Spark's dates and times.
+        days = pa.table({"day": pa.array([0, 86_400_000], pa.date64()),
+                         "at": pa.array([1, 86_399], pa.time32("s"))})
+        manager.store("sensors/days", days)
+        got = spark.read.format("persist").options(
+            **{**options, "shard": "sensors/days"}).load()
+        assert [dtype for _, dtype in got.dtypes][:1] == ["date"]
+        assert sorted((r.day.isoformat(), r.at.isoformat()) for r in got.collect()) == [
+            ("1970-01-01", "00:00:01"), ("1970-01-02", "23:59:59")]
+    finally:
+        manager.teardown_after_execution(None)  # type: ignore[arg-type]
+
+
 def test_declared_keys_replace_rows_by_key(io_manager: PersistIOManager) -> None:
     first = pa.table({"id": [1, 2, 3], "name": ["a", "b", "c"]})
     io_manager.store("customers", first, primary_key=["id"])
