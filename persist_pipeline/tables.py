@@ -433,8 +433,9 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         ShardNameNotFound: no generation of ``name`` exists.
         NotYetAvailable: nothing was stored yet.
         InvalidInput: ``upper`` is beyond the shard's upper or not positive, or several
-            generations reached it (load one by its name), or the shard was not written
-            as a table.
+            generations reached it (load one by its name), or the shard is untyped. A
+            typed shard no table store wrote loads as the table of its key and value
+            columns.
         SinceViolation: ``upper`` is so old that compaction merged it away.
     """
     what = what or name
@@ -836,11 +837,12 @@ def to_storage(table: pa.Table, plan: StoragePlan) -> pa.Table:
 
 def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
     """A typed snapshot (storage columns plus ``t`` and ``d``) as the stored table:
-    original names, types and metadata, each row repeated ``d`` times."""
+    original names, types and metadata, each row repeated ``d`` times. A typed shard
+    no table store wrote (the CLI's, Spark's, the API's) is the table of its key and
+    value columns, as every other entry point reads it."""
     found = original_schema(shard_schema)
     if found is None:
-        raise NotATable("this shard was not written by the IO manager (its schema keeps "
-                        "no original table schema)")
+        found = pa.schema([*shard_schema.key, *shard_schema.value]), shard_schema.columns
     schema, storage_names = found
     # As this version keeps it: a shard an earlier version stored may hold rows of later
     # outputs with more categories than its recorded index width.

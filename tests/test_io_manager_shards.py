@@ -7,6 +7,7 @@ generations; shards of earlier versions read and migrated; the Spark compaction 
 # No `from __future__ import annotations`: Dagster reads the asset functions' annotations.
 
 import csv
+import datetime
 import io
 import json
 from pathlib import Path
@@ -189,6 +190,43 @@ def test_spark_reads_and_writes_an_io_managed_frames_unsigned_columns(
             ("1970-01-01", "00:00:01"), ("1970-01-02", "23:59:59")]
     finally:
         manager.teardown_after_execution(None)  # type: ignore[arg-type]
+
+
+EVENTS = dg.AssetKey(["sales", "events"])
+
+
+@dg.asset(ins={"events": dg.AssetIn(key=EVENTS)})
+def event_names(events: pa.Table) -> pa.Table:
+    return events
+
+
+def test_an_asset_loads_a_typed_shard_other_entry_points_wrote(
+        io_manager: PersistIOManager, table_location: tuple[str, str],
+        tmp_path: Path) -> None:
+    """Every entry point reads what any other stores: a typed shard the CLI created and
+    appended to, and a transaction appended to, loads as an asset's input by its name
+    (its key and value columns, each row as often as its count), as it reads in the CLI,
+    a read plan or Spark."""
+    from persist_pipeline import cli
+
+    env = ["--consensus", table_location[0], "--blob", table_location[1]]
+    schema = '{"key": {"id": "int64"}, "value": {"name": "string", "at": "timestamp[us, tz=UTC]"}}'
+    assert cli.main([*env, "new-shard", "--name", "sales/events", "--schema", schema]) == 0
+    rows = tmp_path / "events.jsonl"
+    rows.write_text('{"id": 1, "name": "ann", "at": "2026-01-01T10:00:00", "t": 0, "d": 1}\n'
+                    '{"id": 2, "name": null, "at": null, "t": 0, "d": 2}\n')
+    assert cli.main([*env, "append", "sales/events", str(rows)]) == 0
+    client = io_manager.client()
+    with client.transaction() as txn:
+        txn.compare_and_append("sales/events", [{"id": 3, "name": "cy", "t": 1}], 1, 2)
+    result = _materialize(io_manager, dg.SourceAsset(EVENTS), event_names)
+    loaded = result.output_for_node("event_names")
+    assert loaded.schema.names == ["id", "name", "at"]
+    assert loaded.schema.field("at").type == pa.timestamp("us", tz="UTC")
+    assert sorted(loaded.to_pylist(), key=lambda r: r["id"]) == [
+        {"id": 1, "name": "ann", "at": datetime.datetime(2026, 1, 1, 10, tzinfo=datetime.UTC)},
+        {"id": 2, "name": None, "at": None}, {"id": 2, "name": None, "at": None},
+        {"id": 3, "name": "cy", "at": None}]
 
 
 def test_declared_keys_replace_rows_by_key(io_manager: PersistIOManager) -> None:
