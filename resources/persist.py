@@ -8,16 +8,15 @@ use and closed when the run ends.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-from urllib.parse import unquote, urlsplit
-
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
 from persist_pipeline import InlinePolicy, PersistClient
 from persist_pipeline.blob import redact_uri
+from persist_pipeline.dagster_io.locations import make_local_dirs
 from resources.env import expand_env
+
+__all__ = ["PersistResource", "make_local_dirs"]
 
 
 class PersistResource(dg.ConfigurableResource):
@@ -78,21 +77,3 @@ class PersistResource(dg.ConfigurableResource):
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         self.close()
-
-
-def make_local_dirs(uri: str | None) -> None:
-    """Create the local folder a ``sqlite:///`` or ``file:///`` URI names. A URI with a
-    host (``file://data/blobs``, a relative path written with two slashes) names no local
-    folder: nothing is made, and opening the client refuses it with a clear error."""
-    if not uri:
-        return
-    parts: Any = urlsplit(uri)
-    if parts.netloc:
-        return
-    scheme = parts.scheme.lower()
-    if scheme == "sqlite" and parts.path not in ("", "/", "/:memory:"):
-        path = unquote(parts.path)[1:]  # sqlite:///rel/or//abs: drop the separator slash
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-    elif scheme == "file" and parts.path.startswith("/"):
-        Path(unquote(parts.path)).mkdir(parents=True, exist_ok=True)

@@ -406,7 +406,8 @@ def test_reads_take_latest_and_refuse_none(tmp_path: Path) -> None:
 def test_a_load_from_a_mistyped_location_creates_nothing(tmp_path: Path) -> None:
     """A load opens the location without creating it: a mistyped URI is reported (the
     asset is not stored there) and leaves no empty store behind; a store then creates
-    it as before."""
+    it, the SQLite file's folder included, as the code location's persist resource
+    (ingestion) does with the same URIs."""
     manager = PersistIOManager(consensus_uri=f"sqlite:///{tmp_path}/typo/c.db",
                                blob_uri=f"file://{tmp_path}/typo-blob")
     with pytest.raises(AssetNotStored, match=r"no persist store exists .*typo"):
@@ -414,9 +415,14 @@ def test_a_load_from_a_mistyped_location_creates_nothing(tmp_path: Path) -> None
     with pytest.raises(AssetNotStored, match=r"no persist store exists .*typo"):
         manager.migrate(dg.AssetKey("orders"))
     assert list(tmp_path.iterdir()) == []
-    (tmp_path / "typo").mkdir()
     manager.store("orders", pa.table({"n": [1, 2]}))
     assert manager.load("orders").num_rows == 2
+    from resources.persist import PersistResource
+
+    persist = PersistResource(consensus_uri=f"sqlite:///{tmp_path}/other/c.db",
+                              blob_uri=f"file://{tmp_path}/other-blob")
+    persist.client().close()
+    assert (tmp_path / "other" / "c.db").is_file()
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -45,6 +45,7 @@ from persist_pipeline.config import (
     InlinePolicy,
 )
 from persist_pipeline.dagster_io import encoding
+from persist_pipeline.dagster_io.locations import make_local_dirs
 from persist_pipeline.dagster_io.templates import expand_env
 from persist_pipeline.exceptions import (
     InvalidConfig,
@@ -188,6 +189,9 @@ class PersistIOManager(dg.ConfigurableIOManager):
             consensus = expand_env(self.consensus_uri, what="io_manager.consensus_uri").strip()
             blob = expand_env(self.blob_uri, what="io_manager.blob_uri").strip()
             wal = expand_env(self.wal_blob_uri, what="io_manager.wal_blob_uri").strip()
+            if create:  # as the persist resource does with the same URIs
+                for uri in (consensus, blob, wal):
+                    make_local_dirs(uri)
             self._client = PersistClient.open(
                 consensus, blob, wal or None, create=create,
                 inline_policy=InlinePolicy(self.persist_inline_update_threshold_bytes,
