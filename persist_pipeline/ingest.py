@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -351,6 +351,33 @@ def _csv_header(path: Path) -> list[str]:
         return []  # the read itself says what is wrong
 
 
+def _json_lines_columns(path: Path, types: Mapping[str, pa.DataType]) -> set[str]:
+    """The columns the lines of a typed JSON Lines file give, all of them in ``types``.
+
+    Raises:
+        InvalidUpdates: a line is not a JSON object, or gives a column outside ``types``
+            (named, with its line).
+    """
+    present: set[str] = set()
+    with path.open(encoding="utf-8-sig") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidUpdates(f"{path}: line {n}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise InvalidUpdates(f"{path}: line {n} is not a JSON object: each line of "
+                                     f"a typed JSON Lines file is one row's columns")
+            extra = sorted(set(record) - set(types))
+            if extra:
+                raise InvalidUpdates(f"{path}: line {n}: {extra} are not columns of the "
+                                     f"shard ({', '.join(types)})")
+            present.update(record)
+    return present
+
+
 def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = None) -> pa.Table:
     """Read a file of a typed shard's rows (its key and value columns, ``t``, optional
     ``d``), parsed to the schema's types; raises :class:`InvalidUpdates`.
@@ -384,17 +411,20 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
                 column_types=types, strings_can_be_null=True,
                 quoted_strings_can_be_null=False))
         elif kind == "jsonl":
-            with path.open("rb") as f:
-                head = f.readline()
-            first = json.loads(head) if head.strip() else {}
-            if not isinstance(first, dict):
-                raise InvalidUpdates(f"{path}: line 1 is not a JSON object: each line of a "
-                                     f"typed JSON Lines file is one row's columns")
-            explicit = pa.schema([(n, t) for n, t in types.items() if n in first])
+            # Every column some line gives: a line may leave one out, as in an untyped
+            # file (Spark's JSON writer leaves null fields out).
+            present = _json_lines_columns(path, types)
+            explicit = pa.schema([(n, t) for n, t in types.items() if n in present])
             table = pajson.read_json(path, parse_options=pajson.ParseOptions(
                 explicit_schema=explicit, unexpected_field_behavior="error"))
+            if "d" in table.column_names and table.column("d").null_count:
+                # d null or left out is 1, as in an untyped file.
+                table = table.set_column(table.column_names.index("d"), "d",
+                                         pc.fill_null(table.column("d"), 1))
         else:
             table = pq.read_table(path)
+    except InvalidUpdates:
+        raise  # says what is wrong with the file already
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, OSError) as e:
         # Arrow's CSV message names no line: a second pass (on the error path only)
         # finds the first bad row, so the error names its line as for untyped files.

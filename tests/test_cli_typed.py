@@ -112,6 +112,29 @@ def test_typed_append_refuses_columns_outside_the_schema(
         assert client.inspect(shard)["upper"] == 0
 
 
+def test_a_typed_json_lines_row_may_leave_out_what_an_untyped_one_may(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A JSON Lines row of a typed shard, like an untyped one's, may leave out ``d``
+    (1) and a nullable value column (null), or give null for them, on any line, not
+    only as the first line does (Spark's JSON writer leaves null fields out); a column
+    outside the schema is still refused, wherever it first appears."""
+    shard = _id_name_shard(env, capsys)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": 1, "t": 0}\n'
+                    '{"id": 2, "name": "bob", "t": 0, "d": 2}\n'
+                    '{"id": 3, "name": null, "t": 1, "d": null}\n')
+    code, _, err = _run(env, capsys, "append", shard, str(rows))
+    assert code == 0, err
+    with _client(tmp_path) as client, client.open_reader(shard) as reader:
+        got = sorted(tuple(r.values()) for r in reader.snapshot(1).to_pylist())
+    assert got == [(1, None, 1, 1), (2, "bob", 1, 2), (3, None, 1, 1)]
+    rows.write_text('{"id": 4, "t": 2}\n{"id": 5, "t": 2, "surprise": 1}\n')
+    code, _, err = _run(env, capsys, "append", shard, str(rows))
+    assert code == 2 and "surprise" in err
+    with _client(tmp_path) as client:
+        assert client.inspect(shard)["upper"] == 2
+
+
 @pytest.mark.parametrize(("file", "text", "says"), [
     ("no_t.csv", "id,name\n1,ann\n", "needs a t column"),
     ("number.jsonl", "1\n", "not a JSON object"),
