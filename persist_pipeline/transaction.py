@@ -167,6 +167,8 @@ class Transaction:
             SchemaMismatch: an untyped shard, or the table does not fit its schema.
             InvalidUpdates: a key appears twice (with value columns).
             InvalidInput: as :meth:`compare_and_append`.
+            InvalidFrontier (at commit): the shard is closed, also when it was closed
+                while the transaction committed; no shard changed.
         """
         self._check_open()
         if self._is_new(shard):
@@ -382,7 +384,9 @@ class Transaction:
                                              staged.encoding, to_blob=True)
                 retry = True
             elif isinstance(result, transitions.UpperMismatchResult) and \
-                    op.contents is not None and replan and result.current is not None:
+                    op.contents is not None and replan:
+                # Planned again, as a single replace is: a shard closed meanwhile is
+                # then refused as closed (InvalidFrontier), as when closed before.
                 op.handle._delete_uncommitted(staged.parts)
                 op.staged = None
                 retry = True

@@ -141,6 +141,50 @@ def test_a_replace_of_a_closed_shard_deletes_the_parts_staged_before_it(open_cli
     assert blob_keys(client) - before == set()
 
 
+def test_a_replace_whose_shard_is_closed_while_it_commits_is_refused_as_closed(
+        tmp_path: Path):
+    """A shard closed (the CLI's append --new-upper closed) between a transaction's
+    planning and its commit refuses its replacement as a closed shard (InvalidFrontier),
+    as when it was closed before, and as a single replace_contents (the IO manager's one
+    store) refuses it: not as a mismatch to retry. No shard changes."""
+    from tests.helpers import ForwardingConsensus
+
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    schema = ShardSchema(pa.schema([("id", pa.int64())]), pa.schema([("qty", pa.int64())]))
+    empty = pa.table({c: pa.array([], pa.int64()) for c in ("id", "qty", "t", "d")})
+    closer = PersistClient.open(consensus, blob)
+    a, b = ShardId.new(), ShardId.new()
+    closer.open_writer(a, schema=schema).replace_contents(pa.table({"id": [1], "qty": [1]}))
+    closer.open_writer(b, schema=schema).replace_contents(pa.table({"id": [1], "qty": [1]}))
+    closing: list[ShardId] = []
+
+    class ClosesFirst(ForwardingConsensus):
+        def compare_and_set_many(self, writes: Any) -> bool:
+            while closing:  # another client closes the shard just before this commit
+                closer.open_writer(closing.pop()).compare_and_append(empty, 1, None)
+            return super().compare_and_set_many(writes)
+
+        def compare_and_set(self, *args: Any) -> bool:
+            while closing:
+                closer.open_writer(closing.pop()).compare_and_append(empty, 1, None)
+            return super().compare_and_set(*args)
+
+    client = PersistClient(ClosesFirst(open_consensus(consensus)), open_blob(blob))
+    txn = client.transaction()
+    txn.replace_contents(client.open_writer(a), pa.table({"id": [2], "qty": [2]}))
+    txn.replace_contents(client.open_writer(b), pa.table({"id": [2], "qty": [2]}))
+    closing.append(b)
+    with pytest.raises(InvalidFrontier, match="closed"):
+        txn.commit()
+    assert uppers(client, a, b) == [1, None]
+    single = client.open_writer(a)
+    closing.append(a)
+    with pytest.raises(InvalidFrontier, match="closed"):
+        single.replace_contents(pa.table({"id": [3], "qty": [3]}))
+    client.close()
+    closer.close()
+
+
 def test_an_exception_in_the_block_commits_nothing(open_client):
     client = open_client()
     a, b, wa, wb = two_shards(client)
