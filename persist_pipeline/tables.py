@@ -433,9 +433,9 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         ShardNameNotFound: no generation of ``name`` exists.
         NotYetAvailable: nothing was stored yet.
         InvalidInput: ``upper`` is beyond the shard's upper or not positive, or several
-            generations reached it (load one by its name), or the shard is untyped. A
-            typed shard no table store wrote loads as the table of its key and value
-            columns.
+            generations reached it (load one by its name), or a row's count is
+            negative. A typed shard no table store wrote loads as the table of its key
+            and value columns, an untyped one as its ``k`` and ``v`` bytes.
         SinceViolation: ``upper`` is so old that compaction merged it away.
     """
     what = what or name
@@ -475,9 +475,25 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
     finally:
         reader.expire()
     if schema is None:
-        raise NotATable(f"{what}: shard {shard} ({name}) is untyped: it was not "
-                        f"written as a table")
+        # An untyped shard (the CLI's append, ingestion): its k and v bytes, as every
+        # other entry point reads it.
+        return _rows_by_count(typed).select(["k", "v"])
     return from_storage(typed, schema)
+
+
+def _rows_by_count(snapshot: pa.Table) -> pa.Table:
+    """A consolidated snapshot's rows, each repeated ``d`` times (a table's rows).
+
+    Raises:
+        NotATable: a row's count is negative (retractions without rows).
+    """
+    counts = snapshot.column("d").to_numpy()
+    if len(counts) and (counts.min() < 1):
+        raise NotATable("the shard holds retractions without rows (a negative count), "
+                           "which no table has")
+    if len(counts) and counts.max() > 1:
+        snapshot = snapshot.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
+    return snapshot
 
 
 def _first_generation(name: str, names: Mapping[str, ShardId]) -> ShardId | None:
@@ -841,16 +857,19 @@ def from_storage(typed: pa.Table, shard_schema: ShardSchema) -> pa.Table:
     no table store wrote (the CLI's, Spark's, the API's) is the table of its key and
     value columns, as every other entry point reads it."""
     found = original_schema(shard_schema)
+    # Only a table store's table has a key each row holds once: another writer's typed
+    # shard is a multiset of its (key, value) rows, as every reader shows it.
+    stored_as_table = found is not None
     if found is None:
         found = pa.schema([*shard_schema.key, *shard_schema.value]), shard_schema.columns
     schema, storage_names = found
     # As this version keeps it: a shard an earlier version stored may hold rows of later
     # outputs with more categories than its recorded index width.
     schema = _kept_schema(schema)
-    _check_is_table(typed, shard_schema, dict(zip(storage_names, schema.names, strict=True)))
-    counts = typed.column("d").to_numpy()
-    if len(counts) and counts.max() > 1:
-        typed = typed.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
+    if stored_as_table:
+        _check_is_table(typed, shard_schema,
+                        dict(zip(storage_names, schema.names, strict=True)))
+    typed = _rows_by_count(typed)
     columns = []
     for field, stored in zip(schema, storage_names, strict=True):
         dictionary = shard_schema.categories(stored)

@@ -229,6 +229,34 @@ def test_an_asset_loads_a_typed_shard_other_entry_points_wrote(
         {"id": 3, "name": "cy", "at": None}]
 
 
+CHANGES = dg.AssetKey(["changes"])
+
+
+@dg.asset(ins={"changes": dg.AssetIn(key=CHANGES)})
+def change_rows(changes: pa.Table) -> pa.Table:
+    return changes
+
+
+def test_an_asset_loads_an_untyped_shard_by_its_name(
+        io_manager: PersistIOManager, table_location: tuple[str, str],
+        tmp_path: Path) -> None:
+    """An untyped shard (what the CLI's append and ingestion write) loads as an asset
+    input by its name too: its k and v bytes, each row as often as its count, as the
+    CLI's snapshot, a read plan and Spark read it."""
+    from persist_pipeline import cli
+
+    env = ["--consensus", table_location[0], "--blob", table_location[1]]
+    rows = tmp_path / "changes.jsonl"
+    rows.write_text('{"k": "a", "v": "1", "t": 0}\n{"k": "b", "v": "2", "t": 1, "d": 2}\n'
+                    '{"k": "a", "v": "1", "t": 1, "d": -1}\n')
+    assert cli.main([*env, "append", "changes", str(rows), "--create"]) == 0
+    loaded = _materialize(io_manager, dg.SourceAsset(CHANGES), change_rows
+                          ).output_for_node("change_rows")
+    assert loaded.schema == pa.schema([pa.field("k", pa.binary(), False),
+                                       pa.field("v", pa.binary(), False)])
+    assert loaded.to_pylist() == [{"k": b"b", "v": b"2"}, {"k": b"b", "v": b"2"}]
+
+
 def test_declared_keys_replace_rows_by_key(io_manager: PersistIOManager) -> None:
     first = pa.table({"id": [1, 2, 3], "name": ["a", "b", "c"]})
     io_manager.store("customers", first, primary_key=["id"])
