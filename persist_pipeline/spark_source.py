@@ -234,7 +234,8 @@ class _Location:
         location = cls(consensus, blob, wal, "")
         client = location.client(create=writing)
         try:
-            if columns is not None and writing:
+            if check:
+                assert columns is not None
                 # Before the name is registered and the shard created (both for good).
                 found = shard_id or client.name_registry.lookup(shard)
                 check_write_columns(client, None if found is None else str(found), columns)
