@@ -106,6 +106,7 @@ from persist_pipeline.exceptions import (
     InvalidFrontier,
     InvalidInput,
     InvalidShardId,
+    InvalidUpdates,
     LeaseExpired,
     PartMissing,
     PersistError,
