@@ -1,5 +1,6 @@
-"""The library's worker threads (:func:`persist_pipeline.internal.sync.new_worker`) and
-shared pools (:class:`~persist_pipeline.internal.sync.SharedPool`).
+"""The library's worker threads (:func:`persist_pipeline.internal.sync.new_worker`),
+shared pools (:class:`~persist_pipeline.internal.sync.SharedPool`) and events
+(:func:`~persist_pipeline.internal.sync.new_event`).
 
 A merge reads its runs' next chunks on one worker and encodes its output on another;
 what it relies on: tasks run in order, off the submitting thread; an error reaches the
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
-from persist_pipeline.internal.sync import SharedPool, inline_workers, new_worker
+from persist_pipeline.internal.sync import SharedPool, inline_workers, new_event, new_worker
 
 
 def _threads_named(name: str) -> list[threading.Thread]:
@@ -33,6 +34,29 @@ def _wait_until(condition: Callable[[], bool]) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
+
+
+def test_an_event_wakes_every_waiter_and_stays_set_until_cleared() -> None:
+    # What group commit relies on: a wake-up set before the wait is not lost, setting
+    # twice (two groups ending at once) is harmless, and a cleared event blocks again.
+    event = new_event()
+    assert not event.wait(0.01)
+    event.set()
+    event.set()
+    assert event.wait(0) and event.wait(0.01)
+    event.clear()
+    event.clear()
+    assert not event.wait(0.01)
+    woken: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woken.append(event.wait(10)))
+               for _ in range(3)]
+    for w in waiters:
+        w.start()
+    event.set()
+    for w in waiters:
+        w.join(10)
+    assert woken == [True, True, True]
+    assert event.wait(None)
 
 
 def test_tasks_run_in_order_off_the_submitting_thread() -> None:

@@ -76,7 +76,48 @@ def new_event() -> EventLike:
     """An event (initially clear) from the installed factory."""
     if _EVENT_FACTORY is not None:
         return _EVENT_FACTORY()
-    return threading.Event()
+    return _Signal()
+
+
+class _Signal:
+    """An event made of one lock, unlocked while set: waiting and setting are single C
+    calls, where :class:`threading.Event` runs a condition variable in Python (a lock
+    made per wait, and a woken waiter that must take the condition's lock again, often
+    still held by the setter: one more sleep and wake-up). Group commit's appends each
+    wait on one of these, so their cost is paid per append.
+
+    Every operation is atomic: the lock's own state is the flag, so concurrent setters,
+    clearers and waiters need no lock of their own.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()  # clear
+
+    # try/except, not contextlib.suppress: a context manager object per call on a path
+    # every grouped append takes.
+    def set(self) -> None:
+        try:  # noqa: SIM105
+            self._lock.release()
+        except RuntimeError:
+            pass  # already set
+
+    def clear(self) -> None:
+        self._lock.acquire(False)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        lock = self._lock
+        if not lock.acquire(True, -1 if timeout is None else timeout):
+            return False
+        # Set again for any other waiter (and for a wait that follows): the lock is only
+        # held while clear. A setter may have released it meanwhile: then it is set.
+        try:  # noqa: SIM105
+            lock.release()
+        except RuntimeError:
+            pass
+        return True
 
 
 def new_worker(depth: int, name: str) -> Worker:
