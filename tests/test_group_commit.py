@@ -365,3 +365,86 @@ def test_a_group_commits_while_another_waits_for_its_round_trip(monkeypatch):
     assert _read(client, a) == [(b"a1", b"", 1), (b"a2", b"", 1)]
     assert _read(client, b) == [(b"b", b"", 1)]
     client.close()
+
+
+def _poll(condition: Any, what: str) -> None:
+    deadline = SYSTEM_CLOCK.monotonic() + 10
+    while not condition():
+        assert SYSTEM_CLOCK.monotonic() < deadline, f"timed out waiting for {what}"
+        SYSTEM_CLOCK.sleep(0.002)
+
+
+def test_a_lone_append_beside_a_group_in_flight_waits_to_share_the_next_round_trip(
+        monkeypatch):
+    """While a group of two appends is in its round trip, one arriving append does not
+    spend the free slot on itself: it waits, and the next one to arrive commits both in
+    one round trip (the group in flight is still held). A busy process's threads are
+    about to come back; a group of one would leave them queued behind it."""
+    client = PersistClient.open("mem://", "mem://", inline_policy=InlinePolicy())
+    names = ["p", "q", "r", "s", "t", "u"]
+    shards = {n: ShardId.new() for n in names}
+    writers = {n: client.open_writer(shards[n]) for n in names}
+    gates = {n: threading.Event() for n in "pqr"}
+    held = {n: threading.Event() for n in "pqr"}
+    by_shard = {str(shards[n]): n for n in names}
+    real_cas, real_many = client.consensus.compare_and_set, client.consensus.compare_and_set_many
+
+    def hold(shard_names: list[str]) -> None:
+        for n in shard_names:
+            if n in gates:
+                held[n].set()
+                assert gates[n].wait(30)
+
+    def cas(shard, expected, new):
+        hold([by_shard[shard]])
+        return real_cas(shard, expected, new)
+
+    def cas_many(writes):
+        hold(sorted(by_shard[w.shard] for w in writes))
+        return real_many(writes)
+
+    monkeypatch.setattr(client.consensus, "compare_and_set", cas)
+    monkeypatch.setattr(client.consensus, "compare_and_set_many", cas_many)
+    results: dict[str, object] = {}
+
+    def start(n: str) -> threading.Thread:
+        def append() -> None:
+            try:
+                results[n] = writers[n].compare_and_append([(n.encode(), b"", 0, 1)], 0, 1)
+            except Exception as e:  # asserted below
+                results[n] = e
+
+        thread = threading.Thread(target=append, name=n)
+        thread.start()
+        return thread
+
+    funnel = client._funnel
+    assert funnel is not None
+    threads = {"p": start("p")}
+    assert held["p"].wait(30)  # a group of one in flight ...
+    threads["q"] = start("q")
+    assert held["q"].wait(30)  # ... and beside it another one: both slots taken
+    threads["r"], threads["s"] = start("r"), start("s")
+    _poll(lambda: len(funnel._queue) == 2, "r and s to queue")
+    gates["p"].set()  # p's group ends; r leads r and s as one group, held
+    assert held["r"].wait(30)
+    gates["q"].set()
+    threads["q"].join(30)
+    groups, grouped = client.metrics.group_commits, client.metrics.group_commit_appends
+    threads["t"] = start("t")
+    _poll(lambda: len(funnel._queue) == 1 or "t" in results, "t to queue or commit")
+    assert "t" not in results, "a lone append took the free slot for itself"
+    threads["u"] = start("u")
+    threads["t"].join(30)
+    threads["u"].join(30)
+    assert results["t"].upper == 1 and results["u"].upper == 1  # type: ignore[attr-defined]
+    assert (client.metrics.group_commits - groups,
+            client.metrics.group_commit_appends - grouped) == (1, 2)
+    assert threads["r"].is_alive() and threads["s"].is_alive()  # still in their round trip
+    gates["r"].set()
+    for thread in threads.values():
+        thread.join(30)
+    for n in names:
+        assert results[n].upper == 1, results[n]  # type: ignore[attr-defined]
+        assert _read(client, shards[n]) == [(n.encode(), b"", 1)]
+    client.close()

@@ -10,8 +10,11 @@ form the next group, so a lone writer pays nothing and a busy process shares rou
 
 Up to :data:`GROUPS_IN_FLIGHT` groups commit at once, on disjoint shards: while one group
 waits for its round trip (most of it the database's commit flush), the threads it does
-not hold build their next appends and commit them as the next group. A shard is in at
-most one group at a time and its appends commit in the order they arrived.
+not hold build their next appends and commit them as the next group. That next group
+starts once as many appends wait as the group in flight holds (a lone writer, with
+nothing in flight, never waits): its threads are about to come back, and an append that
+took the free slot alone would spend a round trip on itself while they queue. A shard is
+in at most one group at a time and its appends commit in the order they arrived.
 
 Each append still succeeds or fails on its own: a group whose commit is refused because
 some shards' transitions changed nothing (an upper mismatch, a lease expired, ...) gives
@@ -120,6 +123,8 @@ class Funnel:
         self._queue: list[_Entry] = []
         self._busy: set[str] = set()
         self._leaders = 0
+        #: Under _queue_lock: how many appends the groups being committed hold.
+        self._in_groups = 0
         self._inflight = 0
         #: Under _queue_lock: appends waiting for room in the in-flight bound, oldest first.
         self._wanting_room: deque[_Entry] = deque()
@@ -139,7 +144,7 @@ class Funnel:
                 with self._queue_lock:
                     if entry.finished:
                         break
-                    if (not entry.taken and self._leaders < GROUPS_IN_FLIGHT
+                    if (not entry.taken and self._may_lead()
                             and machine.shard_id not in self._busy):
                         self._leaders += 1
                     else:
@@ -194,8 +199,10 @@ class Funnel:
                             waiting = False
                         self._inflight += entry.size
                         if not self._queue and not self._window_s and \
-                                self._leaders < GROUPS_IN_FLIGHT and shard not in self._busy:
+                                (self._leaders == 0 or self._may_lead(1)) and \
+                                shard not in self._busy:
                             self._leaders += 1
+                            self._in_groups += 1
                             self._busy.add(shard)
                             entry.taken = True
                             return True
@@ -212,6 +219,21 @@ class Funnel:
                 with self._queue_lock:
                     self._wanting_room.remove(entry)
             raise
+
+    def _may_lead(self, arriving: int = 0) -> bool:
+        """Whether a new group may start now (under the lock), with ``arriving`` more
+        appends than those waiting: at once when no group is in flight; beside one only
+        once as many appends wait as that group holds. Each of those will be back soon
+        with its next append: a lone arrival that took the free slot would spend a round
+        trip on one append while they queue behind it (a third of the round trips of 32
+        busy threads carried a single append), and the groups after it would stay
+        lopsided. No append waits for more than the groups in flight: they wait for
+        nothing, and each one's end wakes the oldest waiting append."""
+        leaders = self._leaders
+        if leaders == 0:
+            return True
+        return leaders < GROUPS_IN_FLIGHT and \
+            len(self._queue) + arriving >= self._in_groups
 
     def _commit_alone(self, entry: _Entry) -> tuple[Any, State]:
         """Commit ``entry`` as a group of one, as :meth:`Machine.apply` commits it."""
@@ -250,6 +272,7 @@ class Funnel:
                 only = queue[0]
                 only.taken = True
                 busy.add(only.machine.shard_id)
+                self._in_groups += 1
                 self._queue = []
                 return queue
             group: list[_Entry] = []
@@ -263,6 +286,7 @@ class Funnel:
                     entry.taken = True
                     group.append(entry)
             self._queue = rest
+            self._in_groups += len(group)
             return group
 
     def _hand_off(self, group: list[_Entry], released: int = 0) -> None:
@@ -272,6 +296,7 @@ class Funnel:
         event before it waits, so no wake-up is missed."""
         with self._queue_lock:
             self._leaders -= 1
+            self._in_groups -= len(group)
             self._inflight -= released
             busy = self._busy
             for entry in group:
