@@ -223,7 +223,8 @@ def run(svc: Services, scale: Scale, log: Callable[[str], None] = print) -> Case
                       f"inline appends (each thread moves to a fresh shard every {rotate} "
                       "appends); the funnel batches appends that wait at the same "
                       "moment (no timer: group_commit_window_s = 0), two groups on "
-                      "different shards at a time.")
+                      "different shards at a time (the second once as many appends wait "
+                      "as the first holds).")
     grid.notes.append("The no-database column runs the same threads and appends against an "
                       "in-memory consensus (no round trip at all): every append's own "
                       "Python (validation, state transition, encoding) under one "
