@@ -309,8 +309,12 @@ class Funnel:
             wake.set()
 
     def _successor(self) -> EventLike | None:
-        """The event of the oldest waiting append that may lead the next group (under
-        the lock)."""
+        """The event of the oldest waiting append that may lead the next group now, if
+        one may start (under the lock). None when none may: one woken then would only go
+        back to sleep (two context switches for nothing), and whatever lets a group start
+        wakes one itself (an arrival leads, a group's end looks again)."""
+        if not self._may_lead():
+            return None
         for waiting in self._queue:
             if waiting.machine.shard_id not in self._busy:
                 return waiting.wake
