@@ -3,7 +3,9 @@
 The append path's own CPU (validation, transition, state diff, encodings) is what
 limits group commit (every append's Python runs under one interpreter lock), so it is
 measured here without the benchmark's peers. Wall time moves 5-10% between identical
-runs on a shared machine; instruction counts (callgrind) repeat within about 1%::
+runs on a shared machine (far more under others' load); the threads modes also print
+this process's CPU time and context switches per append over the timed run, which
+others' load moves much less; instruction counts (callgrind) repeat within about 1%::
 
     python scripts/append_cost.py single 2000                 # one thread, mem://
     python scripts/append_cost.py single 2000 postgresql://postgres@127.0.0.1/db
@@ -24,6 +26,7 @@ append stays inline. Run a mode once before measuring, so that bytecode is compi
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import threading
 import time
@@ -77,10 +80,14 @@ def threads(n: int, consensus: str, blob: str, group_commit: bool) -> str:
     for w in workers:
         w.start()
     start.wait()
+    used = resource.getrusage(resource.RUSAGE_SELF)
     began = time.perf_counter()
     for w in workers:
         w.join()
     elapsed = time.perf_counter() - began
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
+    switches = now.ru_nvcsw + now.ru_nivcsw - used.ru_nvcsw - used.ru_nivcsw
     for writers in opened:
         for w in writers:
             w.expire()
@@ -88,7 +95,9 @@ def threads(n: int, consensus: str, blob: str, group_commit: bool) -> str:
     client.close()
     total = n * THREADS
     return (f"{THREADS} threads: {total} appends in {elapsed:.3f} s, {total / elapsed:.0f}/s"
-            + (f", {grouped / groups:.1f} appends per round trip" if groups else ""))
+            + (f", {grouped / groups:.1f} appends per round trip" if groups else "")
+            + f"; per append: {cpu / total * 1e6:.0f} us of this process's CPU, "
+              f"{switches / total:.1f} context switches")
 
 
 def main() -> None:
