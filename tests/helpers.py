@@ -108,6 +108,25 @@ class ForwardingConsensus(Consensus):
         self.inner.close()
 
 
+class BeforeNextCas(ForwardingConsensus):
+    """Runs a hook right before the next compare_and_set, once armed: a process paused
+    between computing its commit (or uploading its parts) and sending it, while others
+    act."""
+
+    def __init__(self, inner: Consensus) -> None:
+        super().__init__(inner)
+        self._hook: Callable[[], None] | None = None
+
+    def arm(self, hook: Callable[[], None]) -> None:
+        self._hook = hook
+
+    def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook()
+        return self.inner.compare_and_set(shard, expected, new)
+
+
 class StoreOnClock(Blob):
     """A blob store whose clock is a test clock's: it stamps each object with the clock's
     offset from real time when it is written, and tells the time (``clock_now``, what GC
@@ -182,16 +201,18 @@ class HandClock:
 
 
 def client_on_clock(location: Location, clock: HandClock, policy: InlinePolicy | None = None,
-                    config: PersistConfig | None = None) -> PersistClient:
+                    config: PersistConfig | None = None, *,
+                    consensus: Consensus | None = None) -> PersistClient:
     """What ``location.client(policy, config)`` opens, on the real backends, with its time
     on ``clock``: the client's leases, walltimes and commit deadlines, and (through
     :class:`StoreOnClock`) the stamps and the time of its blob stores, which GC's orphan
     sweep measures ages with. ``clock.advance`` is then time passing for this client and
-    its stores, without a sleep."""
+    its stores, without a sleep. ``consensus``: the location's, wrapped by the test
+    (default: opened here)."""
     cfg = config or PersistConfig()
     if policy is not None:
         cfg = replace(cfg, inline_policy=policy)
-    consensus = open_consensus(location.consensus_uri)
+    consensus = consensus or open_consensus(location.consensus_uri)
     try:
         blob: Blob = StoreOnClock(open_blob(location.blob_uri), clock)
         wal = (StoreOnClock(open_blob(location.wal_blob_uri), clock)

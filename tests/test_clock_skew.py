@@ -9,7 +9,7 @@ deterministic and fails without its fix (the GC one also under the negative cont
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ import pytest
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
-from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus.base import Consensus
 from persist_pipeline.exceptions import CommitDeadlineExceeded
 from persist_pipeline.sim import controls
 from persist_pipeline.spark_datasource import PersistCommitMessage
@@ -31,31 +31,10 @@ from persist_pipeline.spark_source import (
     plan_write,
 )
 from tests.fixtures.location import Location
-from tests.helpers import ForwardingConsensus, SkewedClock, expected_snapshot, rows
+from tests.helpers import BeforeNextCas, SkewedClock, expected_snapshot, rows
 
 AGE_S = 60.0  # gc_orphan_min_age_s: commits must land within 30 s of their first upload
 BLOB = InlinePolicy(0, 0)
-
-
-class BeforeNextCas(ForwardingConsensus):
-    """Runs a hook right before the next compare_and_set, once armed (a process paused
-    between uploading its parts and committing them, while others act)."""
-
-    def __init__(self, inner: Consensus) -> None:
-        self.inner = inner
-        self._hook: Callable[[], None] | None = None
-
-    def arm(self, hook: Callable[[], None]) -> None:
-        self._hook = hook
-
-    def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            hook()
-        return self.inner.compare_and_set(shard, expected, new)
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ import pytest
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
-from persist_pipeline.consensus.base import Consensus, VersionedData
+from persist_pipeline.consensus.base import Consensus
 from persist_pipeline.exceptions import CommitDeadlineExceeded, CorruptData, InvalidConfig
 from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ids import new_token
@@ -21,7 +20,7 @@ from persist_pipeline.sim import controls
 from persist_pipeline.updates import Updates, encode_parquet
 from tests.fixtures.location import Location
 from tests.helpers import (
-    ForwardingConsensus,
+    BeforeNextCas,
     HandClock,
     StoreOnClock,
     client_on_clock,
@@ -256,21 +255,6 @@ def test_processes_configured_with_different_orphan_ages_never_lose_a_write(
         client.close()
 
 
-class _PausesBeforeNextCas(ForwardingConsensus):
-    """Runs a hook right before the next compare-and-set, once armed: a process paused
-    between computing its commit and sending it (or a request delayed in the network)."""
-
-    def __init__(self, inner: Consensus) -> None:
-        super().__init__(inner)
-        self.hook: Callable[[], None] | None = None
-
-    def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
-        hook, self.hook = self.hook, None
-        if hook is not None:
-            hook()
-        return self.inner.compare_and_set(shard, expected, new)
-
-
 def _two_commits_of_the_same_parts(location: Location, clock: HandClock
                                    ) -> tuple[PersistClient, ShardId, Any, list[Exception]]:
     """Two commits of the same uploaded parts with one token (a Spark driver that never
@@ -279,7 +263,7 @@ def _two_commits_of_the_same_parts(location: Location, clock: HandClock
     the first lands. Returns a client, the shard, the parts and the refusals."""
     cfg = PersistConfig(inline_policy=BLOB_ONLY, gc_orphan_min_age_s=ORPHAN_AGE_S,
                         heartbeat_interval_s=0, blob_cache_bytes=0)
-    paused = _PausesBeforeNextCas(open_consensus(location.consensus_uri))
+    paused = BeforeNextCas(open_consensus(location.consensus_uri))
     first_client = _process(location, clock, cfg, consensus=paused)
     second_client = _process(location, clock, cfg)
     shard = ShardId.new()
@@ -305,7 +289,7 @@ def _two_commits_of_the_same_parts(location: Location, clock: HandClock
         except CommitDeadlineExceeded as e:
             refusals.append(e)
 
-    paused.hook = the_second_commit_meanwhile
+    paused.arm(the_second_commit_meanwhile)
     first.compare_and_append_parts(parts, 1, 1, 2, idempotency_token=token,
                                    upload_started_s=started_s, schema=None)
     first_client.close()

@@ -11,8 +11,12 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from persist_pipeline import PersistClient, tables
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, tables
+from persist_pipeline.consensus import open_consensus
+from persist_pipeline.exceptions import CommitDeadlineExceeded
 from persist_pipeline.frontier import MAX_TIME
+from tests.fixtures.location import Location
+from tests.helpers import BeforeNextCas, HandClock, client_on_clock
 
 
 def _client(tmp_path: Path) -> PersistClient:
@@ -122,6 +126,59 @@ def test_a_store_committing_after_a_concurrent_evolution_loads_exactly(
         latest = tables.load_table(client, "t")
         assert latest.schema.names == narrow.schema.names, latest
         assert latest.equals(narrow)
+
+
+def _evolution_refused_for_its_deadline(location: Location) -> PersistClient:
+    """Stores V1 in "t", then V2 (adding "tier", the generation evolved in place) from a
+    process that pauses between uploading V2's rows and committing them, past its
+    commit deadline, while another process opens a writer of the shard (so the commit
+    is computed again, on the state after the pause): V2's store is refused with
+    CommitDeadlineExceeded, nothing written. Returns the storing client."""
+    clock = HandClock()
+    cfg = PersistConfig(inline_policy=InlinePolicy(0, 0), heartbeat_interval_s=0)
+    paused = BeforeNextCas(open_consensus(location.consensus_uri))
+    client = client_on_clock(location, clock, config=cfg, consensus=paused)
+    with client_on_clock(location, clock, config=cfg) as other:
+        tables.store_table(client, "t", V1, ["id"])
+        shard = client.resolve("t")
+
+        def the_pause() -> None:
+            other.open_writer(shard).expire()
+            clock.advance(cfg.gc_orphan_min_age_s / 2 + 1)
+
+        # Armed once V2's writer opened: the next compare-and-set is V2's commit.
+        _after_open(client, lambda: paused.arm(the_pause))
+        with pytest.raises(CommitDeadlineExceeded):
+            tables.store_table(client, "t", V2, ["id"])
+    return client
+
+
+def test_a_store_refused_for_its_deadline_leaves_the_tables_schema(
+        durable_location: Location) -> None:
+    """A store that evolves its table's schema (a nullable column added) and is refused
+    (here its commit deadline passed while its process paused) changes no table: the
+    schema is recorded by the store's own commit, never when its writer opens, so the
+    table still loads exactly as stored before, without the refused store's column."""
+    client = _evolution_refused_for_its_deadline(durable_location)
+    with client:
+        assert client.schema(client.resolve("t")).columns == ["id", "name"]
+        assert tables.load_table(client, "t").sort_by("id").equals(V1.sort_by("id"))
+
+
+def test_control_schema_recorded_at_open_loads_a_column_never_stored(
+        durable_location: Location) -> None:
+    """The negative control (table_schema_recorded_at_open): a table writer that records
+    the evolved schema when it opens leaves it after the refusal, and the table loads
+    with a column it was never stored with. The simulation's table writers rarely pause
+    an evolving store past its deadline, so this control is checked here."""
+    from persist_pipeline.sim import controls
+
+    with controls.table_schema_recorded_at_open():
+        client = _evolution_refused_for_its_deadline(durable_location)
+    with client:
+        loaded = tables.load_table(client, "t")
+        assert loaded.column_names == ["id", "name", "tier"]
+        assert loaded.column("tier").null_count == loaded.num_rows
 
 
 def test_the_ambiguity_message_names_no_other_table_as_the_first_generation(
