@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     if root.exists() and not args.keep:
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
-    # A small inline budget so the example shows the fall-through to blob.
-    policy = InlinePolicy(threshold_bytes=4096, max_bytes=16 * 1024)
+    # A small inline budget (about eight of the small writes) so the example shows the
+    # fall-through to blob once the shard holds all the inline bytes it may.
+    policy = InlinePolicy(threshold_bytes=4096, max_bytes=4096)
     client = PersistClient.open(f"sqlite:///{root / 'consensus.db'}",
                                 f"file://{root / 'blobs'}", inline_policy=policy)
     shard = ShardId.new()
@@ -65,13 +66,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{metrics['inline_bytes_after']}, {metrics['rows_per_s']:.0f} rows/s")
     print(f"after compaction: {info['parts']}")
     assert before.equals(after), "compaction changed the snapshot"
+    # The reader's seqno hold keeps the versions that reference the replaced parts live:
+    # released, GC may delete those parts and truncate the versions.
+    reader.expire()
     gc = client.gc(shard, sweep_orphans=False)
     print(f"gc: {gc['blobs_deleted']} blobs deleted, {gc['seqnos_truncated']} seqnos truncated")
     total = sum(d for d in after.column("d").to_pylist())
     print(f"\nsnapshot at {upper - 1}: {after.num_rows} distinct rows, {total} records; "
           f"identical before and after compaction")
     print(f"placements: {counts}; S3 PUTs avoided by inlining: {counts.get('inline', 0)}")
-    reader.expire()
     writer.expire()
     _typed(client)
     client.close()
