@@ -13,7 +13,7 @@ help:
 	@echo "                  (SQLite + local files + Spark local[*]); prints a summary table"
 	@echo "make test       - create the environment and run the whole test suite (lint, types too)"
 	@echo "make test-fast  - the fast tier before every commit: logic on the in-memory and SQLite"
-	@echo "                  backends, no PostgreSQL, S3, Spark or Dagster runs (about a minute)"
+	@echo "                  backends, no PostgreSQL, S3, Spark or Dagster runs (1-2 minutes)"
 	@echo "make ui         - the Dagster UI on the same instance (http://127.0.0.1:3000)"
 	@echo "make quickstart - the core library alone: writes, placement, compaction, snapshot"
 	@echo "make nemesis    - 10 minutes of killed processes and faults on PostgreSQL + S3"
@@ -24,6 +24,7 @@ help:
 	@echo "make lint / typecheck / proto"
 
 $(STAMP): pyproject.toml
+	@echo "Creating $(VENV) with persist-pipeline[dev] (a few minutes the first time; pip runs quietly)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
