@@ -351,6 +351,55 @@ def _csv_header(path: Path) -> list[str]:
         return []  # the read itself says what is wrong
 
 
+def _first_bad_json_line(path: Path, explicit: pa.Schema) -> str | None:
+    """Where a typed JSON Lines read failed: ``"N: column C must be T, got V"`` for the
+    first line holding a value Arrow's JSON reader does not read as its column's type,
+    or None if none is found. Lines are read again by the same reader with the same
+    schema (a thousand at a time, then one by one and column by column within a refused
+    thousand), so a line is blamed only if Arrow refuses it (Arrow's own message counts
+    rows from 0 within a block, not lines of the file)."""
+    import io
+
+    import pyarrow.json as pajson
+
+    def refused(lines: list[str], schema: pa.Schema) -> bool:
+        try:
+            pajson.read_json(io.BytesIO("".join(lines).encode()),
+                             parse_options=pajson.ParseOptions(explicit_schema=schema))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
+            return True
+        return False
+
+    def first_in(chunk: list[tuple[int, str]]) -> str | None:
+        for n, line in chunk:
+            if not refused([line], explicit):
+                continue
+            record = json.loads(line)
+            for name, value in (record.items() if isinstance(record, dict) else ()):
+                if name in explicit.names and refused(
+                        [json.dumps({name: value}) + "\n"], pa.schema([explicit.field(name)])):
+                    return (f"{n}: column {name} must be {explicit.field(name).type}, "
+                            f"got {json.dumps(value)[:40]}")
+            return None  # the line is refused as a whole: Arrow's message, then
+        return None
+
+    try:
+        with path.open(encoding="utf-8-sig") as f:
+            chunk: list[tuple[int, str]] = []
+            for n, line in enumerate(f, start=1):
+                if line.strip():
+                    chunk.append((n, line if line.endswith("\n") else line + "\n"))
+                if len(chunk) == 1024:
+                    if refused([text for _, text in chunk], explicit):
+                        return first_in(chunk)
+                    chunk = []
+            if chunk and refused([text for _, text in chunk], explicit):
+                return first_in(chunk)
+    except (UnicodeDecodeError, json.JSONDecodeError, OSError):
+        return None
+    return None
+
+
 def _json_lines_columns(path: Path, types: Mapping[str, pa.DataType]) -> set[str]:
     """The columns the lines of a typed JSON Lines file give, all of them in ``types``.
 
@@ -426,10 +475,14 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
     except InvalidUpdates:
         raise  # says what is wrong with the file already
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, OSError) as e:
-        # Arrow's CSV message names no line: a second pass (on the error path only)
-        # finds the first bad row, so the error names its line as for untyped files.
-        located = (_first_bad_csv_row(path, types)
-                   if kind == "csv" and isinstance(e, pa.ArrowInvalid) else None)
+        # Arrow's CSV message names no line, its JSON message a row counted from 0 in a
+        # block: a second pass (on the error path only) finds the first bad row, so the
+        # error names its line as for untyped files.
+        located = None
+        if kind == "csv" and isinstance(e, pa.ArrowInvalid):
+            located = _first_bad_csv_row(path, types)
+        elif kind == "jsonl" and isinstance(e, pa.ArrowInvalid):
+            located = _first_bad_json_line(path, explicit)
         if located is not None:
             raise InvalidUpdates(f"{path}: line {located}") from None
         raise InvalidUpdates(f"{path}: cannot read it as rows of {schema!r}: {e}") from None

@@ -119,6 +119,31 @@ def test_a_bad_typed_csv_row_is_reported_with_its_line(tmp_path: Path) -> None:
         read_typed_file(ragged, schema)
 
 
+def test_a_bad_typed_json_line_is_reported_with_its_line(tmp_path: Path) -> None:
+    """A typed JSON Lines value of the wrong type names the file, the line (counting
+    blank lines; Arrow's own message counts rows from 0 within a block), the column and
+    the value, as for CSV."""
+    from persist_pipeline.schema import ShardSchema
+
+    schema = ShardSchema([("id", pa.int64())], [("name", pa.string())])
+    bad = tmp_path / "typedbad.jsonl"
+    bad.write_text('{"id": 1, "name": "a", "t": 0}\n\n{"id": 2, "name": "b", "t": 0}\n'
+                   '{"id": "x", "name": "e", "t": 0}\n')
+    with pytest.raises(InvalidUpdates) as info:
+        read_typed_file(bad, schema)
+    assert str(info.value) == f'{bad}: line 4: column id must be int64, got "x"'
+    late = tmp_path / "late_t.jsonl"
+    late.write_text("".join(json.dumps({"id": i, "name": "n" * 20, "t": 0}) + "\n"
+                            for i in range(40000)) + '{"id": 5, "name": "n", "t": "soon"}\n')
+    with pytest.raises(InvalidUpdates, match=r'late_t\.jsonl: line 40001: column t must be '
+                                             r'int64, got "soon"$'):
+        read_typed_file(late, schema)
+    wrong = tmp_path / "wrong_name.jsonl"
+    wrong.write_text('{"id": 1, "name": 7, "t": 0}\n')
+    with pytest.raises(InvalidUpdates, match=r"line 1: column name must be string, got 7$"):
+        read_typed_file(wrong, schema)
+
+
 def test_a_csv_with_a_byte_order_mark_reads_like_one_without(tmp_path: Path) -> None:
     """Excel writes UTF-8 CSV with a BOM: the header's first name is k, not '\\ufeffk'."""
     path = tmp_path / "excel.csv"
