@@ -437,9 +437,15 @@ class ShardSchema:
         if unknown:
             hint = ("" if with_times or not {"t", "d"} & set(unknown)
                     else " (upsert and delete take the time as an argument)")
+            # k and v can never be added (reserved): an untyped table or file was
+            # handed to a typed shard, so say which columns it takes instead.
+            advice = (f"k and v are an untyped shard's columns; this typed shard takes "
+                      f"{', '.join([*self.columns, *(['t', 'd'] if with_times else [])])}"
+                      if {"k", "v"} & set(unknown) else
+                      "to add value columns, reopen the writer with a schema that "
+                      "appends them (nullable)")
             raise SchemaMismatch(f"column(s) {unknown} are not in the shard's schema "
-                                 f"{self!r}{hint}; to add value columns, reopen the writer "
-                                 f"with a schema that appends them (nullable)")
+                                 f"{self!r}{hint}; {advice}")
         n = given.num_rows
         out: dict[str, pa.Array | pa.ChunkedArray] = {}
         for field in self._columns_schema:

@@ -258,8 +258,11 @@ def test_an_untyped_write_into_a_typed_shard_is_a_schema_mismatch() -> None:
             write()
         assert isinstance(err.value, InvalidUpdates)
         assert "id" in str(err.value) and "name" in str(err.value)
-    with pytest.raises(SchemaMismatch):  # a raw k/v/t/d table, as before
+    with pytest.raises(SchemaMismatch) as err:  # a raw k/v/t/d table, as before
         writer.compare_and_append(pa.table({"k": [b"a"], "v": [b""], "t": [0], "d": [1]}), 0, 1)
+    # The hint names the columns the shard takes; k and v can never be added (reserved).
+    assert str(err.value).endswith("k and v are an untyped shard's columns; this typed "
+                                   "shard takes id, name, t, d"), str(err.value)
     with pytest.raises(InvalidUpdates, match="a typed shard takes") as err:
         writer.compare_and_append("not updates", 0, 1)  # not a write at all
     assert not isinstance(err.value, SchemaMismatch)
