@@ -71,6 +71,7 @@ from assets.pipeline_config import (
 from assets.sources import display_name, read_landed, same_file_version, stat_landed
 from persist_pipeline import PersistClient, UpperMismatch, WriteHandle, WriteResult
 from persist_pipeline.blob import redact_uri
+from persist_pipeline.dagster_io import TABLE_NAME
 from persist_pipeline.exceptions import InvalidConfig, InvalidUpdates, PersistError
 from persist_pipeline.ids import new_token
 from resources.inline_policy import InlinePolicyResource
@@ -327,8 +328,10 @@ def _spec(shard: ShardConfig) -> dg.AssetSpec:
         shard_key(shard.name), group_name=INGESTION_GROUP, description=description,
         kinds={"persist"}, freshness_policy=freshness,
         skippable=is_landed(shard),  # a file already ingested writes nothing
+        # The shard's name as its table: what the IO manager loads for an asset whose
+        # input is this one (all partitions: one landed file each, one shard).
         metadata={"shard_id": shard.shard_id, "source": _describe_source(shard),
-                  "dagster/column_schema": UPDATES_SCHEMA})
+                  TABLE_NAME: shard.name, "dagster/column_schema": UPDATES_SCHEMA})
 
 
 def build_ingestion_assets(shards: Sequence[ShardConfig],

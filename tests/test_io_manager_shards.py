@@ -219,7 +219,7 @@ def test_an_asset_loads_a_typed_shard_other_entry_points_wrote(
     client = io_manager.client()
     with client.transaction() as txn:
         txn.compare_and_append("sales/events", [{"id": 3, "name": "cy", "t": 1}], 1, 2)
-    result = _materialize(io_manager, dg.SourceAsset(EVENTS), event_names)
+    result = _materialize(io_manager, dg.AssetSpec(EVENTS), event_names)
     loaded = result.output_for_node("event_names")
     assert loaded.schema.names == ["id", "name", "at"]
     assert loaded.schema.field("at").type == pa.timestamp("us", tz="UTC")
@@ -250,11 +250,55 @@ def test_an_asset_loads_an_untyped_shard_by_its_name(
     rows.write_text('{"k": "a", "v": "1", "t": 0}\n{"k": "b", "v": "2", "t": 1, "d": 2}\n'
                     '{"k": "a", "v": "1", "t": 1, "d": -1}\n')
     assert cli.main([*env, "append", "changes", str(rows), "--create"]) == 0
-    loaded = _materialize(io_manager, dg.SourceAsset(CHANGES), change_rows
+    loaded = _materialize(io_manager, dg.AssetSpec(CHANGES), change_rows
                           ).output_for_node("change_rows")
     assert loaded.schema == pa.schema([pa.field("k", pa.binary(), False),
                                        pa.field("v", pa.binary(), False)])
     assert loaded.to_pylist() == [{"k": b"b", "v": b"2"}, {"k": b"b", "v": b"2"}]
+
+
+@dg.asset(ins={"ledger": dg.AssetIn(key=dg.AssetKey(["finance", "ledger"]))})
+def ledger_rows(ledger: pa.Table) -> pa.Table:
+    return ledger
+
+
+@dg.asset(metadata={"dagster/table_name": "finance/books"})
+def books() -> pa.Table:
+    return pa.table({"id": [1, 2]})
+
+
+def test_a_declared_table_name_is_where_an_asset_is_stored_and_loaded(
+        io_manager: PersistIOManager, table_location: tuple[str, str],
+        tmp_path: Path) -> None:
+    """An asset whose definition metadata declares ``dagster/table_name`` (as ingestion's
+    ``ingest/NAME`` declares NAME) is loaded from, and stored in, the shard of that name,
+    not the one named after its key; a partitioned asset cannot declare one."""
+    from persist_pipeline import cli
+
+    env = ["--consensus", table_location[0], "--blob", table_location[1]]
+    rows = tmp_path / "ledger.jsonl"
+    rows.write_text('{"k": "a", "v": "1", "t": 0}\n{"k": "b", "v": "2", "t": 0, "d": 2}\n')
+    assert cli.main([*env, "append", "books-2026", str(rows), "--create"]) == 0
+    spec = dg.AssetSpec(["finance", "ledger"], metadata={"dagster/table_name": "books-2026"})
+    loaded = _materialize(io_manager, spec, ledger_rows).output_for_node("ledger_rows")
+    assert sorted(loaded.to_pylist(), key=lambda r: r["k"]) == [
+        {"k": b"a", "v": b"1"}, {"k": b"b", "v": b"2"}, {"k": b"b", "v": b"2"}]
+    assert "finance/ledger" not in io_manager.client().shard_names()
+
+    assert _metadata(_materialize(io_manager, books))["dagster/table_name"] == "finance/books"
+    assert io_manager.load("finance/books").to_pylist() == [{"id": 1}, {"id": 2}]
+    assert "books" not in io_manager.client().shard_names()
+
+    @dg.asset(metadata={"dagster/table_name": "finance/regions"},
+              partitions_def=dg.StaticPartitionsDefinition(["eu"]))
+    def regions() -> pa.Table:
+        return pa.table({"id": [1]})
+
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([regions], partition_key="eu", instance=instance,
+                                resources={"io_manager": io_manager}, raise_on_error=False)
+    assert not result.success
+    assert "finance/regions" not in io_manager.client().shard_names()
 
 
 def test_declared_keys_replace_rows_by_key(io_manager: PersistIOManager) -> None:

@@ -23,11 +23,12 @@ except ModuleNotFoundError as e:
 
 from persist_pipeline.dagster_io.compaction import compaction_definitions
 from persist_pipeline.dagster_io.io_manager import (
+    TABLE_NAME,
     AssetNotStored,
     PersistIOManager,
     asset_shard_id,
 )
 from persist_pipeline.tables import UnsupportedOutput, asset_shard_name
 
-__all__ = ["AssetNotStored", "PersistIOManager", "UnsupportedOutput", "asset_shard_id",
-           "asset_shard_name", "compaction_definitions"]
+__all__ = ["TABLE_NAME", "AssetNotStored", "PersistIOManager", "UnsupportedOutput",
+           "asset_shard_id", "asset_shard_name", "compaction_definitions"]

@@ -2,7 +2,9 @@
 
 An asset's output (a pyarrow ``Table``, a pandas or a polars ``DataFrame``) is stored in
 a typed shard named after the asset key (``sales/orders``); each partition of a
-partitioned asset has a shard of its own (``sales/orders/_partitions/eu``). What is
+partitioned asset has a shard of its own (``sales/orders/_partitions/eu``); an asset
+whose definition metadata declares ``dagster/table_name`` is stored in and loaded from
+the shard of that name instead (:func:`table_name`). What is
 stored is an ordinary shard that every other entry point reads by that name: the CLI,
 read plans in DuckDB and polars, Spark's ``format("persist")``. How tables map to
 shards, names, keys and schema generations: :mod:`persist_pipeline.tables`.
@@ -84,6 +86,49 @@ def asset_shard_id(asset_key: dg.AssetKey, partition_key: str | None = None) -> 
     if partition_key is not None:
         name += "\n" + partition_key  # a partition key never contains a newline
     return str(ShardId(uuid.uuid5(ASSET_SHARD_NAMESPACE, name)))
+
+
+#: Definition metadata naming the table an asset is stored under, when it is not the one
+#: named after its key: Dagster's own table-name entry (ingestion declares its shard's).
+TABLE_NAME = "dagster/table_name"
+
+
+def declared_table_name(metadata: Mapping[str, Any] | None, key: dg.AssetKey) -> str | None:
+    """The table name ``key``'s definition metadata declares (:data:`TABLE_NAME`), if any.
+
+    Raises:
+        InvalidInput: the declared name is not a non-empty string.
+    """
+    declared = (metadata or {}).get(TABLE_NAME)
+    if declared is None:
+        return None
+    value = getattr(declared, "value", declared)  # a raw string or a MetadataValue
+    if not isinstance(value, str) or not value:
+        raise InvalidInput(f"{key.to_user_string()}: definition metadata {TABLE_NAME} must "
+                           f"be a table name (a non-empty string), got {value!r}")
+    return value
+
+
+def table_name(key: dg.AssetKey, partition: str | None,
+               metadata: Mapping[str, Any] | None) -> str:
+    """The table (shard name) an asset (partition) is stored under: the name its
+    definition metadata declares as :data:`TABLE_NAME`, else the one named after its
+    key (:func:`~persist_pipeline.tables.asset_shard_name`).
+
+    Raises:
+        UnsupportedOutput: a partitioned asset declares a table name (one table would
+            hold every partition, and storing one partition would replace the others).
+        InvalidInput: the declared name is not a string.
+    """
+    declared = declared_table_name(metadata, key)
+    if declared is None:
+        return asset_shard_name(key.path, partition)
+    if partition is not None:
+        raise UnsupportedOutput(
+            f"{key.to_user_string()}: a partitioned asset's partitions are stored in shards "
+            f"of their own, named after its key; its definition metadata {TABLE_NAME}="
+            f"{declared!r} would make each partition replace the others (remove it)")
+    return declared
 
 
 def to_arrow(obj: object) -> pa.Table:
@@ -237,7 +282,7 @@ class PersistIOManager(dg.ConfigurableIOManager):
                     "backfill with one run per partition)")
             partition = keys[0]
         declared = (context.definition_metadata or {}).get("primary_key")
-        name = asset_shard_name(context.asset_key.path, partition)
+        name = table_name(context.asset_key, partition, context.definition_metadata)
         metadata = self.store(name, table, primary_key=_key_columns(declared),
                               debug=f"dagster run {context.run_id}")
         context.add_output_metadata(metadata)
@@ -336,10 +381,19 @@ class PersistIOManager(dg.ConfigurableIOManager):
         columns = (context.definition_metadata or {}).get("columns")
         partitions: list[str | None] = (list(context.asset_partition_keys)
                                         if context.has_asset_partitions else [None])
-        loaded = [self.load(asset_shard_name(key.path, p), upper=wanted,
-                            what=key.to_user_string() + (f" partition {p}" if p else ""),
-                            legacy_shard=asset_shard_id(key, p))
-                  for p in partitions]
+        upstream = context.upstream_output
+        declared = declared_table_name(upstream.definition_metadata if upstream else None,
+                                       key)
+        if declared is not None:
+            # The asset declares the one table it is stored under (ingestion's
+            # ``ingest/NAME`` is shard NAME): all of its partitions are in it.
+            partitions = [None]
+            loaded = [self.load(declared, upper=wanted, what=key.to_user_string())]
+        else:
+            loaded = [self.load(asset_shard_name(key.path, p), upper=wanted,
+                                what=key.to_user_string() + (f" partition {p}" if p else ""),
+                                legacy_shard=asset_shard_id(key, p))
+                      for p in partitions]
         table = loaded[0] if len(loaded) == 1 else _concat_partitions(
             loaded, partitions, key.to_user_string())
         typing_type = context.dagster_type.typing_type
