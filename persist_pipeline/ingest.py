@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -34,6 +35,15 @@ if TYPE_CHECKING:
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl",
            ".ndjson": "jsonl"}
 _DIFF_RANGE = (-(1 << 63), (1 << 63) - 1)
+
+
+def with_default_diff(table: pa.Table) -> pa.Table:
+    """``table`` of untyped updates with ``d`` = 1 in every row if it has no ``d`` column:
+    the one default of every untyped write (the CLI's append, ingestion, a Spark write),
+    as a typed write's (:meth:`~persist_pipeline.schema.ShardSchema.encode`)."""
+    if "d" in table.column_names:
+        return table
+    return table.append_column("d", pa.array(np.ones(table.num_rows, np.int64)))
 
 
 def detect_format(path: Path, fmt: str | None = None) -> str:
@@ -198,8 +208,7 @@ def read_parquet(path: Path, route: str | None = None, extra_ok: bool = True) ->
         raise InvalidUpdates(f"{path}: needs columns {_needed(route)} (and optionally d); "
                              f"got {table.column_names}")
     _check_no_extra(table.column_names, str(path), route, extra_ok)
-    if "d" not in table.column_names:
-        table = table.append_column("d", pa.array([1] * table.num_rows, pa.int64()))
+    table = with_default_diff(table)
     arrays = []
     schema = route_schema(route)
     for name, typ in zip(schema.names, schema.types, strict=True):

@@ -48,7 +48,8 @@ any other change (a shard typed since) is refused with ``SchemaMismatch``. A rea
 **Writing.** The driver checks the DataFrame's columns as a task checks its rows before
 it registers a shard name or creates the shard, so a write whose columns the shard cannot
 take (text ``k``/``v``, a typed shard's column missing) changes nothing. Each task
-validates its rows (``k``, ``v`` binary; ``t``, ``d`` long; every
+validates its rows (``k``, ``v`` binary; ``t``, ``d`` long, ``d`` optional: 1 when the
+DataFrame has no ``d`` column, as in the CLI's append and ingestion; every
 ``t`` in ``[expected_upper, new_upper)``), consolidates them and writes Parquet parts to
 the blob store (the WAL store if ``wal_blob`` is given); a task holds its partition's
 rows in memory while it does (repartition a large DataFrame to bound that). Diffs never
@@ -116,6 +117,7 @@ from persist_pipeline.exceptions import (
 from persist_pipeline.frontier import Frontier, check_frontier
 from persist_pipeline.ids import ShardId, check_token, new_token
 from persist_pipeline.ids import batch_id as batch_id_of
+from persist_pipeline.ingest import with_default_diff
 from persist_pipeline.internal.blobs import ShardBlobs, key_starts, split_keys
 from persist_pipeline.internal.merge import memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Store
@@ -736,12 +738,12 @@ def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
 
 def _task_updates(typed: ShardSchema | None, table: pa.Table) -> Updates:
     """A task's rows as the shard's updates: validated (as an API write's), encoded for
-    a typed shard, consolidated.
+    a typed shard, consolidated; ``d`` defaults to 1, as in every other write of rows.
 
     Raises:
         InvalidUpdates / SchemaMismatch: the rows cannot be a write of the shard.
     """
-    return Updates.coerce(table if typed is None else typed.encode(table))
+    return Updates.coerce(with_default_diff(table) if typed is None else typed.encode(table))
 
 
 def check_write_columns(client: PersistClient, shard: str | None,

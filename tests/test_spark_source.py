@@ -188,6 +188,36 @@ def test_a_spark_write_whose_tasks_sums_leave_64_bits_is_refused(
     client.close()
 
 
+def test_an_untyped_spark_write_without_d_counts_each_row_once(
+        spark_session: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``d`` is optional in an untyped write as in the CLI's append, ingestion and a
+    typed Spark write: a DataFrame of k, v, t alone writes each row with count 1, the
+    rows the CLI appends from the same file content."""
+    from persist_pipeline import cli
+
+    register(spark_session)
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    rows_ = [(b"a", b"1", 0), (b"b", b"2", 1), (b"a", b"1", 1)]
+    df = spark_session.createDataFrame(rows_, "k binary, v binary, t long").repartition(2)
+    (df.write.format("persist")
+     .options(consensus=consensus, blob=blob, shard="spark/events", expected_upper="0",
+              new_upper="2").mode("append").save())
+    lines = tmp_path / "events.jsonl"
+    lines.write_text('{"k": "a", "v": "1", "t": 0}\n{"k": "b", "v": "2", "t": 1}\n'
+                     '{"k": "a", "v": "1", "t": 1}\n')
+    env = ["--consensus", consensus, "--blob", blob]
+    assert cli.main([*env, "append", "cli/events", str(lines), "--create",
+                     "--new-upper", "2"]) == 0
+    client = PersistClient.open(consensus, blob)
+    snapshots = []
+    for name in ("spark/events", "cli/events"):
+        reader = client.open_reader(client.resolve(name))
+        snapshots.append(_as_rows(reader.snapshot(1)))
+        reader.expire()
+    assert snapshots[0] == snapshots[1] == [(b"a", b"1", 1, 2), (b"b", b"2", 1, 1)]
+    client.close()
+
+
 def test_spark_source_refuses_bad_options(spark_session: Any, tmp_path: Path) -> None:
     register(spark_session)
     opts = {"consensus": f"sqlite:///{tmp_path / 'c.db'}", "blob": "mem://x",
