@@ -46,8 +46,12 @@ any other change (a shard typed since) is refused with ``SchemaMismatch``. A rea
 ``snapshot(as_of)``; only a table load pinned to an upper has the columns stored then.
 
 **Writing.** The driver checks the DataFrame's columns as a task checks its rows before
-it registers a shard name or creates the shard, so a write whose columns the shard cannot
-take (text ``k``/``v``, a typed shard's column missing) changes nothing. Each task
+it creates the shard, so a write whose columns the shard cannot
+take (text ``k``/``v``, a typed shard's column missing) changes nothing. A new shard
+name is registered only as the driver commits (after every task succeeded), so a write
+refused earlier (a row only a task meets: a time outside the bounds, a null key) leaves
+no name behind; a name another writer registered meanwhile refuses the commit with
+``UpperMismatch``. Each task
 validates its rows (``k``, ``v`` binary; ``t``, ``d`` long, ``d`` optional: 1 when the
 DataFrame has no ``d`` column, as in the CLI's append and ingestion; every
 ``t`` in ``[expected_upper, new_upper)``), consolidates them and writes Parquet parts to
@@ -72,8 +76,8 @@ same write landed).
 
 Options: ``consensus``, ``blob``, ``wal_blob`` (default to ``PERSIST_CONSENSUS_URI``,
 ``PERSIST_BLOB_URI``, ``PERSIST_WAL_BLOB_URI`` of the Spark driver's environment),
-``shard`` (a shard id or a registered name; a write creates a name that has no shard
-yet); reads: ``as_of`` (a time or ``latest``, the default), ``partitions``,
+``shard`` (a shard id or a registered name; a write that commits registers a name that
+has no shard yet); reads: ``as_of`` (a time or ``latest``, the default), ``partitions``,
 ``partition_bytes``, ``lease_seconds``; writes: ``expected_upper``, ``new_upper`` (a
 time or ``closed``), ``idempotency_token`` (see *Retrying a write*). Any other option
 is refused (``InvalidConfig`` listing the valid ones), never ignored. ``mem://`` stores
@@ -113,6 +117,7 @@ from persist_pipeline.exceptions import (
     PersistError,
     SchemaMismatch,
     ShardNotFound,
+    UpperMismatch,
 )
 from persist_pipeline.frontier import Frontier, check_frontier
 from persist_pipeline.ids import ShardId, check_token, new_token
@@ -121,6 +126,7 @@ from persist_pipeline.ingest import with_default_diff
 from persist_pipeline.internal.blobs import ShardBlobs, key_starts, split_keys
 from persist_pipeline.internal.merge import memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Store
+from persist_pipeline.names import refuse_new_generation_name
 from persist_pipeline.plan import LATEST, PlanFile, SnapshotPlan
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import Updates, consolidate, naming_shard, sums_may_wrap
@@ -184,6 +190,10 @@ class _Location:
     blob_uri: str
     wal_blob_uri: str | None
     shard_id: str
+    #: A write's new shard name, registered for ``shard_id`` only when the write commits
+    #: (names are registered for good: a write refused before then leaves none behind);
+    #: empty when the name was registered already or the option was a shard id.
+    new_name: str = ""
 
     def __repr__(self) -> str:
         wal = f", wal_blob={redact_uri(self.wal_blob_uri)!r}" if self.wal_blob_uri else ""
@@ -194,10 +204,11 @@ class _Location:
     def from_options(cls, options: Mapping[str, str], *, writing: bool = False,
                      columns: pa.Schema | None = None) -> _Location:
         """The location and shard the options name. ``shard`` is a shard id or a
-        registered name (resolved here; a write creates a name that has no shard yet).
+        registered name (resolved here; for a write, a name that has no shard yet gets a
+        fresh shard id and is kept as ``new_name``, registered when the write commits).
 
         ``columns``: a write's columns, checked as its tasks check their rows before
-        the name is registered: a write the shard cannot take changes nothing.
+        the shard is created: a write the shard cannot take changes nothing.
 
         Raises:
             InvalidConfig: an option this data source does not take (the message lists
@@ -236,17 +247,24 @@ class _Location:
             return cls(consensus, blob, wal, shard_id)
         location = cls(consensus, blob, wal, "")
         client = location.client(create=writing)
+        new_name = ""
         try:
+            if shard_id is None and writing:
+                found = client.name_registry.lookup(shard)
+                if found is None:
+                    # Refused now if it may never be registered; registered at commit.
+                    refuse_new_generation_name(client.name_registry, shard)
+                    new_name, found = shard, ShardId.new()
+                shard_id = str(found)
             if check:
                 assert columns is not None
-                # Before the name is registered and the shard created (both for good).
-                found = shard_id or client.name_registry.lookup(shard)
-                check_write_columns(client, None if found is None else str(found), columns)
+                # Before the shard is created (for good).
+                check_write_columns(client, None if new_name else shard_id, columns)
             if shard_id is None:
-                shard_id = str(client.resolve(shard, create=writing))
+                shard_id = str(client.resolve(shard))
         finally:
             client.close()
-        return cls(consensus, blob, wal, shard_id)
+        return cls(consensus, blob, wal, shard_id, new_name)
 
     def client(self, lease_s: float | None = None, *, create: bool = False
                ) -> PersistClient:
@@ -790,6 +808,7 @@ def _commit(job: _WriteJob, messages: Sequence[Any],
     try:
         # Refused before the commit marker exists: the abort that follows deletes parts.
         _refuse_wrapping_sums(client, job, messages)
+        _register_new_name(client, job)
         marker = _commit_marker(job)
         marker.touch()
         with client.open_writer(job.location.shard_id, debug="spark write") as writer:
@@ -805,6 +824,26 @@ def _commit(job: _WriteJob, messages: Sequence[Any],
         if own:
             client.close()
     marker.unlink(missing_ok=True)
+
+
+def _register_new_name(client: PersistClient, job: _WriteJob) -> None:
+    """Register the write's new shard name (if any) for the shard its tasks wrote to, as
+    the last step before the commit: a write refused earlier leaves no name behind.
+
+    Raises:
+        UpperMismatch: another writer registered the name (for another shard) since
+            this write was planned; nothing committed (the abort deletes the parts).
+    """
+    name = job.location.new_name
+    if not name:
+        return
+    registered = str(client.register_name(name, job.location.shard_id))
+    if registered != job.location.shard_id:
+        try:
+            current: int | None = int(client.inspect(registered)["upper"])
+        except ShardNotFound:
+            current = 0  # registered, not written yet
+        raise UpperMismatch(job.expected_upper, current, shard=name)
 
 
 def _refuse_wrapping_sums(client: PersistClient, job: _WriteJob,

@@ -18,7 +18,12 @@ import pytest
 from persist_pipeline import InlinePolicy, PersistClient, ShardId
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
-from persist_pipeline.exceptions import InvalidUpdates, LeaseExpired, PartMissing
+from persist_pipeline.exceptions import (
+    InvalidUpdates,
+    LeaseExpired,
+    PartMissing,
+    UpperMismatch,
+)
 from persist_pipeline.spark import register
 from tests.fixtures.location import Location, location_kinds, make_location
 from tests.helpers import expected_snapshot, rows
@@ -215,6 +220,49 @@ def test_an_untyped_spark_write_without_d_counts_each_row_once(
         snapshots.append(_as_rows(reader.snapshot(1)))
         reader.expire()
     assert snapshots[0] == snapshots[1] == [(b"a", b"1", 1, 2), (b"b", b"2", 1, 1)]
+    client.close()
+
+
+def test_a_new_name_is_registered_only_when_its_write_commits(
+        spark_session: Any, tmp_path: Path) -> None:
+    """A Spark write to a new name refused for a row only a task meets (a time outside
+    the bounds, a null key) leaves the name unregistered, as the CLI's append --create
+    and a transaction do; the next good write registers it with its rows. A name another
+    writer registered while a write was planned refuses that write's commit (its parts
+    are deleted), and the name keeps the other writer's shard."""
+    from persist_pipeline.spark_datasource import PersistCommitMessage
+    from persist_pipeline.spark_source import _abort, _commit, _write_job, _write_task
+
+    register(spark_session)
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    opts = {"consensus": consensus, "blob": blob, "shard": "fresh/late",
+            "expected_upper": "0", "new_upper": "5"}
+    schema = "k binary, v binary, t long, d long"
+    late = spark_session.createDataFrame([(b"a", b"1", 0, 1), (b"b", b"2", 9, 1)], schema)
+    no_key = spark_session.createDataFrame([(None, b"1", 0, 1)], schema)
+    client = PersistClient.open(consensus, blob)
+    for bad, error in ((late, "update times must lie"), (no_key, "contains nulls")):
+        with pytest.raises(Exception, match=error):
+            bad.write.format("persist").options(**opts).mode("append").save()
+        assert "fresh/late" not in client.shard_names()
+    good = spark_session.createDataFrame([(b"a", b"1", 0, 1)], schema)
+    good.write.format("persist").options(**opts).mode("append").save()
+    reader = client.open_reader(client.resolve("fresh/late"))
+    assert _as_rows(reader.snapshot(4)) == [(b"a", b"1", 4, 1)]
+    reader.expire()
+
+    # Another writer registers the name between this write's plan and its commit.
+    raced = {**opts, "shard": "fresh/raced"}
+    job = _write_job(raced, overwrite=False)
+    parts, n, bound = _write_task(job, iter([pa.RecordBatch.from_pylist(
+        [{"k": b"a", "v": b"b", "t": 1, "d": 1}])]))
+    other = client.resolve("fresh/raced", create=True)
+    message = PersistCommitMessage(parts, n, bound)
+    with pytest.raises(UpperMismatch):
+        _commit(job, [message])
+    _abort(job, [message])
+    assert open_blob(blob).get(parts[0].key) is None
+    assert client.resolve("fresh/raced") == other
     client.close()
 
 
