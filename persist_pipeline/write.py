@@ -336,8 +336,9 @@ class WriteHandle:
         refused (``SchemaMismatch``, parts deleted) unless it fits the shard's schema.
 
         When nothing was committed for certain and nothing can commit them any more
-        (an upper mismatch, a schema refusal) the parts are deleted; a deadline refusal
-        (another commit of the same parts, computed in time, may still land), an
+        (the upper moved past ``expected_upper``, a schema refusal) the parts are
+        deleted; a deadline refusal or an upper still below ``expected_upper`` (another
+        commit of the same parts, computed in time, may still land), an
         indeterminate outcome, and bad input (bounds, parts' times or keys that do not
         fit), leave them to GC's orphan sweep. Any call may retry an earlier attempt
         with the same token and parts whose outcome was unknown, so a refusal is settled
@@ -390,12 +391,12 @@ class WriteHandle:
             # tell).
             if batch is not None and self._earlier_attempt_landed(idempotency_token, expected):
                 return self._found_committed()
-            if not isinstance(refused, CommitDeadlineExceeded):
+            if _fences_commits_at(refused, expected):
                 self._delete_uncommitted(parts)
-            # A deadline refusal changes no state, so it fences nothing: another commit
-            # of these very parts (the same write committed again while its first
-            # attempt, computed in time, is still on its way) may still land and
-            # reference them. GC's orphan sweep fences before it deletes them.
+            # Otherwise another commit of these very parts (the same write committed
+            # again while its first attempt, computed in time, is still on its way) may
+            # still land and reference them. GC's orphan sweep fences before it deletes
+            # them.
             raise
         assert result is not None  # hollow batches never exceed the inline budget
         return result
@@ -821,6 +822,20 @@ def with_row_counts(result: WriteResult, data: Updates) -> WriteResult:
     added = pc.sum(pc.filter(diffs, pc.greater(diffs, 0))).as_py() or 0
     removed = pc.sum(pc.filter(diffs, pc.less(diffs, 0))).as_py() or 0
     return replace(result, rows_added=added, rows_retracted=-removed)
+
+
+def _fences_commits_at(refused: PersistError, expected: int) -> bool:
+    """Whether a refusal of a parts commit at ``expected`` means no commit of the same
+    parts can land any more (so they may be deleted). A deadline refusal changes no
+    state, so it fences nothing; nor does an upper still below ``expected`` (a gap):
+    once another write fills it, a commit at ``expected`` lands. An upper past
+    ``expected`` (or closed) never comes back, nor does a recorded schema."""
+    if isinstance(refused, CommitDeadlineExceeded):
+        return False
+    if isinstance(refused, UpperMismatch):
+        current = refused.current
+        return current is None or not less_than(current, expected)
+    return True
 
 
 def already_appended(result: transitions.AppendResult) -> bool:

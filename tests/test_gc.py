@@ -12,7 +12,12 @@ from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import Consensus
-from persist_pipeline.exceptions import CommitDeadlineExceeded, CorruptData, InvalidConfig
+from persist_pipeline.exceptions import (
+    CommitDeadlineExceeded,
+    CorruptData,
+    InvalidConfig,
+    UpperMismatch,
+)
 from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ids import new_token
 from persist_pipeline.internal.blobs import write_parts
@@ -320,4 +325,36 @@ def test_control_deadline_refusal_that_deletes_parts_loses_the_write(location: L
     assert all(client.blobs.main.get(p.key) is None for p in parts)
     with pytest.raises(CorruptData):
         client.open_reader(shard).snapshot(1)
+    client.close()
+
+
+def test_parts_refused_for_a_gap_stay_for_a_commit_of_them_once_the_gap_fills(
+        location: Location):
+    """An upper mismatch below the expected upper (a gap) fences nothing either: once
+    another write fills the gap, a commit of the same parts with the token (a driver's
+    commit retried while its first attempt was on its way) lands and references them,
+    so the refusal must not have deleted them."""
+    clock = HandClock()
+    cfg = PersistConfig(inline_policy=BLOB_ONLY, gc_orphan_min_age_s=ORPHAN_AGE_S,
+                        heartbeat_interval_s=0, blob_cache_bytes=0)
+    client = _process(location, clock, cfg)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    token = new_token()
+    started_s = clock.monotonic()
+    parts = write_parts(pa.table({"k": [b"s"], "v": [b"1"], "t": [2], "d": [1]}),
+                        str(shard), batch_id_of(token), client.blobs.main, "main",
+                        cfg.blob_target_size_bytes)
+    other = client.open_writer(shard)  # the other attempt's handle, opened before
+    with pytest.raises(UpperMismatch):
+        writer.compare_and_append_parts(parts, 1, 2, 3, idempotency_token=token,
+                                        upload_started_s=started_s, schema=None)
+    writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2)  # the gap fills
+    other.compare_and_append_parts(parts, 1, 2, 3, idempotency_token=token,
+                                   upload_started_s=started_s, schema=None)
+    assert all(client.blobs.main.get(p.key) is not None for p in parts), \
+        "the refusal deleted parts a later commit of them referenced"
+    assert rows(client.open_reader(shard).snapshot(2), 2) == [
+        (b"a", b"1", 1), (b"b", b"1", 1), (b"s", b"1", 1)]
     client.close()
