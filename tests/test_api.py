@@ -30,6 +30,7 @@ from persist_pipeline.exceptions import (
     InvalidShardId,
     InvalidUpdates,
     LeaseExpired,
+    TokenReused,
 )
 from tests.helpers import expected_snapshot, rows, state_history
 
@@ -309,6 +310,22 @@ def test_retry_with_the_same_idempotency_token_applies_once(open_client):
     again = writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1, idempotency_token="tok-1")
     assert not first.already_committed and again.already_committed
     assert rows(client.open_reader(shard).snapshot(0), 0) == [(b"a", b"1", 1)]
+
+
+def test_a_new_write_reusing_a_token_to_the_same_upper_is_refused_not_dropped(open_client):
+    """The same handle's new write at another expected_upper, reusing the token of its
+    last write and reaching the same upper, is not a retry of that write: reported
+    already committed, its rows were dropped. TokenReused, nothing written."""
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 2, idempotency_token="tok-1")
+    with pytest.raises(TokenReused, match=r"already named a write appended at \[0, 2\)"):
+        writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2, idempotency_token="tok-1")
+    assert rows(client.open_reader(shard).snapshot(1), 1) == [(b"a", b"1", 1)]
+    # Its real retry is still reported committed.
+    assert writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 2,
+                                     idempotency_token="tok-1").already_committed
 
 
 @pytest.mark.parametrize("token", [

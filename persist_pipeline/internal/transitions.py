@@ -168,17 +168,20 @@ def compare_and_append(
     too unless the schema then recorded is ``encoded_with``'s exactly (a table's store:
     not one another store evolved past it).
     """
-    writer = state.writers.get(writer_id)
-    if (writer is not None and writer.most_recent_write_token == token
-            and writer.most_recent_write_upper == new_upper):
-        return state, Appended(already_committed=True)
     if batch_in_state(state, batch):
         assert batch is not None
         # Committed, even if the writer (and its token) expired meanwhile; unless it
-        # landed at another lower: then this is a new write reusing the token.
+        # landed at another lower: then this is a new write reusing the token. Asked
+        # before the writer's record, which keeps no lower: a new write reusing the
+        # token of the writer's last one to the same upper was taken for its retry,
+        # and its rows dropped.
         desc = state.batches[batch.id].desc
         if desc.lower != expected_upper:
             return state, TokenReusedResult(desc.lower, desc.upper)
+        return state, Appended(already_committed=True)
+    writer = state.writers.get(writer_id)
+    if (writer is not None and writer.most_recent_write_token == token
+            and writer.most_recent_write_upper == new_upper):
         return state, Appended(already_committed=True)
     if commit_deadline is not None and commit_deadline.passed_in(state):
         return state, DeadlineExceeded(commit_deadline)
