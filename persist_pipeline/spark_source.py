@@ -60,10 +60,13 @@ rows in memory while it does (repartition a large DataFrame to bound that). Diff
 wrap: equal ``(k, v, t)`` in different tasks whose diffs sum beyond 64 bits refuse the
 write with ``InvalidUpdates``, as one write holding them would be. The driver
 then commits every task's parts as ONE batch with one ``compare_and_append``: all rows
-become visible at once, or none. When the driver knows for certain nothing was committed (an upper
-mismatch, a failed task, the commit deadline passed), it deletes the parts; when the
-outcome cannot be known (a lost reply), the parts are left to GC's orphan sweep, which
-deletes them only if no state references them. Only ``mode("append")`` is accepted.
+become visible at once, or none. When the driver knows for certain nothing was committed
+and nothing can commit the parts any more (the shard's upper moved past
+``expected_upper``, a failed task), it deletes them; after a refusal that fences no other
+commit of them (the commit deadline passed, the upper still below ``expected_upper``) or
+when the outcome cannot be known (a lost reply), the parts are left to GC's orphan
+sweep, which deletes them only if no state references them. Only ``mode("append")`` is
+accepted.
 
 **Retrying a write.** Each save draws a fresh idempotency token when it is planned: a
 save run again is a new write. With option ``idempotency_token`` (1-128 characters
