@@ -173,12 +173,57 @@ def register(spark: SparkSession, *, one_line_errors: bool = True) -> None:
             (e.g. ``InvalidConfig: unknown option(s) ['asof'] ...``) instead of a
             Python traceback. It applies to the session's Python UDFs too; pass False
             to keep their tracebacks.
+
+    Raises:
+        InvalidConfig: a local session's Python workers run an interpreter that cannot
+            import pyarrow and this library (build the session with
+            :func:`persist_pipeline.spark.local_spark_session`, or set
+            ``PYSPARK_PYTHON`` before it starts).
     """
     from persist_pipeline.spark_datasource import PersistDataSource
 
+    _check_local_workers_python(spark.sparkContext.master or "",
+                                getattr(spark.sparkContext, "pythonExec", None))
     spark.dataSource.register(PersistDataSource)
     if one_line_errors:
         spark.conf.set(HIDE_TRACEBACK_CONF, "true")
+
+
+#: What a Spark Python worker must import to run this data source's reads and writes.
+_WORKER_IMPORTS = "import pyarrow, persist_pipeline.spark_datasource"
+
+
+def _check_local_workers_python(master: str, python: str | None) -> None:
+    """Refuse, at registration, a local session whose Python workers run an interpreter
+    that cannot import this library (a session built without ``PYSPARK_PYTHON``: Spark
+    then runs ``python3`` from PATH). Its first read or write would otherwise fail deep
+    in Spark with ``No module named 'pyarrow'``. Only a local master is checked: a
+    cluster's workers run on other machines, and only an interpreter other than this one
+    is started to look (this one imports both).
+
+    Raises:
+        InvalidConfig: the workers' interpreter is missing, or cannot import them.
+    """
+    import shutil
+    import subprocess
+    import sys
+
+    if not python or not master.startswith("local"):
+        return
+    found = shutil.which(python)
+    if found is not None and os.path.abspath(found) == os.path.abspath(sys.executable):
+        return
+    how = (f"create the session with persist_pipeline.spark.local_spark_session(), or set "
+           f"PYSPARK_PYTHON={sys.executable} before the session starts")
+    if found is None:
+        raise InvalidConfig(f"this Spark session's Python workers run {python!r}, which is "
+                            f"not found: {how}")
+    probe = subprocess.run([found, "-c", _WORKER_IMPORTS], capture_output=True, text=True,
+                           timeout=120, check=False)
+    if probe.returncode != 0:
+        missing = (probe.stderr.strip().splitlines() or ["it failed"])[-1]
+        raise InvalidConfig(f"this Spark session's Python workers run {found}, which "
+                            f"cannot import this library ({missing}): {how}")
 
 
 # --- options ------------------------------------------------------------------------------
