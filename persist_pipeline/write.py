@@ -742,9 +742,9 @@ class WriteHandle:
             raise SchemaMismatch(_schema_changed(self.shard_id, result.recorded,
                                                  staged.encoding))
         if isinstance(result, transitions.TokenReusedResult):
-            assert staged.batch is not None  # only a batch can be found in the state
-            raise history.token_reused(self.shard_id, staged.batch.id, result.lower,
-                                       result.upper, staged.expected)
+            raise history.token_reused(self.shard_id,
+                                       staged.batch.id if staged.batch is not None else None,
+                                       result.lower, result.upper, staged.expected)
         if isinstance(result, transitions.DeadlineExceeded):
             raise CommitDeadlineExceeded(
                 f"shard {self.shard_id}: parts uploaded too long ago to commit safely (GC "

@@ -328,6 +328,28 @@ def test_a_new_write_reusing_a_token_to_the_same_upper_is_refused_not_dropped(op
                                      idempotency_token="tok-1").already_committed
 
 
+def test_a_token_reused_to_the_same_upper_after_compaction_is_refused_not_dropped(open_client):
+    """Once compaction merged the earlier write's batch away, only the writer's record
+    of its last write (token and bounds) is left to tell a retry from a new write
+    reusing the token: the new write at another expected_upper reaching the same upper
+    was reported already committed and its rows dropped. TokenReused, nothing written;
+    the real retry is still reported committed."""
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2, idempotency_token="tok-1")
+    assert client.compact(shard)["applied"] >= 1
+    assert client.inspect(shard)["batches"] == 1, "the tokened batch was merged away"
+    seqno = client.inspect(shard)["seqno"]
+    with pytest.raises(TokenReused, match=r"already named a write appended at \[1, 2\)"):
+        writer.compare_and_append([(b"c", b"1", 0, 1)], 0, 2, idempotency_token="tok-1")
+    assert client.inspect(shard)["seqno"] == seqno
+    assert rows(client.open_reader(shard).snapshot(1), 1) == [(b"a", b"1", 1), (b"b", b"1", 1)]
+    assert writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2,
+                                     idempotency_token="tok-1").already_committed
+
+
 @pytest.mark.parametrize("token", [
     b"\xbc\x01" * 8,        # uuid4().bytes: not text
     "",                     # not "no token": a retry would silently lose its protection

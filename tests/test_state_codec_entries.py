@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.internal import state_codec as sc
+from persist_pipeline.internal import transitions
 from persist_pipeline.internal.state import (
     Batch,
     CriticalReader,
@@ -123,7 +124,8 @@ def states(draw: st.DrawFn) -> State:
         critical_readers={r: CriticalReader(r, draw(frontier), draw(st.binary(max_size=20)),
                                             draw(_text))
                           for r in draw(st.lists(_text, max_size=2, unique=True))},
-        writers={w: Writer(w, draw(_u64), draw(_u64), draw(_text), draw(frontier), draw(_text))
+        writers={w: Writer(w, draw(_u64), draw(_u64), draw(_text), draw(frontier), draw(_text),
+                           draw(st.none() | _u64))
                  for w in draw(st.lists(_text, max_size=3, unique=True))},
         rollups={s: Rollup(s, draw(_text), draw(_u64))
                  for s in draw(st.lists(_u64, max_size=3, unique=True))},
@@ -210,3 +212,39 @@ def test_rollups_read_back_by_a_fresh_client_and_gc() -> None:
     writer.expire()
     client.close()
     fresh.close()
+
+
+#: A state as the version before writers recorded their last write's lower encoded it:
+#: writer ``w1``'s last write carried token ``tok-1`` and reached upper 2.
+_NO_LOWER_STATE = bytes.fromhex(
+    "080112257330303030303030302d303030302d343030302d383030302d30303030303030303030303018"
+    "032208120208021a0208004a160a02773110e80718e0d4032205746f6b2d312a020802")
+
+
+def _append_no_rows(state: State, token: str, expected: int, new: int
+                    ) -> tuple[State, transitions.AppendResult]:
+    return transitions.compare_and_append(
+        state, None, writer_id="w1", token=token, expected_upper=expected, new_upper=new,
+        now_ms=2000, lease_ms=60000, inline_max_bytes=1 << 20, fell_back=False)
+
+
+def test_a_writer_recorded_without_its_last_writes_lower_still_decodes() -> None:
+    """States written before the lower was recorded decode, re-encode to the same bytes,
+    and answer a write reusing the token as before (the lower is unknown: it cannot be
+    told from a retry); the writer's next write records its lower."""
+    state = sc.decode_state(_NO_LOWER_STATE, "old")
+    writer = state.writers["w1"]
+    assert (writer.most_recent_write_token, writer.most_recent_write_upper,
+            writer.most_recent_write_lower) == ("tok-1", 2, None)
+    assert sc.encode_state(state) == _NO_LOWER_STATE
+    assert _append_no_rows(state, "tok-1", 0, 2) == (state, transitions.Appended(True))
+    assert _append_no_rows(state, "tok-1", 1, 2) == (state, transitions.Appended(True))
+    new, result = _append_no_rows(state, "tok-2", 2, 3)
+    assert result == transitions.APPENDED and new.writers["w1"].most_recent_write_lower == 2
+    new = replace(new, seqno=state.seqno + 1)
+    again = sc.apply_diff(state, sc.decode_diff(sc.encode_diff(state, new), "t"), "t")
+    assert again == new and sc.decode_state(sc.encode_state(new), "t") == new
+    # Now known, the lower tells the retry from a new write reusing the token.
+    assert _append_no_rows(again, "tok-2", 2, 3) == (again, transitions.Appended(True))
+    assert _append_no_rows(again, "tok-2", 1, 3) == (
+        again, transitions.TokenReusedResult(2, 3))

@@ -54,11 +54,12 @@ class Attempt:
     lower: int
 
 
-def token_reused(shard_id: str, batch_id: str, lower: int, upper: Frontier,
+def token_reused(shard_id: str, batch_id: str | None, lower: int, upper: Frontier,
                  expected: int) -> TokenReused:
-    """The error of a new write whose token (batch ``batch_id``) already named a write
-    appended at ``[lower, upper)``."""
-    return TokenReused(f"shard {shard_id}: the idempotency token of batch {batch_id} "
+    """The error of a new write whose token (batch ``batch_id``; None: the write holds
+    no rows) already named a write appended at ``[lower, upper)``."""
+    named = f"of batch {batch_id}" if batch_id is not None else "of this write"
+    return TokenReused(f"shard {shard_id}: the idempotency token {named} "
                        f"already named a write appended at [{lower}, {upper}); this write "
                        f"at expected_upper {expected} is not a retry of it (a token names "
                        f"one write: give a new write a new token); nothing was written")

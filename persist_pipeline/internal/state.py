@@ -205,7 +205,10 @@ class CriticalReader:
 @quick_init
 @dataclass(frozen=True, slots=True)
 class Writer:
-    """A registered writer and the idempotency token of its latest committed write."""
+    """A registered writer and the idempotency token of its latest committed write, with
+    that write's bounds: ``most_recent_write_lower`` (its expected upper) is None in
+    states written before it was recorded, where a retry cannot be told from a new write
+    reusing the token by its lower."""
 
     id: str
     last_heartbeat_ms: int
@@ -213,6 +216,7 @@ class Writer:
     most_recent_write_token: str = ""
     most_recent_write_upper: Frontier = 0
     debug: str = ""
+    most_recent_write_lower: int | None = None
 
     def expired(self, now_ms: int) -> bool:
         return now_ms > self.last_heartbeat_ms + self.lease_duration_ms

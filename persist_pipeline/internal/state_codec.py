@@ -185,11 +185,15 @@ def _writer_to(w: Writer, out: pb.Writer) -> None:
     out.last_heartbeat_ms, out.lease_duration_ms = w.last_heartbeat_ms, w.lease_duration_ms
     out.most_recent_write_token = w.most_recent_write_token
     frontier_to_proto(w.most_recent_write_upper, out.most_recent_write_upper)
+    if w.most_recent_write_lower is not None:
+        out.most_recent_write_lower = w.most_recent_write_lower
 
 
 def _writer_from(p: pb.Writer) -> Writer:
+    # Absent in states written before the lower was recorded: None, "cannot tell".
+    lower = p.most_recent_write_lower if p.HasField("most_recent_write_lower") else None
     return Writer(p.id, p.last_heartbeat_ms, p.lease_duration_ms, p.most_recent_write_token,
-                  frontier_from_proto(p.most_recent_write_upper), p.debug)
+                  frontier_from_proto(p.most_recent_write_upper), p.debug, lower)
 
 
 def _rollup_to(r: Rollup, out: pb.Rollup) -> None:

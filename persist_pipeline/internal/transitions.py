@@ -92,8 +92,9 @@ class SchemaChanged:
 
 @dataclass(frozen=True, slots=True)
 class TokenReusedResult:
-    """The write's batch id (its token) names a batch already in the state at another
-    lower: not a retry of that write but a new write reusing its token."""
+    """The write's token names a write already appended at another lower (its batch in
+    the state, or the writer's record of its last write): not a retry of that write but
+    a new write reusing its token."""
 
     lower: int
     upper: Frontier
@@ -154,8 +155,9 @@ def compare_and_append(
     """Append ``batch`` (None: no updates) iff the shard's upper is ``expected_upper``.
 
     The writer's idempotency token makes a retried commit a no-op: if this writer's most
-    recent committed write carried ``token`` and reached ``new_upper``, the append is
-    reported as already committed. ``fell_back`` counts an inline candidate that went to
+    recent committed write carried ``token`` and spanned ``[expected_upper, new_upper)``, the
+    append is reported as already committed; at another ``expected_upper`` it is a new
+    write reusing the token (:class:`TokenReusedResult`). ``fell_back`` counts an inline candidate that went to
     blob because the budget was full. Idempotency is checked before ``commit_deadline``:
     a write that committed is reported as such however late the retry. ``encoded_with``
     is the encoded schema the batch's updates (and its parts' typed columns) were
@@ -171,10 +173,7 @@ def compare_and_append(
     if batch_in_state(state, batch):
         assert batch is not None
         # Committed, even if the writer (and its token) expired meanwhile; unless it
-        # landed at another lower: then this is a new write reusing the token. Asked
-        # before the writer's record, which keeps no lower: a new write reusing the
-        # token of the writer's last one to the same upper was taken for its retry,
-        # and its rows dropped.
+        # landed at another lower: then this is a new write reusing the token.
         desc = state.batches[batch.id].desc
         if desc.lower != expected_upper:
             return state, TokenReusedResult(desc.lower, desc.upper)
@@ -182,6 +181,13 @@ def compare_and_append(
     writer = state.writers.get(writer_id)
     if (writer is not None and writer.most_recent_write_token == token
             and writer.most_recent_write_upper == new_upper):
+        # The batch may be merged away (or the write held no rows): the record's lower
+        # tells a new write reusing the token from its retry, whose rows a report of
+        # "already committed" would drop. A record without one (an older state's)
+        # cannot tell: taken for the retry, as before.
+        lower = writer.most_recent_write_lower
+        if lower is not None and lower != expected_upper:
+            return state, TokenReusedResult(lower, new_upper)
         return state, Appended(already_committed=True)
     if commit_deadline is not None and commit_deadline.passed_in(state):
         return state, DeadlineExceeded(commit_deadline)
@@ -207,10 +213,11 @@ def compare_and_append(
     # Every field of Writer is named here (cheaper than dataclasses.replace on the
     # commit path): a new field must be carried over here too.
     if writer is None:
-        writers[writer_id] = Writer(writer_id, now_ms, lease_ms, token, new_upper)
+        writers[writer_id] = Writer(writer_id, now_ms, lease_ms, token, new_upper, "",
+                                    expected_upper)
     else:
         writers[writer_id] = Writer(writer_id, now_ms, writer.lease_duration_ms, token,
-                                    new_upper, writer.debug)
+                                    new_upper, writer.debug, expected_upper)
     fallbacks = state.inline_fallbacks + 1 if fell_back else state.inline_fallbacks
     if batch is not None and batch.num_updates > 0:
         batches = dict(state.batches)

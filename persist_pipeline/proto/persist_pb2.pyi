@@ -127,20 +127,22 @@ class CriticalReader(_message.Message):
     def __init__(self, id: _Optional[str] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., opaque: _Optional[bytes] = ..., debug: _Optional[str] = ...) -> None: ...
 
 class Writer(_message.Message):
-    __slots__ = ("id", "last_heartbeat_ms", "lease_duration_ms", "most_recent_write_token", "most_recent_write_upper", "debug")
+    __slots__ = ("id", "last_heartbeat_ms", "lease_duration_ms", "most_recent_write_token", "most_recent_write_upper", "debug", "most_recent_write_lower")
     ID_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     MOST_RECENT_WRITE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MOST_RECENT_WRITE_UPPER_FIELD_NUMBER: _ClassVar[int]
     DEBUG_FIELD_NUMBER: _ClassVar[int]
+    MOST_RECENT_WRITE_LOWER_FIELD_NUMBER: _ClassVar[int]
     id: str
     last_heartbeat_ms: int
     lease_duration_ms: int
     most_recent_write_token: str
     most_recent_write_upper: Frontier
     debug: str
-    def __init__(self, id: _Optional[str] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_duration_ms: _Optional[int] = ..., most_recent_write_token: _Optional[str] = ..., most_recent_write_upper: _Optional[_Union[Frontier, _Mapping]] = ..., debug: _Optional[str] = ...) -> None: ...
+    most_recent_write_lower: int
+    def __init__(self, id: _Optional[str] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_duration_ms: _Optional[int] = ..., most_recent_write_token: _Optional[str] = ..., most_recent_write_upper: _Optional[_Union[Frontier, _Mapping]] = ..., debug: _Optional[str] = ..., most_recent_write_lower: _Optional[int] = ...) -> None: ...
 
 class Rollup(_message.Message):
     __slots__ = ("seqno", "key", "encoded_size")
