@@ -155,11 +155,12 @@ def compare_and_append(
     """Append ``batch`` (None: no updates) iff the shard's upper is ``expected_upper``.
 
     The writer's idempotency token makes a retried commit a no-op: if this writer's most
-    recent committed write carried ``token`` and spanned ``[expected_upper, new_upper)``, the
-    append is reported as already committed; at another ``expected_upper`` it is a new
-    write reusing the token (:class:`TokenReusedResult`). ``fell_back`` counts an inline candidate that went to
-    blob because the budget was full. Idempotency is checked before ``commit_deadline``:
-    a write that committed is reported as such however late the retry. ``encoded_with``
+    recent committed write carried ``token`` and spanned ``[expected_upper, new_upper)``,
+    the append is reported as already committed; at another ``expected_upper`` it is a
+    new write reusing the token (:class:`TokenReusedResult`). ``fell_back`` counts an
+    inline candidate that went to blob because the budget was full. Idempotency is
+    checked before ``commit_deadline``: a write that committed is reported as such
+    however late the retry. ``encoded_with``
     is the encoded schema the batch's updates (and its parts' typed columns) were
     written with, empty for untyped updates: it travels with the batch from where it was
     encoded, and must fit the schema recorded in this state
