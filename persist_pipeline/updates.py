@@ -353,8 +353,13 @@ def encode_parquet(table: pa.Table) -> bytes:
 def decode_parquet(data: bytes, where: str) -> pa.Table:
     """Decode a Parquet part; raises :class:`CorruptPart` naming ``where``."""
     try:
-        # Only the storage columns: a typed shard's parts also carry its typed columns.
-        table = pq.read_table(io.BytesIO(data), columns=SCHEMA.names)
+        # Read on this thread, not by pq.read_table: its dataset scan leaves tasks on
+        # Arrow's thread pools after it returns, holding Python buffers of ``data``; one
+        # still holding the last at interpreter exit took the GIL during finalization and
+        # aborted the process ("terminate called without an active exception").
+        with pq.ParquetFile(pa.BufferReader(data), pre_buffer=False) as reader:
+            # Only the storage columns: a typed shard's parts also carry its typed columns.
+            table = reader.read(columns=SCHEMA.names, use_threads=False)
         return table.select(["k", "v", "t", "d"]).cast(SCHEMA)
     except (pa.ArrowMemoryError, MemoryError) as e:
         raise ResourceExhausted(f"out of memory decoding Parquet part {where} "
