@@ -855,7 +855,8 @@ def test_out_of_memory_decoding_a_part_is_resource_exhausted(
     def out_of_memory(*args: object, **kwargs: object) -> pa.Table:
         raise error
 
-    monkeypatch.setattr(updates_module.pq, "read_table", out_of_memory)
+    # Where a part is decoded: on the calling thread, by ParquetFile.read.
+    monkeypatch.setattr(updates_module.pq.ParquetFile, "read", out_of_memory)
     for attempt in (lambda: reader.snapshot(3), lambda: client.compact(shard),
                     lambda: reader.listen(0).poll()):
         with pytest.raises(ResourceExhausted) as caught:
