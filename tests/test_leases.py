@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -113,6 +114,18 @@ def test_a_writer_gc_expired_mid_write_commits_and_loses_nothing(location: Locat
     client.close()
 
 
+def _upload_one_row(client: PersistClient, shard: ShardId, key: bytes,
+                    time: int) -> tuple[str, float, list[Any]]:
+    """A Spark task's upload of one row at ``time``: its token, when it started on the
+    shard's clock, and its parts (not committed)."""
+    token = new_token()
+    started_s = client._machine(shard).monotonic()
+    parts = write_parts(pa.table({"k": [key], "v": [b"1"], "t": [time], "d": [1]}),
+                        str(shard), batch_id_of(token), client.blobs.main, "main",
+                        WRITER_CFG.blob_target_size_bytes)
+    return token, started_s, parts
+
+
 def test_an_expired_writer_gets_a_typed_error_and_its_parts_go_to_gc(location: Location):
     """expire()d, a handle refuses every write with LeaseExpired and changes nothing.
     Parts uploaded for it (a Spark write's) are not deleted on the refusal (another
@@ -124,11 +137,7 @@ def test_an_expired_writer_gets_a_typed_error_and_its_parts_go_to_gc(location: L
     shard = ShardId.new()
     writer = client.open_writer(shard)
     writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
-    token = new_token()
-    started_s = client._machine(shard).monotonic()
-    parts = write_parts(pa.table({"k": [b"s"], "v": [b"1"], "t": [1], "d": [1]}),
-                        str(shard), batch_id_of(token), client.blobs.main, "main",
-                        WRITER_CFG.blob_target_size_bytes)
+    token, started_s, parts = _upload_one_row(client, shard, b"s", 1)
     writer.expire()
     before = client._machine(shard).fetch_latest()
     with pytest.raises(LeaseExpired):
@@ -146,11 +155,7 @@ def test_an_expired_writer_gets_a_typed_error_and_its_parts_go_to_gc(location: L
                                               upload_started_s=started_s,
                                               schema=None).already_committed
     # Parts a refused handle leaves, nobody commits: GC sweeps them once old enough.
-    token = new_token()
-    started_s = client._machine(shard).monotonic()
-    late = write_parts(pa.table({"k": [b"t"], "v": [b"1"], "t": [2], "d": [1]}),
-                       str(shard), batch_id_of(token), client.blobs.main, "main",
-                       WRITER_CFG.blob_target_size_bytes)
+    token, started_s, late = _upload_one_row(client, shard, b"t", 2)
     retry.expire()
     with pytest.raises(LeaseExpired):
         retry.compare_and_append_parts(late, 1, 2, 3, idempotency_token=token,
