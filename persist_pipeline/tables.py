@@ -192,6 +192,10 @@ class Stored:
     result: WriteResult
     name: str
     shard: ShardId
+    #: Why the table went to a newer generation than the newest one when this store
+    #: began (``name`` is that newer one), in words for a log line: what changed
+    #: (:func:`generation_reason`). None when it went to the newest, or to the first.
+    new_generation: str | None = None
 
 
 def store_table(client: PersistClient, name: str, table: pa.Table,
@@ -215,9 +219,9 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
     rows = _encode(plan, table, primary_key)
     for _ in range(MAX_GENERATION_ATTEMPTS):
         _refuse_closed(client, name, names)
-        writer, gen_name, shard = _open_generation(client, name, plan, names, debug)
+        writer, gen_name, shard, reason = _open_generation(client, name, plan, names, debug)
         try:
-            stored = Stored(writer._replace_encoded(rows), gen_name, shard)
+            stored = Stored(writer._replace_encoded(rows), gen_name, shard, reason)
         except SchemaMismatch:
             # Another store changed this generation's schema otherwise after it was
             # opened (nothing was written): open again, in the next generation.
@@ -263,12 +267,13 @@ def store_tables(client: PersistClient,
         opened: list[WriteHandle] = []
         try:
             txn = client.transaction()
-            where: dict[str, tuple[str, ShardId]] = {}
+            where: dict[str, tuple[str, ShardId, str | None]] = {}
             for name, (plan, rows) in encoded.items():
-                writer, gen_name, shard = _open_generation(client, name, plan, names, debug)
+                writer, gen_name, shard, reason = _open_generation(client, name, plan,
+                                                                   names, debug)
                 opened.append(writer)
                 txn._replace_encoded(writer, rows)
-                where[name] = (gen_name, shard)
+                where[name] = (gen_name, shard, reason)
             results = txn.commit()
         except SchemaMismatch:
             # As store_table: a generation's schema changed otherwise after it was opened
@@ -281,9 +286,9 @@ def store_tables(client: PersistClient,
         # As store_table: a newer generation started meanwhile stores them all again.
         names = client.shard_names()
         if not any(_superseded(name, gen_name, names)
-                   for name, (gen_name, _) in where.items()):
-            return {name: Stored(results[str(shard)], gen_name, shard)
-                    for name, (gen_name, shard) in where.items()}
+                   for name, (gen_name, _, _) in where.items()):
+            return {name: Stored(results[str(shard)], gen_name, shard, reason)
+                    for name, (gen_name, shard, reason) in where.items()}
     raise PersistError(f"{sorted(tables)}: newer generations kept starting while these "
                        f"tables were stored ({MAX_GENERATION_ATTEMPTS} attempts)")
 
@@ -393,12 +398,14 @@ def _refuse_closed(client: PersistClient, name: str, names: Mapping[str, ShardId
 
 def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
                      names: Mapping[str, ShardId], debug: str
-                     ) -> tuple[WriteHandle, str, ShardId]:
+                     ) -> tuple[WriteHandle, str, ShardId, str | None]:
     """A writer of the newest generation of ``name`` that stores ``plan``'s schema
     exactly (a table whose schema no longer fits starts the next generation); with the
-    generation's name and shard."""
+    generation's name and shard, and why it is not the newest one listed (None: it is,
+    or there was none)."""
     found = generations(name, names)
     generation = found[-1] if found else 1
+    reason: str | None = None
     for _ in range(MAX_GENERATION_ATTEMPTS):
         gen_name = generation_name(name, generation)
         # Through the registry itself: the client's resolve keeps generation names for
@@ -409,15 +416,18 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
             # the generation's schema (and so its loads) as they were.
             writer = client._open_table_writer(shard, plan.shard_schema, debug=debug)
         except SchemaMismatch:
-            generation += 1  # keys or types changed: a new generation, a new shard
+            # Keys or types changed: a new generation, a new shard.
+            reason = reason or generation_reason(client.schema(shard), plan.shard_schema)
+            generation += 1
             continue
         if writer.schema is None or not same_storage(writer.schema, plan.shard_schema):
             # Same columns with other metadata, or fewer value columns: a load must
             # return exactly this table, so it goes to a generation of its own.
+            reason = reason or generation_reason(writer.schema, plan.shard_schema)
             writer.expire()
             generation += 1
             continue
-        return writer, gen_name, shard
+        return writer, gen_name, shard, reason
     raise PersistError(f"{name}: could not settle on a generation for this table's schema "
                        f"in {MAX_GENERATION_ATTEMPTS} attempts (its schema keeps changing)")
 
@@ -798,6 +808,62 @@ def _range_stops_set(schema: pa.Schema, num_rows: int) -> pa.Schema:
             d["stop"] = start + step * num_rows
     return schema.with_metadata({**(schema.metadata or {}),
                                  _PANDAS_META: json.dumps(doc).encode()})
+
+
+def generation_reason(recorded: ShardSchema | None, planned: ShardSchema) -> str:
+    """What makes a table stored as ``planned`` unfit for a generation that records
+    ``recorded``, in words for a log line (a table store starts a new generation then:
+    a new shard). The pandas index counts: a filtered frame's index is a column, an
+    unfiltered one's a RangeIndex, and a RangeIndex's start and step are kept."""
+    if recorded is None:
+        return "the generation records no schema"
+    old, new = original_schema(recorded), original_schema(planned)
+    if old is None or new is None:
+        return "the shard was written by another entry point than a table store"
+    old_index, new_index = _index_description(old[0]), _index_description(new[0])
+    index_columns = set(pandas_index_columns(old[0])) | set(pandas_index_columns(new[0]))
+    old_types = {f.name: f.type for f in old[0] if f.name not in index_columns}
+    new_types = {f.name: f.type for f in new[0] if f.name not in index_columns}
+    changes = []
+    # A table without a primary key has every column as its key: a column added to it
+    # is reported as that, not as a key change.
+    if (len(recorded.value) or len(planned.value)) and recorded.key.names != planned.key.names:
+        changes.append(f"primary key {_declared_key(recorded)} -> {_declared_key(planned)}")
+    added = [n for n in new_types if n not in old_types]
+    dropped = [n for n in old_types if n not in new_types]
+    if added:
+        changes.append(f"columns added: {', '.join(added)}")
+    if dropped:
+        changes.append(f"columns dropped: {', '.join(dropped)}")
+    changes += [f"column {n}: {old_types[n]} -> {t}" for n, t in new_types.items()
+                if n in old_types and not old_types[n].equals(t)]
+    if old_index != new_index:
+        changes.append(f"pandas index {old_index} -> {new_index} (reset_index(drop=True) "
+                       f"in the asset keeps one)")
+    return "; ".join(changes) if changes else \
+        "other schema metadata (column order, nullability, pandas dtypes or field metadata)"
+
+
+def _declared_key(schema: ShardSchema) -> str:
+    """A table shard's declared primary key, or that its whole row is the key (a key
+    of every column is stored as no key is)."""
+    return f"({', '.join(schema.key.names)})" if len(schema.value) else "none (the whole row)"
+
+
+def _index_description(schema: pa.Schema) -> str:
+    """A table's pandas index in words: ``RangeIndex(start=0, step=1)``, its columns,
+    or none (not a pandas frame)."""
+    doc = _pandas_meta(schema)
+    entries = _index_entries(doc)
+    if not entries:
+        return "none"
+    shown = []
+    for entry in entries:
+        if isinstance(entry, dict):
+            shown.append(f"RangeIndex(start={entry.get('start')}, step={entry.get('step')})")
+        else:
+            shown.append(f"an Index stored as column {entry!r}")
+    return ", ".join(shown)
 
 
 def same_storage(recorded: ShardSchema, planned: ShardSchema) -> bool:

@@ -10,6 +10,7 @@ import csv
 import datetime
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -370,12 +371,59 @@ def test_a_schema_change_starts_a_generation_loads_read_the_newest(
     assert io_manager.store("kpis", pa.table({"x": [1]}))["dagster/table_name"] == "kpis"
     meta = io_manager.store("kpis", pa.table({"x": ["one"]}))  # a type change
     assert meta["dagster/table_name"] == "kpis/_v2"
+    assert meta["persist/new_generation"] == "column x: int64 -> string"
     assert io_manager.load("kpis").to_pylist() == [{"x": "one"}]
     again = io_manager.store("kpis", pa.table({"x": ["two"]}))
     assert again["dagster/table_name"] == "kpis/_v2" and again["persist/upper"] == 2
+    assert "persist/new_generation" not in again  # the newest generation: nothing new
+    # A value column added to a keyed table is stored in place (an evolution) ...
+    keyed = io_manager.store("kpis", pa.table({"x": ["two"], "y": [1]}), primary_key=["x"])
+    assert keyed["dagster/table_name"] == "kpis/_v2" and "persist/new_generation" not in keyed
+    # ... one dropped, or the key changed, is not (a load must return this table).
+    dropped = io_manager.store("kpis", pa.table({"x": ["two"]}), primary_key=["x"])
+    assert (dropped["dagster/table_name"], dropped["persist/new_generation"]) == (
+        "kpis/_v3", "columns dropped: y")
+    rekeyed = io_manager.store("kpis", pa.table({"x": ["two"], "y": [1]}), primary_key=["y"])
+    assert (rekeyed["dagster/table_name"], rekeyed["persist/new_generation"]) == (
+        "kpis/_v4", "primary key none (the whole row) -> (y); columns added: y")
     client = io_manager.client()
     assert client.open_reader(client.resolve("kpis")).snapshot("latest").to_pylist() == [
         {"x": 1, "t": 0, "d": 1}]  # the first generation is untouched
+
+
+def test_a_materialization_that_starts_a_generation_says_why_in_the_run_log(
+        io_manager: PersistIOManager) -> None:
+    """A pandas frame's index is part of the table it stores: a filtered frame (its
+    index a column) after an unfiltered one (a RangeIndex) starts a generation, a new
+    shard. The run says so, and which change did it, instead of a silent new name."""
+    shapes = iter([pd.DataFrame({"x": [1, 2, 3]}),
+                   pd.DataFrame({"x": [5, 6]}),  # another length: the same shape
+                   pd.DataFrame({"x": [1, 2, 3]}).query("x > 1")])
+
+    @dg.asset
+    def scores() -> pd.DataFrame:
+        return next(shapes)
+
+    warnings = []
+    for _ in range(3):
+        with dg.instance_for_test() as instance:
+            result = dg.materialize([scores], resources={"io_manager": io_manager},
+                                    instance=instance)
+            assert result.success
+            warnings.append([e.message for e in instance.all_logs(result.run_id)
+                             if e.level == logging.WARNING
+                             and "new generation" in e.message])
+        [materialized] = result.asset_materializations_for_node("scores")
+        metadata = materialized.metadata
+    assert warnings[0] == [] and warnings[1] == []  # the first store; the same shape again
+    [message] = warnings[2]
+    assert "scores: stored in a new generation, scores/_v2, because its schema changed: " \
+        "pandas index RangeIndex(start=0, step=1) -> an Index stored as column " \
+        "'__index_level_0__'" in message
+    assert metadata["dagster/table_name"].value == "scores/_v2"
+    assert "RangeIndex(start=0, step=1) -> an Index" in metadata["persist/new_generation"].value
+    loaded = io_manager.load("scores").to_pandas()
+    pd.testing.assert_frame_equal(loaded, pd.DataFrame({"x": [2, 3]}, index=[1, 2]))
 
 
 def test_columns_input_metadata_loads_only_those(io_manager: PersistIOManager) -> None:

@@ -285,6 +285,15 @@ class PersistIOManager(dg.ConfigurableIOManager):
         name = table_name(context.asset_key, partition, context.definition_metadata)
         metadata = self.store(name, table, primary_key=_key_columns(declared),
                               debug=f"dagster run {context.run_id}")
+        reason = metadata.get("persist/new_generation")
+        if reason:
+            # A new generation is a new shard that loads read from now on: say so, as
+            # a flip between two shapes of one asset (a filtered frame one run, an
+            # unfiltered one the next) would otherwise start shard after shard unseen.
+            context.log.warning(f"{name}: stored in a new generation, "
+                                f"{metadata['dagster/table_name']}, because its schema "
+                                f"changed: {reason}. Loads read it from now on; earlier "
+                                f"generations stay readable by their names.")
         context.add_output_metadata(metadata)
 
     def store(self, name: str, table: pa.Table, *, primary_key: Sequence[str] | None = None,
@@ -350,6 +359,8 @@ class PersistIOManager(dg.ConfigurableIOManager):
             "persist/placement": result.placement,
             "persist/stored_bytes": result.encoded_bytes,
             "persist/write_latency_ms": round(latency_ms, 3),
+            **({"persist/new_generation": stored.new_generation}
+               if stored.new_generation else {}),
             **maintenance,
         }
 
