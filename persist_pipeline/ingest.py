@@ -373,7 +373,11 @@ def _first_bad_json_line(path: Path, explicit: pa.Schema) -> str | None:
 
     def refused(lines: list[str], schema: pa.Schema) -> bool:
         try:
+            # On the calling thread: a threaded read may leave pool tasks holding the
+            # Python buffer, whose release at interpreter exit can abort the process
+            # (as decode_parquet, see there).
             pajson.read_json(io.BytesIO("".join(lines).encode()),
+                             read_options=pajson.ReadOptions(use_threads=False),
                              parse_options=pajson.ParseOptions(explicit_schema=schema))
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
             return True
