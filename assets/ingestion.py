@@ -22,9 +22,12 @@ the updates it wrote, the shard's upper, blob PUTs. Sources:
   was already ingested writes nothing, of two runs of the same file at the same time
   the later one fails without writing, and a run that died between its commit and its
   materialization is settled by the next run from the write it recorded first
-  (:func:`settle_intents`). The file is read and validated before anything touches the
-  shard, so a bad file fails its run with a message naming the file and line and writes
-  nothing.
+  (:func:`settle_intents`). A run that only seemed to die (paused past the moment
+  Dagster declared it failed) and commits late is settled too: every commit attempt
+  settles at the upper it commits at, so the later of the two writes fails on the
+  earlier one's upper and finds it (:func:`_settle_before_commit`). The file is read
+  and validated before anything touches the shard, so a bad file fails its run with a
+  message naming the file and line and writes nothing.
 - ``routed``: the rows of a *route*'s landed files whose route column names the shard.
   A route's file is a partition ``ROUTE/path`` of every shard routed from it, and one
   run writes it to all of them in one transaction (:meth:`PersistClient.transaction`):
@@ -137,18 +140,51 @@ class Planned:
 
 #: Called with (expected upper, idempotency token) just before each commit attempt.
 Intent = Callable[[int, str], None]
+#: An earlier run's recorded writes of the file found committed, recorded now (empty:
+#: none): :func:`settle_intents` for one file.
+Settle = Callable[[], list[dg.MaterializeResult]]
 
 
-def append(writer: WriteHandle, plan: Callable[[int], Planned], intent: Intent | None = None
-           ) -> tuple[WriteResult, Planned, float]:
-    """Write ``plan(upper)`` at the shard's upper, re-planning on an upper mismatch.
+class SettledElsewhere(Exception):
+    """A write loop found an earlier run's write of the same file committed: the file is
+    not written again; ``results`` are that write's materializations, recorded now."""
+
+    def __init__(self, results: list[dg.MaterializeResult]) -> None:
+        super().__init__("settled by an earlier run's write")
+        self.results = results
+
+
+def _settle_before_commit(settle: Settle | None) -> None:
+    """Settle the file at the upper an attempt is about to commit at, read before this
+    call: an earlier run that only seemed to die (paused past the moment Dagster
+    declared it failed) may commit its recorded write at any time. Landing before this
+    check, it is found here; after, it moved the upper the attempt commits at, which then
+    fails and checks again. Either way the file is written once.
+
+    Raises:
+        SettledElsewhere: an earlier run's write of the file committed.
+    """
+    if settle is not None:
+        found = settle()
+        if found:
+            raise SettledElsewhere(found)
+
+
+def append(writer: WriteHandle, plan: Callable[[int], Planned], intent: Intent | None = None,
+           settle: Settle | None = None) -> tuple[WriteResult, Planned, float]:
+    """Write ``plan(upper)`` at the shard's upper, re-planning on an upper mismatch; with
+    ``settle``, each attempt first settles earlier runs' writes of the same file.
 
     Returns the result, the plan that was written and the write latency in ms.
+
+    Raises:
+        SettledElsewhere: an earlier run's write of the file committed (nothing written).
     """
     upper = writer.fetch_recent_upper()
     for _ in range(MAX_ATTEMPTS):
         if upper is None:
             raise dg.Failure(f"shard {writer.shard_id} is closed: it takes no more writes")
+        _settle_before_commit(settle)
         planned = plan(upper)
         # A token only for a recorded write: with one, a refused attempt also searches
         # the shard's history, which a write nobody will settle later does not need.
@@ -191,8 +227,8 @@ def write_metadata(client: PersistClient, shard: ShardConfig, result: WriteResul
 
 
 def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: ShardConfig,
-           plan: Callable[[int], Planned], intent: Intent | None = None
-           ) -> dg.MaterializeResult:
+           plan: Callable[[int], Planned], intent: Intent | None = None,
+           settle: Settle | None = None) -> dg.MaterializeResult:
     try:
         register_shard_name(client, shard)
     except InvalidConfig as e:  # the config name is another shard's
@@ -200,7 +236,7 @@ def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: Shar
     writer = client.open_writer(shard.shard_id, debug=f"dagster run {context.run.run_id}")
     try:
         try:
-            result, planned, latency_ms = append(writer, plan, intent)
+            result, planned, latency_ms = append(writer, plan, intent, settle)
         except InvalidUpdates as e:
             raise dg.Failure(description=str(e), metadata={"shard": shard.name}) from None
     finally:
@@ -444,14 +480,15 @@ def _build_files(shards: Sequence[ShardConfig],
             raise dg.Failure(description=str(e),
                              metadata={"file": shown, "shard": shard.name}) from None
         client = persist.client(inline_policy.policy())
-        recovered = settle_intents(context, client, [shard], partitions, landed.identity,
-                                   shown)
-        if recovered:
-            yield from recovered
-            return
-        yield _write(context, client, shard, file_plan(table, source, shown, landed.identity),
-                     intent=lambda upper, token: record_intent(
-                         context, key, partition, landed.identity, token, upper))
+        try:
+            yield _write(context, client, shard,
+                         file_plan(table, source, shown, landed.identity),
+                         intent=lambda upper, token: record_intent(
+                             context, key, partition, landed.identity, token, upper),
+                         settle=lambda: settle_intents(context, client, [shard], partitions,
+                                                       landed.identity, shown))
+        except SettledElsewhere as settled:
+            yield from settled.results
 
     return file_ingestion
 
@@ -549,10 +586,6 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
             register_shard_name(client, shard)
         except InvalidConfig as e:  # the config name is another shard's
             raise dg.Failure(description=str(e), metadata={"shard": shard.name}) from None
-    recovered = settle_intents(context, client, shards, partitions, landed.identity, shown)
-    if recovered:
-        yield from recovered
-        return
     writers = {s.name: client.open_writer(s.shard_id, debug=f"dagster run "
                                                            f"{context.run.run_id}")
                for s in shards}
@@ -560,12 +593,19 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
     def intent(name: str, upper: int, token: str) -> None:
         record_intent(context, shard_key(name), partition, landed.identity, token, upper)
 
+    def settle() -> list[dg.MaterializeResult]:
+        return settle_intents(context, client, shards, partitions, landed.identity, shown)
+
     try:
         try:
             results, plans, latency_ms = commit_routed(client, writers, parts, source,
-                                                        shown, landed.identity, intent)
+                                                        shown, landed.identity, intent,
+                                                        settle)
         except InvalidUpdates as e:
             raise dg.Failure(description=str(e), metadata=meta) from None
+    except SettledElsewhere as settled:
+        yield from settled.results
+        return
     finally:
         for writer in writers.values():
             writer.expire()
@@ -582,11 +622,17 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
 
 def commit_routed(client: PersistClient, writers: Mapping[str, WriteHandle],
                   parts: Mapping[str, pa.Table], source: FileSource, shown: str,
-                  identity: str, intent: Callable[[str, int, str], None] | None = None
+                  identity: str, intent: Callable[[str, int, str], None] | None = None,
+                  settle: Settle | None = None
                   ) -> tuple[dict[str, WriteResult], dict[str, Planned], float]:
     """One transaction writing each shard's part at its upper, re-planned when another
-    writer moved an upper. Returns the results and plans by shard name, and the commit's
-    latency in ms."""
+    writer moved an upper; with ``settle``, each attempt first settles earlier runs'
+    writes of the same file (:func:`append`). Returns the results and plans by shard
+    name, and the commit's latency in ms.
+
+    Raises:
+        SettledElsewhere: an earlier run's write of the file committed (nothing written).
+    """
     plans_of = {name: file_plan(parts[name], source, shown, identity) for name in writers}
     uppers = {name: w.fetch_recent_upper() for name, w in writers.items()}
     for _ in range(MAX_ATTEMPTS):
@@ -594,6 +640,7 @@ def commit_routed(client: PersistClient, writers: Mapping[str, WriteHandle],
         if closed:
             raise dg.Failure(f"shard(s) {', '.join(closed)} closed: they take no more "
                              "writes, so no shard of the route was written")
+        _settle_before_commit(settle)
         plans = {name: plans_of[name](upper) for name, upper in uppers.items()
                  if upper is not None}
         txn = client.transaction()

@@ -302,8 +302,14 @@ class WriteHandle:
 
         Returns:
             True if the shard's state or its kept history holds the write's batch; False
-            if it certainly never committed; None if GC truncated the history that would
-            tell. A write of no updates leaves no batch: it reads as False.
+            if it has not committed; None if GC truncated the history that would tell.
+            False is final once the shard's upper has moved past ``expected_upper``; while
+            the upper is still there, an attempt still in flight (a process paused, not
+            dead) may yet commit, so a caller that then writes the same rows anew must
+            commit at the upper it read *before* asking (a late landing makes that
+            commit fail with ``UpperMismatch``; ask again then), or retry with the same
+            token and ``expected_upper`` (a retry lands once). A write of no updates
+            leaves no batch: it reads as False.
 
         Raises:
             InvalidInput: a malformed ``idempotency_token`` (see

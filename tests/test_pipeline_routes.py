@@ -365,3 +365,60 @@ def test_settling_takes_a_committed_write_over_one_whose_history_is_gone(
     with pytest.raises(dg.Failure, match="no longer tells"):
         settle()
     client.close()
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["files", "route"])
+def test_a_run_that_only_seemed_dead_and_commits_late_never_writes_the_file_twice(
+        make_pipeline: Any, monkeypatch: pytest.MonkeyPatch, routed: bool) -> None:
+    """Run A records its write and pauses before committing; Dagster declares it failed
+    (run monitoring, a user) and run B ingests the file: A's write had not landed, so B
+    writes it. Then A wakes and commits: its attempt at the old upper is refused, and
+    its next attempt must find B's write of the same file, not write the file again."""
+    import threading
+
+    from persist_pipeline.transaction import Transaction
+    from persist_pipeline.write import WriteHandle
+
+    pipeline, landing, sensor, names = _files_or_route(make_pipeline, routed)
+    partition = "commerce/a.csv" if routed else "orders/a.csv"
+    _land(landing, "a.csv", "k,v,t,table\no1,10,0,order\nr1,-10,0,refund\n" if routed
+          else "k,v,t\no1,10,0\n", 1)
+    paused, resume = threading.Event(), threading.Event()
+    real_commit, real_append = Transaction.commit, WriteHandle.compare_and_append
+
+    def pausing(real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread().name == "run-a" and not paused.is_set():
+                paused.set()
+                assert resume.wait(60), "run A was never resumed"
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(Transaction, "commit", pausing(real_commit))
+    monkeypatch.setattr(WriteHandle, "compare_and_append", pausing(real_append))
+    tick = pipeline.ticker(sensor).tick()
+    outcome: list[Any] = []
+    run_a = threading.Thread(name="run-a", daemon=True,
+                             target=lambda: outcome.extend(pipeline.launch_all(sensor, tick)))
+    run_a.start()
+    try:
+        assert paused.wait(60), "run A never reached its commit"
+        [a_record] = pipeline.instance.get_run_records(
+            filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED]))
+        pipeline.instance.report_run_failed(a_record.dagster_run)  # declared dead
+        job = pipeline.defs.resolve_job_def("ingest_files_job")
+        run_b = job.execute_in_process(instance=pipeline.instance, partition_key=partition,
+                                       raise_on_error=False)
+        assert run_b.success and set(materializations(run_b)) == {
+            f"ingest/{n}" for n in names}
+    finally:
+        resume.set()
+        run_a.join(120)
+    client = pipeline.client()
+    for n in names:
+        assert client.shard_summaries()[pipeline.shard_id(n)].upper == 1, n
+        assert all(d == 1 for _, _, d in _contents(client, pipeline.shard_id(n)))
+    [a_result] = outcome
+    assert a_result.success
+    for m in materializations(a_result).values():
+        assert m["Committed by run"] == run_b.run_id
