@@ -17,6 +17,7 @@ from persist_pipeline import (
     NotATable,
     PersistClient,
     SchemaMismatch,
+    ShardSchema,
     SinceViolation,
     tables,
 )
@@ -103,6 +104,28 @@ def test_a_load_pinned_at_the_upper_reads_when_since_reached_it(
     tables.store_table(client, "p", pa.table({"id": [7], "val": ["7"]}), ["id"])
     with pytest.raises(SinceViolation):
         tables.load_table(client, "p", stored[-1].result.upper)
+
+
+def test_a_load_pinned_at_the_upper_keeps_its_columns_when_since_reached_it_first(
+        client: PersistClient) -> None:
+    """A typed shard evolved (a nullable value column appended, nothing written) after
+    its readers released every time up to its upper: a load pinned to that upper reads
+    every update's sum, and returns the columns its rows were stored with, as it does
+    while since is still below the upper."""
+    schema = ShardSchema({"id": pa.int64()}, {"val": pa.string()})
+    shard = client.resolve("api", create=True)
+    writer = client.open_writer(shard, schema=schema)
+    writer.compare_and_append(pa.table({"id": [1], "val": ["a"], "t": [0]}), 0, 1)
+    writer.expire()
+    reader = client.open_reader(shard)
+    reader.downgrade_since(1)
+    reader.expire()
+    evolved = ShardSchema(schema.key, pa.schema([*schema.value, ("extra", pa.int64())]))
+    client.open_writer(shard, schema=evolved).expire()
+    assert client.inspect(shard)["since"] == client.inspect(shard)["upper"] == 1
+    assert tables.load_table(client, "api", 1).to_pylist() == [{"id": 1, "val": "a"}]
+    assert tables.load_table(client, "api").to_pylist() == [
+        {"id": 1, "val": "a", "extra": None}]
 
 
 def test_a_float16_column_refuses_appended_values_out_of_its_range(
