@@ -77,6 +77,7 @@ from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.ids import ShardId
 from persist_pipeline.internal import rowcodec
 from persist_pipeline.names import generation_of
+from persist_pipeline.plan import LATEST
 from persist_pipeline.schema import (
     ARROW_SCHEMA_META,
     COLUMNS_META,
@@ -467,7 +468,12 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         # schema meanwhile must not make the newer one decode the older rows.
         as_of = as_of_upper(client, shard, upper, what)
         try:
-            typed, schema = reader._snapshot_with_schema(as_of)
+            # The latest version is read at the upper of the very state whose schema
+            # decodes it: an as_of taken from an earlier state reads that older version,
+            # and a store evolving the schema in between would decode it with columns
+            # no store wrote it with (a table never stored).
+            typed, schema = reader._snapshot_with_schema(as_of if upper is not None
+                                                         else LATEST)
         except SinceViolation:
             # Readers released every time up to the upper (since == upper): no time
             # below it is exact, but the latest table is every update's sum, and so is

@@ -128,6 +128,27 @@ def test_a_load_pinned_at_the_upper_keeps_its_columns_when_since_reached_it_firs
         {"id": 1, "val": "a", "extra": None}]
 
 
+def test_a_load_racing_a_store_that_evolves_the_schema_returns_one_stored_table(
+        client: PersistClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store adding a column (a keyed table: the same generation, its schema evolved)
+    lands between a load's look at the upper and its read: the load returns one of the
+    two tables stored, never the older rows with the newer, all-null column."""
+    older = pa.table({"id": [1, 2], "a": ["x", "y"]})
+    newer = pa.table({"id": [1, 2], "a": ["x", "y"], "b": [10, 20]})
+    tables.store_table(client, "evolving", older, ["id"])
+    looked_up = tables.as_of_upper
+
+    def store_meanwhile(*args: object, **kwargs: object) -> int:
+        monkeypatch.setattr(tables, "as_of_upper", looked_up)
+        as_of = looked_up(*args, **kwargs)  # type: ignore[arg-type]
+        assert tables.store_table(client, "evolving", newer, ["id"]).name == "evolving"
+        return as_of
+
+    monkeypatch.setattr(tables, "as_of_upper", store_meanwhile)
+    loaded = tables.load_table(client, "evolving")
+    assert loaded.equals(older) or loaded.equals(newer), loaded.to_pylist()
+
+
 def test_a_float16_column_refuses_appended_values_out_of_its_range(
         client: PersistClient) -> None:
     halves = pa.table({"id": [1], "x": pa.array([1.5], pa.float16())})
