@@ -468,12 +468,7 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         # schema meanwhile must not make the newer one decode the older rows.
         as_of = as_of_upper(client, shard, upper, what)
         try:
-            # The latest version is read at the upper of the very state whose schema
-            # decodes it: an as_of taken from an earlier state reads that older version,
-            # and a store evolving the schema in between would decode it with columns
-            # no store wrote it with (a table never stored).
-            typed, schema = reader._snapshot_with_schema(as_of if upper is not None
-                                                         else LATEST)
+            typed, schema = reader._snapshot_with_schema(_read_at(as_of, upper))
         except SinceViolation:
             # Readers released every time up to the upper (since == upper): no time
             # below it is exact, but the latest table is every update's sum, and so is
@@ -495,6 +490,14 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         # other entry point reads it.
         return _rows_by_count(typed).select(["k", "v"])
     return from_storage(typed, schema)
+
+
+def _read_at(as_of: int, upper: int | None) -> int | str:
+    """What a load reads at: a pinned load at ``as_of``; the latest at the upper of the
+    very state whose schema decodes it (``"latest"``). An as_of looked up in an earlier
+    state reads that older version, and a store evolving the schema in between would
+    decode it with columns no store wrote it with: a table never stored."""
+    return as_of if upper is not None else LATEST
 
 
 def _rows_by_count(snapshot: pa.Table) -> pa.Table:

@@ -136,6 +136,10 @@ DETERMINISTIC_ONLY = {
     # a table load pinned to a version stored before an evolution (few seeds pin one)
     "pinned_loads_with_the_newest_schema": "tests/test_tables.py::"
                                            "test_pinned_loads_control_returns_a_table_never_stored",
+    # a latest table load reading at the upper it looked up before a store evolved the
+    # schema (none of 60 seeds of the typed and seams profiles lands a store there)
+    "latest_load_at_looked_up_upper": "tests/test_table_edges.py::"
+                                      "test_latest_load_control_returns_a_table_never_stored",
     # a listen poll whose since release fails after it took its updates (an outage has
     # to begin between the poll's read and its release; the outages profile rarely
     # lands one there)

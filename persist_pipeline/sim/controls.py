@@ -398,6 +398,21 @@ def pinned_loads_with_the_newest_schema() -> Iterator[None]:
 
 
 @contextmanager
+def latest_load_at_looked_up_upper() -> Iterator[None]:
+    """A table load of the latest version reads at the upper it looked up before its
+    read, decoding with the schema of the state it then reads: a store evolving the
+    schema in between makes the older version come back with the newer columns (as
+    nulls), a table never stored."""
+    from persist_pipeline import tables
+
+    def looked_up(as_of: int, upper: int | None) -> int | str:
+        return as_of
+
+    with _patched(tables, "_read_at", looked_up):
+        yield
+
+
+@contextmanager
 def listen_release_raises() -> Iterator[None]:
     """A listen's since release after its frontier moved is best effort: it raises, so
     the events whose frontier the listen already passed are lost (and the reader's own
@@ -460,6 +475,7 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "table_uppers_memoized": table_uppers_memoized,
     "table_schema_recorded_at_open": table_schema_recorded_at_open,
     "pinned_loads_with_the_newest_schema": pinned_loads_with_the_newest_schema,
+    "latest_load_at_looked_up_upper": latest_load_at_looked_up_upper,
     "listen_release_raises": listen_release_raises,
     "retry_not_settled_by_history": retry_not_settled_by_history,
     "transaction_retry_not_settled": transaction_retry_not_settled,
