@@ -255,14 +255,12 @@ class ShardSchema:
         history (a shard with no times written yet keeps only ``previous``'s). Entries no
         read can ask for any more (their rows' times are all below ``since``) are left
         out, so the history stays as small as the reads it serves. One read reaches below
-        since: a table load pinned to the upper when since reached it reads every
-        update's sum (the version at ``upper - 1``), so an entry ending at that upper
-        stays while the upper is still there."""
-        if since is None:
-            return self.with_history(())
+        since: a table load pinned to the upper when since reached (or passed) it reads
+        every update's sum (the version at ``upper - 1``), so an entry ending at that
+        upper stays while the upper is still there."""
 
         def needed(until: int) -> bool:
-            return until > since or until == since == upper
+            return until == upper or (since is not None and until > since)
 
         kept = [(until, raw) for until, raw in previous.history if needed(until)]
         if upper and needed(upper):

@@ -106,23 +106,24 @@ def test_a_load_pinned_at_the_upper_reads_when_since_reached_it(
         tables.load_table(client, "p", stored[-1].result.upper)
 
 
+@pytest.mark.parametrize("released", [1, 100])
 def test_a_load_pinned_at_the_upper_keeps_its_columns_when_since_reached_it_first(
-        client: PersistClient) -> None:
+        client: PersistClient, released: int) -> None:
     """A typed shard evolved (a nullable value column appended, nothing written) after
-    its readers released every time up to its upper: a load pinned to that upper reads
-    every update's sum, and returns the columns its rows were stored with, as it does
-    while since is still below the upper."""
+    its readers released every time up to its upper (or past it, as the API allows): a
+    load pinned to that upper reads every update's sum, and returns the columns its rows
+    were stored with, as it does while since is still below the upper."""
     schema = ShardSchema({"id": pa.int64()}, {"val": pa.string()})
     shard = client.resolve("api", create=True)
     writer = client.open_writer(shard, schema=schema)
     writer.compare_and_append(pa.table({"id": [1], "val": ["a"], "t": [0]}), 0, 1)
     writer.expire()
     reader = client.open_reader(shard)
-    reader.downgrade_since(1)
+    reader.downgrade_since(released)
     reader.expire()
     evolved = ShardSchema(schema.key, pa.schema([*schema.value, ("extra", pa.int64())]))
     client.open_writer(shard, schema=evolved).expire()
-    assert client.inspect(shard)["since"] == client.inspect(shard)["upper"] == 1
+    assert (client.inspect(shard)["since"], client.inspect(shard)["upper"]) == (released, 1)
     assert tables.load_table(client, "api", 1).to_pylist() == [{"id": 1, "val": "a"}]
     assert tables.load_table(client, "api").to_pylist() == [
         {"id": 1, "val": "a", "extra": None}]
