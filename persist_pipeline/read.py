@@ -336,7 +336,11 @@ class ReadHandle:
     def listen(self, as_of: int | str) -> Listen:
         """Every update with ``t > as_of``, in time order, with progress frontiers.
 
-        ``snapshot(as_of)`` followed by this listen reproduces the whole collection.
+        ``snapshot(as_of)`` followed by this listen reproduces the whole collection, for
+        the same *time*: ``"latest"`` is resolved (to ``upper - 1``) by each call, so a
+        write landing between a ``snapshot("latest")`` and a ``listen("latest")`` would
+        be in neither. Open the listen first and read ``snapshot(listen.as_of)`` (before
+        downgrading this reader's since past it).
         """
         with self._reading_state() as state:
             t = self._check_as_of(as_of, state)
@@ -523,6 +527,9 @@ class Listen:
 
     def __init__(self, reader: ReadHandle, as_of: int) -> None:
         self._reader = reader
+        #: The time this listen follows (``"latest"`` resolved): ``snapshot(as_of)`` and
+        #: this listen's updates together are the whole collection.
+        self.as_of = as_of
         # After the largest time (``as_of == MAX_TIME``) no update can come, but the
         # shard can still close: that listen waits for the close and reports it, as a
         # listen at any other time does. Its frontier is then past every time.

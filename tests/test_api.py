@@ -266,6 +266,27 @@ def test_listen_after_snapshot_reproduces_the_collection(open_client):
         assert expected_snapshot(seen, as_of) == expected_snapshot(written, as_of)
 
 
+def test_a_latest_listen_tells_the_time_its_snapshot_is_read_at(open_client):
+    # "latest" is resolved by each call: a write between a snapshot("latest") and a
+    # listen("latest") would be in neither. The listen's as_of is the one time to read.
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    reader = client.open_reader(shard)
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+    writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2)
+    listen = reader.listen("latest")
+    assert listen.as_of == 1
+    writer.compare_and_append([(b"c", b"1", 2, 1)], 2, 3)  # lands before the snapshot
+    seen = [(k, v) for k, v, _ in rows(reader.snapshot(listen.as_of), listen.as_of)]
+    while listen.frontier < 3:
+        for event in listen.poll(timeout_s=5):
+            if event.kind == "updates":
+                seen += [(r["k"], r["v"]) for r in event.updates.to_pylist()]
+    assert sorted(seen) == [(b"a", b"1"), (b"b", b"1"), (b"c", b"1")]
+    assert rows(reader.snapshot("latest"), 2) != rows(reader.snapshot(listen.as_of), 1)
+
+
 def test_closing_a_shard_ends_listens_and_refuses_writes(open_client):
     client = open_client()
     shard = ShardId.new()
