@@ -102,12 +102,39 @@ _UUID4_CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
 _UUID4_SET = (0x8000 << 48) | (4 << 76)
 
 
+#: Random 16-byte draws not handed out yet (see :func:`_random16`).
+_POOL: list[bytes] = []
+#: Draws taken from the OS at once: one system call per this many tokens.
+_POOL_DRAWS = 256
+
+
+def _random16() -> bytes:
+    """16 bytes from the OS's random source, drawn in bulk.
+
+    ``os.urandom`` lets go of the interpreter lock for its system call: once per write,
+    each of a busy process's threads handed the lock to another and queued to get it
+    back (in a group commit, most of a write's wait). Drawn 256 at a time, every token
+    is still its own OS randomness, never shared: ``list.pop`` hands each draw to one
+    caller (it is atomic under the interpreter lock), and a forked child drops the
+    parent's undrawn ones (see ``register_at_fork`` below) rather than repeat them."""
+    while True:
+        try:
+            return _POOL.pop()
+        except IndexError:
+            data = os.urandom(16 * _POOL_DRAWS)
+            _POOL.extend([data[i:i + 16] for i in range(0, len(data), 16)])
+
+
+# A child must never hand out the draws its parent holds (their tokens would collide).
+os.register_at_fork(after_in_child=_POOL.clear)
+
+
 def new_token() -> str:
     """A fresh idempotency token or part id: ``random_uuid().hex``, made without the
     UUID object when not seeded (every write takes one)."""
     if _SEEDED is not None:
         return random_uuid().hex
-    bits = int.from_bytes(os.urandom(16), "big") & _UUID4_CLEAR | _UUID4_SET
+    bits = int.from_bytes(_random16(), "big") & _UUID4_CLEAR | _UUID4_SET
     return f"{bits:032x}"
 
 

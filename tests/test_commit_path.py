@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import random
 import uuid
 from collections.abc import Iterator
@@ -212,6 +213,26 @@ def test_new_token_is_a_uuid4_hex_and_seeded_tokens_repeat() -> None:
         first = [new_token() for _ in range(3)]
     with seeded_ids(random.Random(5)):
         assert [new_token() for _ in range(3)] == first
+
+
+def test_a_forked_child_never_repeats_its_parents_tokens() -> None:
+    # Tokens are drawn from the OS in bulk: a child forked while its parent still holds
+    # undrawn ones must not hand out the same (two writes would share a batch id).
+    new_token()  # the parent now holds draws it has not handed out
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next tokens, to the parent
+        try:
+            os.write(write, "".join(new_token() for _ in range(50)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read().decode()
+    os.waitpid(pid, 0)
+    child = {data[i:i + 32] for i in range(0, len(data), 32)}
+    parent = {new_token() for _ in range(50)}
+    assert len(child) == 50 and not child & parent
 
 
 class _Record(VersionedData):
