@@ -211,6 +211,8 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
         InvalidInput: ``primary_key`` does not name columns of the table, or a key
             appears twice.
         InvalidFrontier: the table's newest generation is closed (for good).
+        NotATable: the table does not fit the shard ``name`` names, and no table store
+            wrote that shard (ingestion's, the CLI's): no generation follows it.
     """
     check_table_name(name)
     names = client.shard_names()
@@ -417,6 +419,7 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
             # the generation's schema (and so its loads) as they were.
             writer = client._open_table_writer(shard, plan.shard_schema, debug=debug)
         except SchemaMismatch:
+            _refuse_foreign(client, gen_name, shard, None)
             # Keys or types changed: a new generation, a new shard.
             reason = reason or generation_reason(client.schema(shard), plan.shard_schema)
             generation += 1
@@ -426,11 +429,36 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
             # return exactly this table, so it goes to a generation of its own.
             reason = reason or generation_reason(writer.schema, plan.shard_schema)
             writer.expire()
+            _refuse_foreign(client, gen_name, shard, writer.schema)
             generation += 1
             continue
         return writer, gen_name, shard, reason
     raise PersistError(f"{name}: could not settle on a generation for this table's schema "
                        f"in {MAX_GENERATION_ATTEMPTS} attempts (its schema keeps changing)")
+
+
+def _refuse_foreign(client: PersistClient, gen_name: str, shard: ShardId,
+                    recorded: ShardSchema | None) -> None:
+    """Refuse to start a generation after ``gen_name`` when its shard is not a table
+    store's (ingestion's, the CLI's, a Spark write's: untyped, or typed without a
+    table's schema). Generations are a table's own schema changes: a next one would
+    make every table load of the name (an ``ingest/NAME`` input among them) read the
+    new table instead of the shard that ingestion writes and the CLI and read plans
+    read under that name.
+
+    Raises:
+        NotATable: the shard is not a table store's; nothing was changed.
+    """
+    if recorded is None:
+        recorded = client.schema(shard)
+    if recorded is not None and original_schema(recorded) is not None:
+        return
+    what = "untyped updates" if recorded is None else "a typed shard no table store wrote"
+    raise NotATable(
+        f"{gen_name!r} names shard {shard}, which holds {what} (ingestion, the CLI, a "
+        "Spark write): a table is not stored over it, since table loads of the name would "
+        "then read the table instead of that shard; store the table under another name "
+        "(another asset key, or definition metadata dagster/table_name)")
 
 
 def load_table(client: PersistClient, name: str, upper: int | None = None, *,

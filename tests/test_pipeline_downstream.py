@@ -88,3 +88,37 @@ def test_an_asset_downstream_of_a_files_ingestion_asset_loads_the_whole_shard(
     loaded = _load_downstream(pipeline, "orders")
     assert _loaded_rows(loaded) == Counter({("a", "1"): 1, ("b", "2"): 1, ("c", "3"): 1})
     assert _loaded_rows(loaded) == _cli_rows(pipeline, "orders", capsys)
+
+
+def test_an_asset_named_like_a_shard_is_refused_and_leaves_the_shard_its_readers(
+        make_pipeline: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A user's asset keyed like a pipeline shard (``clicks``, cleaned from
+    ``ingest/clicks``) would be stored by the IO manager in the shard named ``clicks``:
+    ingestion's untyped shard, which holds no table. It is refused with ``NotATable``
+    and nothing is stored, instead of a table generation ``clicks/_v2`` that every
+    later table load of ``clicks`` (``ingest/clicks``'s downstream assets included)
+    would read in place of the shard ingestion writes and the CLI reads."""
+    from persist_pipeline.exceptions import NotATable
+
+    pipeline: Pipeline = make_pipeline({"clicks": {"source": SYNTHETIC}})
+    assert pipeline.ingest("clicks").success
+    before = _cli_rows(pipeline, "clicks", capsys)
+
+    @dg.asset(name="clicks", ins={"rows": dg.AssetIn(key=dg.AssetKey(["ingest", "clicks"]))})
+    def cleaned(rows: pa.Table) -> pa.Table:
+        return pa.table({"n": [rows.num_rows]})
+
+    defs = dg.Definitions.merge(pipeline.defs, dg.Definitions(assets=[cleaned]))
+    result = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+        instance=pipeline.instance, asset_selection=[cleaned.key], raise_on_error=False)
+    assert not result.success
+    [failure] = [e for e in result.all_events
+                 if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    error: Any = failure.event_specific_data
+    assert error.error.cause.cls_name == NotATable.__name__
+    assert "clicks" in error.error.cause.message
+    assert "clicks/_v2" not in pipeline.client().shard_names()
+    # ingest/clicks's downstream assets still load the shard ingestion writes.
+    assert pipeline.ingest("clicks").success
+    loaded = _load_downstream(pipeline, "clicks")
+    assert _loaded_rows(loaded) == _cli_rows(pipeline, "clicks", capsys) != before
