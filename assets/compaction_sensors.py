@@ -75,8 +75,12 @@ def build_inline_pressure_sensor(shards: Sequence[ShardConfig], *,
     def inline_pressure_sensor(context: dg.SensorEvaluationContext, persist: PersistResource,
                                inline_policy: InlinePolicyResource) -> dg.SensorResult:
         cursor = load_cursor(context.cursor)
-        episodes: dict[str, dict[str, Any]] = dict(cursor.get("episodes", {}))
-        fallbacks: dict[str, int] = dict(cursor.get("fallbacks", {}))
+        # Only the configured shards: a cursor written under another config (a shard
+        # removed or renamed since) must not make every tick fail on an unknown shard.
+        episodes: dict[str, dict[str, Any]] = {
+            k: v for k, v in cursor.get("episodes", {}).items() if k in by_id}
+        fallbacks: dict[str, int] = {
+            k: v for k, v in cursor.get("fallbacks", {}).items() if k in by_id}
         summaries = persist.client().shard_summaries()
         high_water = inline_policy.high_water_bytes(high_water_fraction)
         now = now_ms()

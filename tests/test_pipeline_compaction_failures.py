@@ -145,3 +145,39 @@ def test_the_pressure_sensor_retries_a_failed_compaction_run(
     results = pipeline.launch_all("inline_pressure_sensor", Tick(run_requests=[retry]))
     assert [r.success for r in results] == [True], "the retry was never launched"
     assert pipeline.client().shard_summaries()[clicks].inline_bytes == 0
+
+
+@pytest.mark.slow
+def test_the_pressure_sensor_keeps_ticking_after_a_shard_leaves_the_config(
+        make_pipeline: Any) -> None:
+    """A shard removed from (or renamed in) pipeline.yaml while its compaction was
+    requested leaves its crossing in the sensor's cursor: the sensor of the new config
+    keeps ticking (it does not fail every tick on the shard it no longer knows) and
+    still requests compaction for the shards it has."""
+    from assets.runner import SensorTicker
+
+    stock = {**SYNTHETIC, "events_per_write": 5, "seed": 9}
+    pipeline: Pipeline = make_pipeline({"clicks": {"source": SYNTHETIC},
+                                        "stock": {"source": stock}})
+    sensor = pipeline.ticker("inline_pressure_sensor")
+    requests: list[dg.RunRequest] = []
+    for _ in range(6):
+        assert pipeline.ingest("clicks", "stock").success
+        requests = sensor.tick().run_requests
+        if requests:
+            break
+    assert [k.path for k in requests[0].asset_selection] == [["compact", "clicks"]]
+
+    # The same location and instance, loaded from a config without clicks.
+    without: Pipeline = make_pipeline({"stock": {"source": stock}})
+    ticker = SensorTicker(without.defs, pipeline.instance, "inline_pressure_sensor",
+                          cursor=sensor.cursor)
+    tick = ticker.tick()
+    assert tick.run_requests == [] and "clicks" not in (tick.skip_reason or "")
+    for _ in range(6):
+        assert without.ingest("stock", events=30).success
+        tick = ticker.tick()
+        if tick.run_requests:
+            break
+    [request] = tick.run_requests
+    assert [k.path for k in request.asset_selection] == [["compact", "stock"]]
