@@ -16,7 +16,7 @@ from typing import Any
 
 import dagster as dg
 
-from assets.asset_keys import MAINTENANCE_GROUP, compacted_key, gc_key
+from assets.asset_keys import MAINTENANCE_GROUP, gc_key
 from assets.pipeline_config import ShardConfig
 from persist_pipeline.exceptions import ShardNotFound
 from resources.persist import PersistResource
@@ -39,7 +39,11 @@ def build_gc_assets(shards: tuple[ShardConfig, ...], *, cron: str = "30 3 * * *"
     # The cheapest condition (see compaction_condition): once per tick.
     condition = dg.AutomationCondition.cron_tick_passed(cron, timezone).with_label(
         f"tick of {cron}")
-    specs = [dg.AssetSpec(gc_key(s.name), deps=[compacted_key(s.name)],
+    # No dependency on compact/NAME: when both crons tick together, automation requests
+    # compact/* and gc/* in one run, and a dependency would skip the whole GC step as
+    # soon as one selected shard had nothing to compact (no compact/NAME materialized).
+    # GC is safe beside any compaction, in any order.
+    specs = [dg.AssetSpec(gc_key(s.name),
                           group_name=MAINTENANCE_GROUP, kinds={"python"},
                           automation_condition=condition,
                           description=f"Garbage collection of shard {s.name}: deletes the "

@@ -134,3 +134,29 @@ def test_checks_schedule_runs_the_shard_checks(make_pipeline: Any,
     assert again is not None and again.success
     stale = check_results(again)["ingest/stock:upper_advanced_recently"]
     assert not stale.passed and stale.severity.value == "WARN"
+
+
+def test_gc_runs_when_its_tick_comes_with_the_compaction_tick(make_pipeline: Any) -> None:
+    """GC at 03:00 and compaction hourly: both ticks pass at once, and declarative
+    automation requests compact/* and gc/* in one run. Compaction skips the shards with
+    nothing to compact (no materialization); GC must still collect every shard, not be
+    skipped as a step downstream of an output that was not materialized."""
+    pipeline: Pipeline = make_pipeline(SHARDS, gc={"schedule": "0 3 * * *"})
+    assert pipeline.ingest("clicks").success
+    client = pipeline.client()
+    client.compact(pipeline.shard_id("clicks"))  # in process: nothing left to compact
+    start = datetime(2026, 11, 23, 2, 30, tzinfo=UTC)
+    _, cursor = _requested(pipeline, start)
+    requested, _ = _requested(pipeline, start + timedelta(hours=1), cursor)
+    assert requested == ["compact/clicks", "compact/idle", "compact/stock",
+                         "gc/clicks", "gc/idle", "gc/stock"]
+    # One run for all of them: the automation sensor groups assets without partitions.
+    request = dg.RunRequest(asset_selection=[dg.AssetKey(k.split("/")) for k in requested],
+                            tags={"persist/trigger": "automation"})
+    result = launch(pipeline.defs, pipeline.instance, request,
+                    sensor_name="persist_automation_sensor")
+    assert result is not None and result.success
+    meta = materializations(result)
+    assert {k for k in meta if k.startswith("gc/")} == {"gc/clicks", "gc/idle", "gc/stock"}
+    assert meta["gc/clicks"]["shard_found"] is True
+    assert not [k for k in meta if k.startswith("compact/")]  # nothing had work
