@@ -23,6 +23,7 @@ import dagster as dg
 
 from assets.asset_keys import (
     COMPACTION_JOB,
+    COMPACTION_OP,
     TAG_SHARDS,
     compacted_key,
     shard_key,
@@ -239,6 +240,13 @@ def build_compaction_failure_sensor(shards: Sequence[ShardConfig], *,
         if not run.asset_selection:  # the whole compaction job
             selected = set(compaction_keys)
         failures = context.get_step_failure_events()
+        # A run may hold other steps than compaction (automation requests compact/* and
+        # gc/* in one run when their crons tick together): when steps failed and none of
+        # them compacts, compaction went fine and this alert would name it wrongly. A run
+        # that failed without a failed step (killed, lost) still alerts: none can tell.
+        if failures and not any(e.step_key == COMPACTION_OP for e in failures):
+            steps = ", ".join(sorted({str(e.step_key) for e in failures}))
+            return dg.SkipReason(f"run {run.run_id} failed in {steps}, not in compaction")
         failed = _failed_shard_keys(failures, key_of)
         if failed is not None:
             # The step said which shards failed (the others' results were committed):

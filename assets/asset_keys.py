@@ -27,6 +27,9 @@ INGESTION_JOB = "ingestion_job"
 COMPACTION_JOB = "compaction_job"
 GC_JOB = "gc_job"
 CHECKS_JOB = "shard_checks_job"
+#: The op (and step) of the compaction multi-asset: failures of other steps of a run
+#: that compacts are not compaction failures.
+COMPACTION_OP = "spark_compaction"
 #: The job of every landing sensor: one landed file (a partition) of one files shard.
 LANDING_JOB = "ingest_files_job"
 #: The dynamic partitions of every files shard: one per landed file, ``SHARD/path`` (a

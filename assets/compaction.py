@@ -27,7 +27,13 @@ from typing import Any
 
 import dagster as dg
 
-from assets.asset_keys import COMPACTION_GROUP, TAG_TRIGGER, compacted_key, shard_key
+from assets.asset_keys import (
+    COMPACTION_GROUP,
+    COMPACTION_OP,
+    TAG_TRIGGER,
+    compacted_key,
+    shard_key,
+)
 from assets.pipeline_config import ShardConfig
 from persist_pipeline import PersistClient, ReadHandle
 from persist_pipeline.exceptions import PersistError
@@ -170,7 +176,7 @@ def build_compaction_assets(shards: tuple[ShardConfig, ...], *, cron: str = "0 *
                                                  "time is the same before and after compaction.")
                    for s in shards]
 
-    @dg.multi_asset(name="spark_compaction", specs=specs, check_specs=check_specs,
+    @dg.multi_asset(name=COMPACTION_OP, specs=specs, check_specs=check_specs,
                     can_subset=True)
     def spark_compaction(context: dg.AssetExecutionContext, persist: PersistResource,
                          pyspark: PersistPySparkResource) -> Iterator[Any]:

@@ -14,7 +14,8 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from assets.asset_keys import compacted_key, shard_key
+from assets.asset_keys import compacted_key, gc_key, shard_key
+from assets.runner import launch
 from resources.alerts import Alert, AlertsResource
 from tests.pipeline_support import (
     SYNTHETIC,
@@ -128,3 +129,40 @@ def test_alerts_resource_without_a_working_webhook(caplog: pytest.LogCaptureFixt
     assert closed.send(alert) is False  # unreachable: logged, not raised
     assert "s3cr3t" not in caplog.text and "http://127.0.0.1:9/***" in caplog.text
     assert AlertsResource(webhook_url="file:///etc/passwd").send(alert) is False
+
+
+def test_a_failed_gc_step_in_a_compaction_run_is_not_a_compaction_alert(
+        make_pipeline: Any, webhook: Webhook, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the GC and compaction crons tick together (gc at 03:00, compaction hourly),
+    declarative automation requests compact/* and gc/* in one run. A GC step that fails
+    there (a corrupt state record) after compaction went fine is no compaction failure:
+    compaction_failure_alert_sensor does not report the shards' compaction as failed."""
+    from persist_pipeline.consensus.base import VersionedData
+
+    monkeypatch.setenv("PERSIST_ALERT_WEBHOOK_URL", webhook.url)
+    pipeline: Pipeline = make_pipeline({"clicks": {"source": SYNTHETIC}},
+                                       gc={"schedule": "0 3 * * *"})
+    # A shard with nothing to compact, whose state record is corrupt: GC fails on it.
+    client = pipeline.client()
+    shard = pipeline.shard_id("clicks")
+    client.open_writer(shard).expire()
+    head = client.consensus.head(shard)
+    assert head is not None
+    assert client.consensus.compare_and_set(
+        shard, head.seqno, VersionedData(head.seqno + 1, b"not a state", head.summary))
+
+    request = dg.RunRequest(asset_selection=[compacted_key("clicks"), gc_key("clicks")],
+                            tags={"persist/trigger": "automation"})
+    result = launch(pipeline.defs, pipeline.instance, request,
+                    sensor_name="persist_automation_sensor")
+    assert result is not None and not result.success
+    failures = [e for e in result.all_events
+                if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    assert [e.step_key for e in failures] == ["persist_gc"]
+    [check] = result.get_asset_check_evaluations()
+    assert check.asset_key == compacted_key("clicks") and check.passed
+
+    skip = evaluate_failure_sensor(pipeline, result)
+    assert isinstance(skip, dg.SkipReason) and "persist_gc" in skip.skip_message
+    assert webhook.bodies == []
+    assert _observations(pipeline, compacted_key("clicks")) == []
