@@ -2,11 +2,12 @@
 
 ``inline_pressure_sensor``: finds the shards whose inline bytes reached the high-water
 mark (``high_water_fraction`` of ``persist_inline_update_max_bytes``, read from the
-``inline_policy`` resource) or whose writes started falling through to blob storage,
-and requests ONE compaction run for them, with a run key per crossing. While that run
-has not finished, the shard is not requested again; a shard that is still (or again)
-over the mark after its run succeeded is a new crossing (after a failed run, the
-sensor waits ``retry_after_s`` before asking again).
+``inline_policy`` resource) or whose writes started falling through to blob storage
+while it holds inline data (with none, compaction frees no budget), and requests ONE
+compaction run for them, with a run key per crossing. While that run has not finished,
+the shard is not requested again; a shard that is still (or again) over the mark after
+its run succeeded is a new crossing (after a failed run, the sensor waits
+``retry_after_s`` before asking again).
 
 It reads ``PersistClient.shard_summaries()``, one consensus query
 whatever the size of the shards' states; none of them reads a state.
@@ -92,7 +93,12 @@ def build_inline_pressure_sensor(shards: Sequence[ShardConfig], *,
                 continue
             previous = fallbacks.get(shard_id, summary.inline_fallbacks)
             fallbacks[shard_id] = summary.inline_fallbacks
-            hot = summary.inline_bytes >= high_water or summary.inline_fallbacks > previous
+            # A write falls through when the inline bytes plus its own would cross the
+            # budget: compaction frees that only if something is inline. With nothing
+            # inline (no budget at all, or a write larger than it) a run would change
+            # nothing, and the next fall-through would ask again, forever.
+            fell_through = summary.inline_fallbacks > previous and summary.inline_bytes > 0
+            hot = summary.inline_bytes >= high_water or fell_through
             if not hot:
                 episodes.pop(shard_id, None)
                 continue

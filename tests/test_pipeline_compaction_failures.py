@@ -181,3 +181,31 @@ def test_the_pressure_sensor_keeps_ticking_after_a_shard_leaves_the_config(
             break
     [request] = tick.run_requests
     assert [k.path for k in request.asset_selection] == [["compact", "stock"]]
+
+
+@pytest.mark.slow
+def test_writes_falling_through_with_nothing_inline_request_no_compaction(
+        make_pipeline: Any) -> None:
+    """With no inline budget (persist_inline_update_max_bytes 0, as
+    PERSIST_INLINE_UPDATE_MAX_BYTES=0 sets it), every small write falls through to blob
+    storage. Compaction frees no budget there (nothing is inline), so the pressure
+    sensor must not request a compaction run after every batch of writes, forever."""
+    pipeline: Pipeline = make_pipeline(
+        {"clicks": {"source": SYNTHETIC}},
+        inline_policy={"persist_inline_update_threshold_bytes": 4096,
+                       "persist_inline_update_max_bytes": 0})
+    sensor = pipeline.ticker("inline_pressure_sensor")
+    assert sensor.tick().run_requests == []  # no shard yet
+    requests: list[dg.RunRequest] = []
+    for _ in range(3):
+        result = pipeline.ingest("clicks")
+        assert result.success
+        assert materializations(result)["ingest/clicks"]["Fell back to blob (inline budget "
+                                                         "full)"] is True
+        tick = sensor.tick()
+        requests.extend(tick.run_requests)
+        # Launched as the daemon would: they find nothing to compact, and succeed.
+        assert all(r.success for r in pipeline.launch_all("inline_pressure_sensor", tick))
+    summary = pipeline.client().shard_summaries()[pipeline.shard_id("clicks")]
+    assert summary.inline_fallbacks >= 3 and summary.inline_bytes == 0
+    assert requests == []
