@@ -568,8 +568,10 @@ def test_compaction_definitions_request_a_run_for_pending_shards(tmp_path: Path)
             with dg.build_sensor_context(instance=instance,
                                          resources={"io_manager": manager}) as context:
                 skipped = sensor.evaluate_tick(context)
-            assert skipped.run_requests == [] and "no IO-managed shard" in (
-                skipped.skip_message or "")
+            # Nothing stored yet: a tick creates nothing (a mistyped URI is no new store).
+            assert skipped.run_requests == [] and "nothing is stored at the IO manager's " \
+                "URIs yet" in (skipped.skip_message or "")
+            assert sorted(p.name for p in tmp_path.iterdir()) == []
             for i in range(3):
                 manager.store("pending", pa.table({"n": list(range(i + 3))}))
             with dg.build_sensor_context(instance=instance,

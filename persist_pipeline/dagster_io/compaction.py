@@ -26,7 +26,7 @@ import dagster as dg
 
 from persist_pipeline.dagster_io.io_manager import PersistIOManager
 from persist_pipeline.dagster_io.templates import expand_env
-from persist_pipeline.exceptions import InvalidConfig
+from persist_pipeline.exceptions import InvalidConfig, LocationNotFound
 
 #: The job and sensor names (prefixed, so they do not clash with a project's own).
 JOB_NAME = "persist_io_compaction"
@@ -41,8 +41,13 @@ def _run_in_flight(instance: dg.DagsterInstance, run_key: str) -> bool:
 
 
 def pending_named_shards(io_manager: PersistIOManager) -> dict[str, int]:
-    """Shards registered under a name that have pending merges: ``{shard_id: seqno}``."""
-    client = io_manager.client()
+    """Shards registered under a name that have pending merges: ``{shard_id: seqno}``.
+
+    Raises:
+        LocationNotFound: nothing is stored at the IO manager's URIs (nothing is created:
+            a sensor ticking on a mistyped URI must not leave an empty store there).
+    """
+    client = io_manager.client(create=False)
     named = {str(shard) for shard in client.shard_names().values()}
     return {shard: summary.seqno for shard, summary in client.shard_summaries().items()
             if shard in named and summary.pending_merges}
@@ -101,7 +106,11 @@ def compaction_definitions(*, io_manager_key: str = "io_manager",
                            "pending merges (one summary query per tick)")
     def sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult | dg.SkipReason:
         io_manager: PersistIOManager = getattr(context.resources, io_manager_key)
-        pending = pending_named_shards(io_manager)
+        try:
+            pending = pending_named_shards(io_manager)
+        except LocationNotFound as e:
+            return dg.SkipReason(f"nothing is stored at the IO manager's URIs yet ({e}): "
+                                 "check them if assets were materialized")
         if not pending:
             return dg.SkipReason("no IO-managed shard has pending merges")
         shards = sorted(pending)
