@@ -114,6 +114,72 @@ def test_orphans_are_swept_once_old_and_late_commits_are_refused(location: Locat
     client.close()
 
 
+def test_the_sweeps_fence_alone_makes_a_paused_writers_commit_check_its_deadline(
+        location: Location):
+    """A writer computes its commit in time, then pauses before its compare-and-set
+    past the orphan age; GC sweeps its part meanwhile. GC commits nothing but its fence
+    here (a reader holds an older seqno, so no rollup is written; no lease expires):
+    the fence alone must make the writer's CaS fail and its re-run refuse the commit for
+    the deadline, never reference the part the sweep deleted."""
+    cfg = PersistConfig(inline_policy=BLOB_ONLY, gc_orphan_min_age_s=ORPHAN_AGE_S,
+                        heartbeat_interval_s=0)
+    clock = HandClock()
+    paused = BeforeNextCas(open_consensus(location.consensus_uri))
+    writer_client = _process(location, clock, cfg, consensus=paused)
+    collector = _process(location, clock, cfg)
+    shard = ShardId.new()
+    writer = writer_client.open_writer(shard)
+    writer.compare_and_append([(b"a", b"b", 0, 1)], 0, 1)
+    reader = collector.open_reader(shard)  # holds this seqno while the head moves on
+    writer.compare_and_append([], 1, 2)
+    writer.fetch_recent_upper()  # the commit below is computed on the latest state
+    metrics: list[dict[str, object]] = []
+
+    def gc_while_paused() -> None:
+        clock.advance(ORPHAN_AGE_S + 1 + writer_client.blobs.main.stamp_resolution_s)
+        metrics.append(collector.gc(shard))
+
+    paused.arm(gc_while_paused)
+    with pytest.raises(CommitDeadlineExceeded):
+        writer.compare_and_append([(b"late", b"x", 2, 1)], 2, 3)
+    assert metrics and metrics[0]["orphans_deleted"] == 1  # the paused write's part
+    state = writer_client._machine(str(shard)).fetch_latest()
+    missing = [key for store, key in state.referenced_blobs()
+               if writer_client.blobs.store(store).get(key) is None]
+    assert missing == [], "the shard references a part GC deleted"
+    assert state.upper == 2
+    assert rows(reader.snapshot(1), 1) == [(b"a", b"b", 1)]
+    for client in (writer_client, collector):
+        client.close()
+
+
+def test_the_sweep_keeps_the_files_of_a_plan_open_longer_than_the_orphan_age(
+        durable_location: Location):
+    """Compaction replaced the files of an open read plan, and they are older than the
+    orphan age: they are no orphans (the version the plan's reader holds references
+    them), so the sweep leaves them and the plan still reads its data."""
+    cfg = PersistConfig(inline_policy=BLOB_ONLY, gc_orphan_min_age_s=ORPHAN_AGE_S,
+                        heartbeat_interval_s=0)
+    clock = HandClock()
+    client = _process(durable_location, clock, cfg)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    written = []
+    for t in range(6):
+        batch = [(b"k%d" % t, b"v", t, 1)]
+        writer.compare_and_append(batch, t, t + 1)
+        written += batch
+    plan = client.open_reader(shard).snapshot_plan(5)
+    client.compact(shard)
+    live = {key for _, key in client._machine(str(shard)).fetch_latest().referenced_blobs()}
+    assert {f.key for f in plan.file_details} - live, "compaction replaced the plan's files"
+    clock.advance(ORPHAN_AGE_S + 1 + client.blobs.main.stamp_resolution_s)
+    client.gc(shard)
+    assert rows(plan.to_table(), 5) == expected_snapshot(written, 5)
+    plan.close()
+    client.close()
+
+
 def _blob_files(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
 
