@@ -309,7 +309,8 @@ class WriteHandle:
             commit at the upper it read *before* asking (a late landing makes that
             commit fail with ``UpperMismatch``; ask again then), or retry with the same
             token and ``expected_upper`` (a retry lands once). A write of no updates
-            leaves no batch: it reads as False.
+            leaves no batch: its writer's record of the token tells instead, while a
+            kept version holds it.
 
         Raises:
             InvalidInput: a malformed ``idempotency_token`` (see
@@ -322,7 +323,8 @@ class WriteHandle:
         expected = check_frontier(expected_upper, "expected_upper")
         if expected is None:
             raise InvalidFrontier("expected_upper must be a time")
-        return history.batch_landed(self._machine, batch_id_of(idempotency_token), expected)
+        return history.batch_landed(self._machine, batch_id_of(idempotency_token), expected,
+                                    idempotency_token)
 
     def compare_and_append_parts(
         self, parts: tuple[HollowPart, ...], num_updates: int, expected_upper: int,

@@ -647,3 +647,31 @@ def test_committed_tells_whether_a_tokened_write_landed(open_client):
     writer.expire()
     with pytest.raises(LeaseExpired):
         writer.committed(landed, 0)
+
+
+def test_committed_tells_that_a_write_of_no_rows_landed(open_client):
+    """A write of no rows leaves no batch, only its writer's record of the token: it
+    committed (its retry is reported already committed), so ``committed`` must not
+    answer False ("certainly not") for it, also from another process's handle, once
+    the writer expired, and after GC truncated the records; a write never made stays
+    False and the token of one made at another ``expected_upper`` is refused."""
+    from persist_pipeline.ids import new_token
+
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    empty = new_token()
+    writer.compare_and_append([], 0, 1, idempotency_token=empty)
+    assert writer.compare_and_append([], 0, 1, idempotency_token=empty).already_committed
+    other = open_client().open_writer(shard)  # another process settling it
+    assert other.committed(empty, 0) is True
+    assert other.committed(new_token(), 0) is False
+    with pytest.raises(TokenReused):
+        other.committed(empty, 1)
+    writer.expire()  # its record leaves the state; the kept records still tell
+    assert other.committed(empty, 0) is True
+    for t in range(1, 6):
+        other.compare_and_append([(b"k", b"v", t, 1)], t, t + 1)
+    client.gc(shard)
+    assert other.committed(empty, 0) in (True, None)  # never "certainly not"
+    other.expire()

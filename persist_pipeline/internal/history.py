@@ -65,13 +65,16 @@ def token_reused(shard_id: str, batch_id: str | None, lower: int, upper: Frontie
                        f"one write: give a new write a new token); nothing was written")
 
 
-def batch_landed(machine: Machine, batch_id: str, lower: int) -> bool | None:
+def batch_landed(machine: Machine, batch_id: str, lower: int,
+                 token: str | None = None) -> bool | None:
     """Whether a batch appended at ``lower`` was ever committed, from state history.
 
     True if the latest state, a kept record (adding it, or a merge removing it) or a
     kept rollup holds it; False if none does and the kept history reaches back to when
     the shard's upper was still ``lower`` (where it would be); None when GC truncated
-    that far.
+    that far. Given the write's ``token``, a writer's record of it (latest state, kept
+    record or rollup) also tells: a write of no rows leaves no batch, only that record,
+    and False would claim it never committed.
 
     Raises:
         TokenReused: the batch was found appended at another lower: the token named
@@ -82,9 +85,20 @@ def batch_landed(machine: Machine, batch_id: str, lower: int) -> bool | None:
             raise token_reused(machine.shard_id, batch_id, desc.lower, desc.upper, lower)
         return True
 
+    def recorded(writer_lower: int | None, upper: Frontier) -> bool:
+        # Only a committed append records a token in its writer; a record without its
+        # lower (an older state's) cannot tell a reuse, and is taken for this write.
+        if writer_lower is not None and writer_lower != lower:
+            raise token_reused(machine.shard_id, None, writer_lower, upper, lower)
+        return True
+
     latest = machine.fetch_latest()
     if batch_id in latest.batches:
         return at(latest.batches[batch_id].desc)
+    if token:
+        for w in latest.writers.values():
+            if w.most_recent_write_token == token:
+                return recorded(w.most_recent_write_lower, w.most_recent_write_upper)
     records = machine.consensus.scan(machine.shard_id, 0)
     merged_away = False
     for rec in records:
@@ -93,6 +107,11 @@ def batch_landed(machine: Machine, batch_id: str, lower: int) -> bool | None:
             if b.id == batch_id:
                 return at(state_codec.description_from(b.desc))
         merged_away = merged_away or batch_id in diff.batch_deletes
+        for pw in diff.writer_upserts if token else ():
+            if pw.most_recent_write_token == token:
+                return recorded(pw.most_recent_write_lower
+                                if pw.HasField("most_recent_write_lower") else None,
+                                state_codec.frontier_from_proto(pw.most_recent_write_upper))
     truncated = bool(records) and records[0].seqno > 1
     if not merged_away and not truncated:
         return False
@@ -106,6 +125,9 @@ def batch_landed(machine: Machine, batch_id: str, lower: int) -> bool | None:
         rolled = state_codec.decode_state(data, f"rollup {rollup.key}")
         if batch_id in rolled.batches:
             return at(rolled.batches[batch_id].desc)
+        for w in rolled.writers.values() if token else ():
+            if w.most_recent_write_token == token:
+                return recorded(w.most_recent_write_lower, w.most_recent_write_upper)
         if seqno == first:
             base_upper, known = rolled.upper, True
     if merged_away:
