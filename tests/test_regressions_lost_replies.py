@@ -969,3 +969,68 @@ def test_control_unvalidated_merge_result_is_committed(clients: Clients, case: s
     assert res.output.id in clients.plain()._machine(shard).fetch_latest().batches
     if case == "more-updates":
         assert clients.snapshot(shard, as_of) != snapshot_before
+
+
+class _DownAfterLostReply(ForwardingConsensus):
+    """Consensus whose next compare-and-set commits and loses its reply, after which
+    every call fails as unavailable until ``up()``: the writer cannot settle the lost
+    reply before its retry deadline."""
+
+    def __init__(self, inner: Consensus) -> None:
+        super().__init__(inner)
+        self.armed = False
+        self.down = False
+
+    def _check(self) -> None:
+        if self.down:
+            raise ConsensusUnavailable("test: consensus is down")
+
+    def head(self, shard: str) -> VersionedData | None:
+        self._check()
+        return self.inner.head(shard)
+
+    def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:
+        self._check()
+        return self.inner.scan(shard, from_seqno, limit)
+
+    def compare_and_set(self, shard: str, expected: int | None, new: VersionedData) -> bool:
+        self._check()
+        ok = self.inner.compare_and_set(shard, expected, new)
+        if ok and self.armed:
+            self.armed, self.down = False, True
+            raise ConsensusUnavailable("test: the commit landed but its reply was lost")
+        return ok
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        self._check()
+        ok = self.inner.compare_and_set_many(writes)
+        if ok and self.armed:
+            self.armed, self.down = False, True
+            raise ConsensusUnavailable("test: the commit landed but its reply was lost")
+        return ok
+
+    def up(self) -> None:
+        self.down = False
+
+
+def test_an_indeterminate_write_that_landed_keeps_its_parts(durable_location: Location):
+    """Guarantee 9: the commit landed, its reply was lost and consensus stayed down past
+    the retry deadline, so the write is Indeterminate; it must not delete its parts (GC
+    decides), since the state now references them."""
+    flaky = _DownAfterLostReply(open_consensus(durable_location.consensus_uri))
+    cfg = PersistConfig(inline_policy=NO_INLINE, retry_deadline_s=0.5)
+    client = PersistClient(flaky, open_blob(durable_location.blob_uri), None, cfg)
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    writer.compare_and_append(BASE, 0, 1)
+    flaky.armed = True
+    with pytest.raises(Indeterminate):
+        writer.compare_and_append(LATE, 1, 2)
+    flaky.up()
+    reader = durable_location.client(NO_INLINE)
+    state = reader._machine(str(shard)).fetch_latest()
+    assert state.upper == 2, "the write landed"
+    assert missing_parts(reader, shard) == []
+    assert rows(reader.open_reader(shard).snapshot(1), 1) == expected_snapshot(BASE + LATE, 1)
+    client.close()
+    reader.close()
