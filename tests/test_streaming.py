@@ -616,3 +616,39 @@ def test_a_suspended_or_abandoned_snapshot_iterator_holds_no_thread(
     del batches  # dropped before the end, as a caller that found what it wanted
     assert _merge_threads() == []
     reader.expire()
+
+
+def test_a_streaming_read_holds_about_the_memory_bound_not_the_data(tmp_path: Path) -> None:
+    """Guarantee 11 for reads: ``snapshot_batches`` of a shard whose batches are large
+    streams them through the merge; the Arrow memory it holds while it yields stays a
+    small multiple of ``compaction_memory_bound_bytes``, far below the data's size (a
+    read that fetched the batches whole would hold all of it)."""
+    bound = 2 << 20
+    client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
+                                inline_policy=InlinePolicy(0, 0),
+                                config=PersistConfig(compaction_memory_bound_bytes=bound))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    rows_per_batch, runs = 100_000, 4
+    for n in range(runs):
+        keys = [(i * runs + n).to_bytes(8, "big") for i in range(rows_per_batch)]
+        writer.compare_and_append(pa.table({
+            "k": pa.array(keys, pa.binary()),
+            "v": pa.array([os.urandom(64) for _ in keys], pa.binary()),
+            "t": pa.array([n] * rows_per_batch, pa.int64()),
+            "d": pa.array([1] * rows_per_batch, pa.int64())}), n, n + 1)
+    data_bytes = runs * rows_per_batch * (8 + 64 + 16)
+    reader = client.open_reader(shard)
+    baseline = pa.total_allocated_bytes()
+    peak, seen, last = 0, 0, b""
+    for batch in reader.snapshot_batches(runs - 1, max_rows=1000):
+        peak = max(peak, pa.total_allocated_bytes() - baseline)
+        first = batch.column(0)[0].as_py()
+        assert first > last  # in key order, each row once
+        last = batch.column(0)[-1].as_py()
+        seen += batch.num_rows
+        del batch
+    assert seen == runs * rows_per_batch
+    assert peak < 6 * bound < data_bytes / 2, (peak >> 20, data_bytes >> 20)
+    reader.expire()
+    client.close()
