@@ -675,3 +675,29 @@ def test_committed_tells_that_a_write_of_no_rows_landed(open_client):
     client.gc(shard)
     assert other.committed(empty, 0) in (True, None)  # never "certainly not"
     other.expire()
+
+
+def test_committed_is_never_false_for_a_landed_write_whose_history_gc_truncated(open_client):
+    """Guarantee 21's third answer: once compaction merged a landed write's batch away,
+    its writer expired and GC truncated every record that named it, ``committed`` says
+    None (cannot tell) or True, never False ("certainly not")."""
+    from persist_pipeline.ids import new_token
+
+    client = open_client(PersistConfig(rollup_threshold=2))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    landed = new_token()
+    writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1, idempotency_token=landed)
+    writer.expire()  # its record of the token leaves the state
+    other = client.open_writer(shard)
+    for t in range(1, 9):
+        other.compare_and_append([(b"b%d" % t, b"1", t, 1)], t, t + 1)
+    client.compact(shard)
+    for t in range(9, 17):
+        other.compare_and_append([], t, t + 1)
+    client.gc(shard)
+    client.gc(shard)
+    first = client.consensus.scan(str(shard), 0, limit=1)[0].seqno
+    assert first > 3, "GC truncated the records of the write and of its merge"
+    assert other.committed(landed, 0) in (True, None)
+    other.expire()
