@@ -287,7 +287,7 @@ class WriteHandle:
             Indeterminate: GC truncated the history that would tell.
         """
         return history.retry_landed(
-            [history.Attempt(self._machine, batch_id_of(token), expected)])
+            [history.Attempt(self._machine, batch_id_of(token), expected, token)])
 
     def _found_committed(self) -> WriteResult:
         """The result of a retry whose earlier attempt was found committed in history

@@ -701,3 +701,21 @@ def test_committed_is_never_false_for_a_landed_write_whose_history_gc_truncated(
     assert first > 3, "GC truncated the records of the write and of its merge"
     assert other.committed(landed, 0) in (True, None)
     other.expire()
+
+
+def test_a_retry_of_a_landed_write_of_no_rows_is_reported_committed(open_client):
+    """A write of no rows whose outcome its caller never learnt, retried with its token
+    after other writes moved the upper: it committed, so the retry reports it already
+    committed (as a write with rows is), not UpperMismatch ("certainly not")."""
+    from persist_pipeline.ids import new_token
+
+    client = open_client()
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    empty = new_token()
+    writer.compare_and_append([], 0, 1, idempotency_token=empty)  # its reply "lost"
+    writer.compare_and_append([(b"a", b"1", 1, 1)], 1, 2)  # the writer's record moves on
+    retry = writer.compare_and_append([], 0, 1, idempotency_token=empty)
+    assert retry.already_committed
+    assert writer.fetch_recent_upper() == 2
+    writer.expire()

@@ -47,11 +47,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Attempt:
     """One shard's batch of a write attempt: ``batch_id`` (None: the write held no rows,
-    so it left no batch) appended at ``lower`` (its expected upper)."""
+    so it left no batch) appended at ``lower`` (its expected upper); ``token``, when
+    known, also finds a write of no rows by its writer's record."""
 
     machine: Machine
     batch_id: str | None
     lower: int
+    token: str | None = None
 
 
 def token_reused(shard_id: str, batch_id: str | None, lower: int, upper: Frontier,
@@ -152,7 +154,8 @@ def retry_landed(attempts: Iterable[Attempt]) -> bool:
     for attempt in attempts:
         if attempt.batch_id is None:
             continue
-        found = batch_landed(attempt.machine, attempt.batch_id, attempt.lower)
+        found = batch_landed(attempt.machine, attempt.batch_id, attempt.lower,
+                             attempt.token)
         if found:
             return True
         if found is None and unknown is None:
