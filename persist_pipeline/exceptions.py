@@ -8,6 +8,8 @@ that gets one knows the shard is unchanged.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class PersistError(Exception):
     """Base class of every error raised by persist-pipeline."""
@@ -90,6 +92,11 @@ class UpperMismatch(PersistError):
         self.current = current
         self.shard = shard
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its fields, not from args (one message): the funnel gives each
+        # waiting append its own copy, and errors cross process boundaries pickled.
+        return (type(self), (self.expected, self.current, self.shard), self.__dict__)
+
 
 class ShardNotFound(PersistError, LookupError):
     """No shard with this id exists in the consensus store."""
@@ -125,6 +132,10 @@ class FencedOut(PersistError):
         super().__init__("critical reader fencing token mismatch")
         self.expected = expected
         self.current = current
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its fields (see UpperMismatch.__reduce__).
+        return (type(self), (self.expected, self.current), self.__dict__)
 
 
 # --- stored data that cannot be decoded ---------------------------------------------------
@@ -232,6 +243,11 @@ class DiffOverflow(PersistError, ArithmeticError):
         self.key, self.val, self.time, self.total, self.shard = key, val, time, total, shard
         where = f"shard {shard}: " if shard else ""
         super().__init__(f"{where}{self.what}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its fields (see UpperMismatch.__reduce__).
+        return (type(self), (self.key, self.val, self.time, self.total, self.shard),
+                self.__dict__)
 
     @property
     def what(self) -> str:
