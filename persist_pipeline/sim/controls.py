@@ -352,8 +352,10 @@ def contents_read_at_the_upper() -> Iterator[None]:
 @contextmanager
 def table_uppers_memoized() -> Iterator[None]:
     """Table loads and stores remember each generation's upper per client (saving a
-    round trip per generation): after another process's store, a load reads the time
-    before it and returns the table that store replaced."""
+    round trip per generation) and a load reads at the upper it remembers: after another
+    process's store, it reads the time before it and returns the table that store
+    replaced. (A latest load reads at its state's own upper, so remembering alone no
+    longer shows; reading at a remembered upper is the defect.)"""
     from persist_pipeline import tables
 
     seen: dict[tuple[int, str], int | None] = {}
@@ -365,7 +367,11 @@ def table_uppers_memoized() -> Iterator[None]:
             seen[key] = real(client, shard)
         return seen[key]
 
-    with _patched(tables, "_stored_upper", memoized):
+    def at_remembered(as_of: int, upper: int | None) -> int | str:
+        return as_of
+
+    with _patched(tables, "_stored_upper", memoized), \
+            _patched(tables, "_read_at", at_remembered):
         yield
 
 
