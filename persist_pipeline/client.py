@@ -16,7 +16,7 @@ from persist_pipeline.blob.base import Blob, stores_overlap
 from persist_pipeline.blob.cache import CachingBlob
 from persist_pipeline.blob.retry import RetryingBlob
 from persist_pipeline.compaction import compact_shard
-from persist_pipeline.config import InlinePolicy, PersistConfig
+from persist_pipeline.config import InlinePolicy, PersistConfig, shard_inline_max_bytes
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import Consensus
 from persist_pipeline.consensus.retry import RetryingConsensus
@@ -54,6 +54,13 @@ class ShardSummary:
     pending_merges: int
     inline_fallbacks: int
     walltime_ms: int
+    #: The shard's recorded inline max (None: not recorded, see ``inline_bound``).
+    inline_max_bytes: int | None = None
+
+    def inline_bound(self, configured_max_bytes: int) -> int:
+        """The bound this shard's inline bytes are judged by (checks, sensors, alerts):
+        see :func:`~persist_pipeline.config.shard_inline_max_bytes`."""
+        return shard_inline_max_bytes(self.inline_max_bytes, configured_max_bytes)
 
 
 #: The key the open-time probe reads (it never exists; reading it costs one GET).
@@ -371,6 +378,7 @@ class PersistClient:
     def inspect(self, shard: ShardLike) -> dict[str, Any]:
         """A JSON-ready description of a shard's state."""
         state = self._existing(shard).fetch_latest()
+        own_max = self.inline_policy.max_bytes
         parts = [p for b in state.batches.values() for p in b.parts]
         hollow = [p for p in parts if isinstance(p, HollowPart)]
         return {
@@ -387,7 +395,12 @@ class PersistClient:
                 "hollow_wal": sum(1 for p in hollow if p.store == "wal"),
             },
             "inline_bytes": state.inline_bytes,
-            "inline_max_bytes": self.inline_policy.max_bytes,
+            # The bound the shard's inline bytes are judged by (its recorded max; not
+            # recorded yet: this process's), the recorded one, and the one this
+            # process's writes go by (its own max, never beyond the recorded one).
+            "inline_max_bytes": shard_inline_max_bytes(state.inline_max_bytes, own_max),
+            "inline_max_bytes_recorded": state.inline_max_bytes,
+            "inline_max_bytes_effective": transitions.inline_write_bound(state, own_max),
             "hollow_bytes": sum(p.encoded_size for p in hollow),
             "inline_fallbacks": state.inline_fallbacks,
             # The age every process's GC and commit deadlines go by (None: not recorded
@@ -404,6 +417,24 @@ class PersistClient:
             "rollups": sorted(state.rollups),
             "schema": repr(ShardSchema.from_bytes(state.schema)) if state.schema else None,
         }
+
+    def set_inline_max_bytes(self, shard: ShardLike, max_bytes: int) -> int | None:
+        """Record ``max_bytes`` as the shard's ``persist_inline_update_max_bytes`` (one
+        compare-and-set); returns the max recorded before (None: none was). Every
+        process inlines up to the smaller of the recorded max and its own configured
+        one, so raising it lets only processes configured with more inline more.
+        Lowering it below the shard's inline bytes loses nothing: writes go to blob
+        until compaction has flushed the inline parts. 0 turns inlining off.
+
+        Raises:
+            InvalidInput: ``max_bytes`` is not an int in ``[0, 2**64)``; nothing changed.
+            ShardNotFound: the shard does not exist (nothing is created).
+        """
+        transitions.check_inline_max_bytes(max_bytes)
+        m = self._existing(shard)
+        previous, _ = m.apply(lambda s: transitions.set_inline_max_bytes(s, max_bytes,
+                                                                         m.now_ms()))
+        return previous
 
     def compact(self, shard: ShardLike) -> dict[str, Any]:
         """Run every pending merge and flush inline parts, in this process."""
@@ -432,7 +463,8 @@ class PersistClient:
             out[shard_id] = ShardSummary(
                 shard_id, head.seqno, state_codec.frontier_from_proto(s.upper),
                 state_codec.frontier_from_proto(s.since), s.inline_bytes, s.num_batches,
-                s.num_inline_parts, s.pending_merges, s.inline_fallbacks, s.walltime_ms)
+                s.num_inline_parts, s.pending_merges, s.inline_fallbacks, s.walltime_ms,
+                s.inline_max_bytes if s.HasField("inline_max_bytes") else None)
         return out
 
     @functools.cached_property

@@ -109,6 +109,15 @@ class InlinePolicy:
         )
 
 
+def shard_inline_max_bytes(recorded: int | None, configured: int) -> int:
+    """The bound a shard's inline bytes are judged by (the checks, sensors and alerts):
+    the max the shard recorded (no write leaves more inline than it), else, for a shard
+    an older build created and nothing has appended to since, the ``configured`` max of
+    the process judging. A process's own writes go by the smaller of its configured max
+    and the recorded one (``transitions.inline_write_bound``)."""
+    return configured if recorded is None else recorded
+
+
 #: The policy of a config built without one (identity tells "not given" from an explicit
 #: ``InlinePolicy()``, so a client may take the policy from elsewhere).
 _UNSET_INLINE_POLICY = InlinePolicy()

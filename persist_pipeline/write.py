@@ -707,6 +707,9 @@ class WriteHandle:
         transaction holding it) runs against the shard's latest state."""
         machine = self._machine
         policy = self.policy
+        # A process with inlining off records no max on a shard that has none (its
+        # max bounds none of its own writes).
+        records = policy.threshold_bytes > 0
         lease = self._lease_ms()
         deadline_from = staged.upload_started_s
 
@@ -715,7 +718,7 @@ class WriteHandle:
                 state, staged.batch, writer_id=self.writer_id, token=staged.token,
                 expected_upper=staged.expected, new_upper=staged.upper,
                 now_ms=machine.now_ms(), lease_ms=lease, inline_max_bytes=policy.max_bytes,
-                fell_back=staged.fell_back,
+                fell_back=staged.fell_back, records_inline_max=records,
                 commit_deadline=None if deadline_from is None
                 else machine.commit_deadline(deadline_from),
                 encoded_with=staged.encoding.recorded, record=staged.encoding.record,

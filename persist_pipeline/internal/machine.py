@@ -212,7 +212,13 @@ class Machine:
 
     def _create(self) -> None:
         empty = State(shard_id=self.shard_id)
-        first = transitions.create(empty, self.now_ms(), self.orphan_min_age_ms)
+        # The creator's inline max becomes the shard's: every process then inlines only
+        # up to it (and its own), whatever each one is configured with. A creator with
+        # inlining off records none: its max bounds no write of its own (a reader or a
+        # blob-only writer creating a shard must not turn inlining off for everyone).
+        policy = self.config.inline_policy
+        first = transitions.create(empty, self.now_ms(), self.orphan_min_age_ms,
+                                   policy.max_bytes if policy.threshold_bytes else None)
         first = replace(first, seqno=1)
         data = VersionedData(1, state_codec.encode_diff(empty, first),
                              state_codec.encode_summary(first))

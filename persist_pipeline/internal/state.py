@@ -246,6 +246,10 @@ class State:
         orphan_sweep_ms: when GC's orphan sweep last fenced commits (see :mod:`gc`).
         orphan_min_age_ms: the shard's orphan age (0: not recorded yet), the one every
             process's GC and commit deadlines go by (see :mod:`gc`).
+        inline_max_bytes: the shard's ``persist_inline_update_max_bytes`` (None: not
+            recorded, as in states written before it was; 0: no inlining). Every
+            process inlines up to the smaller of it and its own configured max (see
+            :func:`~persist_pipeline.internal.transitions.inline_write_bound`).
         batches: by batch id.
         spine: Spine entries by their lower.
         schema: a typed shard's encoded :class:`~persist_pipeline.schema.ShardSchema`
@@ -262,6 +266,7 @@ class State:
     inline_fallbacks: int = 0
     orphan_sweep_ms: int = 0
     orphan_min_age_ms: int = 0
+    inline_max_bytes: int | None = None
     batches: Mapping[str, Batch] = field(default_factory=dict)
     spine: Mapping[int, SpineEntry] = field(default_factory=dict)
     leased_readers: Mapping[str, LeasedReader] = field(default_factory=dict)

@@ -217,6 +217,8 @@ def _scalars_to(s: State, out: pb.Scalars) -> None:
         out.since.SetInParent()
     out.inline_bytes, out.inline_fallbacks = s.inline_bytes, s.inline_fallbacks
     out.orphan_sweep_ms, out.orphan_min_age_ms = s.orphan_sweep_ms, s.orphan_min_age_ms
+    if s.inline_max_bytes is not None:  # absent: not recorded (0 is a recorded value)
+        out.inline_max_bytes = s.inline_max_bytes
 
 
 def _scalars_from(p: pb.Scalars) -> dict[str, Any]:
@@ -229,6 +231,7 @@ def _scalars_from(p: pb.Scalars) -> dict[str, Any]:
         "inline_fallbacks": p.inline_fallbacks,
         "orphan_sweep_ms": p.orphan_sweep_ms,
         "orphan_min_age_ms": p.orphan_min_age_ms,
+        "inline_max_bytes": p.inline_max_bytes if p.HasField("inline_max_bytes") else None,
     }
 
 
@@ -485,6 +488,8 @@ def encode_summary(state: State) -> bytes:
     msg.pending_merges = pending
     msg.walltime_ms = state.walltime_ms
     msg.inline_fallbacks = state.inline_fallbacks
+    if state.inline_max_bytes is not None:
+        msg.inline_max_bytes = state.inline_max_bytes
     if state.rollups:
         latest = state.rollups[max(state.rollups)]  # State.latest_rollup()
         msg.latest_rollup_seqno = latest.seqno

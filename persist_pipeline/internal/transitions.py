@@ -117,11 +117,58 @@ def _with_since(state: State, **changes: object) -> State:
     return new if since == new.since else replace(new, since=since)
 
 
-def create(state: State, now_ms: int, orphan_min_age_ms: int) -> State:
+#: The largest inline max a state can record (the field is a uint64).
+MAX_INLINE_MAX_BYTES = (1 << 64) - 1
+
+
+def create(state: State, now_ms: int, orphan_min_age_ms: int,
+           inline_max_bytes: int | None = None) -> State:
     """The first state of a new shard (seqno 1): empty, ``since = upper = 0``, with the
-    creating process's orphan age recorded as the shard's."""
+    creating process's orphan age and inline max recorded as the shard's (None records
+    no inline max, as a build before it was recorded did)."""
     return replace(state, walltime_ms=now_ms, created_ms=now_ms,
-                   orphan_min_age_ms=orphan_min_age_ms)
+                   orphan_min_age_ms=orphan_min_age_ms,
+                   inline_max_bytes=None if inline_max_bytes is None
+                   else min(inline_max_bytes, MAX_INLINE_MAX_BYTES))
+
+
+def inline_write_bound(state: State, own_max_bytes: int) -> int:
+    """The most inline bytes an append by a process configured with ``own_max_bytes``
+    may leave the shard holding: its own max, never more than the shard's recorded one.
+    Going by the recorded max keeps a process configured with a bigger max from pushing
+    the shard past the bound every other process, and the checks, go by; going by its
+    own too keeps a raised record from making a process inline beyond its config."""
+    recorded = state.inline_max_bytes
+    return own_max_bytes if recorded is None or recorded >= own_max_bytes else recorded
+
+
+def check_inline_max_bytes(value: object) -> int:
+    """``value`` as a shard's inline max.
+
+    Raises:
+        InvalidInput: not an int in ``[0, 2**64)`` (a bool is not one).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or \
+            not 0 <= value <= MAX_INLINE_MAX_BYTES:
+        raise InvalidInput(f"inline max_bytes must be a non-negative int below 2**64, "
+                           f"got {value!r:.80}")
+    return value
+
+
+def set_inline_max_bytes(state: State, max_bytes: int, now_ms: int
+                         ) -> tuple[State, int | None]:
+    """Record ``max_bytes`` as the shard's inline max; returns the one recorded before
+    (None: none was). Lowering it below the shard's inline bytes loses nothing: appends
+    stop inlining until compaction has flushed the inline parts below the new bound.
+
+    Raises:
+        InvalidInput: ``max_bytes`` is not a valid inline max (nothing changed).
+    """
+    check_inline_max_bytes(max_bytes)
+    previous = state.inline_max_bytes
+    if previous == max_bytes:
+        return state, previous
+    return replace(state, inline_max_bytes=max_bytes, walltime_ms=now_ms), previous
 
 
 def register_writer(
@@ -147,6 +194,7 @@ def compare_and_append(
     lease_ms: int,
     inline_max_bytes: int,
     fell_back: bool,
+    records_inline_max: bool = True,
     commit_deadline: CommitDeadline | None = None,
     encoded_with: bytes = b"",
     record: ShardSchema | None = None,
@@ -157,7 +205,12 @@ def compare_and_append(
     The writer's idempotency token makes a retried commit a no-op: if this writer's most
     recent committed write carried ``token`` and spanned ``[expected_upper, new_upper)``,
     the append is reported as already committed; at another ``expected_upper`` it is a
-    new write reusing the token (:class:`TokenReusedResult`). ``fell_back`` counts an
+    new write reusing the token (:class:`TokenReusedResult`). An inline batch is
+    refused (:class:`InlineBudgetExceeded`) if it would leave the shard with more
+    inline bytes than :func:`inline_write_bound` of ``inline_max_bytes`` (this
+    process's configured max) allows; on a shard without a recorded max, a committed
+    append records ``inline_max_bytes`` if ``records_inline_max`` (the process inlines
+    at all). ``fell_back`` counts an
     inline candidate that went to blob because the budget was full. Idempotency is
     checked before ``commit_deadline``: a write that committed is reported as such
     however late the retry. ``encoded_with``
@@ -208,7 +261,17 @@ def compare_and_append(
     if state.upper != expected_upper:
         return state, UpperMismatchResult(state.upper)
     inline = batch.inline_bytes if batch is not None else 0
-    if inline and state.inline_bytes + inline > inline_max_bytes:
+    # The shard's recorded max bounds every process (inline_write_bound, written out:
+    # this runs in every commit); a shard without one (recorded by an older build)
+    # records this process's with its first append.
+    recorded = state.inline_max_bytes
+    if recorded is None:
+        bound = inline_max_bytes
+        if records_inline_max:
+            recorded = min(inline_max_bytes, MAX_INLINE_MAX_BYTES)
+    else:
+        bound = recorded if recorded < inline_max_bytes else inline_max_bytes
+    if inline and state.inline_bytes + inline > bound:
         return state, InlineBudgetExceeded(state.inline_bytes)
     writers = dict(state.writers)
     # Every field of Writer is named here (cheaper than dataclasses.replace on the
@@ -227,11 +290,12 @@ def compare_and_append(
         push_batch(spine, batch)
         new = base.evolve(upper=new_upper, writers=writers, walltime_ms=now_ms,
                           inline_fallbacks=fallbacks, batches=batches, spine=spine,
-                          inline_bytes=state.inline_bytes + inline)
+                          inline_bytes=state.inline_bytes + inline,
+                          inline_max_bytes=recorded)
         new.note_batch_added(state.batches, batches, batch.id)
         return new, APPENDED
     return base.evolve(upper=new_upper, writers=writers, walltime_ms=now_ms,
-                       inline_fallbacks=fallbacks), APPENDED
+                       inline_fallbacks=fallbacks, inline_max_bytes=recorded), APPENDED
 
 
 def record_schema(state: State, requested: ShardSchema, now_ms: int

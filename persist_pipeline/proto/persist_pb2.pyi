@@ -155,7 +155,7 @@ class Rollup(_message.Message):
     def __init__(self, seqno: _Optional[int] = ..., key: _Optional[str] = ..., encoded_size: _Optional[int] = ...) -> None: ...
 
 class Scalars(_message.Message):
-    __slots__ = ("walltime_ms", "upper", "since", "inline_bytes", "created_ms", "inline_fallbacks", "orphan_sweep_ms", "orphan_min_age_ms")
+    __slots__ = ("walltime_ms", "upper", "since", "inline_bytes", "created_ms", "inline_fallbacks", "orphan_sweep_ms", "orphan_min_age_ms", "inline_max_bytes")
     WALLTIME_MS_FIELD_NUMBER: _ClassVar[int]
     UPPER_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class Scalars(_message.Message):
     INLINE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     ORPHAN_SWEEP_MS_FIELD_NUMBER: _ClassVar[int]
     ORPHAN_MIN_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    INLINE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     walltime_ms: int
     upper: Frontier
     since: Frontier
@@ -172,7 +173,8 @@ class Scalars(_message.Message):
     inline_fallbacks: int
     orphan_sweep_ms: int
     orphan_min_age_ms: int
-    def __init__(self, walltime_ms: _Optional[int] = ..., upper: _Optional[_Union[Frontier, _Mapping]] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., inline_bytes: _Optional[int] = ..., created_ms: _Optional[int] = ..., inline_fallbacks: _Optional[int] = ..., orphan_sweep_ms: _Optional[int] = ..., orphan_min_age_ms: _Optional[int] = ...) -> None: ...
+    inline_max_bytes: int
+    def __init__(self, walltime_ms: _Optional[int] = ..., upper: _Optional[_Union[Frontier, _Mapping]] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., inline_bytes: _Optional[int] = ..., created_ms: _Optional[int] = ..., inline_fallbacks: _Optional[int] = ..., orphan_sweep_ms: _Optional[int] = ..., orphan_min_age_ms: _Optional[int] = ..., inline_max_bytes: _Optional[int] = ...) -> None: ...
 
 class State(_message.Message):
     __slots__ = ("format_version", "shard_id", "seqno", "scalars", "batches", "spine", "leased_readers", "critical_readers", "writers", "rollups", "schema")
@@ -239,7 +241,7 @@ class StateDiff(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., shard_id: _Optional[str] = ..., seqno: _Optional[int] = ..., scalars: _Optional[_Union[Scalars, _Mapping]] = ..., batch_upserts: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ..., batch_deletes: _Optional[_Iterable[str]] = ..., spine_upserts: _Optional[_Iterable[_Union[SpineEntry, _Mapping]]] = ..., spine_deletes: _Optional[_Iterable[int]] = ..., reader_upserts: _Optional[_Iterable[_Union[LeasedReader, _Mapping]]] = ..., reader_deletes: _Optional[_Iterable[str]] = ..., critical_upserts: _Optional[_Iterable[_Union[CriticalReader, _Mapping]]] = ..., critical_deletes: _Optional[_Iterable[str]] = ..., writer_upserts: _Optional[_Iterable[_Union[Writer, _Mapping]]] = ..., writer_deletes: _Optional[_Iterable[str]] = ..., rollup_upserts: _Optional[_Iterable[_Union[Rollup, _Mapping]]] = ..., rollup_deletes: _Optional[_Iterable[int]] = ..., schema: _Optional[bytes] = ...) -> None: ...
 
 class ShardSummary(_message.Message):
-    __slots__ = ("upper", "since", "inline_bytes", "num_batches", "num_inline_parts", "pending_merges", "walltime_ms", "latest_rollup_seqno", "inline_fallbacks", "latest_rollup_key")
+    __slots__ = ("upper", "since", "inline_bytes", "num_batches", "num_inline_parts", "pending_merges", "walltime_ms", "latest_rollup_seqno", "inline_fallbacks", "latest_rollup_key", "inline_max_bytes")
     UPPER_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
     INLINE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +252,7 @@ class ShardSummary(_message.Message):
     LATEST_ROLLUP_SEQNO_FIELD_NUMBER: _ClassVar[int]
     INLINE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     LATEST_ROLLUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    INLINE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     upper: Frontier
     since: Frontier
     inline_bytes: int
@@ -260,4 +263,5 @@ class ShardSummary(_message.Message):
     latest_rollup_seqno: int
     inline_fallbacks: int
     latest_rollup_key: str
-    def __init__(self, upper: _Optional[_Union[Frontier, _Mapping]] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., inline_bytes: _Optional[int] = ..., num_batches: _Optional[int] = ..., num_inline_parts: _Optional[int] = ..., pending_merges: _Optional[int] = ..., walltime_ms: _Optional[int] = ..., latest_rollup_seqno: _Optional[int] = ..., inline_fallbacks: _Optional[int] = ..., latest_rollup_key: _Optional[str] = ...) -> None: ...
+    inline_max_bytes: int
+    def __init__(self, upper: _Optional[_Union[Frontier, _Mapping]] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., inline_bytes: _Optional[int] = ..., num_batches: _Optional[int] = ..., num_inline_parts: _Optional[int] = ..., pending_merges: _Optional[int] = ..., walltime_ms: _Optional[int] = ..., latest_rollup_seqno: _Optional[int] = ..., inline_fallbacks: _Optional[int] = ..., latest_rollup_key: _Optional[str] = ..., inline_max_bytes: _Optional[int] = ...) -> None: ...
