@@ -150,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("shard")
     s = sub.add_parser("gc", help="delete unreferenced blobs and truncate consensus")
     s.add_argument("shard")
+    s = sub.add_parser("set-inline-max", help="record the shard's "
+                       "persist_inline_update_max_bytes (every process inlines up to the "
+                       "smaller of it and its own; 0: no inlining)")
+    s.add_argument("shard")
+    s.add_argument("max_bytes", metavar="BYTES", help="a non-negative number of bytes")
     s = sub.add_parser("nemesis", help="kill processes and inject faults while checking that "
                        "nothing acknowledged is lost (a fresh shard on the given location)")
     s.add_argument("--seconds", type=float, default=60.0)
@@ -197,6 +202,7 @@ EXAMPLES: dict[str, list[str]] = {
     "plan": ["plan sales/orders", "plan sales/orders --as-of 9"],
     "compact": ["compact sales/orders"],
     "gc": ["gc sales/orders"],
+    "set-inline-max": ["set-inline-max sales/orders 1048576", "set-inline-max sales/orders 0"],
     "nemesis": ["nemesis --seconds 60", "nemesis --seconds 600 --writers 4 --seed 7"],
     "simulate": ["simulate --seeds 200", "simulate --seeds 1 --seed 27 --profile writes"],
 }
@@ -379,6 +385,11 @@ def run(args: argparse.Namespace) -> int:
             _print_json(client.compact(shard))
         elif args.command == "gc":
             _print_json(client.gc(shard))
+        elif args.command == "set-inline-max":
+            value = _int_or_text(args.max_bytes)
+            previous = client.set_inline_max_bytes(shard, value)  # type: ignore[arg-type]
+            _print_json({"shard_id": str(shard), "inline_max_bytes": value,
+                         "previous": previous})
     return 0
 
 
@@ -389,7 +400,15 @@ _READ_ONLY = frozenset({"shards", "names", "inspect", "snapshot", "plan"})
 
 #: Commands that need an existing shard (without --create): at a location without a
 #: store they cannot succeed, so they create nothing there either.
-_NEED_A_SHARD = frozenset({"compact", "gc"})
+_NEED_A_SHARD = frozenset({"compact", "gc", "set-inline-max"})
+
+
+def _int_or_text(text: str) -> int | str:
+    """``text`` as an int if it is one (the library refuses anything else, typed)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def _open(args: argparse.Namespace) -> PersistClient:

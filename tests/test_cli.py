@@ -71,6 +71,27 @@ def test_append_inspect_snapshot_compact_gc(env, tmp_path):
     assert shards[shard]["upper"] == 4
 
 
+def test_set_inline_max_records_the_shards_bound(env, tmp_path):
+    shard = cli(env, "new-shard").stdout.strip()
+    recorded = json.loads(cli(env, "inspect", shard).stdout)["inline_max_bytes_recorded"]
+    out = cli(env, "set-inline-max", shard, "0")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"shard_id": shard, "inline_max_bytes": 0,
+                                      "previous": recorded}
+    csv = tmp_path / "u.csv"
+    csv.write_text("k,v,t,d\nalice,signup,0,1\n")
+    out = cli(env, "append", shard, str(csv))
+    assert json.loads(out.stdout)["placement"] == "blob"  # the shard inlines nothing now
+    info = json.loads(cli(env, "inspect", shard).stdout)
+    assert (info["inline_max_bytes_recorded"], info["inline_max_bytes_effective"]) == (0, 0)
+    for bad in ("-1", "ten", "1.5"):
+        out = cli(env, "set-inline-max", shard, bad)
+        assert out.returncode == 2 and "max_bytes" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    after = json.loads(cli(env, "inspect", shard).stdout)
+    assert (after["seqno"], after["inline_max_bytes_recorded"]) == (info["seqno"], 0)
+
+
 def test_errors_are_one_line_without_traceback(env, tmp_path):
     shard = cli(env, "new-shard").stdout.strip()
     bad = tmp_path / "bad.csv"
@@ -278,7 +299,8 @@ _ROWS = Path(__file__).parent / "fixtures" / "cli_rows.jsonl"
 #: Commands that only read, or need an existing shard (append without --create).
 READ_ONLY = [["shards"], ["names"], ["resolve", "orders"], ["inspect", "orders"],
              ["snapshot", "orders", "--as-of", "0"], ["plan", "orders"],
-             ["compact", "orders"], ["gc", "orders"], ["append", "orders", str(_ROWS)]]
+             ["compact", "orders"], ["gc", "orders"], ["append", "orders", str(_ROWS)],
+             ["set-inline-max", "orders", "100"]]
 
 
 @pytest.mark.parametrize("command", READ_ONLY, ids=lambda c: c[0])
