@@ -44,8 +44,13 @@ class AlertInputs:
 
     shards: Sequence[ShardConfig]
     summaries: Mapping[str, ShardSummary]
+    #: The ``inline_policy`` resource's max: a shard is judged by the one it recorded
+    #: (:meth:`shard_max_bytes`), this only for a shard that recorded none.
     inline_max_bytes: int
     now_ms: int
+
+    def shard_max_bytes(self, summary: ShardSummary) -> int:
+        return summary.inline_bound(self.inline_max_bytes)
 
 
 #: A rule maps (inputs, its state from the previous tick) to (alerts, its new state).
@@ -57,11 +62,14 @@ def over_limit_rule(high_water_fraction: float, over_for_s: int) -> AlertRule:
     episode."""
 
     def rule(inputs: AlertInputs, state: dict[str, Any]) -> tuple[list[Alert], dict[str, Any]]:
-        high_water = max(1, int(inputs.inline_max_bytes * high_water_fraction))
         alerts, new = [], {}
         for shard in inputs.shards:
             summary = inputs.summaries.get(shard.shard_id)
-            if summary is None or summary.inline_bytes < high_water:
+            if summary is None:
+                continue
+            limit = inputs.shard_max_bytes(summary)
+            high_water = max(1, int(limit * high_water_fraction))
+            if summary.inline_bytes < high_water:
                 continue
             entry = state.get(shard.shard_id) or {"since_ms": inputs.now_ms, "alerted": False}
             over_s = (inputs.now_ms - entry["since_ms"]) / 1000
@@ -71,7 +79,7 @@ def over_limit_rule(high_water_fraction: float, over_for_s: int) -> AlertRule:
                     kind="inline_over_limit",
                     title=f"shard {shard.name}: {summary.inline_bytes} inline bytes, above its "
                           f"limit of {high_water} for {over_s:.0f} s",
-                    details=f"persist_inline_update_max_bytes is {inputs.inline_max_bytes}; "
+                    details=f"the shard's persist_inline_update_max_bytes is {limit}; "
                             f"{summary.pending_merges} pending merge(s). Compaction has not "
                             "brought it down: check the compaction runs.",
                     asset_keys=(shard_key(shard.name),),
@@ -130,7 +138,8 @@ def fallthrough_rule() -> AlertRule:
                     kind="inline_fallthrough",
                     title=f"shard {shard.name}: {delta} write(s) fell through to blob storage "
                           "(inline budget exhausted)",
-                    details=f"{summary.inline_bytes} of {inputs.inline_max_bytes} inline bytes "
+                    details=f"{summary.inline_bytes} of {inputs.shard_max_bytes(summary)} "
+                            "inline bytes "
                             "used; each such write costs an object-store PUT. Compaction "
                             "frees the budget.",
                     asset_keys=(shard_key(shard.name),),

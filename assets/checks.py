@@ -1,7 +1,8 @@
 """Asset checks on the shards (``ingest/NAME``).
 
-- ``inline_bytes_within_max``: the shard's inline bytes are within
-  ``persist_inline_update_max_bytes`` (guarantee 4; ERROR if not).
+- ``inline_bytes_within_max``: the shard's inline bytes are within the
+  ``persist_inline_update_max_bytes`` the shard recorded (guarantee 4; ERROR if not);
+  the ``inline_policy`` resource's for a shard that recorded none yet.
 - ``upper_advanced_recently``: freshness: the shard's upper was advanced by an ingestion
   write within the shard's ``freshness_max_age_s`` (WARN if not; a shard never written
   passes, saying so). The ingestion assets also carry a Dagster ``FreshnessPolicy`` with
@@ -43,10 +44,12 @@ def build_shard_checks(shards: tuple[ShardConfig, ...]) -> list[dg.AssetChecksDe
                                 inline_policy: InlinePolicyResource
                                 ) -> Iterator[dg.AssetCheckResult]:
         summaries = persist.client().shard_summaries()
-        limit = inline_policy.max_bytes
         for check_key in context.selected_asset_check_keys:
             shard = by_key[check_key.asset_key]
             summary = summaries.get(shard.shard_id)
+            # The shard's own bound: writers configured otherwise than this resource
+            # keep within it, so it is the one inline bytes are judged by.
+            limit = inline_policy.shard_max_bytes(summary)
             inline = summary.inline_bytes if summary else 0
             yield dg.AssetCheckResult(
                 asset_key=check_key.asset_key, check_name=INLINE_CHECK,

@@ -1,10 +1,11 @@
 """The sensor that starts compaction when inline bytes cross the high-water mark.
 
 ``inline_pressure_sensor``: finds the shards whose inline bytes reached the high-water
-mark (``high_water_fraction`` of ``persist_inline_update_max_bytes``, read from the
-``inline_policy`` resource) or whose writes started falling through to blob storage
-while it holds inline data (with none, compaction frees no budget), and requests ONE
-compaction run for them, with a run key per crossing. While that run has not finished,
+mark (``high_water_fraction`` of the ``persist_inline_update_max_bytes`` the shard
+recorded; the ``inline_policy`` resource's for a shard that recorded none) or whose
+writes started falling through to blob storage while it holds inline data (with none,
+compaction frees no budget), and requests ONE compaction run for them, with a run key
+per crossing. While that run has not finished,
 the shard is not requested again; a shard that is still (or again) over the mark after
 its run succeeded is a new crossing (after a failed run, the sensor waits
 ``retry_after_s`` before asking again).
@@ -83,7 +84,6 @@ def build_inline_pressure_sensor(shards: Sequence[ShardConfig], *,
         fallbacks: dict[str, int] = {
             k: v for k, v in cursor.get("fallbacks", {}).items() if k in by_id}
         summaries = persist.client().shard_summaries()
-        high_water = inline_policy.high_water_bytes(high_water_fraction)
         now = now_ms()
         crossing: list[tuple[ShardConfig, ShardSummary]] = []
         for shard_id, shard in by_id.items():
@@ -98,6 +98,7 @@ def build_inline_pressure_sensor(shards: Sequence[ShardConfig], *,
             # inline (no budget at all, or a write larger than it) a run would change
             # nothing, and the next fall-through would ask again, forever.
             fell_through = summary.inline_fallbacks > previous and summary.inline_bytes > 0
+            high_water = inline_policy.high_water_bytes(high_water_fraction, summary)
             hot = summary.inline_bytes >= high_water or fell_through
             if not hot:
                 episodes.pop(shard_id, None)
@@ -136,7 +137,8 @@ def build_inline_pressure_sensor(shards: Sequence[ShardConfig], *,
         if not crossing:
             waiting = sorted(by_id[s].name for s in episodes)
             reason = (f"compaction already requested for {', '.join(waiting)}" if waiting
-                      else f"no shard at {high_water} inline bytes or falling through")
+                      else f"no shard at {high_water_fraction:.0%} of its inline max or "
+                           "falling through")
             return dg.SensorResult(skip_reason=reason, cursor=new_cursor)
         return dg.SensorResult(run_requests=[request], cursor=new_cursor)
 

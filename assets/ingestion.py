@@ -211,7 +211,9 @@ def write_metadata(client: PersistClient, shard: ShardConfig, result: WriteResul
     inline_bytes = summary.inline_bytes if summary is not None else 0
     return {
         INLINE_BYTES: inline_bytes,
-        INLINE_LIMIT: client.inline_policy.max_bytes,
+        # The shard's recorded max, the one its inline bytes keep within.
+        INLINE_LIMIT: summary.inline_bound(client.inline_policy.max_bytes)
+        if summary is not None else client.inline_policy.max_bytes,
         PLACEMENT: result.placement,
         WRITE_BYTES: result.encoded_bytes,
         INLINE_SIZE: result.inline_size,

@@ -35,7 +35,8 @@ HEALTH_SCHEMA = pa.schema([
     _field("upper", pa.int64(), "write frontier (null: closed or never written)", True),
     _field("since", pa.int64(), "read frontier (null: closed or never written)", True),
     _field("inline_bytes", pa.int64(), "bytes inlined in consensus"),
-    _field("inline_fill", pa.float64(), "inline_bytes / persist_inline_update_max_bytes"),
+    _field("inline_fill", pa.float64(),
+           "inline_bytes / the shard's recorded persist_inline_update_max_bytes"),
     _field("batches", pa.int32(), "batches in the shard's trace"),
     _field("pending_merges", pa.int32(), "merge requests waiting for compaction"),
     _field("inline_fallbacks", pa.int64(),
@@ -55,10 +56,10 @@ def build_report_asset(shards: Sequence[ShardConfig]) -> dg.AssetsDefinition:
     def shard_health(persist: PersistResource, inline_policy: InlinePolicyResource
                      ) -> pa.Table:
         summaries = persist.client().shard_summaries()
-        limit = inline_policy.max_bytes
         rows = []
         for shard in shards:
             s = summaries.get(shard.shard_id)
+            limit = inline_policy.shard_max_bytes(s)  # the shard's recorded max
             inline = s.inline_bytes if s else 0
             rows.append({
                 "shard": shard.name, "shard_id": shard.shard_id,

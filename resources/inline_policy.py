@@ -3,7 +3,9 @@ inline writes).
 
 Ingestion hands :meth:`InlinePolicyResource.policy` to the library, which decides each
 write's placement with it (and re-checks the budget inside the state transition); the
-inline pressure sensor and the checks read the same ``max_bytes`` from here.
+inline pressure sensor, the checks and the alerts read the same ``max_bytes`` from here,
+but judge each shard by the max it recorded (:meth:`InlinePolicyResource.shard_max_bytes`):
+every process's writes keep within that one, whatever each is configured with.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Literal
 import dagster as dg
 from pydantic import Field
 
-from persist_pipeline import InlinePolicy
+from persist_pipeline import InlinePolicy, ShardSummary
 from persist_pipeline.config import INLINE_UPDATE_MAX_BYTES, INLINE_UPDATE_THRESHOLD_BYTES
 
 
@@ -42,6 +44,12 @@ class InlinePolicyResource(dg.ConfigurableResource):
         """Where a write of ``encoded_bytes`` would go given a shard's inline total."""
         return self.policy().decide(encoded_bytes, current_inline_bytes)
 
-    def high_water_bytes(self, fraction: float) -> int:
-        """The inline total at which a shard counts as under pressure (at least 1 byte)."""
-        return max(1, int(self.max_bytes * fraction))
+    def shard_max_bytes(self, summary: ShardSummary | None) -> int:
+        """The inline max a shard is judged by: the one it recorded (set when it was
+        created, changed by ``set_inline_max_bytes``), else this resource's."""
+        return summary.inline_bound(self.max_bytes) if summary is not None else self.max_bytes
+
+    def high_water_bytes(self, fraction: float, summary: ShardSummary | None = None) -> int:
+        """The inline total at which a shard counts as under pressure (at least 1 byte):
+        ``fraction`` of the shard's max (:meth:`shard_max_bytes`)."""
+        return max(1, int(self.shard_max_bytes(summary) * fraction))

@@ -377,7 +377,9 @@ class PersistIOManager(dg.ConfigurableIOManager):
         # flushed only as the shard's inline budget fills (small writes stay one SQL
         # round trip, without a synchronous flush after each).
         merging = any(entry["batches"] > 1 for entry in state["spine"])
-        if merging or state["inline_bytes"] * 2 >= max(1, state["inline_max_bytes"]):
+        # This process's writes fall through at its effective max (its own, never beyond
+        # the shard's recorded one): compact at half of it.
+        if merging or state["inline_bytes"] * 2 >= max(1, state["inline_max_bytes_effective"]):
             metrics = client.compact(shard)
             out["persist/merges_applied"] = metrics["applied"]
         if out["persist/merges_applied"] or (upper is not None and upper % self.gc_every == 0):
