@@ -84,6 +84,10 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # than a writer sweeps the part that writer, paused within its own deadline, then
     # commits (20 of the clocks profile, whose processes draw their ages)
     "orphan_age_per_process": (r"missing blob|PartMissing|CorruptPart", 40, "clocks"),
+    # processes inline up to their own max, not the shard's recorded one: a writer
+    # configured with a bigger max pushes the shard's inline bytes past the recorded
+    # bound (3 of the inline profile, whose processes draw their maxima)
+    "inline_max_per_process": (r"exceed the shard's bound", 20, "inline"),
     # an untyped Spark write commits into a shard typed mid-job (5)
     "spark_commit_rederives_schema": (r"does not read|corrupt typed", 40, "seams"),
     # an old writer re-decodes rows written after an evolution (74)

@@ -261,17 +261,13 @@ def compare_and_append(
     if state.upper != expected_upper:
         return state, UpperMismatchResult(state.upper)
     inline = batch.inline_bytes if batch is not None else 0
-    # The shard's recorded max bounds every process (inline_write_bound, written out:
-    # this runs in every commit); a shard without one (recorded by an older build)
-    # records this process's with its first append.
+    # The shard's recorded max bounds every process's inline appends; a shard without
+    # one (created by an older build, or by a process with inlining off) records this
+    # process's with its first append.
     recorded = state.inline_max_bytes
-    if recorded is None:
-        bound = inline_max_bytes
-        if records_inline_max:
-            recorded = min(inline_max_bytes, MAX_INLINE_MAX_BYTES)
-    else:
-        bound = recorded if recorded < inline_max_bytes else inline_max_bytes
-    if inline and state.inline_bytes + inline > bound:
+    if recorded is None and records_inline_max:
+        recorded = min(inline_max_bytes, MAX_INLINE_MAX_BYTES)
+    if inline and state.inline_bytes + inline > inline_write_bound(state, inline_max_bytes):
         return state, InlineBudgetExceeded(state.inline_bytes)
     writers = dict(state.writers)
     # Every field of Writer is named here (cheaper than dataclasses.replace on the

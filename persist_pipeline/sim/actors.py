@@ -398,8 +398,22 @@ def opener(run: SimRun, proc: Process) -> None:
     _loop(run, "opening a shard", lambda: run.client(proc).inspect(run.shard), scale=2.0)
 
 
+#: The inline maxima a limiter records for the shard: below what the shard holds as
+#: often as above it, and 0 (no inlining).
+LIMITS = (0, 600, 3000, 12000)
+
+
+def limiter(run: SimRun, proc: Process) -> None:
+    """An operator changing the shard's recorded inline max while writers configured
+    with other maxima append and compaction flushes (``set_inline_max_bytes``)."""
+    client = run.client(proc)
+    _loop(run, "set_inline_max_bytes",
+          lambda: client.set_inline_max_bytes(run.shard, run.rng.choice(LIMITS)), scale=6.0)
+
+
 ROLES: dict[str, Callable[[SimRun, Process], None]] = {
     "opener": opener,
+    "limiter": limiter,
     "writer": writer,
     "appender": appender,
     "reader": reader,

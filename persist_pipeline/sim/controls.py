@@ -175,6 +175,15 @@ def orphan_age_per_process() -> Iterator[None]:
 
 
 @contextmanager
+def inline_max_per_process() -> Iterator[None]:
+    """Every process inlines up to its own ``persist_inline_update_max_bytes`` instead of
+    the shard's recorded one: a process configured with a bigger max pushes the shard's
+    inline bytes past the bound the others, and the checks, go by."""
+    with _patched(transitions, "inline_write_bound", lambda state, own_max_bytes: own_max_bytes):
+        yield
+
+
+@contextmanager
 def deadline_refusal_deletes_parts() -> Iterator[None]:
     """A commit of uploaded parts refused for its deadline deletes them, though another
     commit of the same parts with the token, computed in time, may still land."""
@@ -466,6 +475,7 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "expired_read_reports_corruption": expired_read_reports_corruption,
     "gc_sweeps_on_its_own_clock": gc_sweeps_on_its_own_clock,
     "orphan_age_per_process": orphan_age_per_process,
+    "inline_max_per_process": inline_max_per_process,
     "deadline_refusal_deletes_parts": deadline_refusal_deletes_parts,
     "spark_commit_rederives_schema": spark_commit_rederives_schema,
     "upsert_decodes_with_writer_schema": upsert_decodes_with_writer_schema,

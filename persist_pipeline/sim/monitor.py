@@ -36,6 +36,9 @@ class Monitor:
     def __init__(self, shard: str, policy: InlinePolicy, violations: list[str]) -> None:
         self.shard = shard
         self.policy = policy
+        #: The bound of a shard without a recorded inline max: the largest max any
+        #: process is configured with.
+        self.unrecorded_max_bytes = policy.max_bytes
         self.violations = violations
         self.versions: dict[int, State] = {}
         self.head = State(shard_id=shard)
@@ -90,9 +93,15 @@ class Monitor:
         total = sum(p.encoded_size for p in inline)
         if total != new.inline_bytes:
             self.violation(f"{where}: inline_bytes {new.inline_bytes} but parts hold {total}")
-        if total > self.policy.max_bytes:
-            self.violation(f"{where}: {total} inline bytes exceed the bound "
-                           f"{self.policy.max_bytes}")
+        # The bound is the shard's recorded max (the largest any process is configured
+        # with while none is recorded). Above it only after it was lowered: then inline
+        # bytes may stay there until compaction flushes them, but never grow.
+        bound = new.inline_max_bytes
+        if bound is None:
+            bound = self.unrecorded_max_bytes
+        if total > bound and total > prev.inline_bytes:
+            self.violation(f"{where}: {total} inline bytes exceed the shard's bound "
+                           f"{bound} (and grew from {prev.inline_bytes})")
         for part in inline:
             if part.encoded_size >= max(1, self.policy.threshold_bytes):
                 self.violation(f"{where}: inline part of {part.encoded_size} bytes is not below "
@@ -168,6 +177,8 @@ class Monitors:
 
     def __init__(self, policy: InlinePolicy, violations: list[str]) -> None:
         self.policy = policy
+        #: The largest inline max any process is configured with (see Monitor).
+        self.unrecorded_max_bytes = policy.max_bytes
         self.violations = violations
         self.by_shard: dict[str, Monitor] = {}
         self.stores: dict[str, SimBlob] = {}
@@ -176,6 +187,7 @@ class Monitors:
         monitor = self.by_shard.get(shard)
         if monitor is None:
             monitor = Monitor(shard, self.policy, self.violations)
+            monitor.unrecorded_max_bytes = self.unrecorded_max_bytes
             monitor.stores = self.stores
             self.by_shard[shard] = monitor
         return monitor

@@ -78,6 +78,9 @@ class Profile:
     #: config for all): GCs and writers configured with different ages, a shorter one
     #: than the shard's among them.
     orphan_age_choices_s: tuple[float, ...] = ()
+    #: Each process's own ``persist_inline_update_max_bytes``, drawn from these (empty:
+    #: the seed's policy for all); the seed's policy then always inlines.
+    inline_max_choices: tuple[int, ...] = ()
 
 
 PROFILES: dict[str, Profile] = {
@@ -133,11 +136,23 @@ PROFILES: dict[str, Profile] = {
                         "listener": (2, 3), "controller": (0, 1), "compactor": (0, 1),
                         "gc": (0, 1)},
                        nemesis=Nemesis(outage=0.01), listen_lag=0.5),
+    # Processes configured with different inline maxima writing one shard while a
+    # limiter lowers (below what the shard holds, or to 0) and raises its recorded max
+    # and compaction flushes: no append leaves more inline bytes than the recorded max.
+    "inline": Profile({"writer": (2, 3), "appender": (0, 1), "limiter": (0, 1),
+                       "compactor": (0, 1), "gc": (0, 1)},
+                      inline_max_choices=(600, 3000, 12000)),
 }
+
+#: The profiles seeds take in turn (``profile_for``). A profile added later is left out
+#: (run it with ``--profile``): adding one would move every seed to another profile,
+#: and the negative controls are checked at the seeds that catch them now.
+ROTATION = ("mixed", "listen", "reads", "writes", "typed", "seams", "clocks",
+            "transactions", "outages")
 
 
 def profile_for(seed: int) -> str:
-    return list(PROFILES)[seed % len(PROFILES)]
+    return ROTATION[seed % len(ROTATION)]
 
 #: Scheduler steps after the workload stops, for calls in flight to finish.
 DRAIN_STEPS = 20_000
@@ -180,13 +195,16 @@ class SimRun:
         self.scheduler = Scheduler(self.rng, nemesis or self.profile.nemesis or Nemesis())
         self.clock = SimClock(self.scheduler)
         self.violations: list[str] = []
-        self.policy = INLINE_SETTINGS[seed % len(INLINE_SETTINGS)]
+        self.policy = INLINE_SETTINGS[0 if self.profile.inline_max_choices
+                                      else seed % len(INLINE_SETTINGS)]
         # Without a part cache every read goes to the store (and meets every delete).
         caches = (0, 1 << 16) if self.profile.part_cache else (0,)
         self.config = sim_config(self.policy, self.rng.choice(caches))
         self.shard = ""
         self.critical_id = ""
         self.monitors = Monitors(self.policy, self.violations)
+        self.monitors.unrecorded_max_bytes = max((self.policy.max_bytes,
+                                                  *self.profile.inline_max_choices))
         self.model = Model(self.violations)
         # Clock skew, a fault of its own: in these seeds every process (and each blob
         # store) has a wall clock off by up to well past half the orphan sweep's age.
@@ -209,8 +227,10 @@ class SimRun:
         self.heartbeat_interval_s = self.rng.choice(self.profile.heartbeat_choices_s)
         self._processes = 0
         self._orphan_ages: dict[str, float] = {}
+        self._inline_maxima: dict[str, int] = {}
         # Drawn apart from the seed's other choices, which stay as they were.
         self._age_rng = random.Random(seed + 0x5EED_A6E)
+        self._inline_rng = random.Random(seed + 0x1_11E)
 
     # --- for the actors ------------------------------------------------------------------
 
@@ -230,9 +250,17 @@ class SimRun:
                              SimClock(self.scheduler, proc))
 
     def config_of(self, proc: Process) -> PersistConfig:
-        """Process ``proc``'s config: the seed's, with its own orphan age if it drew one."""
+        """Process ``proc``'s config: the seed's, with its own orphan age and inline max
+        if it drew them."""
+        config = self.config
         age = self._orphan_ages.get(proc.name)
-        return self.config if age is None else replace(self.config, gc_orphan_min_age_s=age)
+        if age is not None:
+            config = replace(config, gc_orphan_min_age_s=age)
+        most = self._inline_maxima.get(proc.name)
+        if most is not None:
+            config = replace(config, inline_policy=replace(config.inline_policy,
+                                                           max_bytes=most))
+        return config
 
     @property
     def longest_orphan_age_s(self) -> float:
@@ -284,6 +312,8 @@ class SimRun:
         """A process with its own clocks (skewed in skewed seeds)."""
         if self.profile.orphan_age_choices_s:
             self._orphan_ages[name] = self._age_rng.choice(self.profile.orphan_age_choices_s)
+        if self.profile.inline_max_choices:
+            self._inline_maxima[name] = self._inline_rng.choice(self.profile.inline_max_choices)
         return Process(name, wall_skew_s=self._skew(),
                        mono_origin_s=self.rng.uniform(0.0, 1e6))
 
