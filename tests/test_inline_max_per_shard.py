@@ -233,3 +233,27 @@ def test_a_process_with_inlining_off_records_no_max(durable_location: Location) 
     _check_all_there(on, shard, written)
     off.close()
     on.close()
+
+
+def test_transactions_keep_within_each_shards_recorded_max(durable_location: Location) -> None:
+    """A transaction's appends go by each shard's record too (a full shard's append
+    falls through to blob; the transaction still commits all or none)."""
+    small, big = durable_location.client(SMALL), durable_location.client(BIG)
+    tight, roomy = str(ShardId.new()), str(ShardId.new())
+    small.open_writer(tight).expire()
+    big.open_writer(roomy).expire()
+    written: dict[str, list[tuple]] = {tight: [], roomy: []}
+    for t in range(20):
+        updates = [(b"k%d" % t, b"x" * 200, t, 1)]
+        with big.transaction() as txn:
+            for shard in (tight, roomy):
+                txn.compare_and_append(shard, updates, t, t + 1)
+        for shard in (tight, roomy):
+            written[shard] += updates
+    assert _max_inline(big, tight) <= SMALL.max_bytes
+    assert big.inspect(tight)["inline_fallbacks"] > 0
+    assert big.inspect(roomy)["inline_bytes"] > SMALL.max_bytes
+    for shard in (tight, roomy):
+        _check_all_there(big, shard, written[shard])
+    small.close()
+    big.close()
