@@ -17,7 +17,7 @@ help:
 	@echo "make ui         - the Dagster UI on the same instance (http://127.0.0.1:3000)"
 	@echo "make quickstart - the core library alone: writes, placement, compaction, snapshot"
 	@echo "make nemesis    - 10 minutes of killed processes and faults on PostgreSQL + S3"
-	@echo "make simulate   - the deterministic simulation, 2000 seeds (SIM_SEEDS=N to change)"
+	@echo "make simulate   - the deterministic simulation, 2000 seeds (SIM_SEEDS=N to change), then 200 of the inline profile"
 	@echo "make bench / bench-quick - benchmarks against the peers (report in results/bench)"
 	@echo "make browser    - install Debian's Chromium if missing (for the UI browser test)"
 	@echo "make test-pandas3 - the pandas-facing tests on pandas 3 (make test runs them too)"
@@ -47,6 +47,7 @@ nemesis: $(STAMP)
 
 simulate: $(STAMP)
 	$(PY) -m persist_pipeline simulate --seeds "$${SIM_SEEDS:-2000}"
+	$(PY) -m persist_pipeline simulate --seeds 200 --profile inline
 
 # Two workers: tests are isolated (own databases, buckets, folders, ports).
 PYTEST_WORKERS ?= 2
