@@ -66,7 +66,9 @@ class InlinePolicy:
     A write whose encoded size is strictly below ``threshold_bytes`` is an inline
     candidate; it is inlined only if the shard's inline total stays within
     ``max_bytes``, which is checked again inside the state transition (only there is
-    the current total known for sure). ``InlinePolicy(0, 0)`` turns inlining off and
+    the current total known for sure), where it is also held to the max the shard
+    recorded: every process inlines up to the smaller of the two (see
+    ``PersistClient.set_inline_max_bytes``). ``InlinePolicy(0, 0)`` turns inlining off and
     ``InlinePolicy(4096, 0)`` is permanent backpressure (every write falls through).
 
     Attributes:
@@ -112,8 +114,9 @@ class InlinePolicy:
 def shard_inline_max_bytes(recorded: int | None, configured: int) -> int:
     """The bound a shard's inline bytes are judged by (the checks, sensors and alerts):
     the max the shard recorded (no write leaves more inline than it), else, for a shard
-    an older build created and nothing has appended to since, the ``configured`` max of
-    the process judging. A process's own writes go by the smaller of its configured max
+    without one (created by an older build, or by a process with inlining off, and not
+    appended to since by a process that inlines), the ``configured`` max of the process
+    judging. A process's own writes go by the smaller of its configured max
     and the recorded one (``transitions.inline_write_bound``)."""
     return configured if recorded is None else recorded
 
