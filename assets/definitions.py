@@ -65,7 +65,7 @@ def build_definitions(config: PipelineConfig) -> dg.Definitions:
     """Assets, checks, jobs, sensors and schedules for ``config``."""
     shards = config.shards
     running = config.automation_running
-    ingestion = build_ingestion_assets(shards, config.routes)
+    ingestion = build_ingestion_assets(shards, config.routes, config.ingestion)
     compaction = build_compaction_assets(shards, cron=config.compaction.schedule,
                                          timezone=config.timezone)
     gc = build_gc_assets(shards, cron=config.gc_schedule, timezone=config.timezone)

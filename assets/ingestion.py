@@ -36,6 +36,15 @@ the updates it wrote, the shard's upper, blob PUTs. Sources:
   the file before anything is written. Exactly-once holds for the file as for a
   ``files`` shard's.
 - ``synthetic``: the built-in change stream (:mod:`assets.change_stream`).
+
+A landed file's run retries its step after a transient failure (a backend away for
+longer than the library's own retries, a commit whose outcome could not be confirmed,
+the upper moving on every attempt), with backoff, up to ``ingestion.retries`` times; a
+bad file, a closed shard or another permanent failure fails once with its own message
+(:mod:`assets.retries`). A retry goes through the same settling as a new run: after a
+commit whose reply was lost, it finds that write committed and records it instead of
+writing the file again. A synthetic write is not retried (the next run writes the next
+step anyway).
 """
 
 # No `from __future__ import annotations` here: Dagster 1.13 reads the annotations of
@@ -64,6 +73,7 @@ from assets.change_stream import ChangeStream
 from assets.landed_partitions import landed_file_of
 from assets.pipeline_config import (
     FileSource,
+    IngestionConfig,
     RouteConfig,
     RoutedSource,
     ShardConfig,
@@ -71,6 +81,7 @@ from assets.pipeline_config import (
     is_landed,
     register_shard_name,
 )
+from assets.retries import classified_failures, retry_policy
 from assets.sources import display_name, read_landed, same_file_version, stat_landed
 from persist_pipeline import PersistClient, UpperMismatch, WriteHandle, WriteResult
 from persist_pipeline.blob import redact_uri
@@ -183,7 +194,8 @@ def append(writer: WriteHandle, plan: Callable[[int], Planned], intent: Intent |
     upper = writer.fetch_recent_upper()
     for _ in range(MAX_ATTEMPTS):
         if upper is None:
-            raise dg.Failure(f"shard {writer.shard_id} is closed: it takes no more writes")
+            raise dg.Failure(f"shard {writer.shard_id} is closed: it takes no more writes",
+                             allow_retries=False)
         _settle_before_commit(settle)
         planned = plan(upper)
         # A token only for a recorded write: with one, a refused attempt also searches
@@ -234,13 +246,15 @@ def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: Shar
     try:
         register_shard_name(client, shard)
     except InvalidConfig as e:  # the config name is another shard's
-        raise dg.Failure(description=str(e), metadata={"shard": shard.name}) from None
+        raise dg.Failure(description=str(e), metadata={"shard": shard.name},
+                         allow_retries=False) from None
     writer = client.open_writer(shard.shard_id, debug=f"dagster run {context.run.run_id}")
     try:
         try:
             result, planned, latency_ms = append(writer, plan, intent, settle)
         except InvalidUpdates as e:
-            raise dg.Failure(description=str(e), metadata={"shard": shard.name}) from None
+            raise dg.Failure(description=str(e), metadata={"shard": shard.name},
+                             allow_retries=False) from None
     finally:
         writer.expire()
     metadata = write_metadata(client, shard, result, planned, latency_ms)
@@ -373,7 +387,9 @@ def _spec(shard: ShardConfig) -> dg.AssetSpec:
 
 
 def build_ingestion_assets(shards: Sequence[ShardConfig],
-                           routes: Sequence[RouteConfig] = ()) -> list[dg.AssetsDefinition]:
+                           routes: Sequence[RouteConfig] = (),
+                           ingestion: IngestionConfig | None = None
+                           ) -> list[dg.AssetsDefinition]:
     """The ingestion assets ``ingest/NAME`` of every shard: one multi-asset for the
     synthetic shards and one (partitioned by landed file) for the files and routed
     shards.
@@ -388,7 +404,7 @@ def build_ingestion_assets(shards: Sequence[ShardConfig],
     if synthetic:
         out.append(_build_synthetic(synthetic))
     if files:
-        out.append(_build_files(files, routes))
+        out.append(_build_files(files, routes, ingestion or IngestionConfig()))
     return out
 
 
@@ -420,15 +436,23 @@ def _build_synthetic(shards: Sequence[ShardConfig]) -> dg.AssetsDefinition:
     return synthetic_ingestion
 
 
-def _build_files(shards: Sequence[ShardConfig],
-                 routes: Sequence[RouteConfig]) -> dg.AssetsDefinition:
+def _build_files(shards: Sequence[ShardConfig], routes: Sequence[RouteConfig],
+                 ingestion: IngestionConfig) -> dg.AssetsDefinition:
     by_name = {s.name: s for s in shards}
     by_route = {r.name: r for r in routes}
 
+    # A transient failure is retried with backoff, a bad file is not (assets.retries);
+    # every attempt settles the writes earlier ones recorded, so none writes twice.
     @dg.multi_asset(name="file_ingestion", specs=[_spec(s) for s in shards],
-                    partitions_def=LANDED_FILES, can_subset=True)
+                    partitions_def=LANDED_FILES, can_subset=True,
+                    retry_policy=retry_policy(ingestion))
     def file_ingestion(context: dg.AssetExecutionContext, persist: PersistResource,
                        inline_policy: InlinePolicyResource) -> Iterator[dg.MaterializeResult]:
+        with classified_failures(context, ingestion):
+            yield from ingest_file(context, persist, inline_policy)
+
+    def ingest_file(context: dg.AssetExecutionContext, persist: PersistResource,
+                    inline_policy: InlinePolicyResource) -> Iterator[dg.MaterializeResult]:
         partition = context.partition_key
         owner, name = split_file_partition(partition)
         selected = {k.path[-1] for k in context.selected_asset_keys}
@@ -460,7 +484,8 @@ def _build_files(shards: Sequence[ShardConfig],
             landed = stat_landed(source, name)
         except InvalidUpdates as e:
             raise dg.Failure(description=str(e),
-                             metadata={"file": shown, "shard": shard.name}) from None
+                             metadata={"file": shown, "shard": shard.name},
+                             allow_retries=False) from None
         # A long path's partition from before keys were shortened counts too: once.
         partitions = file_partition_keys(owner, name)
         done = ingested_by(context.instance, key, partitions, landed.identity)
@@ -472,7 +497,8 @@ def _build_files(shards: Sequence[ShardConfig],
         if other is not None:
             raise dg.Failure(description=f"run {other} is already ingesting {shown}: this "
                                          "run writes nothing, so the file is ingested once "
-                                         "(re-run this partition if that run fails)")
+                                         "(re-run this partition if that run fails)",
+                                         allow_retries=False)
         try:
             table = read_landed(source, name)  # before touching the shard
             if stat_landed(source, name).identity != landed.identity:
@@ -480,7 +506,8 @@ def _build_files(shards: Sequence[ShardConfig],
                                      "sensor ingests the new version")
         except InvalidUpdates as e:
             raise dg.Failure(description=str(e),
-                             metadata={"file": shown, "shard": shard.name}) from None
+                             metadata={"file": shown, "shard": shard.name},
+                             allow_retries=False) from None
         client = persist.client(inline_policy.policy())
         try:
             yield _write(context, client, shard,
@@ -502,7 +529,7 @@ def _landed_name(context: dg.AssetExecutionContext, source: FileSource, owner: s
                               source)
     except InvalidUpdates as e:
         raise dg.Failure(description=str(e), metadata={
-            "partition": context.partition_key, "owner": owner}) from None
+            "partition": context.partition_key, "owner": owner}, allow_retries=False) from None
 
 
 def split_routed(table: pa.Table, route: RouteConfig, shown: str) -> dict[str, pa.Table]:
@@ -546,14 +573,14 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
         # Writing some of the route's shards would break the file's atomicity.
         raise dg.Failure(description=f"partition {partition} is a file of route "
                                      f"{route.name}, committed to {wanted} together: "
-                                     "select all of them")
+                                     "select all of them", allow_retries=False)
     source = route.source
     shown = display_name(source, name)
     meta = {"file": shown, "route": route.name}
     try:
         landed = stat_landed(source, name)
     except InvalidUpdates as e:
-        raise dg.Failure(description=str(e), metadata=meta) from None
+        raise dg.Failure(description=str(e), metadata=meta, allow_retries=False) from None
     # The shards commit together, so one recorded materialization means all committed;
     # a run that died between its shards' records left the others to record now.
     partitions = file_partition_keys(route.name, name)
@@ -574,7 +601,8 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
     if other is not None:
         raise dg.Failure(description=f"run {other} is already ingesting {shown}: this "
                                      "run writes nothing, so the file is ingested once "
-                                     "(re-run this partition if that run fails)")
+                                     "(re-run this partition if that run fails)",
+                                     allow_retries=False)
     try:
         table = read_landed(source, name, route=route.column)  # before touching a shard
         if stat_landed(source, name).identity != landed.identity:
@@ -582,12 +610,13 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
                                  "sensor ingests the new version")
         parts = split_routed(table, route, shown)
     except InvalidUpdates as e:
-        raise dg.Failure(description=str(e), metadata=meta) from None
+        raise dg.Failure(description=str(e), metadata=meta, allow_retries=False) from None
     for shard in shards:
         try:
             register_shard_name(client, shard)
         except InvalidConfig as e:  # the config name is another shard's
-            raise dg.Failure(description=str(e), metadata={"shard": shard.name}) from None
+            raise dg.Failure(description=str(e), metadata={"shard": shard.name},
+                             allow_retries=False) from None
     writers = {s.name: client.open_writer(s.shard_id, debug=f"dagster run "
                                                            f"{context.run.run_id}")
                for s in shards}
@@ -604,7 +633,7 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
                                                         shown, landed.identity, intent,
                                                         settle)
         except InvalidUpdates as e:
-            raise dg.Failure(description=str(e), metadata=meta) from None
+            raise dg.Failure(description=str(e), metadata=meta, allow_retries=False) from None
     except SettledElsewhere as settled:
         yield from settled.results
         return
@@ -641,7 +670,7 @@ def commit_routed(client: PersistClient, writers: Mapping[str, WriteHandle],
         closed = [name for name, upper in uppers.items() if upper is None]
         if closed:
             raise dg.Failure(f"shard(s) {', '.join(closed)} closed: they take no more "
-                             "writes, so no shard of the route was written")
+                             "writes, so no shard of the route was written", allow_retries=False)
         _settle_before_commit(settle)
         plans = {name: plans_of[name](upper) for name, upper in uppers.items()
                  if upper is not None}
@@ -746,11 +775,15 @@ def settle_intents(context: dg.AssetExecutionContext, client: PersistClient,
                         "tells whether that write committed; nothing written, so the file "
                         "is not duplicated (check the shard, then land the file again "
                         "under a new name if it is missing)",
-            metadata={"file": shown, "shard": shard_name})
+            metadata={"file": shown, "shard": shard_name}, allow_retries=False)
     if committed_by is None:
         return []
-    context.log.warning(f"{shown}: run {committed_by} committed it and stopped before "
-                        "recording it; recorded now, nothing written again")
+    if committed_by == context.run.run_id:  # a step retry after a lost commit reply
+        context.log.warning(f"{shown}: an earlier attempt of this run committed it without "
+                            "learning so; recorded now, nothing written again")
+    else:
+        context.log.warning(f"{shown}: run {committed_by} committed it and stopped before "
+                            "recording it; recorded now, nothing written again")
     return recovered_materializations(client, shards, shown, identity, committed_by)
 
 

@@ -9,8 +9,12 @@ path), and a file that already has a partition under its full path keeps it. The
 remembers the identities
 already requested, Dagster never reuses a run key, files already ingested by a run
 launched by hand are not requested, and the asset itself writes nothing for a file
-version it already ingested: a file is ingested exactly once. A bad file's failed run
-is not retried (land a fixed file, or re-run its partition). Files of a ``times: source``
+version it already ingested: a file is ingested exactly once. A run that fails for a
+transient reason (a backend away, a commit whose outcome could not be confirmed) retries
+its step with backoff, ``ingestion.retries`` times (:mod:`assets.retries`), settling
+rather than repeating a write an earlier attempt made; a bad file's run fails once and
+is not retried, and neither is a run whose retries ran out (land a fixed file, or
+re-run its partition). Files of a ``times: source``
 location are requested one run at a time, in landing order, since a later file's commit
 would refuse an earlier one's times. A missing or unreadable
 landing location fails the tick with a message saying so; files of other formats

@@ -445,6 +445,33 @@ def _lower(value: Any) -> Any:
     return value.lower() if isinstance(value, str) else value
 
 
+def _seconds(value: Any, info: ValidationInfo) -> Any:
+    if isinstance(value, str):
+        value = _expanded(value, info)
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"must be a number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"must be a number of seconds, got {value!r}")
+    return float(value)
+
+
+class IngestionConfig(_Section):
+    """Step retries of a landed file's run (:mod:`assets.retries`): a transient failure
+    (a backend away for longer than the library's own retries, a commit whose outcome
+    could not be confirmed, the upper kept moving) is retried; a bad file is not."""
+
+    retries: Count = 3
+    # The first retry waits retry_delay_s; exponential backoff makes it 1x, 3x, 7x...
+    retry_delay_s: Annotated[StrictFloat, BeforeValidator(_seconds),
+                             Field(ge=0, le=3600)] = 5.0
+    retry_backoff: Annotated[Literal["exponential", "linear", "constant"],
+                             BeforeValidator(_lower)] = "exponential"
+    retry_jitter: Annotated[Literal["plus_minus", "full", "none"],
+                            BeforeValidator(_lower)] = "plus_minus"
+
+
 class AutomationConfig(_Section):
     default_status: Annotated[Literal["running", "stopped"], BeforeValidator(_lower)] = \
         "running"
@@ -470,6 +497,7 @@ class PipelineFile(_Section):
     gc: GcConfig = GcConfig()
     checks: ChecksConfig = ChecksConfig()
     alerts: AlertsConfig = AlertsConfig()
+    ingestion: IngestionConfig = IngestionConfig()
     automation: AutomationConfig = AutomationConfig()
     timezone: Annotated[Expanded, AfterValidator(_timezone)] = "UTC"
     shards: Annotated[dict[Annotated[str, AfterValidator(_shard_name)], ShardSpec],
@@ -493,6 +521,7 @@ class PipelineConfig(BaseModel):
     gc_schedule: str
     checks_schedule: str
     alerts: AlertsConfig
+    ingestion: IngestionConfig = IngestionConfig()
     automation_running: bool
     shards: tuple[ShardConfig, ...]
     routes: tuple[RouteConfig, ...]
@@ -578,7 +607,7 @@ def parse_pipeline_config(raw: Any, file: Path, env: Mapping[str, str],
         threshold_bytes=spec.inline_policy.persist_inline_update_threshold_bytes,
         max_bytes=spec.inline_policy.persist_inline_update_max_bytes,
         spark=spec.spark, compaction=spec.compaction, gc_schedule=spec.gc.schedule,
-        checks_schedule=spec.checks.schedule, alerts=spec.alerts,
+        checks_schedule=spec.checks.schedule, alerts=spec.alerts, ingestion=spec.ingestion,
         automation_running=spec.automation.default_status == "running", shards=shards,
         routes=routes, timezone=spec.timezone)
 

@@ -18,6 +18,7 @@ from assets.pipeline_config import (
     CompactionConfig,
     FileSource,
     GcConfig,
+    IngestionConfig,
     InlinePolicyConfig,
     LocationConfig,
     PipelineFile,
@@ -58,6 +59,9 @@ def test_a_minimal_file_gets_the_models_defaults(tmp_path: Path) -> None:
         policy.persist_inline_update_threshold_bytes, policy.persist_inline_update_max_bytes)
     assert (config.gc_schedule, config.checks_schedule) == ("30 3 * * *", "*/15 * * * *")
     assert config.automation_running and config.timezone == "UTC"
+    assert config.ingestion == IngestionConfig(retries=3, retry_delay_s=5.0,
+                                               retry_backoff="exponential",
+                                               retry_jitter="plus_minus")
     data_dir = tmp_path / ".persist" / "pipeline"
     assert config.data_dir == data_dir
     # Defaults are validated like written values: {data_dir} and ${VAR:-...} expanded
@@ -195,6 +199,18 @@ def test_loading_opens_no_database(tmp_path: Path) -> None:
      "spark.master: environment variable NOPE_UNSET is not set"),
     ("spark: {conf: {a: [1]}}\n" + MINIMAL, "spark.conf.a: must be a string, got list"),
     ("data_dir: ${NOPE}\n" + MINIMAL, "data_dir: environment variable NOPE is not set"),
+    ("ingestion: {retries: -1}\n" + MINIMAL,
+     "ingestion.retries: Input should be greater than or equal to 0, got -1"),
+    ("ingestion: {retry_delay_s: soon}\n" + MINIMAL,
+     "ingestion.retry_delay_s: must be a number of seconds, got 'soon'"),
+    ("ingestion: {retry_delay_s: -1}\n" + MINIMAL,
+     "ingestion.retry_delay_s: Input should be greater than or equal to 0, got -1"),
+    ("ingestion: {retry_backoff: quadratic}\n" + MINIMAL,
+     "ingestion.retry_backoff: Input should be 'exponential', 'linear' or 'constant'"),
+    ("ingestion: {retry_jitter: some}\n" + MINIMAL,
+     "ingestion.retry_jitter: Input should be 'plus_minus', 'full' or 'none'"),
+    ("ingestion: {max_retries: 3}\n" + MINIMAL,
+     "ingestion: unknown key(s) max_retries; allowed: retries, retry_backoff"),
     ("shards:\n  a:\n    source: {kind: synthetic}\n  b:\n    shard_id: " + shard_id_for("a")
      + "\n    source: {kind: synthetic}\n", "shards: two shards have the same shard_id"),
 ])
@@ -229,6 +245,10 @@ def test_the_documented_defaults_are_the_models() -> None:
         "alerts.backlog_threshold": str(alerts.backlog_threshold),
         "alerts.sensor_interval_s": str(alerts.sensor_interval_s),
         "timezone": "UTC",
+        "ingestion.retries": str(IngestionConfig().retries),
+        "ingestion.retry_delay_s": str(IngestionConfig().retry_delay_s),
+        "ingestion.retry_backoff": IngestionConfig().retry_backoff,
+        "ingestion.retry_jitter": IngestionConfig().retry_jitter,
         "shards.NAME.freshness_max_age_s": str(ShardSpec.model_fields[
             "freshness_max_age_s"].default),
     }
@@ -371,3 +391,51 @@ def test_a_shard_id_that_is_no_id_nor_registered_name_says_so(tmp_path: Path) ->
                               "is registered under that name"), message
     assert "as an id: malformed shard id 's123'" in message
     assert not (tmp_path / ".persist").exists()
+
+
+def test_ingestion_retries_are_dagster_retry_policies(tmp_path: Path) -> None:
+    import dagster as dg
+
+    from assets.retries import retry_policy
+
+    shipped = load_pipeline_config(Path(__file__).resolve().parent.parent / "pipeline.yaml",
+                                   env={})
+    assert shipped.ingestion == IngestionConfig()  # the file shows the defaults
+    assert retry_policy(IngestionConfig()) == dg.RetryPolicy(
+        max_retries=3, delay=5.0, backoff=dg.Backoff.EXPONENTIAL, jitter=dg.Jitter.PLUS_MINUS)
+    path = _write(tmp_path, "ingestion:\n  retries: ${R:-2}\n  retry_delay_s: '${D:-0.5}'\n"
+                            "  retry_backoff: Constant\n  retry_jitter: none\n" + MINIMAL)
+    config = load_pipeline_config(path, env={"D": "0.25"}).ingestion
+    assert retry_policy(config) == dg.RetryPolicy(max_retries=2, delay=0.25)
+    assert retry_policy(IngestionConfig(retries=0)) is None  # one attempt
+
+
+def test_only_transient_failures_are_retried() -> None:
+    import dagster as dg
+
+    from assets.retries import is_transient
+    from persist_pipeline.exceptions import (
+        BlobAuthError,
+        BlobUnavailable,
+        CommitDeadlineExceeded,
+        ConsensusUnavailable,
+        CorruptPart,
+        Indeterminate,
+        InvalidUpdates,
+        LeaseExpired,
+        SchemaMismatch,
+        ShardNotFound,
+        UnsettledCommit,
+    )
+
+    for error in (ConsensusUnavailable("db away"), BlobUnavailable("S3 503"),
+                  Indeterminate("reply lost"), CommitDeadlineExceeded("too old"),
+                  LeaseExpired("paused"), TimeoutError("timed out"),
+                  ConnectionResetError("reset"), dg.Failure("the upper kept moving")):
+        assert is_transient(error), error
+    for error in (InvalidUpdates("line 3"), SchemaMismatch("typed"), CorruptPart("bad"),
+                  BlobAuthError("denied"), ShardNotFound("gone"),
+                  UnsettledCommit("GC truncated what would tell"),
+                  dg.Failure("bad file", allow_retries=False), KeyError("a bug"),
+                  ValueError("a bug")):
+        assert not is_transient(error), error
