@@ -242,6 +242,38 @@ def test_a_retry_after_a_lost_commit_reply_settles_the_write_instead_of_repeatin
 
 
 @pytest.mark.parametrize("routed", [False, True], ids=["files", "route"])
+def test_a_transient_failure_after_the_commit_is_retried_and_recorded_not_rewritten(
+        make_pipeline: Any, monkeypatch: pytest.MonkeyPatch, routed: bool) -> None:
+    """The commit lands, then reading the shard's summary for a materialization fails
+    (the database went away just then); for a route, after the first shard's
+    materialization was recorded. The retry records what is missing and writes
+    nothing."""
+    import assets.ingestion as ingestion
+    from persist_pipeline.exceptions import ConsensusUnavailable
+
+    pipeline, landing, sensor, names = _setup(make_pipeline, routed)
+    _land(landing, "a.csv", routed)
+    real, calls = ingestion.write_metadata, []
+
+    def failing_once(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls.append(1)
+        if len(calls) == len(names):  # the last shard's, so a route records one first
+            raise ConsensusUnavailable("connection refused")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ingestion, "write_metadata", failing_once)
+    commits = _outage_at_commits(monkeypatch, UNREACHABLE, commits=0)
+    [result] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
+    assert commits == ["ok"] and result.success and _attempts(result) == 2
+    assert set(materializations(result)) == {f"ingest/{n}" for n in names}
+    recorded_by_retry = [e for e in result.get_asset_materialization_events()
+                         if RECOVERED_FROM in e.step_materialization_data.materialization
+                         .metadata]
+    assert len(recorded_by_retry) == 1  # the shard whose record the failure cut off
+    assert {n: _rows(pipeline, n) for n in names} == _expected(routed)
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["files", "route"])
 def test_a_bad_file_fails_after_one_attempt_with_its_own_message(
         make_pipeline: Any, routed: bool) -> None:
     pipeline, landing, sensor, names = _setup(make_pipeline, routed)

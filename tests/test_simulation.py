@@ -108,6 +108,9 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # a pipeline run's write settled from the latest state alone: a landed file whose
     # batch compaction merged away is ingested twice (7)
     "settle_from_latest_state_only": (r"DUPLICATED in shard", 20, "transactions"),
+    # a pipeline run's step retry settles earlier runs' writes but not its own earlier
+    # attempts': a retry after a commit that landed ingests the file twice (0)
+    "retry_settles_earlier_runs_only": (r"DUPLICATED in shard", 20, "transactions"),
     # a group commit that ends wakes only its own appends: an append left waiting for its
     # shard's group is never woken (9)
     "funnel_forgets_successor": (r"simulated deadlock", 20, "transactions"),

@@ -343,6 +343,17 @@ def settle_from_latest_state_only() -> Iterator[None]:
 
 
 @contextmanager
+def retry_settles_earlier_runs_only() -> Iterator[None]:
+    """A step retry settles the writes earlier runs recorded, not its own run's earlier
+    attempts: a retry after a commit that landed (its reply lost, or the step failing
+    after it) writes the landed file a second time."""
+    from persist_pipeline.sim import ingestion
+
+    with _patched(ingestion, "_settles", lambda recorded_by, run: recorded_by != run):
+        yield
+
+
+@contextmanager
 def contents_read_at_the_upper() -> Iterator[None]:
     """What a replacement retracts is the shard read at ``upper - 1``: rows compaction
     advanced to a since at the upper are missed, and a store leaves them twice."""
@@ -486,6 +497,7 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "non_atomic_transactions": non_atomic_transactions,
     "group_reports_held_appends": group_reports_held_appends,
     "settle_from_latest_state_only": settle_from_latest_state_only,
+    "retry_settles_earlier_runs_only": retry_settles_earlier_runs_only,
     "funnel_forgets_successor": funnel_forgets_successor,
     "contents_read_at_the_upper": contents_read_at_the_upper,
     "table_uppers_memoized": table_uppers_memoized,

@@ -1,11 +1,16 @@
 """Simulated pipeline ingestion: landed files written to both shards of the transaction
-pair, exactly once, by runs that may die between their commit and their record of it.
+pair, exactly once, by runs that may die between their commit and their record of it,
+and whose step is retried after a transient failure.
 
 An ingester lands a file (one row, the same key in both shards), records its intent (each
 shard's write id and expected upper) and commits both shards in one transaction with
 those ids, as the Dagster pipeline does. Afterwards it records the file as ingested,
-unless its "run" dies first: on purpose (a third of the time, right after the commit),
-by the simulation's crashes, or on a lost reply it cannot settle. The next run of an
+unless its "run" dies first: on purpose (a sixth of the time, right after the commit)
+or by the simulation's crashes. Its step fails for a transient reason on a lost reply it
+cannot settle, and on purpose (another sixth, right after the commit, as when reading
+the shard's summary for the materialization times out): the run retries the step, up to
+``STEP_RETRIES`` times, as the pipeline's retry policy does, and every attempt first
+settles what was recorded, its own run's earlier attempts included. The next run of an
 unrecorded file (any ingester's, once the file's owner crashed or gave up) first settles
 every recorded intent with ``WriteHandle.committed`` and writes the file only if none
 committed, while compaction merges the batches away and GC truncates the history.
@@ -45,13 +50,23 @@ FILE_PREFIX = b"file/"
 _ATTEMPTS = 4
 
 
+#: How many times a run retries its step after a transient failure (the pipeline's
+#: ``ingestion.retries``).
+STEP_RETRIES = 2
+
+
+class StepFailed(Exception):
+    """A transient failure of a run's step, perhaps after its commit: the run retries it."""
+
+
 @dataclass
 class LandedFile:
     """One landed file and what the pipeline's event log holds about it."""
 
     key: bytes
-    #: Every write recorded before a commit: [(shard index, write id, expected upper)].
-    intents: list[list[tuple[int, str, int]]] = field(default_factory=list)
+    #: Every write recorded before a commit, with the run that recorded it:
+    #: [(run, [(shard index, write id, expected upper)])].
+    intents: list[tuple[int, list[tuple[int, str, int]]]] = field(default_factory=list)
     recorded: bool = False
     #: An earlier write's outcome could not be told: never written again.
     unsettled: bool = False
@@ -63,11 +78,20 @@ class LandedFile:
 class Ingestion:
     files: list[LandedFile] = field(default_factory=list)
     count: int = 0
+    runs: int = 0
 
 
-def _settled(writers: list[WriteHandle], f: LandedFile) -> bool | None:
+def _settles(recorded_by: int, run: int) -> bool:
+    """Whether run ``run`` settles a write run ``recorded_by`` recorded before writing:
+    every one, its own earlier attempts' too (a step retry after a commit that landed)."""
+    return True
+
+
+def _settled(writers: list[WriteHandle], f: LandedFile, run_id: int) -> bool | None:
     """Whether an earlier write of ``f`` committed (None: cannot tell)."""
-    for attempt in f.intents:
+    for recorded_by, attempt in f.intents:
+        if not _settles(recorded_by, run_id):
+            continue
         for index, write_id, expected in attempt:
             found = writers[index].committed(write_id, expected)
             if found is None or found:
@@ -77,8 +101,27 @@ def _settled(writers: list[WriteHandle], f: LandedFile) -> bool | None:
 
 def _ingest(run: SimRun, client: PersistClient, writers: list[WriteHandle],
             f: LandedFile) -> None:
-    """One run of ``f``'s partition: settle what earlier runs recorded, else write."""
-    found = _settled(writers, f)
+    """One run of ``f``'s partition: its step, retried after a transient failure; when
+    the retries run out, the file stays unrecorded (a re-run takes it)."""
+    ingestion: Ingestion = run.ingestion
+    ingestion.runs += 1
+    for _ in range(1 + STEP_RETRIES):
+        try:
+            _step(run, client, writers, f, ingestion.runs)
+            return
+        except StepFailed:
+            continue
+
+
+def _step(run: SimRun, client: PersistClient, writers: list[WriteHandle],
+          f: LandedFile, run_id: int) -> None:
+    """One attempt of a run's step: settle what earlier attempts and runs recorded, else
+    write.
+
+    Raises:
+        StepFailed: a transient failure; the run retries the step.
+    """
+    found = _settled(writers, f, run_id)
     if found is None:
         f.unsettled = True
         return
@@ -90,7 +133,7 @@ def _ingest(run: SimRun, client: PersistClient, writers: list[WriteHandle],
         if any(u is None for u in uppers):
             return
         attempt = [(i, new_token(), u) for i, u in enumerate(uppers) if u is not None]
-        f.intents.append(attempt)  # recorded before the commit, as the pipeline does
+        f.intents.append((run_id, attempt))  # recorded before the commit, as the pipeline does
         txn = client.transaction()
         for i, write_id, upper in attempt:
             txn.compare_and_append(writers[i], [(f.key, b"x", upper, 1)], upper, upper + 1,
@@ -99,10 +142,13 @@ def _ingest(run: SimRun, client: PersistClient, writers: list[WriteHandle],
             txn.commit()
         except (UpperMismatch, CommitDeadlineExceeded):
             continue
-        except Indeterminate:
-            return  # unknown: the next run settles it
-        if run.rng.random() < 0.33:
+        except Indeterminate as e:
+            raise StepFailed("commit outcome unknown: the retry settles it") from e
+        roll = run.rng.random()
+        if roll < 0.17:
             return  # the run dies before Dagster records the materialization
+        if roll < 0.33:
+            raise StepFailed("the materialization's summary read timed out")
         f.recorded = True
         return
 
