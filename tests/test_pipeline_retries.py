@@ -1,6 +1,7 @@
 """Step retries of a landed file's run: a transient failure is retried, a bad file is not.
 
-Covers, on the embedded default (SQLite + local folder) with a real Dagster instance:
+Covers, on the embedded default (SQLite + local folder) with a real Dagster instance (the
+lost reply on PostgreSQL + S3 too):
 the database away during a file's commit (for longer than the library's own retries,
 faults injected by ``persist_pipeline/faults.py``) fails the first attempt and the
 step's retry writes the file, once; a commit that landed but whose reply was lost (and
@@ -216,13 +217,29 @@ def test_a_commit_during_a_database_outage_is_retried_and_writes_the_file_once(
     assert {n: _rows(pipeline, n) for n in names} == _expected(routed)
 
 
+@pytest.fixture(params=["sqlite+files", pytest.param("postgres+s3", marks=[
+    pytest.mark.postgres, pytest.mark.s3])])
+def location(request: pytest.FixtureRequest, make_pipeline: Any,
+             monkeypatch: pytest.MonkeyPatch) -> str:
+    """The pipeline's persist location: the embedded default, or PostgreSQL + S3 (moto
+    server). After ``make_pipeline``, which clears the machine's settings."""
+    if request.param == "postgres+s3":
+        monkeypatch.setenv("PERSIST_CONSENSUS_URI", request.getfixturevalue("pg_url"))
+        monkeypatch.setenv("PERSIST_BLOB_URI", request.getfixturevalue("s3_uri"))
+    return str(request.param)
+
+
 @pytest.mark.parametrize("routed", [False, True], ids=["files", "route"])
 def test_a_retry_after_a_lost_commit_reply_settles_the_write_instead_of_repeating_it(
-        make_pipeline: Any, monkeypatch: pytest.MonkeyPatch, routed: bool) -> None:
+        make_pipeline: Any, location: str, monkeypatch: pytest.MonkeyPatch,
+        routed: bool) -> None:
     """The first attempt's commit lands, but its reply and every call after it are lost
     until the library gives up (Indeterminate). The retry finds that write committed
     (from the intent it recorded) and records it: the rows are in the shard once."""
     pipeline, landing, sensor, names = _setup(make_pipeline, routed)
+    persist: Any = pipeline.defs.resources["persist"]
+    assert persist.uris()[0].startswith("postgresql" if location == "postgres+s3"
+                                        else "sqlite")
     _land(landing, "a.csv", routed)
     commits = _outage_at_commits(monkeypatch, REPLIES_LOST, commits=1)
     [result] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
