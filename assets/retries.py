@@ -79,6 +79,8 @@ def classified_failures(context: dg.AssetExecutionContext,
     only if it is transient (:func:`is_transient`), saying which attempt it was."""
     try:
         yield
+    except (dg.DagsterError, dg.RetryRequested):
+        raise  # Dagster's own: it knows what they mean
     except dg.Failure as e:
         if not e.allow_retries:
             raise
