@@ -122,8 +122,9 @@ PROFILES: dict[str, Profile] = {
                       orphan_age_choices_s=(1.0, 8.0, 16.0)),
     # Multi-shard transactions racing each other and lone writers of one of their
     # shards, threads of one process whose appends meet in its group-commit funnel, and
-    # pipeline ingestion of landed files whose runs die between commit and record, with
-    # lost replies, pauses and maintenance on every shard.
+    # pipeline ingestion of landed files whose runs die between commit and record (or
+    # retry a step that failed after it), with lost replies, pauses and maintenance on
+    # every shard.
     "transactions": Profile({"transactor": (1, 2), "grouped_writer": (1, 2),
                              "ingester": (1, 2), "writer": (0, 1), "compactor": (1, 1),
                              "gc": (1, 2)},
