@@ -51,7 +51,8 @@ step anyway).
 # decorated functions (context, config and resource parameters) at definition time.
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -86,7 +87,13 @@ from assets.sources import display_name, read_landed, same_file_version, stat_la
 from persist_pipeline import PersistClient, UpperMismatch, WriteHandle, WriteResult
 from persist_pipeline.blob import redact_uri
 from persist_pipeline.dagster_io import TABLE_NAME
-from persist_pipeline.exceptions import InvalidConfig, InvalidUpdates, PersistError
+from persist_pipeline.exceptions import (
+    Indeterminate,
+    InvalidConfig,
+    InvalidUpdates,
+    PersistError,
+    Unavailable,
+)
 from persist_pipeline.ids import new_token
 from resources.inline_policy import InlinePolicyResource
 from resources.persist import PersistResource
@@ -240,6 +247,35 @@ def write_metadata(client: PersistClient, shard: ShardConfig, result: WriteResul
     }
 
 
+
+@contextmanager
+def released(context: dg.AssetExecutionContext,
+             writers: Iterable[WriteHandle]) -> Iterator[None]:
+    """Expire ``writers`` when the block ends, without hiding why it failed.
+
+    After a clean exit each writer is expired (an error then is the step's). After a
+    failure the step's own error is what the user must see and what decides a retry:
+    a writer is not expired at all when consensus was away or a commit's outcome
+    unknown (the expiry would wait out the library's retries against the same outage,
+    and the writer's lease lapses on its own), and an expiry that fails otherwise is
+    logged, not raised.
+    """
+    try:
+        yield
+    except BaseException as failure:
+        if not isinstance(failure, Unavailable | Indeterminate):
+            for writer in writers:
+                try:
+                    writer.expire()
+                except PersistError as e:
+                    context.log.warning(f"writer {writer.writer_id} of shard "
+                                        f"{writer.shard_id} not expired ({e}); its lease "
+                                        "lapses on its own")
+        raise
+    for writer in writers:
+        writer.expire()
+
+
 def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: ShardConfig,
            plan: Callable[[int], Planned], intent: Intent | None = None,
            settle: Settle | None = None) -> dg.MaterializeResult:
@@ -249,14 +285,12 @@ def _write(context: dg.AssetExecutionContext, client: PersistClient, shard: Shar
         raise dg.Failure(description=str(e), metadata={"shard": shard.name},
                          allow_retries=False) from None
     writer = client.open_writer(shard.shard_id, debug=f"dagster run {context.run.run_id}")
-    try:
+    with released(context, [writer]):
         try:
             result, planned, latency_ms = append(writer, plan, intent, settle)
         except InvalidUpdates as e:
             raise dg.Failure(description=str(e), metadata={"shard": shard.name},
                              allow_retries=False) from None
-    finally:
-        writer.expire()
     metadata = write_metadata(client, shard, result, planned, latency_ms)
     context.log.info(
         f"shard {shard.name}: {planned.table.num_rows} rows, {result.encoded_bytes} bytes "
@@ -628,18 +662,17 @@ def _ingest_routed(context: dg.AssetExecutionContext, client: PersistClient,
         return settle_intents(context, client, shards, partitions, landed.identity, shown)
 
     try:
-        try:
-            results, plans, latency_ms = commit_routed(client, writers, parts, source,
-                                                        shown, landed.identity, intent,
-                                                        settle)
-        except InvalidUpdates as e:
-            raise dg.Failure(description=str(e), metadata=meta, allow_retries=False) from None
+        with released(context, writers.values()):
+            try:
+                results, plans, latency_ms = commit_routed(client, writers, parts, source,
+                                                            shown, landed.identity, intent,
+                                                            settle)
+            except InvalidUpdates as e:
+                raise dg.Failure(description=str(e), metadata=meta,
+                                 allow_retries=False) from None
     except SettledElsewhere as settled:
         yield from settled.results
         return
-    finally:
-        for writer in writers.values():
-            writer.expire()
     context.log.info(f"{shown}: route {route.name} committed "
                      f"{sum(p.table.num_rows for p in plans.values())} rows to "
                      f"{len(shards)} shards in one transaction in {latency_ms:.2f} ms")
@@ -755,7 +788,7 @@ def settle_intents(context: dg.AssetExecutionContext, client: PersistClient,
         if not pending[shard.name]:
             continue
         writer = client.open_writer(shard.shard_id, debug=f"dagster run {context.run.run_id}")
-        try:
+        with released(context, [writer]):
             for run_id, token, expected in pending[shard.name]:
                 found = writer.committed(token, expected)
                 if found is None and unknown is None:
@@ -763,8 +796,6 @@ def settle_intents(context: dg.AssetExecutionContext, client: PersistClient,
                 if found:
                     committed_by = run_id
                     break
-        finally:
-            writer.expire()
         if committed_by is not None:
             break
     if committed_by is None and unknown is not None:

@@ -89,11 +89,11 @@ class _Outage(Consensus):
 
 
 def _outage_at_commits(monkeypatch: pytest.MonkeyPatch, faults: FaultConfig,
-                       commits: int) -> list[str]:
+                       commits: int, *, lasting: bool = False) -> list[str]:
     """The next ``commits`` commits of the pipeline (a shard's append or a route's
     transaction) run while consensus is away as ``faults`` says, and it is back as soon
-    as each returns. Returns what each commit from now on did: ``ok`` or the error's
-    class name."""
+    as each returns (``lasting``: it stays away from the first one on). Returns what
+    each commit from now on did: ``ok`` or the error's class name."""
     import resources.persist as persist_module
 
     outages: list[_Outage] = []
@@ -131,7 +131,8 @@ def _outage_at_commits(monkeypatch: pytest.MonkeyPatch, faults: FaultConfig,
             finally:
                 inside[0] = False
                 for outage in outages:
-                    outage.active = outage.inner
+                    if not lasting:
+                        outage.active = outage.inner
             outcomes.append("ok")
             return result
         return call
@@ -349,3 +350,28 @@ def test_a_run_whose_every_attempt_fails_transiently_says_so(
     assert "Indeterminate" in message and "transient" in message
     assert "attempt 3 of 3" in message and "re-run this partition" in message
     assert _rows(pipeline, "orders") == (None, [])
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["files", "route"])
+def test_an_outage_that_outlasts_the_commit_fails_the_run_with_the_commits_error(
+        make_pipeline: Any, monkeypatch: pytest.MonkeyPatch, routed: bool) -> None:
+    """The database is still away when the step would expire its writers: the run fails
+    with the commit's error (what decides the retry and what the user must read), never
+    the expiry's, and the writers are left to their leases."""
+    pipeline, landing, sensor, _ = _setup(make_pipeline, routed, {"retries": 0})
+    _land(landing, "a.csv", routed)
+    expiries: list[str] = []
+    expire = WriteHandle.expire
+
+    def counted(self: WriteHandle) -> None:
+        expiries.append(self.shard_id)
+        expire(self)
+
+    monkeypatch.setattr(WriteHandle, "expire", counted)
+    commits = _outage_at_commits(monkeypatch, UNREACHABLE, commits=1, lasting=True)
+    [result] = pipeline.launch_all(sensor, pipeline.ticker(sensor).tick())
+    assert commits == ["Indeterminate"]
+    assert not result.success and _attempts(result) == 1
+    [message] = failure_messages(result)
+    assert "Indeterminate" in message and "transient" in message
+    assert expiries == []
