@@ -84,8 +84,6 @@ _KEEP_CONNECTIONS = 4  # below the pool's default size of 5
 _MAX_ATTEMPTS = 30  # of a statement aborted by a serialization failure or deadlock
 _SERIALIZABLE = "-c default_transaction_isolation=serializable"
 _PREPARED = "persist_pipeline.prepared"
-_POLLER = "persist_pipeline.poller"
-_CURSOR = "persist_pipeline.cursor"
 
 
 class _CockroachDialect(PGDialect_psycopg2):
@@ -316,45 +314,78 @@ def _enable_wal(cursor: Any, timeout: float) -> None:
         delay = min(delay * 2, 0.05)
 
 
-def _quiet(conn: PoolProxiedConnection) -> bool:
-    """False if an idle connection has input waiting: a server closing it (termination,
-    restart, idle timeout) sends an error and EOF, seen here without a round trip."""
-    dbapi_connection: Any = conn.dbapi_connection
-    fileno = getattr(dbapi_connection, "fileno", None)
-    if fileno is None:  # sqlite3: nothing to lose
-        return True
-    try:
-        if getattr(dbapi_connection, "closed", 0):
+class _Slot:
+    """A pool connection kept checked out, with what every call on it needs looked up
+    once: the driver connection (fixed while the pool connection stays checked out:
+    only invalidation replaces it, and an invalidated connection is never kept), its
+    kept cursor, its socket's poller and whether our statements are prepared on it.
+    A call on a busy writer's connection then touches these few attributes instead of
+    the pool's proxies and their info dictionaries."""
+
+    __slots__ = ("conn", "cursor", "dbapi", "poll", "prepared", "used")
+
+    def __init__(self, conn: PoolProxiedConnection) -> None:
+        self.conn = conn
+        self.dbapi: Any = conn.dbapi_connection
+        #: The cursor for statements that return no rows, made on first use.
+        self.cursor: Any = None
+        # Kept in the pool connection's info (cleared when its driver connection is
+        # replaced), so that a connection returned to the pool and checked out again
+        # does not prepare its statements twice.
+        self.prepared = bool(conn.info.get(_PREPARED))
+        self.used = 0.0
+        self.poll: Callable[[int], list[Any]] | None = None
+        fileno = getattr(self.dbapi, "fileno", None)
+        if fileno is None:  # sqlite3: nothing to lose
+            return
+        try:
+            fd = fileno()
+        except (OSError, ValueError, psycopg2.Error):
+            fd = None
+        if fd is None:
+            self.poll = _closed_poll
+        elif hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+            self.poll = poller.poll
+        else:
+            self.poll = functools.partial(_select_poll, fd)
+
+    def quiet(self) -> bool:
+        """False if an idle connection has input waiting: a server closing it
+        (termination, restart, idle timeout) sends an error and EOF, seen here without a
+        round trip."""
+        poll = self.poll
+        if poll is None:
+            return True
+        try:
+            return not self.dbapi.closed and not poll(0)
+        except (OSError, ValueError, psycopg2.Error):
             return False
-        fd = fileno()
-        if hasattr(select, "poll"):
-            # The poller is kept with the connection (its info is cleared when the
-            # connection is replaced); it is re-made if the socket changed.
-            kept = conn.info.get(_POLLER)
-            if kept is not None and kept[0] == fd:
-                poller = kept[1]
-            else:
-                poller = select.poll()
-                poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
-                conn.info[_POLLER] = (fd, poller)
-            return not poller.poll(0)
-        readable, _, _ = select.select([fd], [], [], 0)
-        return not readable
-    except (OSError, ValueError, psycopg2.Error):
-        return False
+
+    def kept_cursor(self) -> Any:
+        """The cursor kept for statements that return no rows."""
+        cursor = self.cursor
+        if cursor is None or cursor.closed:
+            cursor = self.cursor = self.dbapi.cursor()
+        return cursor
+
+    def mark_prepared(self, prepared: bool) -> None:
+        self.prepared = prepared
+        if prepared:
+            self.conn.info[_PREPARED] = True
+        else:
+            self.conn.info.pop(_PREPARED, None)
 
 
-def _kept_cursor(conn: PoolProxiedConnection) -> Any:
-    """The cursor kept with ``conn`` for statements that return no rows: made once per
-    driver connection (the connection's info is cleared when it is replaced, and the
-    cursor is checked to belong to the current one)."""
-    dbapi_connection: Any = conn.dbapi_connection
-    kept = conn.info.get(_CURSOR)
-    if kept is not None and kept[0] is dbapi_connection and not kept[1].closed:
-        return kept[1]
-    cursor = dbapi_connection.cursor()
-    conn.info[_CURSOR] = (dbapi_connection, cursor)
-    return cursor
+def _closed_poll(_timeout: int) -> list[Any]:
+    """The poll of a connection whose socket could not be found: never quiet."""
+    return [None]
+
+
+def _select_poll(fd: int, timeout: int) -> list[Any]:
+    readable, _, _ = select.select([fd], [], [], timeout)
+    return readable
 
 
 class _Connections:
@@ -363,53 +394,54 @@ class _Connections:
     def __init__(self, engine: Engine, keep: int) -> None:
         self._engine = engine
         self._keep = keep
-        self._idle: list[tuple[PoolProxiedConnection, float]] = []  # oldest first
+        self._idle: list[_Slot] = []  # oldest first
         self._lock = threading.Lock()
 
-    def acquire(self) -> PoolProxiedConnection:
+    def acquire(self) -> _Slot:
         """A recently used, live connection, else one from the (pinging) pool."""
         while True:
-            stale: list[PoolProxiedConnection] = []
+            stale: list[_Slot] = []
             with self._lock:
                 if not self._idle:
                     break
-                conn, used = self._idle.pop()
-                if time.monotonic() - used > _MAX_REUSE_IDLE_S:
+                slot = self._idle.pop()
+                if time.monotonic() - slot.used > _MAX_REUSE_IDLE_S:
                     # Everything below is older still: let the pool ping them.
-                    stale = [conn, *(c for c, _ in self._idle)]
+                    stale = [slot, *self._idle]
                     self._idle.clear()
             if stale:
                 for old in stale:
-                    old.close()
+                    old.conn.close()
                 break
-            if _quiet(conn):
-                return conn
-            conn.invalidate()
-        return self._engine.raw_connection()
+            if slot.quiet():
+                return slot
+            slot.conn.invalidate()
+        return _Slot(self._engine.raw_connection())
 
-    def release(self, conn: PoolProxiedConnection) -> None:
+    def release(self, slot: _Slot) -> None:
         with self._lock:
             if len(self._idle) < self._keep:
-                self._idle.append((conn, time.monotonic()))
+                slot.used = time.monotonic()
+                self._idle.append(slot)
                 return
-        conn.close()
+        slot.conn.close()
 
-    def discard(self, conn: PoolProxiedConnection, error: BaseException) -> None:
-        """Returns ``conn`` after ``error``: reused if the driver reported a statement
+    def discard(self, slot: _Slot, error: BaseException) -> None:
+        """Returns ``slot`` after ``error``: reused if the driver reported a statement
         error on a healthy connection, otherwise invalidated."""
         dbapi = self._engine.dialect.loaded_dbapi
         if isinstance(error, dbapi.Error) and not self._engine.dialect.is_disconnect(
-            error, conn.dbapi_connection, None
+            error, slot.dbapi, None
         ):
-            self.release(conn)
+            self.release(slot)
         else:
-            conn.invalidate(error if isinstance(error, Exception) else None)
+            slot.conn.invalidate(error if isinstance(error, Exception) else None)
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
-        for conn, _ in idle:
-            conn.close()
+        for slot in idle:
+            slot.conn.close()
 
 
 def _rowcount(cursor: Any) -> int:
@@ -534,45 +566,45 @@ class SqlConsensus(Consensus):
             raise ConsensusError(f"{self!r} is closed")
         statement = self._statements[name] if isinstance(name, str) else name
         try:
-            conn = self._conns.acquire()
+            slot = self._conns.acquire()
         except (sa_exc.SQLAlchemyError, self._engine.dialect.loaded_dbapi.Error) as exc:
             # The pool raises the driver's own error when it cannot connect.
             raise map_error(exc, self._url, action) from exc
         try:
-            result = self._execute(conn, statement, params, consume, keep_cursor)
+            result = self._execute(slot, statement, params, consume, keep_cursor)
         except _LostRace:
-            self._conns.release(conn)  # the statement failed; the connection is healthy
+            self._conns.release(slot)  # the statement failed; the connection is healthy
             raise
         except BaseException as exc:
-            self._conns.discard(conn, exc)
+            self._conns.discard(slot, exc)
             if isinstance(exc, self._engine.dialect.loaded_dbapi.Error):
                 raise map_error(exc, self._url, action) from exc
             raise
-        self._conns.release(conn)
+        self._conns.release(slot)
         return result
 
     def _execute(
         self,
-        conn: PoolProxiedConnection,
+        slot: _Slot,
         statement: Rendered,
         params: Mapping[str, Any],
         consume: Callable[[Any], T],
         keep_cursor: bool = False,
     ) -> T:
-        cursor = _kept_cursor(conn) if keep_cursor else conn.cursor()
+        cursor = slot.kept_cursor() if keep_cursor else slot.dbapi.cursor()
         try:
             args = statement.args(params)
             for attempt in range(_MAX_ATTEMPTS):
                 try:
-                    if statement.prepare is not None and not conn.info.get(_PREPARED):
-                        self._prepare(conn, cursor)
+                    if statement.prepare is not None and not slot.prepared:
+                        self._prepare(slot, cursor)
                     cursor.execute(statement.sql, args)
                     return consume(cursor)
                 except psycopg2.errors.InvalidSqlStatementName:
                     # Someone deallocated our prepared statements; nothing ran.
                     if statement.prepare is None or attempt > 0:
                         raise
-                    conn.info.pop(_PREPARED, None)
+                    slot.mark_prepared(False)
                 except (psycopg2.errors.UniqueViolation, sqlite3.IntegrityError):
                     # Only the multi-shard CaS inserts without ON CONFLICT: a competitor
                     # won one of its seqnos, and the statement inserted nothing.
@@ -589,10 +621,10 @@ class SqlConsensus(Consensus):
                 with contextlib.suppress(Exception):
                     cursor.close()
 
-    def _prepare(self, conn: PoolProxiedConnection, cursor: Any) -> None:
+    def _prepare(self, slot: _Slot, cursor: Any) -> None:
         prepares = [s.prepare for s in self._statements.values() if s.prepare is not None]
         cursor.execute("; ".join(["DEALLOCATE ALL", *prepares]))
-        conn.info[_PREPARED] = True
+        slot.mark_prepared(True)
 
     def head(self, shard: str) -> VersionedData | None:
         check_shard(shard)
