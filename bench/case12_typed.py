@@ -81,11 +81,6 @@ class TypedAppender(OurAppender):
         self.batch = batch.append_column("t", pa.array([self.upper] * batch.num_rows,
                                                        pa.int64()))
 
-    def __call__(self, _i: int) -> None:
-        self.last = self.writer.compare_and_append(self.batch, self.upper, self.upper + 1)
-        self.upper += 1
-        self.count += 1
-
 
 class ArrowAppender(OurAppender):
     """Untyped small appends given as a k/v/t/d pyarrow Table."""
@@ -93,11 +88,6 @@ class ArrowAppender(OurAppender):
     def before(self, i: int) -> None:
         super().before(i)
         self.batch = peers.as_table(peers.small_batch(self.upper, seed=i))
-
-    def __call__(self, _i: int) -> None:
-        self.last = self.writer.compare_and_append(self.batch, self.upper, self.upper + 1)
-        self.upper += 1
-        self.count += 1
 
 
 def _appends(svc: Services, scale: Scale, result: CaseResult,
