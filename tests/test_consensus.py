@@ -788,6 +788,25 @@ def test_pg_survives_the_server_closing_its_connections(pg_url: str, pg_server: 
 
 
 @pytest.mark.postgres
+def test_pg_prepares_again_when_its_session_lost_the_statements(pg_url: str) -> None:
+    """A session whose prepared statements are gone (``DISCARD ALL``, as a connection
+    pooler may run between clients) still serves every call: nothing ran, so the call
+    prepares them again and runs once, on the same kept connection."""
+    with open_consensus(pg_url) as store:
+        records = fill(store, "s", 2)
+        # The only way to reach the session the store keeps is through the store: its
+        # reused connections (what a pooler would have reset underneath it).
+        sessions = cast(Any, store)._conns._idle
+        assert sessions
+        for session in sessions:
+            session.dbapi.cursor().execute("DISCARD ALL")
+        assert store.compare_and_set("s", 2, vd(3)) is True
+        assert store.compare_and_set("s", 2, vd(3, "stale")) is False
+        assert store.scan("s", 0) == [*records, vd(3)]
+        assert store.head("s") == vd(3)
+
+
+@pytest.mark.postgres
 @pytest.mark.parametrize("scheme", ["postgres", "postgresql+psycopg2", "cockroachdb"])
 def test_pg_scheme_aliases_work_end_to_end(pg_url: str, scheme: str) -> None:
     """``cockroachdb://`` runs the plain (unprepared) statements CockroachDB gets; here
