@@ -23,6 +23,7 @@ from persist_pipeline import PersistClient
 from persist_pipeline.dagster_io import (
     AssetNotStored,
     PersistIOManager,
+    UnsupportedOutput,
     asset_shard_id,
     compaction_definitions,
 )
@@ -857,3 +858,18 @@ def test_a_pinned_upper_pins_each_partition_to_its_own_version(io_manager: Any) 
     assert sorted(load(1).to_pylist(), key=str) == [{"r": "eu", "n": 1}, {"r": "us", "n": 1}]
     with pytest.raises(InvalidInput, match=r"visits partition eu: input metadata upper=2"):
         load(2)
+
+
+@pytest.mark.parametrize("frame", [
+    pd.DataFrame([[1, 2]], columns=["a", "a"]),
+    pd.DataFrame({"mixed": [1, "two"]}),
+], ids=["repeated-column", "mixed-object-column"])
+def test_a_frame_arrow_cannot_take_is_refused_with_a_typed_error(
+        io_manager: PersistIOManager, frame: pd.DataFrame) -> None:
+    """A pandas frame that pyarrow cannot convert (a column name twice, an object column
+    of ints and text) is bad input: ``UnsupportedOutput`` (an ``InvalidInput``), as a
+    table with a repeated column is, not pyarrow's own exception; nothing is stored."""
+    with pytest.raises(UnsupportedOutput, match="cannot be stored as an Arrow table"):
+        io_manager.store_many({"frames/bad": frame})
+    assert io_manager.client().shard_names() == {}
+

@@ -132,16 +132,27 @@ def table_name(key: dg.AssetKey, partition: str | None,
 
 
 def to_arrow(obj: object) -> pa.Table:
-    """``obj`` as a pyarrow Table: a Table, RecordBatch, pandas or polars DataFrame."""
+    """``obj`` as a pyarrow Table: a Table, RecordBatch, pandas or polars DataFrame.
+
+    Raises:
+        UnsupportedOutput: anything else, or a frame pyarrow cannot convert.
+    """
     if isinstance(obj, pa.Table):
         return obj
     if isinstance(obj, pa.RecordBatch):
         return pa.Table.from_batches([obj])
     module = type(obj).__module__.split(".")[0]
-    if module == "pandas" and type(obj).__name__ == "DataFrame":
-        return pa.Table.from_pandas(obj)
-    if module == "polars" and type(obj).__name__ == "DataFrame":
-        return obj.to_arrow()  # type: ignore[attr-defined]
+    name = type(obj).__name__
+    try:
+        if module == "pandas" and name == "DataFrame":
+            return pa.Table.from_pandas(obj)
+        if module == "polars" and name == "DataFrame":
+            return obj.to_arrow()  # type: ignore[attr-defined]
+    except (pa.ArrowException, TypeError, ValueError) as e:
+        # Bad input, refused before anything is stored: a column name twice, an object
+        # column mixing ints and text (pyarrow's own errors are no PersistError).
+        raise UnsupportedOutput(f"the {module} DataFrame cannot be stored as an Arrow "
+                                f"table: {e}") from None
     raise UnsupportedOutput(
         f"PersistIOManager stores a pyarrow Table, a pandas or a polars DataFrame; got "
         f"{type(obj).__module__}.{type(obj).__qualname__}")
