@@ -490,11 +490,13 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         # A generation started by a store that never committed (its process died after
         # naming it) holds nothing yet: the table is still the previous one.
         shard = _newest_written(client, name, found) or shard
+    # Before a reader is opened: a generation named by a store that died before creating
+    # its shard holds nothing yet (NotYetAvailable), as an empty one does.
+    as_of = as_of_upper(client, shard, upper, what)
     reader = client.open_reader(shard, debug="table load")
     try:
         # Decoded with the schema of the state the snapshot read: a store evolving the
         # schema meanwhile must not make the newer one decode the older rows.
-        as_of = as_of_upper(client, shard, upper, what)
         try:
             typed, schema = reader._snapshot_with_schema(_read_at(as_of, upper))
         except SinceViolation:

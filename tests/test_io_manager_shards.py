@@ -873,3 +873,17 @@ def test_a_frame_arrow_cannot_take_is_refused_with_a_typed_error(
         io_manager.store_many({"frames/bad": frame})
     assert io_manager.client().shard_names() == {}
 
+
+def test_a_name_no_store_wrote_yet_loads_as_not_stored(io_manager: PersistIOManager) -> None:
+    """A table name registered whose store died before writing (its shard never created,
+    or created and still empty) is an asset with nothing stored yet: ``AssetNotStored``,
+    as for a name never registered, not the lookup of a shard id the user never saw."""
+    client = io_manager.client()
+    client.resolve("named/only", create=True)  # a store that died after naming it
+    client.open_writer(client.resolve("named/empty", create=True)).expire()
+    for name in ("named/only", "named/empty", "named/never"):
+        with pytest.raises(AssetNotStored, match=f"{name}: nothing stored yet"):
+            io_manager.load(name)
+    io_manager.store("named/only", pa.table({"n": [1]}))
+    assert io_manager.load("named/only").to_pylist() == [{"n": 1}]
+

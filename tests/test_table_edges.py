@@ -15,6 +15,7 @@ import pytest
 from persist_pipeline import (
     InlinePolicy,
     NotATable,
+    NotYetAvailable,
     PersistClient,
     SchemaMismatch,
     ShardSchema,
@@ -275,3 +276,13 @@ def test_pandas_outputs_without_rows_or_with_an_all_none_column_keep_the_generat
         pd.testing.assert_frame_equal(got, later.astype(frame.dtypes))
     # One generation: a pinned load of the first version is not ambiguous.
     assert tables.load_table(client, "scores", first.result.upper).to_pandas().equals(frame)
+
+
+def test_a_table_named_but_never_written_is_not_yet_available(client: PersistClient
+                                                               ) -> None:
+    """A name registered whose shard was never created (its store died after naming it)
+    holds no table yet, as an empty shard: ``NotYetAvailable``, not ``ShardNotFound``."""
+    client.resolve("named/only", create=True)
+    with pytest.raises(NotYetAvailable, match="named/only: nothing stored yet"):
+        tables.load_table(client, "named/only")
+

@@ -53,6 +53,7 @@ from persist_pipeline.exceptions import (
     InvalidConfig,
     InvalidInput,
     LocationNotFound,
+    NotYetAvailable,
     PersistError,
     ShardNameNotFound,
 )
@@ -435,7 +436,8 @@ class PersistIOManager(dg.ConfigurableIOManager):
         (read when ``name`` has no generation yet; the next materialization moves it).
 
         Raises:
-            AssetNotStored: nothing was ever stored there.
+            AssetNotStored: nothing was ever stored there (also a name whose store died
+                before its write).
             InvalidInput: ``upper`` is beyond the shard's upper or not positive.
             SinceViolation: ``upper`` is so old that compaction merged it away.
             NotATable: other writers' appends left the shard holding what no table is
@@ -450,6 +452,11 @@ class PersistIOManager(dg.ConfigurableIOManager):
                 return self._load_legacy(client, legacy_shard, upper, what)
             raise AssetNotStored(f"{what}: nothing stored yet (no shard is named {name!r}): "
                                  "materialize it first") from None
+        except NotYetAvailable:
+            # Named by a store that died before its write (or by resolve(create=True)):
+            # nothing stored yet either, whatever step it died at.
+            raise AssetNotStored(f"{what}: nothing stored yet (shard {name!r} holds no "
+                                 "table): materialize it first") from None
 
     def _load_legacy(self, client: PersistClient, shard: str, upper: int | None,
                      what: str) -> pa.Table:
