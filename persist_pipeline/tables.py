@@ -267,6 +267,9 @@ def store_tables(client: PersistClient,
     for _ in range(MAX_GENERATION_ATTEMPTS):
         for name in encoded:
             _refuse_closed(client, name, names)
+            # Before any generation is opened: opening one names it (for good) and
+            # creates its shard, which a refusal of a later table would leave behind.
+            _refuse_foreign_newest(client, name, names)
         opened: list[WriteHandle] = []
         try:
             txn = client.transaction()
@@ -435,6 +438,29 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
         return writer, gen_name, shard, reason
     raise PersistError(f"{name}: could not settle on a generation for this table's schema "
                        f"in {MAX_GENERATION_ATTEMPTS} attempts (its schema keeps changing)")
+
+
+def _refuse_foreign_newest(client: PersistClient, name: str,
+                           names: Mapping[str, ShardId]) -> None:
+    """Refuse, before anything is named or created, a store under ``name`` whose newest
+    generation is a shard no table store wrote: :func:`_open_generation` would refuse
+    it (:func:`_refuse_foreign`), after opening the generations of the tables before it.
+
+    Raises:
+        NotATable: as :func:`_refuse_foreign`; nothing was changed.
+    """
+    found = generations(name, names)
+    if not found:
+        return
+    gen_name = generation_name(name, found[-1])
+    shard = names[gen_name]
+    try:
+        recorded = client.schema(shard)
+    except ShardNotFound:
+        return  # named by a store that died before creating it
+    if recorded is None and _stored_upper(client, shard) == 0:
+        return  # named, not written yet: any table store takes it
+    _refuse_foreign(client, gen_name, shard, recorded)
 
 
 def _refuse_foreign(client: PersistClient, gen_name: str, shard: ShardId,

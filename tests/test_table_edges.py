@@ -286,3 +286,19 @@ def test_a_table_named_but_never_written_is_not_yet_available(client: PersistCli
     with pytest.raises(NotYetAvailable, match="named/only: nothing stored yet"):
         tables.load_table(client, "named/only")
 
+
+def test_store_tables_refused_for_a_foreign_shard_names_no_other_table(
+        client: PersistClient) -> None:
+    """A ``store_tables`` refused because one name is a shard no table store wrote
+    (``NotATable``) changes nothing: the other, new, tables are not named (names are
+    forever) nor their shards created."""
+    writer = client.open_writer(client.resolve("foreign", create=True))  # untyped
+    writer.compare_and_append([(b"x", b"y", 0, 1)], 0, 1)
+    writer.expire()
+    before = dict(client.shard_names())
+    shards_before = set(client.list_shards())
+    with pytest.raises(NotATable):
+        tables.store_tables(client, {"fresh": (pa.table({"id": [1]}), None),
+                                     "foreign": (pa.table({"id": [2]}), None)})
+    assert client.shard_names() == before
+    assert set(client.list_shards()) == shards_before
