@@ -126,6 +126,7 @@ from persist_pipeline.frontier import Frontier, check_frontier
 from persist_pipeline.ids import ShardId, check_token, new_token
 from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ingest import with_default_diff
+from persist_pipeline.internal import history
 from persist_pipeline.internal.blobs import ShardBlobs, key_starts, split_keys
 from persist_pipeline.internal.merge import memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Store
@@ -923,21 +924,54 @@ def _refuse_wrapping_sums(client: PersistClient, job: _WriteJob,
         raise InvalidUpdates(f"the write's {e.what}; nothing was written") from None
 
 
-def _abort(job: _WriteJob, messages: Sequence[Any]) -> None:
-    """Run on the driver after a failed task or a failed commit."""
+def _abort(job: _WriteJob, messages: Sequence[Any],
+           client: PersistClient | None = None) -> None:
+    """Run on the driver after a failed task or a failed commit (with ``client``, or one
+    opened on the job's location when it must ask consensus)."""
     marker = _commit_marker(job)
     if marker.exists():
         # A commit was attempted: it deleted the parts itself if it knew for certain
         # nothing was committed; otherwise they may be referenced, and are GC's to judge.
         marker.unlink(missing_ok=True)
         return
-    # No commit was attempted: nothing can reference these parts.
+    parts = [part for message in messages if message is not None
+             for part in getattr(message, "parts", ())]
+    if not parts:
+        return
+    # No marker: no commit was attempted, or one finished (a commit removes its marker
+    # once it landed) and Spark never learnt it (the worker that ran it died before
+    # replying): Spark then aborts a write whose parts the shard references. Only
+    # consensus tells the two apart; deleting on a guess would lose acknowledged rows.
+    if _may_have_landed(job, client):
+        log.warning("persist spark write aborted after its batch %s was committed (or "
+                    "when that could not be told): its parts are left to GC",
+                    job.batch_id)
+        return
     from persist_pipeline.spark import _blob
 
-    for message in messages:
-        for part in getattr(message, "parts", ()) if message is not None else ():
-            uri = job.location.wal_blob_uri if part.store == "wal" else job.location.blob_uri
-            try:
-                _blob(uri or job.location.blob_uri).delete(part.key)
-            except PersistError as e:  # GC's orphan sweep gets it later
-                log.warning("could not delete uncommitted part %s: %s", part.key, e)
+    for part in parts:
+        uri = job.location.wal_blob_uri if part.store == "wal" else job.location.blob_uri
+        try:
+            _blob(uri or job.location.blob_uri).delete(part.key)
+        except PersistError as e:  # GC's orphan sweep gets it later
+            log.warning("could not delete uncommitted part %s: %s", part.key, e)
+
+
+def _may_have_landed(job: _WriteJob, client: PersistClient | None) -> bool:
+    """Whether the write's batch may be in the shard (False only if consensus says for
+    certain it never was): its token's batch found in the state or its kept history,
+    history truncated by GC, or consensus out of reach all count as may."""
+    own = client is None
+    try:
+        if client is None:
+            client = job.location.client()
+        landed = history.batch_landed(client._machine(job.location.shard_id),
+                                      job.batch_id, job.expected_upper, job.token)
+    except ShardNotFound:
+        return False  # no shard, nothing in it references the parts
+    except PersistError:
+        return True  # (TokenReused: another write's token; the parts are GC's to judge)
+    finally:
+        if own and client is not None:
+            client.close()
+    return landed is not False

@@ -143,3 +143,30 @@ def test_a_malformed_token_option_is_refused_before_anything_is_created(
         _write_job(_options(durable_location, "fresh/orders", 0, 1,
                             idempotency_token=token), overwrite=False)
     assert client.shard_names() == {} and client.list_shards() == []
+
+
+def test_an_abort_after_a_commit_that_landed_keeps_its_parts(
+        durable_location: Location, client: PersistClient):
+    """Spark aborts a write whose commit raised on the JVM's side, also when the Python
+    worker that ran the commit finished it (killed after committing, its reply lost):
+    the commit's parts are then the shard's rows, and the abort must not delete them.
+    An abort after failed tasks (no commit ran) still deletes what they uploaded."""
+    from persist_pipeline.blob import open_blob
+    from persist_pipeline.spark_source import _abort
+
+    blob = open_blob(durable_location.blob_uri)
+    shard = str(ShardId.new())
+    landed = _write_job(_options(durable_location, shard, 0, 1), overwrite=False)
+    message = PersistCommitMessage(*_write_task(landed, iter([pa.RecordBatch.from_pylist(
+        [{"k": b"a", "v": b"", "t": 0, "d": 1}])])))
+    _commit(landed, [message])  # ...whose reply Spark never got: it aborts the write
+    _abort(landed, [message])
+    assert all(blob.get(p.key) is not None for p in message.parts)
+    assert _contents(client, shard, 0) == [(b"a", 1)]
+
+    failed = _write_job(_options(durable_location, shard, 1, 2), overwrite=False)
+    lost = PersistCommitMessage(*_write_task(failed, iter([pa.RecordBatch.from_pylist(
+        [{"k": b"b", "v": b"", "t": 1, "d": 1}])])))
+    _abort(failed, [lost])  # a task failed: no commit was attempted
+    assert all(blob.get(p.key) is None for p in lost.parts)
+    assert _contents(client, shard, 0) == [(b"a", 1)]

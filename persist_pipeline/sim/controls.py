@@ -474,6 +474,17 @@ def transaction_retry_not_settled() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def abort_trusts_a_missing_marker() -> Iterator[None]:
+    """A Spark write's abort deletes its parts whenever no commit marker is left, as if
+    no commit had been attempted: a commit that landed (and removed its marker) but
+    whose reply Spark never got has its referenced parts deleted."""
+    from persist_pipeline import spark_source
+
+    with _patched(spark_source, "_may_have_landed", lambda job, client: False):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -507,4 +518,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "listen_release_raises": listen_release_raises,
     "retry_not_settled_by_history": retry_not_settled_by_history,
     "transaction_retry_not_settled": transaction_retry_not_settled,
+    "abort_trusts_a_missing_marker": abort_trusts_a_missing_marker,
 }

@@ -384,7 +384,7 @@ def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table],
         _run_tasks(run, job, tables, messages)
     except BackendError:
         # A task failed for good: Spark aborts the job; nothing was committed.
-        spark_source._abort(job, messages)
+        spark_source._abort(job, messages, client)
         return "aborted"
     except PersistError as e:
         run.violation(f"Spark write task: unexpected {type(e).__name__}: {e}")
@@ -404,7 +404,14 @@ def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table],
         run.seams.recommits.append(Recommit(job, messages, tables, status, append))
     if status != "acked":
         with contextlib.suppress(PersistError):  # its parts are then left to GC
-            spark_source._abort(job, messages)
+            spark_source._abort(job, messages, client)
+    elif run.rng.random() < 0.3:
+        # The commit landed, but Spark never learnt it (the Python worker that ran it
+        # died before replying): Spark aborts the write all the same, and its parts are
+        # the shard's rows.
+        run.scheduler.count("spark_aborts_after_commit")
+        with contextlib.suppress(PersistError):
+            spark_source._abort(job, messages, client)
     return status
 
 
