@@ -392,11 +392,13 @@ class Transaction:
                 retry = True
             elif isinstance(result, transitions.UpperMismatchResult) and op.lower is not None:
                 current = result.current
-                if current is None or less_than(current, op.lower):
-                    continue  # a gap would open (or the shard is closed): final
+                if less_than(current, op.lower):
+                    continue  # a gap would open: final
+                # A closed shard (None) is past every upper: left out below, as a
+                # writer's own append leaves it (nothing written, placement "none").
                 op.handle._delete_uncommitted(staged.parts)
                 state = op.handle._machine.state
-                if less_than(current, op.upper):
+                if current is not None and less_than(current, op.upper):
                     op.data = op.data.filter_times(current)
                     op.expected, op.token, op.staged = current, new_token(), None
                 else:

@@ -305,6 +305,26 @@ def test_append_in_a_transaction_cuts_what_identical_writers_wrote(open_client):
     assert snapshot_rows(client, b) == [(b"k", b"0", 1), (b"k", b"1", 1)]
 
 
+def test_append_in_a_transaction_leaves_out_a_closed_shard_as_a_writers_append_does(
+        open_client):
+    """A closed shard's upper (the empty frontier) is past every upper: ``append`` writes
+    nothing there and reports so (placement "none"), alone and in a transaction alike;
+    the transaction's other appends commit. ``compare_and_append`` to it is refused."""
+    client = open_client()
+    a, b, wa, wb = two_shards(client)
+    wa.compare_and_append([(b"k", b"0", 0, 1)], 0, None)  # closed for good
+    alone = wa.append([(b"k", b"1", 3, 1)], 3, 5)
+    assert alone.placement == "none" and alone.upper is None
+    txn = client.transaction()
+    txn.append(wa, [(b"k", b"1", 3, 1)], 3, 5)
+    txn.compare_and_append(wb, [(b"k", b"1", 0, 1)], 0, 1)
+    results = txn.commit()
+    assert results[str(a)].placement == "none" and results[str(a)].upper is None
+    assert results[str(a)].num_updates == 0
+    assert uppers(client, a, b) == [None, 1]
+    assert snapshot_rows(client, b) == [(b"k", b"1", 1)]
+
+
 def test_a_full_inline_budget_sends_that_shard_to_blob(location):
     """The budget is per shard: the one whose budget is full goes to blob within the
     same transaction; the other stays inline."""
