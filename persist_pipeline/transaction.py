@@ -129,7 +129,10 @@ class Transaction:
         """Add an append of ``updates`` to ``shard`` iff its upper is ``expected_upper``
         at commit; it then advances to ``new_upper``. Arguments and validation are those
         of :meth:`WriteHandle.compare_and_append`; bad input raises here and leaves the
-        transaction as it was. ``idempotency_token`` names the shard's batch, so a
+        transaction as it was (a name given for a shard that does not exist yet is
+        registered, and its empty shard created, once the append passed validation: an
+        abort or a refused commit leaves that name registered, as names are never
+        deleted). ``idempotency_token`` names the shard's batch, so a
         process that recorded it before committing can ask
         :meth:`WriteHandle.committed` afterwards (default: a fresh token); it is 1-128
         characters ``[A-Za-z0-9_-]``.
