@@ -37,6 +37,7 @@ from persist_pipeline.frontier import Frontier, less_than
 from persist_pipeline.ids import ShardId, check_token, new_token
 from persist_pipeline.internal import history, transitions
 from persist_pipeline.internal.machine import Step, apply_many
+from persist_pipeline.names import refuse_new_generation_name
 from persist_pipeline.updates import Updates
 from persist_pipeline.write import (
     _MISSING_PART_RETRIES,
@@ -122,6 +123,10 @@ class Transaction:
         self._ops: dict[str, _Op] = {}
         self._opened: list[WriteHandle] = []
         self._finished = False
+        #: Names given for shards that did not exist, and the fresh shard id each was
+        #: given: registered only when the transaction commits (names are never deleted,
+        #: so a transaction refused or aborted before then must leave none behind).
+        self._new_names: dict[str, str] = {}
 
     def compare_and_append(self, shard: WriteHandle | ShardLike, updates: object,
                            expected_upper: int, new_upper: Frontier, *,
@@ -130,9 +135,9 @@ class Transaction:
         at commit; it then advances to ``new_upper``. Arguments and validation are those
         of :meth:`WriteHandle.compare_and_append`; bad input raises here and leaves the
         transaction as it was (a name given for a shard that does not exist yet is
-        registered, and its empty shard created, once the append passed validation: an
-        abort or a refused commit leaves that name registered, as names are never
-        deleted). ``idempotency_token`` names the shard's batch, so a
+        registered as the last step before the commit: an abort leaves no name behind,
+        a commit then refused leaves it registered, as names are never deleted).
+        ``idempotency_token`` names the shard's batch, so a
         process that recorded it before committing can ask
         :meth:`WriteHandle.committed` afterwards (default: a fresh token); it is 1-128
         characters ``[A-Za-z0-9_-]``.
@@ -221,7 +226,16 @@ class Transaction:
                                    f"client: a transaction commits through one client")
             return shard.shard_id
         if isinstance(shard, str) and not _looks_like_id(shard):
-            return str(self._client.resolve(shard, create=True))
+            if shard in self._new_names:
+                return self._new_names[shard]
+            registry = self._client.name_registry
+            found = registry.lookup(shard)
+            if found is not None:
+                return str(found)
+            # Refused now if it may never be registered; registered at commit.
+            refuse_new_generation_name(registry, shard)
+            self._new_names[shard] = str(ShardId.new())
+            return self._new_names[shard]
         return str(ShardId.parse(shard))
 
     def _is_new(self, shard: WriteHandle | ShardLike) -> bool:
@@ -266,7 +280,8 @@ class Transaction:
 
         Raises:
             UpperMismatch: a shard's upper was not the expected one (``.shard`` names
-                it); no shard changed.
+                it), or another client registered one of its new names meanwhile
+                (``.shard`` is the name); no shard changed.
             SchemaMismatch / CommitDeadlineExceeded: as for a single write; no shard
                 changed.
             Indeterminate: a lost reply whose outcome cannot be told; read the shards
@@ -307,6 +322,10 @@ class Transaction:
                 self._stage_all(live, ops)
                 if not live:
                     return self._results(ops)
+                if not attempt:
+                    # The last step before the first commit, as a Spark write's: a
+                    # transaction refused earlier (or aborted) leaves no name behind.
+                    self._register_new_names()
                 staged = [op.staged for op in live if op.staged is not None]
                 steps = [Step(s.handle._machine, s.handle._transition(s)) for s in staged]
                 try:
@@ -334,6 +353,25 @@ class Transaction:
                 if op.staged is not None:
                     op.handle._delete_uncommitted(op.staged.parts)
             raise
+
+    def _register_new_names(self) -> None:
+        """Register each new name of the transaction for the shard its append was staged
+        for.
+
+        Raises:
+            UpperMismatch: another client registered one of the names for another shard
+                since it was added (``.shard`` is the name, ``.current`` that shard's
+                upper); nothing is committed (names registered before it stay).
+        """
+        for name, shard_id in self._new_names.items():
+            registered = str(self._client.register_name(name, shard_id))
+            if registered == shard_id:
+                continue
+            try:
+                current: Frontier = self._client._machine(registered).fetch_latest().upper
+            except ShardNotFound:
+                current = 0  # registered, not written yet
+            raise UpperMismatch(self._ops[shard_id].expected, current, shard=name)
 
     @staticmethod
     def _stage_all(live: list[_Op], ops: list[_Op]) -> None:

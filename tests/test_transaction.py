@@ -325,6 +325,47 @@ def test_append_in_a_transaction_leaves_out_a_closed_shard_as_a_writers_append_d
     assert snapshot_rows(client, b) == [(b"k", b"1", 1)]
 
 
+def test_a_new_name_is_registered_only_when_its_transaction_commits(open_client):
+    """A transaction's append to a name no shard has yet registers the name as the last
+    step before the commit, as a Spark write does: a transaction aborted (an exception
+    in its block, ``abort()``) leaves no name behind (names are never deleted); one
+    refused by the commit itself leaves the name naming an empty shard; a name another
+    client registers meanwhile refuses the commit (``UpperMismatch`` naming it), the
+    name keeping that client's shard; the same new name twice in one transaction is
+    refused when added."""
+    client = open_client()
+    _a, b, _wa, wb = two_shards(client)
+    wb.compare_and_append([(b"x", b"", 0, 1)], 0, 1)
+    with pytest.raises(RuntimeError), client.transaction() as txn:
+        txn.compare_and_append("fresh/two", [(b"k", b"", 0, 1)], 0, 1)
+        raise RuntimeError("the caller's code failed: the transaction aborts")
+    txn = client.transaction()
+    txn.append("fresh/two", [(b"k", b"", 0, 1)], 0, 1)
+    txn.abort()
+    assert client.shard_names() == {}
+    with pytest.raises(UpperMismatch), client.transaction() as txn:
+        txn.compare_and_append("fresh/one", [(b"k", b"", 0, 1)], 0, 1)
+        txn.compare_and_append(wb, [(b"k", b"", 0, 1)], 0, 1)  # b's upper is 1
+    assert uppers(client, client.resolve("fresh/one")) == [0]
+    txn = client.transaction()
+    txn.compare_and_append("fresh/three", [(b"k", b"", 0, 1)], 0, 1)
+    with pytest.raises(InvalidInput, match="appears twice"):
+        txn.append("fresh/three", [(b"j", b"", 0, 1)], 0, 1)
+    txn.compare_and_append(wb, [(b"k", b"", 1, 1)], 1, 2)
+    other = client.resolve("fresh/three", create=True)  # another client names it first
+    with pytest.raises(UpperMismatch) as refused:
+        txn.commit()
+    assert refused.value.shard == "fresh/three"
+    assert client.resolve("fresh/three") == other and uppers(client, b) == [1]
+    with client.transaction() as txn:
+        txn.compare_and_append("fresh/one", [(b"k", b"", 0, 1)], 0, 1)
+        txn.compare_and_append(wb, [(b"k", b"", 1, 1)], 1, 2)
+    assert set(client.shard_names()) == {"fresh/one", "fresh/three"}
+    assert snapshot_rows(client, client.resolve("fresh/one")) == [(b"k", b"", 1)]
+    assert snapshot_rows(client, b) == [(b"k", b"", 1), (b"x", b"", 1)]
+    client.close()
+
+
 def test_a_full_inline_budget_sends_that_shard_to_blob(location):
     """The budget is per shard: the one whose budget is full goes to blob within the
     same transaction; the other stays inline."""
