@@ -485,6 +485,22 @@ def abort_trusts_a_missing_marker() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def transaction_names_on_add() -> Iterator[None]:
+    """A transaction registers a new shard name when its append is added, not before
+    its commit: one aborted afterwards leaves the name registered for good."""
+    from persist_pipeline import transaction
+
+    def registering(self: Any, shard: Any) -> str:
+        if isinstance(shard, str) and not transaction._looks_like_id(shard):
+            return str(self._client.resolve(shard, create=True))
+        return original(self, shard)
+
+    original = transaction.Transaction._shard_id
+    with _patched(transaction.Transaction, "_shard_id", registering):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -519,4 +535,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "retry_not_settled_by_history": retry_not_settled_by_history,
     "transaction_retry_not_settled": transaction_retry_not_settled,
     "abort_trusts_a_missing_marker": abort_trusts_a_missing_marker,
+    "transaction_names_on_add": transaction_names_on_add,
 }

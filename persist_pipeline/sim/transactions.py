@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from persist_pipeline.exceptions import (
+    BackendError,
     CommitDeadlineExceeded,
     Indeterminate,
     LeaseExpired,
@@ -110,6 +111,30 @@ def _commit(run: SimRun, client: PersistClient, ledger: TxnLedger,
         entry.status = "failed"
     except Indeterminate:
         entry.status = "unknown"
+
+
+def _abort_naming(run: SimRun, client: PersistClient, ledger: TxnLedger,
+                  writers: list[WriteHandle]) -> None:
+    """A transaction that appends to the pair's first shard and to a name no shard has,
+    aborted before it commits (its caller's code failed): it leaves no name behind
+    (names are never deleted)."""
+    pair = ledger.pair
+    assert pair is not None
+    upper = run.monitors.get(pair[0]).upper
+    if upper is None:
+        return
+    name = f"aborted/{run.rng.getrandbits(48):012x}"
+    txn = client.transaction()
+    try:
+        txn.compare_and_append(writers[0], [(b"never", b"", upper, 1)], upper, upper + 1)
+        txn.compare_and_append(name, [(b"never", b"", 0, 1)], 0, 1)
+        txn.abort()
+        found = client.name_registry.lookup(name)
+    except BackendError:
+        txn.abort()
+        return  # a store fault (also an Indeterminate): nothing to check this time
+    if found is not None:
+        run.violation(f"an aborted transaction left the name {name!r} registered")
 
 
 def _commit_and_retry(run: SimRun, client: PersistClient, ledger: TxnLedger) -> None:
@@ -299,6 +324,8 @@ def transactor(run: SimRun, proc: Process) -> None:
                 _commit(run, client, ledger, writers, stale=run.rng.random() < 0.3)
             elif roll < 0.65:
                 _commit_and_retry(run, client, ledger)
+            elif roll < 0.68:
+                _abort_naming(run, client, ledger, writers)
             elif roll < 0.8:
                 a = pair[0]
                 upper = run.monitors.get(a).upper
