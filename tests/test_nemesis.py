@@ -172,10 +172,9 @@ def test_control_broken_idempotency_is_caught_as_duplicates(location, monkeypatc
 
 
 def test_control_inline_bound_violation_is_caught(location, monkeypatch):
-    real = transitions.compare_and_append
-    monkeypatch.setattr(transitions, "compare_and_append",
-                        lambda state, batch, **kw: real(state, batch,
-                                                        **{**kw, "inline_max_bytes": 1 << 30}))
+    # The transition's bound broken outright: neither the process's max nor the one the
+    # shard recorded holds an append back.
+    monkeypatch.setattr(transitions, "inline_write_bound", lambda state, own: 1 << 30)
     client = location.client(InlinePolicy(4096, 100))
     shard = ShardId.new()
     writer = client.open_writer(shard)
