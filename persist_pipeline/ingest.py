@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl",
            ".ndjson": "jsonl"}
 _DIFF_RANGE = (-(1 << 63), (1 << 63) - 1)
+#: An integer written in a CSV cell: ASCII digits with an optional sign, as a typed CSV
+#: column reads them. Python's ``int()`` also takes ``1_000`` and other scripts' digits,
+#: which would make the untyped path accept cells the typed one refuses.
+_CSV_INTEGER = re.compile(r"[+-]?[0-9]+", re.ASCII)
 
 
 def with_default_diff(table: pa.Table) -> pa.Table:
@@ -81,11 +86,10 @@ def _int(value: Any, name: str, where: str, lo: int, hi: int, text: bool = True)
         raise InvalidUpdates(f"{where}: column {name} must be an integer (a JSON number, "
                              f"not text), got {value[:40]!r}")
     if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
+        if not _CSV_INTEGER.fullmatch(value.strip()):
             raise InvalidUpdates(f"{where}: column {name} must be an integer, "
-                                 f"got {value[:40]!r}") from None
+                                 f"got {value[:40]!r}")
+        value = int(value.strip())
     if not isinstance(value, int):
         raise InvalidUpdates(f"{where}: column {name} must be an integer, got {value!r}")
     if not lo <= value <= hi:

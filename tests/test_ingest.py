@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from persist_pipeline.exceptions import InvalidInput, InvalidUpdates
-from persist_pipeline.ingest import read_typed_file, read_updates_file, route_schema
+from persist_pipeline.ingest import read_csv, read_typed_file, read_updates_file, route_schema
 
 ROWS = [{"k": "a", "v": "1", "t": 0, "table": "orders"},
         {"k": "b", "v": "2", "t": 1, "d": -1, "table": "refunds"}]
@@ -194,3 +194,20 @@ def test_jsonl_times_and_diffs_are_json_integers(tmp_path: Path, line: str,
     with pytest.raises(InvalidUpdates, match=rf"u\.jsonl: line 2: column {column} must be "
                                              r"an integer"):
         read_updates_file(path)
+
+
+@pytest.mark.parametrize("cell", ["1_000", "\u0661\u0662", "1e3", "0x10", "", "1.0"])
+def test_an_untyped_csv_refuses_times_a_typed_csv_refuses(tmp_path: Path, cell: str) -> None:
+    """A time cell is ASCII digits with an optional sign, as a typed CSV column reads it;
+    Python's int() alone would take ``1_000`` and other scripts' digits."""
+    path = tmp_path / "times.csv"
+    path.write_text(f"k,v,t\na,1,5\nb,2,{cell}\n", encoding="utf-8")
+    with pytest.raises(InvalidUpdates, match=r"line 3.*column t must be an integer"):
+        read_csv(path)
+
+
+def test_an_untyped_csv_reads_signed_and_padded_integers(tmp_path: Path) -> None:
+    path = tmp_path / "times.csv"
+    path.write_text("k,v,t,d\na,1, 7 ,-2\nb,2,+8,+3\n", encoding="utf-8")
+    assert read_csv(path).to_pylist() == [
+        {"k": b"a", "v": b"1", "t": 7, "d": -2}, {"k": b"b", "v": b"2", "t": 8, "d": 3}]
