@@ -840,6 +840,23 @@ def _commit_marker(job: _WriteJob) -> Path:
     return folder / f"persist-spark-commit-{job.token}-{job.plan_id}"
 
 
+def _abort_marker(job: _WriteJob) -> Path:
+    """A file on the driver's host that says an abort of this write may delete its parts.
+
+    Commit and abort each create their own marker, then look for the other's: if they
+    overlap, at least one sees the other, so an abort never deletes the parts of a commit
+    that goes on to reference them (the commit refuses; or the abort leaves the parts
+    to GC). An abort that deletes the parts leaves its marker: a commit of this write
+    that starts later must refuse too; one that deletes nothing removes it.
+    """
+    return _commit_marker(job).with_name(f"persist-spark-abort-{job.token}-{job.plan_id}")
+
+
+def _was_aborted(job: _WriteJob) -> bool:
+    """Whether an abort of this write has run or is running (its marker exists)."""
+    return _abort_marker(job).exists()
+
+
 def _commit(job: _WriteJob, messages: Sequence[Any],
             client: PersistClient | None = None) -> None:
     """Run on the driver: commit every task's parts as one batch, atomically (with
@@ -860,6 +877,12 @@ def _commit(job: _WriteJob, messages: Sequence[Any],
         _register_new_name(client, job)
         marker = _commit_marker(job)
         marker.touch()
+        if _was_aborted(job):
+            # An abort of this write ran (or runs) and may have deleted its parts.
+            marker.unlink(missing_ok=True)
+            raise CommitDeadlineExceeded(
+                "this write was aborted while its commit had not started; nothing was "
+                "written (run the write again)")
         with client.open_writer(job.location.shard_id, debug="spark write") as writer:
             # The schema the tasks encoded with, fixed when the write was planned: a
             # schema recorded since (another client typing the shard) refuses the commit.
@@ -928,25 +951,36 @@ def _abort(job: _WriteJob, messages: Sequence[Any],
            client: PersistClient | None = None) -> None:
     """Run on the driver after a failed task or a failed commit (with ``client``, or one
     opened on the job's location when it must ask consensus)."""
-    marker = _commit_marker(job)
-    if marker.exists():
-        # A commit was attempted: it deleted the parts itself if it knew for certain
-        # nothing was committed; otherwise they may be referenced, and are GC's to judge.
-        marker.unlink(missing_ok=True)
-        return
     parts = [part for message in messages if message is not None
              for part in getattr(message, "parts", ())]
+    marker = _commit_marker(job)
     if not parts:
+        marker.unlink(missing_ok=True)
         return
-    # No marker: no commit was attempted, or one finished (a commit removes its marker
-    # once it landed) and Spark never learnt it (the worker that ran it died before
-    # replying): Spark then aborts a write whose parts the shard references. Only
-    # consensus tells the two apart; deleting on a guess would lose acknowledged rows.
-    if _may_have_landed(job, client):
-        log.warning("persist spark write aborted after its batch %s was committed (or "
-                    "when that could not be told): its parts are left to GC",
-                    job.batch_id)
-        return
+    aborting = _abort_marker(job)
+    aborting.touch()  # before looking for the commit's marker (see _abort_marker)
+    deleting = False
+    try:
+        if marker.exists():
+            # A commit was attempted: it deleted the parts itself if it knew for certain
+            # nothing was committed; otherwise they may be referenced, and are GC's to
+            # judge.
+            marker.unlink(missing_ok=True)
+            return
+        # No marker: no commit was attempted, or one finished (a commit removes its
+        # marker once it landed) and Spark never learnt it (the worker that ran it died
+        # before replying): Spark then aborts a write whose parts the shard references.
+        # Only consensus tells the two apart; deleting on a guess would lose
+        # acknowledged rows.
+        if _may_have_landed(job, client):
+            log.warning("persist spark write aborted after its batch %s was committed "
+                        "(or when that could not be told): its parts are left to GC",
+                        job.batch_id)
+            return
+        deleting = True
+    finally:
+        if not deleting:  # nothing deleted: a commit of these parts may still land
+            aborting.unlink(missing_ok=True)
     from persist_pipeline.spark import _blob
 
     for part in parts:

@@ -170,3 +170,29 @@ def test_an_abort_after_a_commit_that_landed_keeps_its_parts(
     _abort(failed, [lost])  # a task failed: no commit was attempted
     assert all(blob.get(p.key) is None for p in lost.parts)
     assert _contents(client, shard, 0) == [(b"a", 1)]
+
+
+def test_an_abort_that_overtakes_its_commit_keeps_the_commit_from_landing(
+        durable_location: Location, client: PersistClient):
+    """Spark aborts a write while the Python worker that commits it has not started the
+    commit yet: the abort deletes the uploaded parts (consensus says the batch never
+    landed), and the late commit must then refuse instead of committing a batch whose
+    parts are gone (every later read of the shard would fail on a missing part)."""
+    from persist_pipeline.blob import open_blob
+    from persist_pipeline.exceptions import CommitDeadlineExceeded
+    from persist_pipeline.spark_source import _abort
+
+    blob = open_blob(durable_location.blob_uri)
+    shard = str(ShardId.new())
+    job = _write_job(_options(durable_location, shard, 0, 1), overwrite=False)
+    message = PersistCommitMessage(*_write_task(job, iter([pa.RecordBatch.from_pylist(
+        [{"k": b"a", "v": b"", "t": 0, "d": 1}])])))
+    _abort(job, [message])
+    assert all(blob.get(p.key) is None for p in message.parts)
+    with pytest.raises(CommitDeadlineExceeded, match="aborted"):
+        _commit(job, [message])
+    assert not _commit_marker(job).exists()
+    assert all(client.inspect(s)["upper"] == 0 for s in client.list_shards())
+    # The write run again (a new plan) commits as usual.
+    _save(_options(durable_location, shard, 0, 1), [(b"a", b"", 0, 1)])
+    assert _contents(client, shard, 0) == [(b"a", 1)]

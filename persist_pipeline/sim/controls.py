@@ -486,6 +486,16 @@ def abort_trusts_a_missing_marker() -> Iterator[None]:
 
 
 @contextmanager
+def commit_ignores_an_earlier_abort() -> Iterator[None]:
+    """A Spark write's commit does not see that an abort of the same write ran before it
+    started: the abort deleted the parts, and the commit references them."""
+    from persist_pipeline import spark_source
+
+    with _patched(spark_source, "_was_aborted", lambda job: False):
+        yield
+
+
+@contextmanager
 def transaction_names_on_add() -> Iterator[None]:
     """A transaction registers a new shard name when its append is added, not before
     its commit: one aborted afterwards leaves the name registered for good."""
@@ -535,5 +545,6 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "retry_not_settled_by_history": retry_not_settled_by_history,
     "transaction_retry_not_settled": transaction_retry_not_settled,
     "abort_trusts_a_missing_marker": abort_trusts_a_missing_marker,
+    "commit_ignores_an_earlier_abort": commit_ignores_an_earlier_abort,
     "transaction_names_on_add": transaction_names_on_add,
 }

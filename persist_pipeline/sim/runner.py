@@ -74,6 +74,9 @@ class Profile:
     #: Spark writers now and then commit an earlier write again, with its token and
     #: parts, as a driver does that never learnt the outcome.
     recommits: bool = False
+    #: Spark now and then aborts a write before the worker that commits it has started
+    #: (the late commit must refuse: the abort may have deleted its parts).
+    aborts_before_commit: bool = False
     #: Each process's own ``gc_orphan_min_age_s``, drawn from these (empty: the seed's
     #: config for all): GCs and writers configured with different ages, a shorter one
     #: than the shard's among them.
@@ -109,7 +112,7 @@ PROFILES: dict[str, Profile] = {
     "seams": Profile({"spark_writer": (1, 2), "overflow_writer": (1, 1), "closer": (0, 1),
                       "configured_writer": (0, 1), "table_writer": (1, 2),
                       "writer": (1, 2), "reader": (0, 1), "namer": (0, 1),
-                      "compactor": (1, 1), "gc": (1, 2)}),
+                      "compactor": (1, 1), "gc": (1, 2)}, aborts_before_commit=True),
     # Clocks and lost replies: blob writes racing GCs whose clocks are off (every
     # process's wall clock skewed) and that are configured with other orphan ages than
     # the writers', commits whose replies are lost while the writer pauses past its

@@ -394,6 +394,12 @@ def _drive(run: SimRun, client: PersistClient, job: Any, tables: list[pa.Table],
     if racing:
         assert proc is not None and append is not None
         _race_commit(run, proc, job, messages, append)
+    elif run.profile.aborts_before_commit and run.rng.random() < 0.3:
+        # Spark aborts the job before the Python worker that commits it has started:
+        # the abort may delete the parts, so the late commit must refuse.
+        run.scheduler.count("spark_aborts_before_commit")
+        with contextlib.suppress(PersistError):
+            spark_source._abort(job, messages, client)
     status = _commit_job(run, client, job, messages)
     if racing and status == "failed":
         # The racing commit of the same parts may land after this refusal: it decides.
