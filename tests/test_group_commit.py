@@ -15,6 +15,7 @@ from persist_pipeline.internal import transitions
 from persist_pipeline.internal.clock import SYSTEM_CLOCK
 from persist_pipeline.internal.funnel import Funnel
 from persist_pipeline.internal.machine import MachineMetrics
+from tests.fixtures.location import location_kinds, make_location
 from tests.helpers import rows
 
 
@@ -447,4 +448,129 @@ def test_a_lone_append_beside_a_group_in_flight_waits_to_share_the_next_round_tr
     for n in names:
         assert results[n].upper == 1, results[n]  # type: ignore[attr-defined]
         assert _read(client, shards[n]) == [(n.encode(), b"", 1)]
+    client.close()
+
+
+def _interrupt_once(monkeypatch: Any, name: str, after: bool) -> list[str]:
+    """Make ``Funnel.<name>`` raise KeyboardInterrupt once, on entry (a signal landing
+    as the call starts) or after it returned (landing before its caller stored the
+    result): the instants right after a writer claimed a slot, bytes or a group."""
+    original = getattr(Funnel, name)
+    fired: list[str] = []
+
+    def interrupted(self: Funnel, *args: Any, **kwargs: Any) -> Any:
+        if fired:
+            return original(self, *args, **kwargs)
+        fired.append(name)
+        if not after:
+            raise KeyboardInterrupt
+        original(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Funnel, name, interrupted)
+    return fired
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("window_s, name, after", [
+    (0.0, "_admit", True),          # bytes and a group-of-one slot claimed
+    (0.0, "_commit_alone", False),  # about to commit that group of one
+    (0.01, "_admit", True),         # bytes claimed, queued
+    (0.01, "_lead", False),         # a leader's slot claimed
+    (0.01, "_take", True),          # a group taken
+])
+@pytest.mark.parametrize("kind", location_kinds("embedded", "pg-s3"))
+def test_an_interrupt_right_after_a_claim_in_the_funnel_leaks_nothing(
+        monkeypatch, request, tmp_path, kind, window_s, name, after):
+    """A KeyboardInterrupt (any BaseException) may land right after a writer claimed
+    in-flight bytes, a leader's slot or a group, before it entered the code that gives
+    them back: the claim must go with the interrupted writer, or later writers of the
+    client wait forever on the in-flight bound or for a leader. The interrupted append
+    is not committed behind its caller's back, and later appends all commit."""
+    location = make_location(kind, request, tmp_path)
+    # A bound one append fills: a leaked byte count blocks every later writer.
+    client = location.client(InlinePolicy(), PersistConfig(
+        group_commit_window_s=window_s, group_commit_max_inflight_bytes=64))
+    shard, other = ShardId.new(), ShardId.new()
+    writer, other_writer = client.open_writer(shard), client.open_writer(other)
+    fired = _interrupt_once(monkeypatch, name, after)
+    with pytest.raises(KeyboardInterrupt):
+        writer.compare_and_append([(b"lost", b"v" * 40, 0, 1)], 0, 1)
+    assert fired == [name]
+    errors: list[BaseException] = []
+
+    def later(w: Any, key: bytes) -> None:
+        try:
+            for t in range(3):
+                w.compare_and_append([(key + b"%d" % t, b"v" * 40, t, 1)], t, t + 1)
+        except BaseException as e:  # asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=later, args=(w, k), daemon=True)
+               for w, k in ((writer, b"a"), (other_writer, b"b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads), "later appends hang behind the interrupt"
+    assert errors == []
+    assert _read(client, shard) == [(b"a%d" % t, b"v" * 40, 1) for t in range(3)]
+    assert _read(client, other) == [(b"b%d" % t, b"v" * 40, 1) for t in range(3)]
+    client.close()
+
+
+@pytest.mark.timeout(60)
+def test_appends_a_leader_took_go_back_in_line_when_it_is_interrupted(monkeypatch, tmp_path):
+    """A leader interrupted right after it took a group, before it sent the group's
+    commit, never tried the other threads' appends in it: those go back in line, and
+    their own threads commit them (none hangs, none is lost); the leader's own append
+    is not committed behind its caller's back."""
+    client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
+                                config=PersistConfig(group_commit=False))
+    first_shard, second_shard = ShardId.new(), ShardId.new()
+    machines = {"first": client._machine(first_shard), "second": client._machine(second_shard)}
+    for m in machines.values():
+        m.open(create=True)
+    clock = _GatedWindowClock(0.05)
+    funnel = Funnel(clock, MachineMetrics(), window_s=clock.window_s,
+                    max_inflight_bytes=1 << 20)
+    original = Funnel._take
+
+    def take(self: Funnel, *args: Any) -> Any:
+        group = original(self, *args)
+        if threading.current_thread().name == "second":
+            assert len(group) == 2  # both appends, the first one's too
+            raise KeyboardInterrupt
+        return group
+
+    monkeypatch.setattr(Funnel, "_take", take)
+    outcomes: dict[str, object] = {}
+
+    def append(name: str) -> None:
+        machine = machines[name]
+
+        def register(state: Any) -> Any:
+            return transitions.register_writer(state, name, machine.now_ms(), 60_000)
+
+        try:
+            outcomes[name] = funnel.commit(machine, register)
+        except BaseException as e:  # asserted below
+            outcomes[name] = e
+
+    threads = {}
+    for name in ("first", "second"):
+        clock.gate(name)
+        threads[name] = threading.Thread(target=append, args=(name,), name=name, daemon=True)
+        threads[name].start()
+        assert clock.waiting[name].wait(10)  # leading a group, in its window
+    clock.gates["second"].set()  # takes both appends, then is interrupted
+    threads["second"].join(10)
+    assert isinstance(outcomes["second"], KeyboardInterrupt)
+    clock.gates["first"].set()
+    threads["first"].join(10)
+    assert not threads["first"].is_alive(), "an append its leader took and dropped hangs"
+    assert not isinstance(outcomes["first"], BaseException), outcomes["first"]
+    assert "first" in machines["first"].fetch_latest().writers
+    assert "second" not in machines["second"].fetch_latest().writers, \
+        "an append whose caller got an interrupt was committed afterwards"
     client.close()

@@ -79,6 +79,12 @@ class _Entry:
         self.size = size
         self.taken = False  # in a group being committed
         self.finished = False
+        # What this append's thread holds in the funnel, recorded under the lock in the
+        # step that claims it, so that whatever ends the thread (an interrupt landing
+        # right after a claim, before any try around it) gives back exactly that:
+        # the in-flight bytes it counted, and while it leads, the group it took.
+        self.counted = 0
+        self.leading: list[_Entry] | None = None
         # Made (under the funnel's lock) only when the append has to wait: most appends
         # commit alone and never do.
         self.wake: EventLike | None = None
@@ -136,9 +142,9 @@ class Funnel:
         threads' appends: what :meth:`Machine.apply` does for one append. ``size`` is
         what the append holds in memory until it commits (its inline bytes)."""
         entry = _Entry(machine, transition, proves_done, size)
-        if self._admit(entry):
-            return self._commit_alone(entry)
         try:
+            if self._admit(entry):
+                return self._commit_alone(entry)
             while True:
                 wake: EventLike | None = None
                 with self._queue_lock:
@@ -147,6 +153,7 @@ class Funnel:
                     if (not entry.taken and self._may_lead()
                             and machine.shard_id not in self._busy):
                         self._leaders += 1
+                        entry.leading = []
                     else:
                         if entry.wake is None:
                             entry.wake = new_event()
@@ -161,17 +168,7 @@ class Funnel:
                 if alone is not None:
                     return alone
         finally:
-            successor = None
-            with self._queue_lock:
-                self._inflight -= entry.size
-                if not entry.taken:
-                    # Its thread leaves without it having been tried (an error in a group
-                    # it led, an interrupt): no later group may commit it behind its
-                    # caller's back, nor be left waiting for it to lead.
-                    self._queue.remove(entry)
-                    successor = self._successor()
-            if successor is not None:
-                successor.set()
+            self._leave(entry)
         if entry.error is not None:
             raise entry.error
         assert entry.outcome is not None and entry.state is not None
@@ -198,6 +195,7 @@ class Funnel:
                             self._wanting_room.popleft()
                             waiting = False
                         self._inflight += entry.size
+                        entry.counted = entry.size
                         if not self._queue and not self._window_s and \
                                 (self._leaders == 0 or self._may_lead(1)) and \
                                 shard not in self._busy:
@@ -205,6 +203,7 @@ class Funnel:
                             self._in_groups += 1
                             self._busy.add(shard)
                             entry.taken = True
+                            entry.leading = [entry]
                             return True
                         self._queue.append(entry)
                         return False
@@ -236,24 +235,21 @@ class Funnel:
             len(self._queue) + arriving >= self._in_groups
 
     def _commit_alone(self, entry: _Entry) -> tuple[Any, State]:
-        """Commit ``entry`` as a group of one, as :meth:`Machine.apply` commits it."""
-        try:
-            self._metrics.group_commits += 1
-            self._metrics.group_commit_appends += 1
-            return entry.machine.apply(entry.transition, proves_done=entry.proves_done)
-        finally:
-            self._hand_off([entry], released=entry.size)
+        """Commit ``entry`` as a group of one, as :meth:`Machine.apply` commits it
+        (its slot and bytes are given back as its thread leaves :meth:`commit`)."""
+        self._metrics.group_commits += 1
+        self._metrics.group_commit_appends += 1
+        return entry.machine.apply(entry.transition, proves_done=entry.proves_done)
 
     def _lead(self, entry: _Entry) -> tuple[Any, State] | None:
         """Commit one group as its leader (one of :data:`GROUPS_IN_FLIGHT` slots is
         held). Returns ``entry``'s result when the group was ``entry`` alone, committed
         as :meth:`Machine.apply` commits it; otherwise None, every append of the group
         finished (``entry`` may be in another group)."""
-        group: list[_Entry] = []
         try:
             if self._window_s:
                 self._clock.sleep(self._window_s)
-            group = self._take()
+            group = self._take(entry)
             if len(group) == 1 and group[0] is entry:
                 self._metrics.group_commits += 1
                 self._metrics.group_commit_appends += 1
@@ -262,10 +258,11 @@ class Funnel:
                 self._commit_group(group)
             return None
         finally:
-            self._hand_off(group)
+            self._hand_off(entry)
 
-    def _take(self) -> list[_Entry]:
-        """The oldest waiting append of each shard not in a group being committed."""
+    def _take(self, leader: _Entry) -> list[_Entry]:
+        """The oldest waiting append of each shard not in a group being committed,
+        recorded as the group ``leader`` holds."""
         with self._queue_lock:
             queue, busy = self._queue, self._busy
             if len(queue) == 1 and not busy:  # the usual case: one append waiting
@@ -274,6 +271,7 @@ class Funnel:
                 busy.add(only.machine.shard_id)
                 self._in_groups += 1
                 self._queue = []
+                leader.leading = queue
                 return queue
             group: list[_Entry] = []
             rest: list[_Entry] = []
@@ -287,24 +285,61 @@ class Funnel:
                     group.append(entry)
             self._queue = rest
             self._in_groups += len(group)
+            leader.leading = group
             return group
 
-    def _hand_off(self, group: list[_Entry], released: int = 0) -> None:
-        """End a group: free its slot and shards (and ``released`` in-flight bytes),
+    def _hand_off(self, leader: _Entry) -> None:
+        """End the group ``leader`` leads, if it leads one: free its slot and shards,
         wake its appends and the oldest waiting append that may now lead the next
         group. Which events to set is decided under the lock, where a waiter makes its
         event before it waits, so no wake-up is missed."""
         with self._queue_lock:
-            self._leaders -= 1
-            self._in_groups -= len(group)
-            self._inflight -= released
-            busy = self._busy
-            for entry in group:
-                busy.discard(entry.machine.shard_id)
-            wakes = [e.wake for e in group if e.wake is not None]
-            successor = self._successor()
-            if successor is not None:
-                wakes.append(successor)
+            wakes = self._end_group(leader)
+        for wake in wakes:
+            wake.set()
+
+    def _end_group(self, leader: _Entry) -> list[EventLike]:
+        """:meth:`_hand_off` under the lock: the events to set."""
+        group = leader.leading
+        if group is None:
+            return []
+        leader.leading = None
+        self._leaders -= 1
+        self._in_groups -= len(group)
+        busy = self._busy
+        back: list[_Entry] = []
+        for entry in group:
+            busy.discard(entry.machine.shard_id)
+            if not entry.finished and entry is not leader:
+                # Taken but never tried (its leader was interrupted before the commit
+                # it would have sent, which finishes every append it holds): its own
+                # thread still waits for it, so it goes back, first in line.
+                entry.taken = False
+                back.append(entry)
+        if back:
+            self._queue[:0] = back
+        wakes = [e.wake for e in group if e.wake is not None]
+        successor = self._successor()
+        if successor is not None:
+            wakes.append(successor)
+        return wakes
+
+    def _leave(self, entry: _Entry) -> None:
+        """Give back whatever ``entry``'s thread holds as it leaves :meth:`commit`,
+        however it leaves: the group it leads, its in-flight bytes, and its place in
+        the queue if it was never tried."""
+        with self._queue_lock:
+            wakes = self._end_group(entry)
+            self._inflight -= entry.counted
+            entry.counted = 0
+            if not entry.taken and entry in self._queue:
+                # Its thread leaves without it having been tried (an error in a group
+                # it led, an interrupt): no later group may commit it behind its
+                # caller's back, nor be left waiting for it to lead.
+                self._queue.remove(entry)
+                successor = self._successor()
+                if successor is not None:
+                    wakes.append(successor)
         for wake in wakes:
             wake.set()
 

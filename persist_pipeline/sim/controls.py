@@ -314,17 +314,18 @@ def funnel_forgets_successor() -> Iterator[None]:
     waiting, which may never be woken when its process appends nothing more."""
     from persist_pipeline.internal import funnel
 
-    def hand_off(self: funnel.Funnel, group: list[Any], released: int = 0) -> None:
-        with self._queue_lock:
-            self._leaders -= 1
-            self._inflight -= released
-            for entry in group:
-                self._busy.discard(entry.machine.shard_id)
-            wakes = [e.wake for e in group if e.wake is not None]
-        for wake in wakes:
-            wake.set()
+    def end_group(self: funnel.Funnel, leader: Any) -> list[Any]:
+        group = leader.leading
+        if group is None:
+            return []
+        leader.leading = None
+        self._leaders -= 1
+        self._in_groups -= len(group)
+        for entry in group:
+            self._busy.discard(entry.machine.shard_id)
+        return [e.wake for e in group if e.wake is not None]
 
-    with _patched(funnel.Funnel, "_hand_off", hand_off):
+    with _patched(funnel.Funnel, "_end_group", end_group):
         yield
 
 
