@@ -574,3 +574,69 @@ def test_appends_a_leader_took_go_back_in_line_when_it_is_interrupted(monkeypatc
     assert "second" not in machines["second"].fetch_latest().writers, \
         "an append whose caller got an interrupt was committed afterwards"
     client.close()
+
+
+def _two_appends_at_once(client: PersistClient, shard: ShardId,
+                         bounds: list[tuple[int, int]]) -> list[object]:
+    """Two threads append to ``shard`` at once (thread ``i`` from ``bounds[i]``, each
+    through its own writer); each one's result or error."""
+    writers = [client.open_writer(shard), client.open_writer(shard)]
+    barrier = threading.Barrier(2)
+    outcomes: list[object] = [None, None]
+
+    def append(i: int) -> None:
+        lower, upper = bounds[i]
+        barrier.wait()
+        try:
+            outcomes[i] = writers[i].compare_and_append([(b"w%d" % i, b"v", lower, 1)],
+                                                        lower, upper)
+        except Exception as e:  # asserted by the caller
+            outcomes[i] = e
+
+    threads = [threading.Thread(target=append, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "an append to the shard hangs"
+    for w in writers:
+        w.expire()
+    return outcomes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", location_kinds("embedded", "pg-s3"))
+def test_appends_to_one_shard_arriving_in_one_window_commit_in_a_valid_order(
+        request, tmp_path, kind):
+    """Two threads append to the SAME shard at once, inside one group-commit window,
+    each on its own expected upper. Whatever order they arrive in, the outcome is one a
+    serial order gives: a chained pair (0->1, 1->2) both commits in order or the later
+    one is refused with UpperMismatch naming the upper it found; a racing pair (both
+    0->1) commits exactly one. No append is lost, none applied on an upper it did not
+    expect."""
+    location = make_location(kind, request, tmp_path)
+    client = location.client(InlinePolicy(), PersistConfig(group_commit_window_s=0.02))
+    for round_ in range(6):
+        chained = round_ % 2 == 0
+        shard = ShardId.new()
+        outcomes = _two_appends_at_once(client, shard,
+                                        [(0, 1), (1, 2)] if chained else [(0, 1), (0, 1)])
+        ok = [not isinstance(o, Exception) for o in outcomes]
+        refused = [o for o in outcomes if isinstance(o, Exception)]
+        assert all(isinstance(e, UpperMismatch) for e in refused), refused
+        got = _read(client, shard)
+        if chained:
+            if all(ok):
+                assert got == [(b"w0", b"v", 1), (b"w1", b"v", 1)]
+                assert [getattr(o, "upper", None) for o in outcomes] == [1, 2]
+            else:
+                # The second arrived first: refused on the upper it found (0), then
+                # the first commits alone.
+                assert ok == [True, False] and refused[0].current == 0, outcomes
+                assert got == [(b"w0", b"v", 1)]
+        else:
+            assert sorted(ok) == [False, True], outcomes
+            assert refused[0].current == 1
+            winner = ok.index(True)
+            assert got == [(b"w%d" % winner, b"v", 1)]
+    client.close()
