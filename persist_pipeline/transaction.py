@@ -466,7 +466,8 @@ class Transaction:
                 continue
             if isinstance(result, transitions.Appended) and result.already_committed:
                 return True
-            if isinstance(result, _RETRY_REFUSED) and staged.batch is not None:
+            if isinstance(result, _RETRY_REFUSED):
+                # Also an append of no rows: its writer's record of the token tells.
                 refused.append(staged.attempt)
         return history.retry_landed(refused)
 

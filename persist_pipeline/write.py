@@ -125,7 +125,7 @@ class Staged:
         """This write's batch, as its shard's history is asked for it."""
         return history.Attempt(self.handle._machine,
                                self.batch.id if self.batch is not None else None,
-                               self.expected)
+                               self.expected, self.token)
 
 
 @quick_init

@@ -36,6 +36,7 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     SchemaMismatch,
 )
+from tests.fixtures.location import location_kinds, make_location
 from tests.helpers import rows, wait_until
 from tests.test_regressions_lost_replies import (
     NO_INLINE,
@@ -767,3 +768,54 @@ def test_bad_input_to_a_transaction_by_name_registers_no_name_and_creates_no_sha
         txn.abort()
         assert client.shard_names() == {}
         assert client.list_shards() == []
+
+
+def test_a_retried_transaction_of_empty_appends_only_is_reported_committed(location):
+    """A retried transaction (same tokens, through fresh writers: its process never saw
+    the reply) all of whose appends hold no rows, only advancing uppers: no shard has a
+    batch to find, but each append's writer recorded its token when it committed, as a
+    single empty write's retry is settled. The retry reports it committed, never
+    ``UpperMismatch``, after which its caller would advance the uppers again."""
+    client = location.client(InlinePolicy(0, 0))
+    a, b = ShardId.new(), ShardId.new()
+    for s in (a, b):
+        client.create_shard(s)
+
+    def commit() -> dict[str, Any]:
+        txn = client.transaction()
+        txn.compare_and_append(a, [], 0, 1, idempotency_token="tok-a")
+        txn.compare_and_append(b, [], 0, 1, idempotency_token="tok-b")
+        return txn.commit()
+
+    commit()  # ...whose reply the process never saw
+    again = commit()
+    assert again[str(a)].already_committed and again[str(b)].already_committed
+    assert again[str(a)].upper == again[str(b)].upper == 1
+    assert [client._machine(s).fetch_latest().upper for s in (a, b)] == [1, 1]
+    client.close()
+
+
+@pytest.mark.parametrize("kind", location_kinds("embedded", "pg-s3"))
+def test_a_lost_reply_of_empty_appends_only_is_settled_by_their_writers_records(
+        request, tmp_path, kind):
+    """Every reply of the consensus is lost after it applied (FaultyConsensus with
+    fail_after=1.0): a transaction of empty appends only (no batch anywhere) is settled
+    by its writers' records of its tokens and reported committed, once."""
+    location = make_location(kind, request, tmp_path)
+    setup = location.client()
+    a, b = ShardId.new(), ShardId.new()
+    setup.create_shard(a)
+    setup.create_shard(b)
+    faults = FaultConfig(fail_after=1.0, operations=frozenset({"compare_and_set"}))
+    consensus = FaultyConsensus(open_consensus(location.consensus_uri), faults)
+    client = PersistClient(consensus, open_blob(location.blob_uri))
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    txn = client.transaction()
+    txn.compare_and_append(wa, [], 0, 1)
+    txn.compare_and_append(wb, [], 0, 1)
+    results = txn.commit()
+    assert consensus.faults.injected.get("fail_after", 0) > 0
+    assert results[str(a)].upper == results[str(b)].upper == 1
+    assert [setup._machine(s).fetch_latest().upper for s in (a, b)] == [1, 1]
+    client.close()
+    setup.close()

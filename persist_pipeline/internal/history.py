@@ -18,7 +18,8 @@ about is another write's, and the write asking reuses its token (``TokenReused``
 its retry.
 
 A transaction commits every shard's batch or none, so any one batch found answers for
-all of them; a write of no rows has no batch to find (its ``batch_id`` is None).
+all of them; a write of no rows has no batch to find (its ``batch_id`` is None): its
+writer's record of its token tells instead, while a kept version holds it.
 """
 
 from __future__ import annotations
@@ -67,14 +68,15 @@ def token_reused(shard_id: str, batch_id: str | None, lower: int, upper: Frontie
                        f"one write: give a new write a new token); nothing was written")
 
 
-def batch_landed(machine: Machine, batch_id: str, lower: int,
+def batch_landed(machine: Machine, batch_id: str | None, lower: int,
                  token: str | None = None) -> bool | None:
     """Whether a batch appended at ``lower`` was ever committed, from state history.
 
     True if the latest state, a kept record (adding it, or a merge removing it) or a
     kept rollup holds it; False if none does and the kept history reaches back to when
     the shard's upper was still ``lower`` (where it would be); None when GC truncated
-    that far. Given the write's ``token``, a writer's record of it (latest state, kept
+    that far (``batch_id`` None: a write of no rows, looked for by its ``token`` alone).
+    Given the write's ``token``, a writer's record of it (latest state, kept
     record or rollup) also tells: a write of no rows leaves no batch, only that record,
     and False would claim it never committed.
 
@@ -95,7 +97,7 @@ def batch_landed(machine: Machine, batch_id: str, lower: int,
         return True
 
     latest = machine.fetch_latest()
-    if batch_id in latest.batches:
+    if batch_id is not None and batch_id in latest.batches:
         return at(latest.batches[batch_id].desc)
     if token:
         for w in latest.writers.values():
@@ -125,7 +127,7 @@ def batch_landed(machine: Machine, batch_id: str, lower: int,
         if data is None:
             continue  # replaced by a concurrent GC: the others still tell
         rolled = state_codec.decode_state(data, f"rollup {rollup.key}")
-        if batch_id in rolled.batches:
+        if batch_id is not None and batch_id in rolled.batches:
             return at(rolled.batches[batch_id].desc)
         for w in rolled.writers.values() if token else ():
             if w.most_recent_write_token == token:
@@ -152,14 +154,18 @@ def retry_landed(attempts: Iterable[Attempt]) -> bool:
     """
     unknown: str | None = None
     for attempt in attempts:
-        if attempt.batch_id is None:
-            continue
+        if attempt.batch_id is None and attempt.token is None:
+            continue  # a write of no rows, its token unknown: nothing can tell
+        # A write of no rows is found by its writer's record of the token alone: skipped,
+        # a transaction of empty appends only would read as never committed.
         found = batch_landed(attempt.machine, attempt.batch_id, attempt.lower,
                              attempt.token)
         if found:
             return True
         if found is None and unknown is None:
-            unknown = f"shard {attempt.machine.shard_id} batch {attempt.batch_id}"
+            named = f"batch {attempt.batch_id}" if attempt.batch_id is not None \
+                else "write of no rows"
+            unknown = f"shard {attempt.machine.shard_id} {named}"
     if unknown is not None:
         raise Indeterminate(f"cannot tell whether the write of {unknown} (retried with its "
                             f"idempotency token) committed: GC truncated the history that "
@@ -170,10 +176,11 @@ def retry_landed(attempts: Iterable[Attempt]) -> bool:
 def lost_reply_landed(attempt: Attempt) -> bool:
     """Whether the batch of a lost reply is found in history (False also when it cannot
     be looked for: consensus still away leaves the outcome unknown, never "lost")."""
-    if attempt.batch_id is None:
+    if attempt.batch_id is None and attempt.token is None:
         return False
     try:
-        return batch_landed(attempt.machine, attempt.batch_id, attempt.lower) is True
+        return batch_landed(attempt.machine, attempt.batch_id, attempt.lower,
+                            attempt.token) is True
     except PersistError as e:
         log.warning("shard %s: could not look for batch %s in history: %s",
                     attempt.machine.shard_id, attempt.batch_id, e)
