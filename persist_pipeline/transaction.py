@@ -72,9 +72,11 @@ class _Op:
     """One shard's append in a transaction. ``lower`` is set for :meth:`Transaction.append`
     (which cuts away what identical writers already wrote), None for compare_and_append.
     ``contents`` is set for :meth:`Transaction.replace_contents`: its updates are planned
-    against the shard's latest state at commit, and planned again if it moves."""
+    against the shard's latest state at commit, and planned again if it moves.
+    ``writer`` is None until the commit for a shard that did not exist when added (see
+    :meth:`Transaction._open_new_shards`)."""
 
-    handle: WriteHandle
+    writer: WriteHandle | None
     data: Updates
     expected: int
     upper: Frontier
@@ -88,6 +90,12 @@ class _Op:
     #: The caller named the token (a retry of an attempt whose outcome it never
     #: learnt): an upper mismatch is then settled by the batch's id in history.
     given_token: bool = False
+
+    @property
+    def handle(self) -> WriteHandle:
+        """The shard's writer (opened by the commit's first step for a new shard)."""
+        assert self.writer is not None, "a new shard's writer is opened at commit"
+        return self.writer
 
     def plan(self) -> None:
         """For a replace: the updates that make the shard's latest state hold
@@ -201,14 +209,19 @@ class Transaction:
              upper: Frontier, lower: int | None, token: str | None = None) -> None:
         """Add an append whose bounds :func:`check_append_bounds` checked."""
         self._check_open()
+        handle: WriteHandle | None = None
         if self._is_new(shard):
-            # Checked as the untyped updates of the shard it would be, before its name is
-            # registered or the shard created: bad input changes nothing.
-            check_times(Updates.coerce(updates), expected, upper)
-        shard_id = self._shard_id(shard)
-        self._require_absent(shard_id)
-        handle = self._handle(shard, shard_id)
-        data = handle._coerce(updates)
+            # The untyped updates of the shard it will be. Neither its name nor the shard
+            # exists until the commit (see _open_new_shards): a transaction refused
+            # before then, or aborted, leaves nothing behind.
+            data = Updates.coerce(updates)
+            shard_id = self._shard_id(shard)
+            self._require_absent(shard_id)
+        else:
+            shard_id = self._shard_id(shard)
+            self._require_absent(shard_id)
+            handle = self._handle(shard, shard_id)
+            data = handle._coerce(updates)
         check_times(data, expected, upper)
         self._ops[shard_id] = _Op(handle, data, expected, upper, lower,
                                   new_token() if token is None else token,
@@ -294,6 +307,7 @@ class Transaction:
             raise InvalidInput("an empty transaction: add at least one append before commit")
         self._finished = True
         try:
+            self._open_new_shards()
             for op in self._ops.values():
                 # A handle expired after its append was added writes nothing more, here
                 # as through its own compare_and_append: no shard changes.
@@ -353,6 +367,26 @@ class Transaction:
                 if op.staged is not None:
                     op.handle._delete_uncommitted(op.staged.parts)
             raise
+
+    def _open_new_shards(self) -> None:
+        """Create each shard added before it existed, and open its writer: the commit's
+        first step, before any part is uploaded (so GC's orphan sweep of the shard finds
+        the parts of a commit that never lands).
+
+        Its updates were taken as an untyped shard's. Another client may have created
+        the shard (given by id) and recorded a schema since: they are then checked
+        against that schema, as a writer opened on it checks them.
+
+        Raises:
+            SchemaMismatch: the shard was typed meanwhile and the updates are not rows
+                of its schema; no shard changed.
+        """
+        for shard_id, op in self._ops.items():
+            if op.writer is None:
+                handle = self._client.open_writer(shard_id, debug="transaction")
+                self._opened.append(handle)
+                op.data = handle._coerce(op.data)
+                op.writer = handle
 
     def _register_new_names(self) -> None:
         """Register each new name of the transaction for the shard its append was staged

@@ -291,6 +291,32 @@ def test_an_untyped_transaction_write_into_a_shard_typed_meanwhile_is_refused(op
     assert uppers(client, a, b) == [0, 0]
 
 
+def test_a_shard_added_before_it_existed_is_created_by_the_commit(open_client):
+    """An append to a shard id no shard has yet creates the shard at commit, not when
+    added (an aborted transaction leaves no empty shard behind); if another process
+    creates and types it in between, the untyped append is refused as for a shard typed
+    meanwhile, and no shard changes."""
+    client = open_client()
+    a, _b, wa, _wb = two_shards(client)
+    fresh, later = ShardId.new(), ShardId.new()
+    txn = client.transaction()
+    txn.compare_and_append(wa, [(b"k", b"v", 0, 1)], 0, 1)
+    txn.compare_and_append(str(fresh), [(b"k", b"v", 0, 1)], 0, 1)
+    assert str(fresh) not in client.list_shards()
+    schema = ShardSchema(pa.schema([("id", pa.int64())]), pa.schema([]))
+    open_client().open_writer(fresh, schema=schema)  # another process types it
+    with pytest.raises(SchemaMismatch):
+        txn.commit()
+    assert uppers(client, a, fresh) == [0, 0]
+    with client.transaction() as txn:
+        txn.compare_and_append(wa, [(b"k", b"v", 0, 1)], 0, 1)
+        txn.compare_and_append(str(later), [(b"k", b"v", 0, 1)], 0, 1)
+        assert str(later) not in client.list_shards()
+    assert uppers(client, a, later) == [1, 1]
+    assert snapshot_rows(client, later) == [(b"k", b"v", 1)]
+    client.close()
+
+
 def test_append_in_a_transaction_cuts_what_identical_writers_wrote(open_client):
     client = open_client()
     a, b, wa, wb = two_shards(client)
@@ -344,6 +370,8 @@ def test_a_new_name_is_registered_only_when_its_transaction_commits(open_client)
     txn.append("fresh/two", [(b"k", b"", 0, 1)], 0, 1)
     txn.abort()
     assert client.shard_names() == {}
+    # Nor a shard: the shard of a new name is created at commit, not when added.
+    assert sorted(client.list_shards()) == sorted([str(_a), str(b)])
     with pytest.raises(UpperMismatch), client.transaction() as txn:
         txn.compare_and_append("fresh/one", [(b"k", b"", 0, 1)], 0, 1)
         txn.compare_and_append(wb, [(b"k", b"", 0, 1)], 0, 1)  # b's upper is 1
