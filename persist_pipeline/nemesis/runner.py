@@ -137,6 +137,12 @@ def run(opts: NemesisOptions, out: Callable[[str], None] = print) -> NemesisRepo
             victim = action
         elif action == "writer":
             victim = rng.choice([k for k in procs if k.startswith("w")])
+            acks = workdir / f"{victim}.{incarnations[victim]}.acks"
+            if not acks.exists() or acks.stat().st_size == 0:
+                # Killed only once it acknowledged a write: on a loaded machine a
+                # writer's start-up (imports, opening) can outlast the interval between
+                # kills, and a run whose writers never write checks nothing.
+                victim = None
         else:
             victim = None
         if victim is not None:

@@ -81,7 +81,9 @@ def injected_faults(client: PersistClient) -> int:
 
 
 def _report_faults(setup: NemesisSetup, name: str, client: PersistClient) -> None:
-    setup.path(f"{name}.faults").write_text(str(injected_faults(client)))
+    """Record the faults this process injected so far, in a file of its own (the runner
+    adds up every process's, also those of processes it killed since)."""
+    setup.path(f"{name}-{os.getpid()}.faults").write_text(str(injected_faults(client)))
 
 
 def _log(f: object, line: str) -> None:
@@ -125,13 +127,14 @@ def writer(setup: NemesisSetup, name: str) -> None:
                 break
             _log(acks, json.dumps(keys))
             upper += 1
-            if i % 10 == 0:
-                _report_faults(setup, name, client)
+            # After every acknowledged write: writers are killed at random, often before
+            # their tenth, and the faults of a process killed before reporting are lost.
+            _report_faults(setup, name, client)
 
 
 def compactor(setup: NemesisSetup) -> None:
     client = _patiently(lambda: setup.client("compactor"))
-    name = f"compactor-{os.getpid()}"
+    name = "compactor"
     while True:
         with contextlib.suppress(PersistError):
             client.compact(setup.shard)
@@ -174,6 +177,7 @@ def reader(setup: NemesisSetup, name: str) -> None:
             violations.append(f"snapshot failed on stored data: {e}")
         except PersistError:
             time.sleep(0.05)
+    _report_faults(setup, name, client)
     setup.path(f"{name}.json").write_text(json.dumps({"snapshots": snapshots,
                                                      "violations": violations}))
 
@@ -185,15 +189,19 @@ def listener(setup: NemesisSetup, name: str) -> None:
     handle = _patiently(lambda: client.open_reader(setup.shard, debug=name))
     as_of = max(0, (_patiently(client._machine(setup.shard).fetch_latest).upper or 1) - 1)
     acc: dict[bytes, int] = {}
+    stop = setup.path("stop")
     while True:
         try:
             for k, _v, d in _snapshot_rows(handle, as_of):
                 acc[k] = acc.get(k, 0) + d
             break
         except PersistError:
+            if stop.exists():  # nothing was ever written: the run is over all the same
+                setup.path(f"{name}.json").write_text(json.dumps(
+                    {"frontier": 0, "listened": 0, "mismatches": [], "mismatch_count": 0}))
+                return
             time.sleep(0.05)
     listen = handle.listen(as_of)
-    stop = setup.path("stop")
     frontier = as_of + 1
     while not stop.exists():
         try:
@@ -208,6 +216,7 @@ def listener(setup: NemesisSetup, name: str) -> None:
                     acc[k] = acc.get(k, 0) + d
             elif event.upper is not None:
                 frontier = event.upper
+    _report_faults(setup, name, client)
     acc = {k: d for k, d in acc.items() if d}
     result = {"frontier": frontier, "listened": len(acc), "mismatches": []}
     fresh = _patiently(lambda: setup.client(name + "-check", faults=False))
