@@ -512,6 +512,16 @@ def transaction_names_on_add() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def transaction_creates_shards_on_add() -> Iterator[None]:
+    """A transaction creates the shard of a new name or id when its append is added, not
+    at its commit: one aborted afterwards leaves an empty shard behind."""
+    from persist_pipeline import transaction
+
+    with _patched(transaction.Transaction, "_is_new", lambda self, shard: False):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -548,4 +558,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "abort_trusts_a_missing_marker": abort_trusts_a_missing_marker,
     "commit_ignores_an_earlier_abort": commit_ignores_an_earlier_abort,
     "transaction_names_on_add": transaction_names_on_add,
+    "transaction_creates_shards_on_add": transaction_creates_shards_on_add,
 }

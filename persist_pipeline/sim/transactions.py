@@ -117,7 +117,7 @@ def _abort_naming(run: SimRun, client: PersistClient, ledger: TxnLedger,
                   writers: list[WriteHandle]) -> None:
     """A transaction that appends to the pair's first shard and to a name no shard has,
     aborted before it commits (its caller's code failed): it leaves no name behind
-    (names are never deleted)."""
+    (names are never deleted), nor the shard the name would have named."""
     pair = ledger.pair
     assert pair is not None
     upper = run.monitors.get(pair[0]).upper
@@ -128,13 +128,18 @@ def _abort_naming(run: SimRun, client: PersistClient, ledger: TxnLedger,
     try:
         txn.compare_and_append(writers[0], [(b"never", b"", upper, 1)], upper, upper + 1)
         txn.compare_and_append(name, [(b"never", b"", 0, 1)], 0, 1)
+        fresh = txn._new_names.get(name)
         txn.abort()
         found = client.name_registry.lookup(name)
+        created = fresh is not None and fresh in client.list_shards()
     except BackendError:
         txn.abort()
         return  # a store fault (also an Indeterminate): nothing to check this time
     if found is not None:
         run.violation(f"an aborted transaction left the name {name!r} registered")
+    if created:
+        run.violation(f"an aborted transaction left the shard {fresh} it made for "
+                      f"{name!r} behind")
 
 
 def _commit_and_retry(run: SimRun, client: PersistClient, ledger: TxnLedger) -> None:
