@@ -256,7 +256,8 @@ def _printable(table: pa.Table) -> pa.Table:
 
 
 def _flat_columns(table: pa.Table) -> pa.Table:
-    """A typed table for CSV: lists and structs as JSON text; a binary column as text
+    """A typed table for CSV: lists and structs as JSON text; a float column holding NaN
+    as quoted text (unquoted "nan" reads back as null); a binary column as text
     where it is UTF-8 throughout (what ``append`` reads a CSV's binary column as, so the
     file round-trips), else as hex, said on stderr."""
     from persist_pipeline.plan import text_or_hex
@@ -272,6 +273,13 @@ def _flat_columns(table: pa.Table) -> pa.Table:
             if encoding == "hex":
                 print(f"persist-pipeline: column {field.name} is not valid UTF-8 "
                       f"throughout: written as hex", file=sys.stderr)
+        elif pa.types.is_floating(type_) and pc.any(pc.is_nan(table.column(index))).as_py():
+            # Written unquoted, NaN is "nan", a null marker to Arrow's CSV reader (and
+            # so to append); quoted, it is read as the float NaN. Arrow's cast writes
+            # each float's shortest text that reads back as the same value.
+            table = table.set_column(index, field.name,
+                                     table.column(index).cast(pa.string()))
+            continue
         else:
             continue
         table = table.set_column(index, field.name, pa.array(text, pa.string()))

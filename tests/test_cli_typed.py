@@ -288,3 +288,49 @@ def test_a_csv_with_list_or_struct_columns_is_refused_naming_them(
     out.write_text("id,t\n2,1\n")
     code, _, err = _run(env, capsys, "append", "tagged", str(out))
     assert code == 0, err
+
+
+def test_a_csv_snapshot_of_float_columns_appends_back_as_the_same_values(
+        tmp_path: Path) -> None:
+    """NaN is a value, not a null: a CSV snapshot wrote it as ``nan`` unquoted, which
+    ``append`` (Arrow's CSV reader) reads as null, so NaN came back as null. Every
+    other float (infinities, extremes, float32's own values) and null come back too."""
+    import math
+    import os
+
+    from tests.helpers import run_cli
+
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    schema = ShardSchema({"id": pa.int64()}, {"f": pa.float64(), "g": pa.float32()})
+    values = [float("nan"), None, float("inf"), -float("inf"), 1e-300, 0.1, -2.5, 5e-324]
+    narrow = [float("nan"), None, float("inf"), -float("inf"), 1e-30, 0.1, -2.5, 3e38]
+    n = len(values)
+    table = pa.table({"id": pa.array(range(n), pa.int64()),
+                      "f": pa.array(values, pa.float64()),
+                      "g": pa.array(narrow, pa.float32()),
+                      "t": pa.array([0] * n, pa.int64())})
+    with PersistClient.open(consensus, blob) as client:
+        for name in ("src", "dst"):
+            writer = client.open_writer(client.resolve(name, create=True), schema=schema)
+            if name == "src":
+                writer.compare_and_append(table, 0, 1)
+            writer.expire()
+    env = dict(os.environ, PERSIST_CONSENSUS_URI=consensus, PERSIST_BLOB_URI=blob)
+    out = tmp_path / "src.csv"
+    done = run_cli(env, "snapshot", "src", "--as-of", "0", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    done = run_cli(env, "append", "dst", str(out))
+    assert done.returncode == 0, done.stderr
+    with PersistClient.open(consensus, blob) as client:
+        src, dst = (client.open_reader(client.resolve(name)) for name in ("src", "dst"))
+        want, got = src.snapshot(0).sort_by("id"), dst.snapshot(0).sort_by("id")
+        src.expire()
+        dst.expire()
+
+    def shown(column: pa.ChunkedArray) -> list[object]:
+        return ["nan" if isinstance(v, float) and math.isnan(v) else v
+                for v in column.to_pylist()]
+
+    assert shown(want.column("f"))[0] == "nan"
+    for name in ("f", "g"):
+        assert shown(got.column(name)) == shown(want.column(name))
