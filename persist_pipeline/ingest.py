@@ -17,7 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,6 +164,20 @@ def _check_no_extra(columns: Any, where: str, route: str | None, extra_ok: bool)
                              f"file has columns {_needed(route)} and optionally d")
 
 
+def _check_no_repeat(names: Sequence[str], where: str, route: str | None) -> None:
+    """Refuse a column read as k, v, t, d (or the route) that ``names`` holds twice:
+    its row would have two readings (a dict keeps the last), where a typed file and an
+    untyped Parquet file are refused. Repeats of an ignored extra column are read by
+    nothing."""
+    used = set(SCHEMA.names) | ({route} if route else set())
+    seen: set[str] = set()
+    for name in names:
+        if name in seen and name in used:
+            raise InvalidUpdates(f"{where}: repeats column {name}: which one holds the "
+                                 f"row's {name} cannot be told")
+        seen.add(name)
+
+
 def read_csv(path: Path, route: str | None = None, extra_ok: bool = True) -> pa.Table:
     rows = []
     # utf-8-sig: a byte order mark (Excel writes one) is not part of the first name.
@@ -174,6 +188,7 @@ def read_csv(path: Path, route: str | None = None, extra_ok: bool = True) -> pa.
             raise InvalidUpdates(f"{path}: line 1: the header must name columns "
                                  f"{_needed(route)} (and optionally d); got "
                                  f"{reader.fieldnames}")
+        _check_no_repeat(reader.fieldnames, f"{path}: line 1", route)
         _check_no_extra(reader.fieldnames, f"{path}: line 1", route, extra_ok)
         for record in reader:
             where = f"{path}: line {reader.line_num}"
@@ -185,6 +200,18 @@ def read_csv(path: Path, route: str | None = None, extra_ok: bool = True) -> pa.
     return _table(rows, route)
 
 
+class _Pairs(dict[str, Any]):
+    """A JSON object, with its names in order as the line gave them (repeats kept)."""
+
+    names: list[str]
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> _Pairs:
+    out = _Pairs(pairs)
+    out.names = [name for name, _ in pairs]
+    return out
+
+
 def read_jsonl(path: Path, route: str | None = None, extra_ok: bool = True) -> pa.Table:
     rows = []
     with path.open(encoding="utf-8-sig") as f:
@@ -193,11 +220,12 @@ def read_jsonl(path: Path, route: str | None = None, extra_ok: bool = True) -> p
                 continue
             where = f"{path}: line {n}"
             try:
-                record = json.loads(line)
+                record = json.loads(line, object_pairs_hook=_pairs)
             except json.JSONDecodeError as e:
                 raise InvalidUpdates(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
+            if not isinstance(record, _Pairs):
                 raise InvalidUpdates(f"{where}: each line must be a JSON object")
+            _check_no_repeat(record.names, where, route)
             _check_no_extra(record, where, route, extra_ok)
             rows.append(_row(record, where, route, from_json=True))
     return _table(rows, route)

@@ -211,3 +211,33 @@ def test_an_untyped_csv_reads_signed_and_padded_integers(tmp_path: Path) -> None
     path.write_text("k,v,t,d\na,1, 7 ,-2\nb,2,+8,+3\n", encoding="utf-8")
     assert read_csv(path).to_pylist() == [
         {"k": b"a", "v": b"1", "t": 7, "d": -2}, {"k": b"b", "v": b"2", "t": 8, "d": 3}]
+
+
+@pytest.mark.parametrize(("suffix", "text"), [
+    (".csv", "k,v,t,t\na,1,0,5\n"),
+    (".csv", "k,v,t,d,d\na,1,0,1,-1\n"),
+    (".csv", "k,v,v,t\na,1,2,0\n"),
+    (".jsonl", '{"k": "a", "v": "1", "t": 0, "t": 5}\n'),
+    (".jsonl", '{"k": "a", "v": "1", "d": 1, "t": 0, "d": -1}\n'),
+])
+def test_an_untyped_file_repeating_a_column_is_refused_as_a_typed_one_is(
+        tmp_path: Path, suffix: str, text: str) -> None:
+    """A repeated k, v, t or d holds two readings of one row: a typed file (any format)
+    and an untyped Parquet file are refused, so an untyped CSV or JSON Lines file is
+    too, naming the column, rather than read as its last value."""
+    path = tmp_path / f"updates{suffix}"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(InvalidUpdates, match=r"line 1.*repeats column"):
+        read_updates_file(path)
+    with pytest.raises(InvalidUpdates, match=r"line 1.*repeats column"):
+        read_updates_file(path, extra_columns=False)
+
+
+def test_a_repeated_route_column_is_refused_and_a_repeated_ignored_one_is_not(
+        tmp_path: Path) -> None:
+    path = tmp_path / "routed.csv"
+    path.write_text("k,v,t,to,to\na,1,0,x,y\n", encoding="utf-8")
+    with pytest.raises(InvalidUpdates, match=r"line 1.*repeats column to"):
+        read_updates_file(path, route="to")
+    path.write_text("k,v,t,note,note\na,1,0,x,y\n", encoding="utf-8")
+    assert read_updates_file(path).num_rows == 1
