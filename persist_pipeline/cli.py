@@ -39,6 +39,7 @@ from persist_pipeline.exceptions import (
     PersistError,
     ShardNameNotFound,
     ShardNotFound,
+    UpperMismatch,
 )
 from persist_pipeline.frontier import MAX_TIME, Frontier
 from persist_pipeline.ids import ShardId
@@ -447,11 +448,15 @@ def _append(client: PersistClient, args: argparse.Namespace) -> None:
         if not args.create:
             raise ShardNotFound(f"shard {shard} does not exist; pass --create to create "
                                 f"it")
-        # A shard created here is untyped: a bad file, bad bounds or times outside them
-        # are refused before the name or the shard is written (a new shard's upper is 0).
+        # A shard created here is untyped: a bad file, bad bounds, times outside them
+        # or an expected upper other than a new shard's 0 are refused before the name
+        # or the shard is written.
         untyped = _read_untyped(args)
         expected, new_upper = check_append_bounds(*_append_bounds(lambda: 0, untyped, args))
         check_times(Updates.coerce(untyped), expected, new_upper)
+        if expected != 0:
+            # The commit would be refused on the upper 0 the shard starts at.
+            raise UpperMismatch(expected, 0, shard=args.shard)
         if shard is None:
             shard = client.resolve(args.shard, create=True)
     with client.open_writer(shard, debug="cli") as writer:

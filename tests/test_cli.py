@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from persist_pipeline import PersistClient, ShardId
 from tests.helpers import run_cli
 
 
@@ -347,3 +348,30 @@ def test_a_postgres_uri_without_a_database_is_bad_input(tmp_path: Path,
     [line] = out.stderr.strip().splitlines()
     assert "names no database" in line and "hunter2secret" not in out.stderr + out.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_append_create_at_an_upper_a_new_shard_has_not_creates_nothing(env, tmp_path):
+    """A new shard's upper is 0: `append --create` at another expected upper (times
+    inside its bounds) is refused with UpperMismatch before the name is registered or
+    the shard created, as bounds and times it would refuse already were; it registered
+    the name and created an empty shard, then was refused at the commit."""
+    rows = tmp_path / "rows.csv"
+    rows.write_text("k,v,t\na,x,5\n")
+    refused = cli(env, "append", "late/shard", str(rows), "--create",
+                  "--expected-upper", "3", "--new-upper", "9")
+    assert refused.returncode == 1 and "UpperMismatch" in refused.stderr, refused.stderr
+    assert "expected 3, shard upper is 0" in refused.stderr
+    assert json.loads(cli(env, "names").stdout) == {}
+    assert json.loads(cli(env, "shards").stdout) == {}
+    # A registered name whose shard is not created yet: nothing created either.
+    registered = ShardId.new()
+    with PersistClient.open(env["PERSIST_CONSENSUS_URI"], env["PERSIST_BLOB_URI"]) as client:
+        client.register_name("named/later", registered)
+    refused = cli(env, "append", "named/later", str(rows), "--create",
+                  "--expected-upper", "3", "--new-upper", "9")
+    assert refused.returncode == 1 and "UpperMismatch" in refused.stderr, refused.stderr
+    assert json.loads(cli(env, "shards").stdout) == {}
+    done = cli(env, "append", "late/shard", str(rows), "--create",
+               "--expected-upper", "0", "--new-upper", "9")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["upper"] == 9
