@@ -144,7 +144,9 @@ class Transaction:
         of :meth:`WriteHandle.compare_and_append`; bad input raises here and leaves the
         transaction as it was (a name given for a shard that does not exist yet is
         registered as the last step before the commit: an abort leaves no name behind,
-        a commit then refused leaves it registered, as names are never deleted).
+        a commit then refused leaves it registered, as names are never deleted; an
+        ``expected_upper`` other than 0, the upper its new shard starts at, is refused
+        here with ``UpperMismatch``).
         ``idempotency_token`` names the shard's batch, so a
         process that recorded it before committing can ask
         :meth:`WriteHandle.committed` afterwards (default: a fresh token); it is 1-128
@@ -215,6 +217,11 @@ class Transaction:
             # exists until the commit (see _open_new_shards): a transaction refused
             # before then, or aborted, leaves nothing behind.
             data = Updates.coerce(updates)
+            check_times(data, expected, upper)
+            if expected != 0 and isinstance(shard, str) and not _looks_like_id(shard):
+                # A new name's shard (a fresh id no other client knows) starts at upper
+                # 0: the commit would be refused, after registering the name for good.
+                raise UpperMismatch(expected, 0, shard=shard)
             shard_id = self._shard_id(shard)
             self._require_absent(shard_id)
         else:

@@ -847,3 +847,30 @@ def test_a_lost_reply_of_empty_appends_only_is_settled_by_their_writers_records(
     assert [setup._machine(s).fetch_latest().upper for s in (a, b)] == [1, 1]
     client.close()
     setup.close()
+
+
+def test_a_new_name_at_an_upper_its_new_shard_has_not_registers_nothing(
+        tmp_path: Path) -> None:
+    """A new name's shard starts at upper 0: an append to it expecting another upper
+    (``compare_and_append`` at 3, or ``append`` from lower 3, a gap) is refused for
+    certain, so it is refused when added (``UpperMismatch`` naming the name, current 0),
+    leaving the transaction as it was: it created the shard when added and registered
+    the name for good before the commit that refused it."""
+    with PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}",
+                            f"file://{tmp_path / 'b'}") as client:
+        kept = client.resolve("kept", create=True)
+        client.create_shard(kept)
+        txn = client.transaction()
+        with pytest.raises(UpperMismatch) as refused:
+            txn.compare_and_append("orders", [(b"k", b"v", 5, 1)], 3, 9)
+        assert (refused.value.shard, refused.value.expected, refused.value.current) == \
+            ("orders", 3, 0)
+        with pytest.raises(UpperMismatch):
+            txn.append("lines", [(b"k", b"v", 5, 1)], 3, 9)
+        txn.compare_and_append("kept", [(b"k", b"v", 0, 1)], 0, 1)
+        assert txn.commit()[str(kept)].upper == 1
+        assert client.shard_names() == {"kept": kept}
+        assert client.list_shards() == [str(kept)]
+        with client.transaction() as txn:  # at 0 a new name is registered, as before
+            txn.append("lines", [(b"k", b"v", 5, 1)], 0, 9)
+        assert set(client.shard_names()) == {"kept", "lines"}
