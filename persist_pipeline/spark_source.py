@@ -51,7 +51,8 @@ take (text ``k``/``v``, a typed shard's column missing) changes nothing. A new s
 name is registered only as the driver commits (after every task succeeded), so a write
 refused earlier (a row only a task meets: a time outside the bounds, a null key) leaves
 no name behind; a name another writer registered meanwhile refuses the commit with
-``UpperMismatch``. Each task
+``UpperMismatch``, and so does a write to a new name expecting an upper other than 0
+(where its fresh shard starts), when it is planned, before anything is created. Each task
 validates its rows (``k``, ``v`` binary; ``t``, ``d`` long, ``d`` optional: 1 when the
 DataFrame has no ``d`` column, as in the CLI's append and ingestion; every
 ``t`` in ``[expected_upper, new_upper)``), consolidates them and writes Parquet parts to
@@ -742,6 +743,10 @@ def _write_job(options: Mapping[str, str], overwrite: bool,
     location = _Location.from_options(options, writing=True, columns=columns)
     expected, upper = write_bounds(options)
     token = write_token(options)
+    if location.new_name and expected != 0:
+        # Its fresh shard starts at upper 0: the commit would be refused, after the
+        # name was registered for good (and its shard created here).
+        raise UpperMismatch(expected, 0, shard=location.new_name)
     client = location.client(create=True)
     try:
         return plan_write(location, client, expected, upper, token)

@@ -642,3 +642,26 @@ def test_a_read_as_of_before_an_evolution_has_the_shards_current_columns(
     holder.expire()
     reader.expire()
     client.close()
+
+
+def test_a_write_to_a_new_name_at_an_upper_its_shard_has_not_creates_nothing(
+        spark_session: Any, tmp_path: Path) -> None:
+    """A new name's fresh shard starts at upper 0: a write expecting another upper
+    (its rows inside its bounds) is refused with ``UpperMismatch`` when planned, as the
+    CLI's append --create and a transaction refuse it, registering no name and creating
+    no shard; it created the shard, ran its tasks and registered the name for good,
+    then was refused at the commit."""
+    register(spark_session)
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    df = spark_session.createDataFrame([(b"a", b"1", 5, 1)], "k binary, v binary, t long, "
+                                                             "d long")
+    opts = {"consensus": consensus, "blob": blob, "shard": "fresh/late"}
+    with pytest.raises(Exception, match=r"UpperMismatch.*expected 3, shard upper is 0"):
+        df.write.format("persist").options(**opts, expected_upper="3", new_upper="9"
+                                           ).mode("append").save()
+    client = PersistClient.open(consensus, blob)
+    assert client.shard_names() == {} and client.list_shards() == []
+    df.write.format("persist").options(**opts, expected_upper="0", new_upper="9"
+                                       ).mode("append").save()
+    assert client.inspect(client.resolve("fresh/late"))["upper"] == 9
+    client.close()
