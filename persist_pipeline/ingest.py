@@ -100,7 +100,12 @@ def _int(value: Any, name: str, where: str, lo: int, hi: int, text: bool = True)
 def _text(value: Any, name: str, where: str) -> bytes:
     if not isinstance(value, str):
         raise InvalidUpdates(f"{where}: column {name} must be text, got {value!r}")
-    return value.encode("utf-8")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        # JSON may escape a lone surrogate ("\ud800"), which no UTF-8 text holds.
+        raise InvalidUpdates(f"{where}: column {name} holds a lone surrogate "
+                             f"({value[e.start]!r}), which is not UTF-8 text") from None
 
 
 Row = tuple[bytes, bytes, int, int] | tuple[bytes, bytes, int, int, str]
@@ -124,6 +129,7 @@ def _row(record: dict[str, Any], where: str, route: str | None = None,
     value = record[route]
     if not isinstance(value, str) or not value:
         raise InvalidUpdates(f"{where}: column {route} must name a shard, got {value!r}")
+    _text(value, route, where)
     return (*row, value)
 
 

@@ -241,3 +241,19 @@ def test_a_repeated_route_column_is_refused_and_a_repeated_ignored_one_is_not(
         read_updates_file(path, route="to")
     path.write_text("k,v,t,note,note\na,1,0,x,y\n", encoding="utf-8")
     assert read_updates_file(path).num_rows == 1
+
+
+@pytest.mark.parametrize("line", [
+    '{"k": "\\ud800", "v": "x", "t": 0}',
+    '{"k": "a", "v": "x\\udfff", "t": 0}',
+    '{"k": "a", "v": "x", "t": 0, "to": "\\ud800"}',
+])
+def test_a_json_string_that_is_no_utf8_text_is_a_bad_row(tmp_path: Path, line: str) -> None:
+    """JSON may escape a lone surrogate (``"\\ud800"``), which no UTF-8 text holds: the
+    row is refused naming its line, as other bad rows are; it raised UnicodeEncodeError
+    (the CLI printed a traceback, ingestion failed with no file or line)."""
+    path = tmp_path / "updates.jsonl"
+    path.write_text(line + "\n", encoding="utf-8")
+    route = "to" if '"to"' in line else None
+    with pytest.raises(InvalidUpdates, match=r"line 1: column (k|v|to) .*surrogate"):
+        read_updates_file(path, route=route)
