@@ -745,7 +745,12 @@ def _field_from_text(name: str, text: object) -> pa.Field:
             type_ = pa.type_for_alias(spec)
     except (ValueError, KeyError, pa.ArrowInvalid) as e:
         raise InvalidInput(f"column {name!r}: unknown type {text!r} ({e})") from None
-    return pa.field(name, type_, nullable)
+    try:
+        return pa.field(name, type_, nullable)
+    except UnicodeEncodeError:
+        # JSON may escape a lone surrogate ("\ud800"), which no UTF-8 name holds.
+        raise InvalidInput(f"column {name!r}: the name holds a lone surrogate, which is "
+                           f"not UTF-8 text") from None
 
 
 def _as_bytes(value: bytes | str) -> bytes:

@@ -334,3 +334,19 @@ def test_a_csv_snapshot_of_float_columns_appends_back_as_the_same_values(
     assert shown(want.column("f"))[0] == "nan"
     for name in ("f", "g"):
         assert shown(got.column(name)) == shown(want.column(name))
+
+
+def test_a_json_schema_naming_a_column_no_utf8_text_holds_is_bad_input(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """JSON may escape a lone surrogate (``"\\ud800"``), which no column name (UTF-8
+    text) holds: ``new-shard --schema`` says so (exit 2) and creates nothing; it raised
+    UnicodeEncodeError from pyarrow, a traceback."""
+    from persist_pipeline.exceptions import InvalidInput
+
+    with pytest.raises(InvalidInput, match="surrogate"):
+        ShardSchema.from_json({"key": {"\ud800": "int64"}, "value": {}})
+    schema = '{"key": {"id": "int64"}, "value": {"x\\udfff": "string"}}'
+    code, _, err = _run(env, capsys, "new-shard", "--name", "odd", "--schema", schema)
+    assert code == 2 and "surrogate" in err, err
+    with _client(tmp_path) as client:
+        assert client.shard_names() == {} and client.list_shards() == []
