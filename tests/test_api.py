@@ -719,3 +719,41 @@ def test_a_retry_of_a_landed_write_of_no_rows_is_reported_committed(open_client)
     assert retry.already_committed
     assert writer.fetch_recent_upper() == 2
     writer.expire()
+
+
+def test_append_bounds_fast_path_decides_as_the_full_checks() -> None:
+    """The bounds check's fast path (plain ints) accepts and refuses exactly what the full
+    checks do, on the edges: bools, int subclasses, closed uppers, the largest time."""
+    import enum
+    import itertools
+
+    from persist_pipeline.exceptions import InvalidFrontier as Invalid
+    from persist_pipeline.frontier import MAX_TIME, check_frontier, less_than
+    from persist_pipeline.write import check_append_bounds
+
+    class Seven(enum.IntEnum):
+        SEVEN = 7
+
+    def reference(lower: object, upper: object) -> object:
+        expected = check_frontier(lower, "expected_upper")
+        if expected is None:
+            raise Invalid("closed")
+        new = check_frontier(upper, "new_upper")
+        if not less_than(expected, new):
+            raise Invalid("not beyond")
+        return expected, new
+
+    values = [-1, 0, 1, 6, Seven.SEVEN, 8, MAX_TIME - 1, MAX_TIME, MAX_TIME + 1, True, False,
+              None, 2.0, "3"]
+    for lower, upper in itertools.product(values, repeat=2):
+        try:
+            want: object = reference(lower, upper)
+        except Invalid:
+            want = Invalid
+        try:
+            got: object = check_append_bounds(lower, upper)
+        except Invalid:
+            got = Invalid
+        assert got == want, (lower, upper)
+        if want is not Invalid:
+            assert [type(x) for x in got] == [type(x) for x in want], (lower, upper)  # type: ignore[union-attr]
