@@ -175,6 +175,25 @@ class ShardSchema:
         """Refuse values a table load could not give back (see the two checks)."""
         self._check_categories(columns)
         self._check_narrowed(columns)
+        self._check_text(columns)
+
+    @cached_property
+    def _text_columns(self) -> tuple[str, ...]:
+        """Columns holding strings, top-level or inside lists and structs."""
+        return tuple(f.name for f in [*self.key, *self.value] if _holds_text(f.type))
+
+    def _check_text(self, columns: Mapping[str, pa.Array | pa.ChunkedArray]) -> None:
+        """Refuse strings that are not UTF-8 (Arrow checks none it reads from Parquet or
+        IPC): the row codec encodes them, and every read would fail to decode them."""
+        for name in self._text_columns:
+            column = columns.get(name)
+            if column is None:
+                continue
+            try:
+                column.validate(full=True)
+            except pa.ArrowInvalid as e:
+                raise InvalidUpdates(f"column {name!r} holds text that is not valid "
+                                     f"UTF-8: {e}") from None
 
     @cached_property
     def _narrowed(self) -> dict[str, pa.DataType]:
@@ -724,6 +743,17 @@ def _decode_schema(data: bytes) -> ShardSchema:
 
 _TIMESTAMP = re.compile(r"timestamp\[(s|ms|us|ns)(?:,\s*tz=([^\]]+))?\]")
 _DECIMAL = re.compile(r"decimal(?:128)?\((\d+),\s*(-?\d+)\)")
+
+
+def _holds_text(type_: pa.DataType) -> bool:
+    if pa.types.is_string(type_) or pa.types.is_large_string(type_):
+        return True
+    if pa.types.is_struct(type_):
+        return any(_holds_text(f.type) for f in type_)
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_) or \
+            pa.types.is_fixed_size_list(type_):
+        return _holds_text(type_.value_type)
+    return False
 
 
 def _field_from_text(name: str, text: object) -> pa.Field:

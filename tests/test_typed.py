@@ -937,3 +937,45 @@ def test_an_evolved_schema_remembers_what_it_evolved_from_and_when():
 
 def replace_upper(state: Any, upper: int) -> Any:
     return dataclasses.replace(state, upper=upper)
+
+
+def _not_utf8(values: list[bytes]) -> pa.Array:
+    """A string array holding ``values`` as they are (Arrow checks no UTF-8 it reads
+    from Parquet or IPC: a file another tool wrote may hold such strings)."""
+    raw = pa.array(values, pa.binary())
+    return pa.Array.from_buffers(pa.string(), len(values), raw.buffers())
+
+
+@pytest.mark.parametrize("rows", [3, 600])
+def test_a_typed_write_of_text_that_is_not_utf8_is_bad_input(tmp_path, rows: int) -> None:
+    """Strings that are not UTF-8 are refused with InvalidUpdates naming the column and
+    nothing is written, through the API and the CLI's append of a Parquet file: a small
+    write raised UnicodeDecodeError (a traceback from the CLI) and a large one
+    CorruptPart, which says stored data is damaged."""
+    import os
+
+    from tests.helpers import run_cli
+
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    text = _not_utf8([b"ok%d" % i for i in range(rows - 1)] + [b"\xff\xfe"])
+    schema = ShardSchema({"id": pa.int64()}, {"name": pa.string(),
+                                              "tags": pa.list_(pa.string())})
+    ids = pa.array(range(rows), pa.int64())
+    tags = pa.ListArray.from_arrays(pa.array(range(rows + 1), pa.int32()), text)
+    good_text = pa.array(["x"] * rows)
+    good_tags = pa.array([["y"]] * rows, pa.list_(pa.string()))
+    with PersistClient.open(consensus, blob) as client:
+        shard = client.resolve("people", create=True)
+        with client.open_writer(shard, schema=schema) as writer:
+            for name, table in (("name", {"name": text, "tags": good_tags}),
+                                ("tags", {"name": good_text, "tags": tags})):
+                with pytest.raises(InvalidUpdates, match=f"column '{name}'.*UTF-8"):
+                    writer.compare_and_append(pa.table({"id": ids, **table,
+                                                        "t": pa.array([0] * rows)}), 0, 1)
+        path = tmp_path / "people.parquet"
+        pq.write_table(pa.table({"id": ids, "name": text, "t": pa.array([0] * rows)}), path)
+        env = dict(os.environ, PERSIST_CONSENSUS_URI=consensus, PERSIST_BLOB_URI=blob)
+        done = run_cli(env, "append", "people", str(path))
+        assert done.returncode == 2 and "not valid UTF-8" in done.stderr, done.stderr
+        state = client._machine(str(shard)).fetch_latest()
+        assert state.upper == 0 and not state.batches
