@@ -261,6 +261,12 @@ def read_parquet(path: Path, route: str | None = None, extra_ok: bool = True) ->
             raise InvalidUpdates(f"{path}: row {first + 1}: column {name} is null")
     out = pa.Table.from_arrays(arrays, schema=schema)
     if route is not None:
+        try:
+            # Arrow checks no UTF-8 it reads from Parquet: a route naming no text.
+            out.column(route).validate(full=True)
+        except pa.ArrowInvalid as e:
+            raise InvalidUpdates(f"{path}: column {route} holds text that is not valid "
+                                 f"UTF-8: {e}") from None
         empty = pc.equal(out.column(route), "").to_pylist()
         if any(empty):
             raise InvalidUpdates(f"{path}: row {empty.index(True) + 1}: column {route} must "

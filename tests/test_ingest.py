@@ -257,3 +257,17 @@ def test_a_json_string_that_is_no_utf8_text_is_a_bad_row(tmp_path: Path, line: s
     route = "to" if '"to"' in line else None
     with pytest.raises(InvalidUpdates, match=r"line 1: column (k|v|to) .*surrogate"):
         read_updates_file(path, route=route)
+
+
+def test_a_parquet_route_column_that_is_not_utf8_is_a_bad_file(tmp_path: Path) -> None:
+    """Arrow checks no UTF-8 it reads from Parquet: a route column holding other bytes
+    is refused naming it (InvalidUpdates); it raised UnicodeDecodeError. Keys and values
+    are bytes, so a string k or v column is taken as its bytes, whatever they are."""
+    raw = pa.array([b"a", b"\xff"], pa.binary())
+    text = pa.Array.from_buffers(pa.string(), 2, raw.buffers())
+    path = tmp_path / "routed.parquet"
+    pq.write_table(pa.table({"k": raw, "v": raw, "t": [0, 0], "to": text}), path)
+    with pytest.raises(InvalidUpdates, match="column to holds text that is not valid UTF-8"):
+        read_updates_file(path, route="to")
+    pq.write_table(pa.table({"k": text, "v": text, "t": [0, 0]}), path)
+    assert read_updates_file(path).column("k").to_pylist() == [b"a", b"\xff"]
