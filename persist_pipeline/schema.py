@@ -109,7 +109,8 @@ class ShardSchema:
 
     def __init__(self, key: pa.Schema | Iterable[Any] | Mapping[str, Any],
                  value: pa.Schema | Iterable[Any] | Mapping[str, Any] = (),
-                 metadata: Mapping[bytes, bytes] | Mapping[str, str] | None = None) -> None:
+                 metadata: Mapping[bytes, bytes] | Mapping[str, str] | None = None, *,
+                 _recorded: bool = False) -> None:
         object.__setattr__(self, "key", _as_schema(key, "key").remove_metadata())
         object.__setattr__(self, "value", _as_schema(value, "value").remove_metadata())
         meta = {_as_bytes(k): _as_bytes(v) for k, v in (metadata or {}).items()}
@@ -130,6 +131,10 @@ class ShardSchema:
         try:
             for field in [*self.key, *self.value]:
                 rowcodec.check_type(field.type, f"column {field.name!r}")
+                if not _recorded:
+                    # A schema a shard recorded reads as it was, whatever this host's
+                    # time zone database knows.
+                    rowcodec.check_time_zones(field.type, f"column {field.name!r}")
         except InvalidUpdates as e:
             raise InvalidInput(str(e)) from None
 
@@ -263,7 +268,7 @@ class ShardSchema:
 
     def with_history(self, history: Iterable[tuple[int, bytes]]) -> ShardSchema:
         """This schema with ``history`` (see :attr:`history`)."""
-        out = ShardSchema(self.key, self.value, self.metadata)
+        out = ShardSchema(self.key, self.value, self.metadata, _recorded=True)
         object.__setattr__(out, "history", tuple(history))
         return out
 
@@ -516,7 +521,7 @@ class ShardSchema:
         if extra:
             raise SchemaMismatch(f"delete takes only the key columns "
                                  f"{self.key.names}; got also {extra}")
-        keys_only = ShardSchema(self.key, [])
+        keys_only = ShardSchema(self.key, [], _recorded=True)
         conformed = keys_only.conform(given, with_times=False)
         return _encoded([conformed.column(c) for c in self.key.names], conformed.num_rows,
                         strip=False)
@@ -734,7 +739,8 @@ def _decode_schema(data: bytes) -> ShardSchema:
     num_keys = int(meta.pop(_KEY_COLUMNS_META))
     history = meta.pop(_HISTORY_META, None)
     fields = list(both)
-    schema = ShardSchema(pa.schema(fields[:num_keys]), pa.schema(fields[num_keys:]), meta)
+    schema = ShardSchema(pa.schema(fields[:num_keys]), pa.schema(fields[num_keys:]), meta,
+                         _recorded=True)
     if history is None:
         return schema
     return schema.with_history((int(until), base64.b64decode(raw))

@@ -945,7 +945,7 @@ def same_storage(recorded: ShardSchema, planned: ShardSchema) -> bool:
         return False
     metadata = {**recorded.metadata,
                 ARROW_SCHEMA_META: bytes(cleared.serialize().to_pybytes())}
-    return ShardSchema(recorded.key, recorded.value, metadata) == planned
+    return ShardSchema(recorded.key, recorded.value, metadata, _recorded=True) == planned
 
 
 def _storage_name(index: int, name: str, names: Sequence[str]) -> str:

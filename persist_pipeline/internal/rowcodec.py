@@ -27,6 +27,7 @@ one element position at a time across all rows.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Sequence
@@ -84,6 +85,32 @@ def _is_signed(type_: pa.DataType) -> bool:
 def _is_varwidth(type_: pa.DataType) -> bool:
     return bool(pa.types.is_string(type_) or pa.types.is_large_string(type_)
                 or pa.types.is_binary(type_) or pa.types.is_large_binary(type_))
+
+
+@functools.lru_cache(maxsize=256)
+def _known_time_zone(tz: str) -> bool:
+    """Whether Arrow can convert timestamps in ``tz`` (its tz database, or an offset)."""
+    try:
+        pc.local_timestamp(pa.array([0], pa.timestamp("s", tz)))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return False
+    return True
+
+
+def check_time_zones(type_: pa.DataType, where: str) -> None:
+    """Raise :class:`InvalidUpdates` if a timestamp in ``type_`` (recursively) names a
+    time zone Arrow does not know: Arrow takes any text as a zone, then fails on every
+    conversion of the column (its CSV and pandas output, casts), so a shard of it would
+    take rows that reads cannot show."""
+    if pa.types.is_timestamp(type_) and type_.tz and not _known_time_zone(type_.tz):
+        raise InvalidUpdates(f"{where}: unknown time zone {type_.tz!r} (a name of the tz "
+                             f"database such as 'UTC' or 'Europe/Paris', or an offset "
+                             f"such as '+05:30')")
+    if pa.types.is_struct(type_):
+        for i in range(type_.num_fields):
+            check_time_zones(type_.field(i).type, f"{where}.{type_.field(i).name}")
+    elif pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        check_time_zones(type_.value_type, f"{where}[]")
 
 
 def check_type(type_: pa.DataType, where: str) -> None:
