@@ -134,7 +134,7 @@ class ShardSchema:
                 if not _recorded:
                     # A schema a shard recorded reads as it was, whatever this host's
                     # time zone database knows.
-                    rowcodec.check_time_zones(field.type, f"column {field.name!r}")
+                    rowcodec.check_new_type(field.type, f"column {field.name!r}")
         except InvalidUpdates as e:
             raise InvalidInput(str(e)) from None
 

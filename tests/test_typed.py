@@ -1009,3 +1009,25 @@ def test_a_schema_with_a_time_zone_arrow_does_not_know_is_refused(tmp_path) -> N
                          metadata={b"persist_pipeline.key_columns": b"1"})
     decoded = ShardSchema.from_bytes(bytes(recorded.serialize().to_pybytes()))
     assert decoded.value.field("at").type == pa.timestamp("us", "utc")
+
+
+def test_a_schema_with_a_decimal_parquet_cannot_hold_is_refused(tmp_path) -> None:
+    """A decimal whose scale is negative or beyond its precision is an Arrow type that
+    Parquet cannot hold: a shard typed so took inline rows that compaction could then
+    never flush (OSError on every run, the inline bytes stuck), and refused writes too
+    large to inline. Such a schema is refused (InvalidInput), top-level or nested."""
+    for type_ in (pa.decimal128(5, -2), pa.decimal128(5, 7), pa.decimal256(40, -1),
+                  pa.list_(pa.decimal128(5, -1)), pa.struct([("x", pa.decimal128(3, 4))])):
+        with pytest.raises(InvalidInput, match="scale outside"):
+            ShardSchema({"id": pa.int64()}, {"x": type_})
+    schema = ShardSchema({"id": pa.int64()}, {"x": pa.decimal128(38, 38),
+                                              "y": pa.decimal128(5, 0)})
+    with PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}",
+                            f"file://{tmp_path / 'b'}") as client:
+        shard = client.resolve("money", create=True)
+        with client.open_writer(shard, schema=schema) as writer:
+            writer.compare_and_append(pa.table({"id": [1], "x": pa.array([None],
+                                                                      pa.decimal128(38, 38)),
+                                                "y": pa.array([7], pa.decimal128(5, 0)),
+                                                "t": [0]}), 0, 1)
+        assert client.compact(shard)["inline_bytes_after"] == 0

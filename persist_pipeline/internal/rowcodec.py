@@ -97,20 +97,26 @@ def _known_time_zone(tz: str) -> bool:
     return True
 
 
-def check_time_zones(type_: pa.DataType, where: str) -> None:
-    """Raise :class:`InvalidUpdates` if a timestamp in ``type_`` (recursively) names a
-    time zone Arrow does not know: Arrow takes any text as a zone, then fails on every
-    conversion of the column (its CSV and pandas output, casts), so a shard of it would
-    take rows that reads cannot show."""
+def check_new_type(type_: pa.DataType, where: str) -> None:
+    """Raise :class:`InvalidUpdates` if ``type_`` (recursively) holds what Arrow takes
+    as a type but cannot carry through: a timestamp naming a time zone Arrow does not
+    know (Arrow takes any text as a zone, then fails on every conversion of the column:
+    its CSV and pandas output, casts), or a decimal whose scale is negative or beyond its
+    precision (Parquet cannot hold it: compaction could never flush the shard's inline
+    rows, and a write too large to inline failed). A shard of either would take rows
+    that reads or maintenance cannot handle."""
     if pa.types.is_timestamp(type_) and type_.tz and not _known_time_zone(type_.tz):
         raise InvalidUpdates(f"{where}: unknown time zone {type_.tz!r} (a name of the tz "
                              f"database such as 'UTC' or 'Europe/Paris', or an offset "
                              f"such as '+05:30')")
+    if pa.types.is_decimal(type_) and not 0 <= type_.scale <= type_.precision:
+        raise InvalidUpdates(f"{where}: {type_} has a scale outside [0, its precision], "
+                             f"which Parquet parts cannot hold")
     if pa.types.is_struct(type_):
         for i in range(type_.num_fields):
-            check_time_zones(type_.field(i).type, f"{where}.{type_.field(i).name}")
+            check_new_type(type_.field(i).type, f"{where}.{type_.field(i).name}")
     elif pa.types.is_list(type_) or pa.types.is_large_list(type_):
-        check_time_zones(type_.value_type, f"{where}[]")
+        check_new_type(type_.value_type, f"{where}[]")
 
 
 def check_type(type_: pa.DataType, where: str) -> None:
