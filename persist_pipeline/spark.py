@@ -18,6 +18,7 @@ On this kind of machine Spark must bind to loopback and run the virtualenv's Pyt
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -187,22 +188,28 @@ def local_spark_session(master: str = "local[*]", app_name: str = "persist-pipel
 _PRESTARTED: set[str] = set()
 
 
-def prestart_workers(spark: SparkSession, timeout_s: float = 60.0) -> float:
+def prestart_workers(spark: SparkSession, timeout_s: float = 60.0,
+                     heap_bytes: int = COMPACTION_MEMORY_BOUND_BYTES) -> float:
     """Pay Spark's cold start before the first compaction: wait for the executors to
     register, then run one small job that starts a Python worker on every executor
     core (workers are reused: ``spark.python.worker.reuse``) and runs a tiny merge in
     each (the imports of pyarrow and this library, the Parquet codecs, and the
-    executors' JVM path of Python tasks, all paid once).
+    executors' JVM path of Python tasks, all paid once), then has each worker's Arrow
+    memory pool grow to ``heap_bytes`` (a merge's memory bound) and give it back.
 
     Measured on a standalone cluster (2 workers x 1 core) on 2 cores, a 20M-update split
     merge: without this, the first job of a fresh application took 3-5 s longer than the
     next ones: 1.9 s before its first task ran (0.7 s until the executor started the
     Python daemon, 0.5 s until the daemon forked a worker, 0.7 s of the worker's imports
     and unpickling), 1.5 CPU-s of the executors' JVMs on their first Python tasks, and
-    0.5 CPU-s more in each worker's first merge. After this, the first compaction job
-    runs like the second but for the kernel's first touch of a merge-sized heap in each
-    worker (0.2-0.3 CPU-s). Idempotent per SparkContext; returns the seconds it took (0
-    when done before).
+    0.5 CPU-s more in each worker's first merge. After the tiny merge alone, the first
+    job's first task in each worker still took 1.9-2.4 CPU-s against 1.0-1.6 for the
+    tasks after it (8M updates, 4 key ranges): kernel time, zeroing the pages (huge
+    pages included) that Arrow's allocator (mimalloc) maps for the first time, and keeps
+    for later merges. Growing the pool to 256 MiB here (0.35 CPU-s) brought those first
+    tasks to 1.1-1.3 CPU-s, and a merge run alone 5 s after it paid no more than later ones
+    did. Idempotent per SparkContext; returns the seconds it took (0 when done
+    before).
     """
     sc = spark.sparkContext
     app = str(sc.applicationId)
@@ -212,7 +219,8 @@ def prestart_workers(spark: SparkSession, timeout_s: float = 60.0) -> float:
     if not is_local_master(str(sc.master)):
         _wait_for_executors(sc, started + timeout_s)
     slots = 2 * max(1, int(sc.defaultParallelism))
-    sc.parallelize(range(slots), slots).map(_prestart_task).collect()
+    sc.parallelize(range(slots), slots).map(
+        functools.partial(_prestart_task, heap_bytes=heap_bytes)).collect()
     _PRESTARTED.add(app)
     return time.monotonic() - started
 
@@ -232,8 +240,17 @@ def _wait_for_executors(sc: Any, deadline: float) -> None:
             seen, since = now, time.monotonic()
 
 
-def _prestart_task(index: int) -> int:
-    """Run on an executor: merge two tiny sorted runs through Parquet in memory."""
+#: The pieces a prestarted worker grows its memory pool by: the size of a decoded chunk.
+_HEAP_CHUNK_BYTES = 4 << 20
+
+
+def _prestart_task(index: int, heap_bytes: int = 0) -> int:
+    """Run on an executor: merge two tiny sorted runs through Parquet in memory, then
+    grow the Arrow memory pool to ``heap_bytes``, written to (so mapped), and free it."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     from persist_pipeline.blob.memory import MemoryBlob
     from persist_pipeline.internal.blobs import PartWriter
     from persist_pipeline.internal.state import Batch, Description
@@ -248,6 +265,12 @@ def _prestart_task(index: int) -> int:
         batches.append(Batch(f"b{n}", Description(n, n + 1, 0), parts, 32))
     res = _run_merge(MergeReq(0, tuple(batches), Description(0, 2, 1)), "s0", blob, None,
                      1 << 20)
+    if heap_bytes > 0:
+        # Allocated by the pool and written by the kernel that fills them: every page is
+        # touched once here rather than in the first merge.
+        zeros = pa.array(np.zeros(_HEAP_CHUNK_BYTES // 8, dtype=np.int64))
+        held = [pc.add(zeros, 1) for _ in range(max(1, heap_bytes // _HEAP_CHUNK_BYTES))]
+        del held
     return index + res.output.num_updates
 
 

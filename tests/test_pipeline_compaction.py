@@ -21,6 +21,7 @@ from assets.change_stream import ChangeStream
 from assets.runner import Tick
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.compaction import merge_requests
+from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
 from persist_pipeline.exceptions import InvalidConfig
 from persist_pipeline.internal.blobs import key_starts, split_keys
 from persist_pipeline.spark import (
@@ -198,6 +199,20 @@ def test_the_session_comes_with_its_python_workers_started(spark_session: Any) -
     assert prestart_workers(spark_session) == 0.0
     sc = spark_session.sparkContext
     assert all(sc.parallelize(range(4), 4).map(_loaded).collect())
+
+
+def _pool_peak(_: int) -> int:
+    import pyarrow as pa
+    return int(pa.default_memory_pool().max_memory())
+
+
+def test_prestarted_workers_have_grown_their_memory_pool_to_a_merges_bound(
+        spark_session: Any) -> None:
+    """The prestart had each Python worker's Arrow memory pool reach a merge's memory
+    bound once, so the kernel maps that heap before the first compaction, not in it."""
+    sc = spark_session.sparkContext
+    peaks = sc.parallelize(range(4), 4).map(_pool_peak).collect()
+    assert min(peaks) >= COMPACTION_MEMORY_BOUND_BYTES
 
 
 def test_the_sessions_jvms_take_the_jit_options(spark_session: Any) -> None:
