@@ -43,8 +43,11 @@ def _one(spark: Any, kind: str, where: Path, shard: str, client_of: Any, uris: A
     cpu0 = os.times()
     t0 = time.perf_counter()
     info: list[dict[str, Any]] = []
-    if kind == "one":
+    if kind.startswith("one"):
+        from numpy._core import multiarray
+        before = multiarray._set_madvise_hugepage(kind == "one")
         m = c.compact(shard)
+        multiarray._set_madvise_hugepage(before)
     else:
         def run_tasks(tasks: list[Any]) -> tuple[list[Any], str]:
             sc = spark.sparkContext
@@ -92,7 +95,7 @@ def main(argv: list[str]) -> int:
     client.close()
     print(f"# wrote {n} in {time.perf_counter() - t:.1f} s at {root}", flush=True)
     apps = os.environ.get("C9Q_APPS", "old,new,old,new").split(",")
-    clones = [root / f"c{i}" for i in range(len(apps) * 2 * reps)]
+    clones = [root / f"c{i}" for i in range(len(apps) * 3 * reps)]
     for c in clones:
         _clone(base, c)
     fps = []
@@ -103,13 +106,15 @@ def main(argv: list[str]) -> int:
             spark = ps.local_spark_session(cluster.master_url, app_name="c9q", prestart=False,
                                            extra={"spark.executor.memory": "1g",
                                                   "spark.driver.host": "127.0.0.1",
-                                                  "spark.driver.bindAddress": "127.0.0.1"})
+                                                  "spark.driver.bindAddress": "127.0.0.1",
+                                                  **({"spark.executorEnv.NUMPY_MADVISE_HUGEPAGE":
+                                                      "1"} if app == "old" else {})})
             spark.sparkContext.setLogLevel("ERROR")
             session = time.perf_counter() - t0
-            pre = ps.prestart_workers(spark, heap_bytes=0 if app == "old" else 256 << 20)
+            pre = ps.prestart_workers(spark, heap_bytes=0 if app == "cold" else 256 << 20)
             print(f"# app {app}: session {session:.1f} s prestart {pre:.1f} s", flush=True)
             for rep in range(reps):
-                for kind in ("one", "cluster"):
+                for kind in ("one", "cluster", "one_nohp"):
                     where = next(left)
                     fps.append(_one(spark, kind, where, shard, client_of, uris, app, rep))
             spark.stop()

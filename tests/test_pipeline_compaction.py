@@ -215,6 +215,26 @@ def test_prestarted_workers_have_grown_their_memory_pool_to_a_merges_bound(
     assert min(peaks) >= COMPACTION_MEMORY_BOUND_BYTES
 
 
+def _numpy_huge_pages(_: int) -> bool:
+    from numpy._core import multiarray
+    enabled: bool = multiarray._set_madvise_hugepage(False)
+    multiarray._set_madvise_hugepage(enabled)
+    return enabled
+
+
+def test_the_sessions_python_workers_run_numpy_without_huge_pages(
+        spark_session: Any) -> None:
+    """Every master's configuration turns numpy's huge-page advice off in the Python
+    workers (a merge's short-lived large arrays faulted 2 MiB pages in), and the
+    session's workers run that way; a caller's setting wins."""
+    for master in ("local[2]", "spark://127.0.0.1:7077"):
+        assert spark_conf(master)["spark.executorEnv.NUMPY_MADVISE_HUGEPAGE"] == "0"
+    assert spark_conf("local[2]", extra={"spark.executorEnv.NUMPY_MADVISE_HUGEPAGE": "1"}
+                      )["spark.executorEnv.NUMPY_MADVISE_HUGEPAGE"] == "1"
+    sc = spark_session.sparkContext
+    assert not any(sc.parallelize(range(4), 4).map(_numpy_huge_pages).collect())
+
+
 def test_the_sessions_jvms_take_the_jit_options(spark_session: Any) -> None:
     """The driver's and executors' JVM options (C2 for hot code only) are in the
     configuration of every master, reach the running JVM, and give way to a caller's."""
