@@ -272,9 +272,10 @@ def _prestart_task(index: int, heap_bytes: int = 0) -> int:
         batches.append(Batch(f"b{n}", Description(n, n + 1, 0), parts, 32))
     res = _run_merge(MergeReq(0, tuple(batches), Description(0, 2, 1)), "s0", blob, None,
                      1 << 20)
-    if heap_bytes > 0:
+    if pa.default_memory_pool().max_memory() < heap_bytes:
         # Allocated by the pool and written by the kernel that fills them: every page is
-        # touched once here rather than in the first merge.
+        # touched once here rather than in the first merge (once a worker: it runs
+        # several of these tasks).
         zeros = pa.array(np.zeros(_HEAP_CHUNK_BYTES // 8, dtype=np.int64))
         held = [pc.add(zeros, 1) for _ in range(max(1, heap_bytes // _HEAP_CHUNK_BYTES))]
         del held
