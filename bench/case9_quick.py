@@ -108,10 +108,10 @@ def main(argv: list[str]) -> int:
                                                   "spark.driver.host": "127.0.0.1",
                                                   "spark.driver.bindAddress": "127.0.0.1",
                                                   **({"spark.executorEnv.NUMPY_MADVISE_HUGEPAGE":
-                                                      "1"} if app == "old" else {})})
+                                                      "1"} if app in ("old", "base") else {})})
             spark.sparkContext.setLogLevel("ERROR")
             session = time.perf_counter() - t0
-            pre = ps.prestart_workers(spark, heap_bytes=0 if app == "cold" else 256 << 20)
+            pre = ps.prestart_workers(spark, heap_bytes=0 if app in ("cold", "base") else 256 << 20)
             print(f"# app {app}: session {session:.1f} s prestart {pre:.1f} s", flush=True)
             for rep in range(reps):
                 for kind in ("one", "cluster", "one_nohp"):
