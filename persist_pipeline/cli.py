@@ -43,7 +43,12 @@ from persist_pipeline.exceptions import (
 )
 from persist_pipeline.frontier import MAX_TIME, Frontier
 from persist_pipeline.ids import ShardId
-from persist_pipeline.ingest import file_problem, read_typed_file, read_updates_file
+from persist_pipeline.ingest import (
+    file_problem,
+    path_problem,
+    read_typed_file,
+    read_updates_file,
+)
 from persist_pipeline.read import ReadHandle
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import SCHEMA, Updates
@@ -292,6 +297,9 @@ def _check_out(out: Path) -> None:
     cannot be written is bad input naming the path, not a storage error after the read."""
     if out.suffix not in (".parquet", ".csv"):
         raise InvalidInput(f"--out must end in .parquet or .csv, got {out.name!r}")
+    problem = path_problem(out)
+    if problem is not None:
+        raise InvalidInput(f"--out {out}: {problem}")
     if out.is_dir():
         raise InvalidInput(f"--out {out}: is a folder; name a file in it")
     parent = out.parent
@@ -498,7 +506,7 @@ def _schema_arg(text: str, keys: list[str]) -> ShardSchema:
     with ``--key`` columns (default: every column is a key)."""
     path = Path(text)
     if text.endswith((".parquet", ".json")):
-        problem = file_problem(path)
+        problem = file_problem(path, arrow=text.endswith(".parquet"))
         if problem is not None:  # a file was meant: say what is wrong with it
             raise InvalidInput(f"--schema {text}: {problem}")
     if text.endswith(".parquet"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -61,18 +62,29 @@ def detect_format(path: Path, fmt: str | None = None) -> str:
                              f"{path.suffix!r}; use one of {sorted(FORMATS)}") from None
 
 
-def file_problem(path: Path) -> str | None:
+def path_problem(path: Path) -> str | None:
+    """Why Arrow cannot open ``path`` whatever the file holds, or None: a name that is
+    not UTF-8 (Arrow encodes every path as UTF-8 text and fails on one that is not)."""
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError as e:
+        return (f"its name is not valid UTF-8 (byte {e.start}), which Arrow cannot open; "
+                f"rename it")
+    return None
+
+
+def file_problem(path: Path, *, arrow: bool = False) -> str | None:
     """Why ``path`` cannot be read as a file (``"no such file"``, ``"is a folder, not a
-    file"``), or None if it can be tried."""
+    file"``; with ``arrow``, a name Arrow cannot open), or None if it can be tried."""
     if path.is_dir():
         return "is a folder, not a file"
     if not path.exists():
         return "no such file"
-    return None
+    return path_problem(path) if arrow else None
 
 
-def _check_file(path: Path) -> None:
-    problem = file_problem(path)
+def _check_file(path: Path, *, arrow: bool = False) -> None:
+    problem = file_problem(path, arrow=arrow)
     if problem is not None:
         raise InvalidUpdates(f"{path}: {problem}")
 
@@ -295,7 +307,8 @@ def read_updates_file(path: Path | str, fmt: str | None = None, *,
     _check_route_column(route)
     path = Path(path)
     kind = detect_format(path, fmt)
-    _check_file(path)
+    # CSV and JSON Lines are opened by Python, which takes any name; Parquet by Arrow.
+    _check_file(path, arrow=kind == "parquet")
     try:
         if kind == "csv":
             return read_csv(path, route, extra_columns)
@@ -498,7 +511,7 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
 
     path = Path(path)
     kind = detect_format(path, fmt)
-    _check_file(path)
+    _check_file(path, arrow=True)  # every format is opened by Arrow here
     types = {f.name: f.type for f in [*schema.key, *schema.value]}
     types.update({"t": pa.int64(), "d": pa.int64()})
     nested = [name for name in _csv_header(path) if name in types

@@ -375,3 +375,34 @@ def test_append_create_at_an_upper_a_new_shard_has_not_creates_nothing(env, tmp_
                "--expected-upper", "0", "--new-upper", "9")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["upper"] == 9
+
+
+def test_a_file_name_that_is_not_utf8_is_bad_input_or_read(env, tmp_path):
+    """A name that is not UTF-8 (its bytes as Python passes them, surrogate-escaped):
+    files Arrow would open (Parquet, typed files, ``--out``, ``--schema`` of Parquet) are
+    refused as bad input naming the file, one line, exit 2, nothing written; an untyped
+    CSV, which Python opens, is appended as under any other name."""
+    import pyarrow as pa
+
+    shard = cli(env, "new-shard").stdout.strip()
+    odd = os.fsdecode(b"caf\xe9")  # Latin-1 bytes: not UTF-8
+    csv = tmp_path / f"{odd}.csv"
+    csv.write_text("k,v,t,d\na,1,0,1\n")
+    assert cli(env, "append", shard, str(csv), "--expected-upper", "0",
+               "--new-upper", "1").returncode == 0
+    parquet = tmp_path / f"{odd}.parquet"
+    with parquet.open("wb") as f:
+        pq.write_table(pa.table({"k": [b"b"], "v": [b"1"], "t": [1], "d": [1]}), f)
+    refused = [
+        cli(env, "append", shard, str(parquet), "--expected-upper", "1", "--new-upper", "2"),
+        cli(env, "snapshot", shard, "--as-of", "0", "--out", str(tmp_path / f"{odd}-out.csv")),
+        cli(env, "new-shard", "--schema", str(parquet)),
+    ]
+    for result in refused:
+        assert result.returncode == 2, result.stderr
+        assert "not valid UTF-8" in result.stderr and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("*-out.csv"))
+    shown = json.loads(cli(env, "inspect", shard).stdout)
+    assert shown["upper"] == 1
+    assert len(json.loads(cli(env, "shards").stdout)) == 1
