@@ -182,3 +182,46 @@ def test_a_heartbeat_landing_after_expire_does_not_bring_the_writer_back(locatio
     writer._beat()  # the beat that was on its way
     assert writer.writer_id not in client._machine(shard).fetch_latest().writers
     client.close()
+
+
+def test_every_call_of_a_reader_expired_by_another_clients_gc_is_lease_expired(
+        durable_location: Location):
+    """A reader paused past its lease, expired by another client's GC (which then
+    compacts and collects what the reader held), thinks it is alive: every later call
+    of it and of what it opened before the pause (a listen, an unstarted snapshot
+    iterator) is LeaseExpired, never rows of a state GC no longer keeps."""
+    cfg = PersistConfig(reader_lease_duration_s=0.5, heartbeat_interval_s=0,
+                        background_maintenance=False)
+    clock = HandClock()
+    client = client_on_clock(durable_location, clock, BLOB_ONLY, cfg)
+    other = client_on_clock(durable_location, clock, BLOB_ONLY, cfg)
+    shard = str(ShardId.new())
+    writer = client.open_writer(shard)
+    for t in range(4):
+        writer.compare_and_append([(b"k", b"v%d" % t, t, 1)], t, t + 1)
+    reader = client.open_reader(shard)
+    listen = reader.listen(1)
+    pending = reader.snapshot_batches(3)
+    clock.advance(1.0)  # two leases without a heartbeat: the pause
+    writer.compare_and_append([(b"k", b"z", 4, 1)], 4, 5)
+    other.gc(shard)  # expires the reader
+    other.compact(shard)
+    assert other.gc(shard)["blobs_deleted"] >= 4  # what the reader held is gone
+    calls: dict[str, Any] = {
+        "snapshot": lambda: reader.snapshot(3),
+        "snapshot_batches": lambda: list(pending),
+        "snapshot_fingerprint": lambda: reader.snapshot_fingerprint(3),
+        "listen": lambda: reader.listen(3),
+        "poll": lambda: listen.poll(),
+        "snapshot_plan": lambda: reader.snapshot_plan(3),
+        "downgrade_since": lambda: reader.downgrade_since(2),
+        "heartbeat": lambda: reader.heartbeat(),
+    }
+    for what, call in calls.items():
+        with pytest.raises(LeaseExpired):
+            call()
+            pytest.fail(f"{what} of an expired reader did not raise")
+    assert reader.reader_id not in other.inspect(shard)["readers"]
+    reader.expire()  # harmless after the expiry
+    client.close()
+    other.close()
