@@ -134,6 +134,11 @@ class ReadHandle:
         self._expired = False
         self._released = False  # expire() committed: nothing of this reader is left
         self._listens: weakref.WeakSet[Listen] = weakref.WeakSet()
+        # Serialises moving this reader's since with opening a listen: a release that
+        # computed its cap before a new listen was registered must not commit after
+        # that listen's as_of was checked against the since (it would release the
+        # times the listen has yet to emit to compaction).
+        self._since_lock = new_lock(reentrant=True)
         reader, _ = machine.apply(lambda s: transitions.register_leased_reader(
             s, reader_id, machine.now_ms(), self._lease_ms, debug))
         self._since: Frontier = reader.since
@@ -342,10 +347,11 @@ class ReadHandle:
         be in neither. Open the listen first and read ``snapshot(listen.as_of)`` (before
         downgrading this reader's since past it).
         """
-        with self._reading_state() as state:
-            t = self._check_as_of(as_of, state)
-        listen = Listen(self, t)
-        self._listens.add(listen)
+        with self._since_lock:
+            with self._reading_state() as state:
+                t = self._check_as_of(as_of, state)
+            listen = Listen(self, t)
+            self._listens.add(listen)
         return listen
 
     def snapshot_plan(self, as_of: int | str = "latest") -> SnapshotPlan:
@@ -459,15 +465,16 @@ class ReadHandle:
         return cap
 
     def _downgrade_to(self, wanted: Frontier) -> None:
-        cap = self._listen_cap()
-        target = cap if cap is not None and less_than(cap, wanted) else wanted
-        if less_than(target, self._since):
-            target = self._since
-        hold = self._hold()
-        machine = self._machine
-        reader, _ = machine.apply(lambda s: transitions.downgrade_since(
-            s, self.reader_id, target, machine.now_ms(), hold))
-        self._since = reader.since
+        with self._since_lock:
+            cap = self._listen_cap()
+            target = cap if cap is not None and less_than(cap, wanted) else wanted
+            if less_than(target, self._since):
+                target = self._since
+            hold = self._hold()
+            machine = self._machine
+            reader, _ = machine.apply(lambda s: transitions.downgrade_since(
+                s, self.reader_id, target, machine.now_ms(), hold))
+            self._since = reader.since
 
     def _listen_moved(self) -> None:
         """A listen advanced: release what the user asked for and the listen no longer

@@ -6,6 +6,7 @@ backend."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.exceptions import ConsensusUnavailable, PersistError
 from tests.fixtures.location import Location
-from tests.helpers import ForwardingConsensus
+from tests.helpers import WAIT_S, ForwardingConsensus, wait_until
 from tests.test_regressions_lost_replies import ManualClock
 
 NO_INLINE = InlinePolicy(0, 0)
@@ -183,3 +184,74 @@ def test_closing_a_listen_releases_the_since_it_held(location: Location,
     listen.close()
     assert reader.since == 8
     assert client._machine(shard).fetch_latest().since == 8
+
+
+class _NotingLock:
+    """A reader's since lock that notes when another thread tries to take it."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.tried = threading.Event()
+
+    def __enter__(self) -> None:
+        self.tried.set()
+        self._inner.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._inner.release()
+
+
+def test_a_listen_opened_while_another_listen_releases_since_is_held(location: Location):
+    """One reader, two threads: a listen is opened at ``as_of`` (checked against the
+    reader's since) while another listen of the reader moves on and releases the since
+    the user asked for. The release must count the new listen: a since moved past its
+    ``as_of`` after the check lets compaction fold the times it has yet to emit, and the
+    listen then fails (or emits them at the wrong time)."""
+    client = location.client(InlinePolicy(0, 0), PersistConfig(
+        heartbeat_interval_s=0, background_maintenance=False))
+    shard = str(ShardId.new())
+    writer = client.open_writer(shard)
+    writer.compare_and_append([(b"k0", b"v", 0, 1)], 0, 5)
+    reader = client.open_reader(shard)
+    first = reader.listen(4)
+    reader.downgrade_since(100)  # held at 4 while the first listen is at 5
+    for t in range(5, 12):
+        writer.compare_and_append([(b"k%d" % t, b"v", t, 1)], t, t + 1)
+    check_as_of = reader._check_as_of
+    errors: list[BaseException] = []
+
+    def move_first() -> None:
+        try:
+            first.poll()  # moves to 12 and releases since up to what listens allow
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    mover = threading.Thread(target=move_first)
+
+    def checked_then_moved(as_of: object, state: Any) -> int:
+        t = check_as_of(as_of, state)
+        if as_of == 4 and mover.ident is None:
+            # The other listen moves on between this listen's check and its
+            # registration: either it finishes first (the race) or it waits for this
+            # listen to be registered.
+            mover.start()
+            wait_until(lambda: not mover.is_alive() or noting.tried.is_set(),
+                       "the other listen finished or waits for the reader's since lock")
+        return t
+
+    noting = _NotingLock(getattr(reader, "_since_lock", threading.RLock()))
+    reader._since_lock = noting  # type: ignore[attr-defined]
+    reader._check_as_of = checked_then_moved  # type: ignore[method-assign]
+    second = reader.listen(4)
+    reader._check_as_of = check_as_of  # type: ignore[method-assign]
+    mover.join(WAIT_S)
+    assert not mover.is_alive() and not errors
+    assert reader.since == 4  # the second listen, at 5, holds it
+    client.compact(shard)
+    got = []
+    for event in second.poll():
+        if event.kind == "updates":
+            assert event.updates is not None
+            got += [(r["k"], r["t"]) for r in event.updates.to_pylist()]
+    assert sorted(got) == sorted((b"k%d" % t, t) for t in range(5, 12))
+    client.close()
