@@ -20,10 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.case9_scale import RUNS, _clone, _write_shard
+from bench.case9_scale import RUNS, _client_of, _clone, _uris, _write_shard
 from bench.cluster import StandaloneCluster
-from bench.cluster_run import SPLIT_BYTES
-from persist_pipeline import InlinePolicy, PersistClient, PersistConfig
 from persist_pipeline import spark as ps
 
 
@@ -36,9 +34,8 @@ def _timed(task: Any) -> tuple[Any, dict[str, Any]]:
                     "err": result.error}
 
 
-def _one(spark: Any, kind: str, where: Path, shard: str, client_of: Any, uris: Any,
-         app: str, rep: int) -> str:
-    c = client_of(where)
+def _one(spark: Any, kind: str, where: Path, shard: str, app: str, rep: int) -> str:
+    c = _client_of(where)
     load = os.getloadavg()[0]
     cpu0 = os.times()
     t0 = time.perf_counter()
@@ -54,7 +51,7 @@ def _one(spark: Any, kind: str, where: Path, shard: str, client_of: Any, uris: A
             out = sc.parallelize(tasks, len(tasks)).map(_timed).collect()
             info.extend(i for _, i in out)
             return [r for r, _ in out], "q"
-        m = ps.drive_compaction(run_tasks, c, [shard], blob_uri=uris(where)[1],
+        m = ps.drive_compaction(run_tasks, c, [shard], blob_uri=_uris(where)[1],
                                 max_splits=int(os.environ.get("C9Q_SPLITS", "4")))[shard]
     s = time.perf_counter() - t0
     cpu1 = os.times()
@@ -81,16 +78,8 @@ def main(argv: list[str]) -> int:
     base = root / "L0"
     (base / "blob").mkdir(parents=True)
 
-    def uris(where: Path) -> tuple[str, str]:
-        return f"sqlite:///{where}/consensus.db", f"file://{where}/blob"
-
-    def client_of(where: Path) -> PersistClient:
-        c, b = uris(where)
-        return PersistClient.open(c, b, config=PersistConfig(
-            inline_policy=InlinePolicy(0, 0), compaction_split_bytes=SPLIT_BYTES))
-
     t = time.perf_counter()
-    client = client_of(base)
+    client = _client_of(base)
     shard = _write_shard(client, n, seed=1)
     client.close()
     print(f"# wrote {n} in {time.perf_counter() - t:.1f} s at {root}", flush=True)
@@ -116,7 +105,7 @@ def main(argv: list[str]) -> int:
             for rep in range(reps):
                 for kind in ("one", "cluster", "one_nohp"):
                     where = next(left)
-                    fps.append(_one(spark, kind, where, shard, client_of, uris, app, rep))
+                    fps.append(_one(spark, kind, where, shard, app, rep))
             spark.stop()
             del spark
             from pyspark import SparkContext

@@ -230,6 +230,19 @@ def _clone(source: Path, dest: Path) -> None:
             os.link(Path(folder) / name, target / name)
 
 
+def _uris(where: Path) -> tuple[str, str]:
+    """The consensus and blob URIs of a location cloned under ``where``."""
+    return f"sqlite:///{where}/consensus.db", f"file://{where}/blob"
+
+
+def _client_of(where: Path) -> PersistClient:
+    """A client of the location under ``where``, configured as the split merge is run
+    (no inlining, the cluster's split size)."""
+    consensus, blob = _uris(where)
+    return PersistClient.open(consensus, blob, config=PersistConfig(
+        inline_policy=InlinePolicy(0, 0), compaction_split_bytes=SPLIT_BYTES))
+
+
 def _spark_split(svc: Services, scale: Scale, result: CaseResult,
                  log: Callable[[str], None]) -> None:
     n = scale.scale_spark_size
@@ -237,19 +250,11 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
     base = root / "L0"
     (base / "blob").mkdir(parents=True)
 
-    def uris(where: Path) -> tuple[str, str]:
-        return f"sqlite:///{where}/consensus.db", f"file://{where}/blob"
-
-    def client_of(where: Path) -> PersistClient:
-        consensus, blob = uris(where)
-        return PersistClient.open(consensus, blob, config=PersistConfig(
-            inline_policy=InlinePolicy(0, 0), compaction_split_bytes=SPLIT_BYTES))
-
     table = Table(f"One merge of {si(n)} updates: one process beside a Spark standalone "
                   "cluster (master + 2 workers x 1 core, loopback)",
                   ["what", "seconds", "rows/s", "vs one process", "detail"])
     log(f"  Spark split: writing a shard of {si(n)} updates, cloning its location")
-    client = client_of(base)
+    client = _client_of(base)
     shard = _write_shard(client, n, seed=1)
     rows_in = sum(b.num_updates for b in client._machine(shard).fetch_latest().batches.values())
     client.close()
@@ -259,17 +264,17 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
         _clone(base, where)
 
     log("  Spark split: snapshot_batches in a fresh process")
-    streamed = _json_of(["-c", _SNAPSHOT, *uris(clones["snap"]), shard, str(RUNS - 1)])
+    streamed = _json_of(["-c", _SNAPSHOT, *_uris(clones["snap"]), shard, str(RUNS - 1)])
 
     log("  Spark split: client.compact (one process)")
-    client = client_of(base)
+    client = _client_of(base)
     started, cpu = time.perf_counter(), time.process_time()
     one = client.compact(shard)
     one_s, one_cpu = time.perf_counter() - started, time.process_time() - cpu
     expected = client.open_reader(shard).snapshot_fingerprint(RUNS - 1)
     client.close()
     log("  Spark split: client.compact (one process, no reader or writer thread)")
-    client = client_of(clones["onethread"])
+    client = _client_of(clones["onethread"])
     started, cpu = time.perf_counter(), time.process_time()
     with inline_workers():
         alone = client.compact(shard)
@@ -278,7 +283,7 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
     client.close()
 
     def location(where: Path) -> str:
-        return "|".join([*uris(where), shard])
+        return "|".join([*_uris(where), shard])
 
     log("  Spark split: starting a standalone cluster")
     with StandaloneCluster(str(root / "cluster"), workers=2, cores=1) as cluster:
@@ -302,7 +307,7 @@ def _spark_split(svc: Services, scale: Scale, result: CaseResult,
                              location(clones["first"]), location(clones["second"])])
     same = True
     for name in ("nostart", "first", "second"):
-        c = client_of(clones[name])
+        c = _client_of(clones[name])
         same = same and c.open_reader(shard).snapshot_fingerprint(RUNS - 1) == expected
         c.close()
     same = same and same_alone

@@ -22,9 +22,10 @@ does it with pyarrow). Rows with ``t > as_of`` may be present: they belong to la
 **How long the files stay.** A plan keeps the state version it was made from held by its
 reader (the reader's seqno hold): GC never deletes a file of that version while the plan
 is open *and* its reader's lease is alive *and* the reader is not closed (``expire()``
-releases every hold of the reader, an open plan's too: close plans before their reader). Close the plan (``close()`` or a ``with``
-block) when the engine has finished reading; the hold is then released with the reader's
-next heartbeat, and the plan's ``to_table`` and ``to_dataset`` raise ``LeaseExpired``. If
+releases every hold of the reader, an open plan's too: close plans before their
+reader). Close the plan (``close()`` or a ``with`` block) when the engine has finished
+reading; the hold is then released with the reader's next heartbeat, and the plan's
+``to_table`` and ``to_dataset`` raise ``LeaseExpired``. If
 the reader stops heartbeating (its process died, paused, or was closed) for longer than
 its lease, GC expires it and may delete the plan's files: a read still in progress then
 fails on a missing file, it never returns wrong data.

@@ -226,25 +226,15 @@ def test_a_typed_binary_column_round_trips_through_csv(
     assert "00ff" in out.read_text()
 
 
-def test_a_csv_snapshot_of_binary_columns_appends_back_as_the_same_bytes(
-        tmp_path: Path) -> None:
-    """The CLI writes a typed binary column as text where UTF-8 "so a CSV snapshot
-    appends back as the same bytes": empty bytes and text Arrow's CSV reader takes
-    for null (NULL, NaN, #N/A, ...) must not come back as null."""
+def _csv_round_trip(tmp_path: Path, schema: ShardSchema,
+                    table: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """``table`` written to typed shard ``src``, snapshotted to CSV by the CLI and the CSV
+    appended by the CLI to shard ``dst`` of the same schema: both snapshots, by id."""
     import os
 
-    from persist_pipeline import ShardSchema
     from tests.helpers import run_cli
 
     consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
-    schema = ShardSchema({"id": pa.int64()}, {"blob": pa.binary(), "s": pa.string()})
-    values = [b"plain", b"", None, b"NULL", b"null", b"NaN", b"#N/A", b"N/A"]
-    strings = [None if v is None else v.decode() for v in values]
-    n = len(values)
-    table = pa.table({"id": pa.array(range(n), pa.int64()),
-                      "blob": pa.array(values, pa.binary()),
-                      "s": pa.array(strings, pa.string()),
-                      "t": pa.array([0] * n, pa.int64()), "d": pa.array([1] * n, pa.int64())})
     with PersistClient.open(consensus, blob) as client:
         for name in ("src", "dst"):
             writer = client.open_writer(client.resolve(name, create=True), schema=schema)
@@ -258,9 +248,27 @@ def test_a_csv_snapshot_of_binary_columns_appends_back_as_the_same_bytes(
     done = run_cli(env, "append", "dst", str(out))
     assert done.returncode == 0, done.stderr
     with PersistClient.open(consensus, blob) as client:
-        reader = client.open_reader(client.resolve("dst"))
-        got = reader.snapshot(0).sort_by("id")
-        reader.expire()
+        src, dst = (client.open_reader(client.resolve(name)) for name in ("src", "dst"))
+        want, got = src.snapshot(0).sort_by("id"), dst.snapshot(0).sort_by("id")
+        src.expire()
+        dst.expire()
+    return want, got
+
+
+def test_a_csv_snapshot_of_binary_columns_appends_back_as_the_same_bytes(
+        tmp_path: Path) -> None:
+    """The CLI writes a typed binary column as text where UTF-8 "so a CSV snapshot
+    appends back as the same bytes": empty bytes and text Arrow's CSV reader takes
+    for null (NULL, NaN, #N/A, ...) must not come back as null."""
+    schema = ShardSchema({"id": pa.int64()}, {"blob": pa.binary(), "s": pa.string()})
+    values = [b"plain", b"", None, b"NULL", b"null", b"NaN", b"#N/A", b"N/A"]
+    strings = [None if v is None else v.decode() for v in values]
+    n = len(values)
+    table = pa.table({"id": pa.array(range(n), pa.int64()),
+                      "blob": pa.array(values, pa.binary()),
+                      "s": pa.array(strings, pa.string()),
+                      "t": pa.array([0] * n, pa.int64()), "d": pa.array([1] * n, pa.int64())})
+    _want, got = _csv_round_trip(tmp_path, schema, table)
     assert got.column("blob").to_pylist() == values
     assert got.column("s").to_pylist() == strings
 
@@ -296,11 +304,7 @@ def test_a_csv_snapshot_of_float_columns_appends_back_as_the_same_values(
     ``append`` (Arrow's CSV reader) reads as null, so NaN came back as null. Every
     other float (infinities, extremes, float32's own values) and null come back too."""
     import math
-    import os
 
-    from tests.helpers import run_cli
-
-    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
     schema = ShardSchema({"id": pa.int64()}, {"f": pa.float64(), "g": pa.float32()})
     values = [float("nan"), None, float("inf"), -float("inf"), 1e-300, 0.1, -2.5, 5e-324]
     narrow = [float("nan"), None, float("inf"), -float("inf"), 1e-30, 0.1, -2.5, 3e38]
@@ -309,23 +313,7 @@ def test_a_csv_snapshot_of_float_columns_appends_back_as_the_same_values(
                       "f": pa.array(values, pa.float64()),
                       "g": pa.array(narrow, pa.float32()),
                       "t": pa.array([0] * n, pa.int64())})
-    with PersistClient.open(consensus, blob) as client:
-        for name in ("src", "dst"):
-            writer = client.open_writer(client.resolve(name, create=True), schema=schema)
-            if name == "src":
-                writer.compare_and_append(table, 0, 1)
-            writer.expire()
-    env = dict(os.environ, PERSIST_CONSENSUS_URI=consensus, PERSIST_BLOB_URI=blob)
-    out = tmp_path / "src.csv"
-    done = run_cli(env, "snapshot", "src", "--as-of", "0", "--out", str(out))
-    assert done.returncode == 0, done.stderr
-    done = run_cli(env, "append", "dst", str(out))
-    assert done.returncode == 0, done.stderr
-    with PersistClient.open(consensus, blob) as client:
-        src, dst = (client.open_reader(client.resolve(name)) for name in ("src", "dst"))
-        want, got = src.snapshot(0).sort_by("id"), dst.snapshot(0).sort_by("id")
-        src.expire()
-        dst.expire()
+    want, got = _csv_round_trip(tmp_path, schema, table)
 
     def shown(column: pa.ChunkedArray) -> list[object]:
         return ["nan" if isinstance(v, float) and math.isnan(v) else v
