@@ -39,7 +39,6 @@ from persist_pipeline.exceptions import (
     PersistError,
     ShardNameNotFound,
     ShardNotFound,
-    UpperMismatch,
 )
 from persist_pipeline.frontier import MAX_TIME, Frontier
 from persist_pipeline.ids import ShardId
@@ -52,7 +51,7 @@ from persist_pipeline.ingest import (
 from persist_pipeline.read import ReadHandle
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import SCHEMA, Updates
-from persist_pipeline.write import check_append_bounds, check_times
+from persist_pipeline.write import check_append_bounds, check_new_shard_bounds, check_times
 
 
 class _Parser(argparse.ArgumentParser):
@@ -462,9 +461,7 @@ def _append(client: PersistClient, args: argparse.Namespace) -> None:
         untyped = _read_untyped(args)
         expected, new_upper = check_append_bounds(*_append_bounds(lambda: 0, untyped, args))
         check_times(Updates.coerce(untyped), expected, new_upper)
-        if expected != 0:
-            # The commit would be refused on the upper 0 the shard starts at.
-            raise UpperMismatch(expected, 0, shard=args.shard)
+        check_new_shard_bounds(expected, args.shard)
         if shard is None:
             shard = client.resolve(args.shard, create=True)
     with client.open_writer(shard, debug="cli") as writer:

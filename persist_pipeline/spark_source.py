@@ -135,7 +135,7 @@ from persist_pipeline.names import refuse_new_generation_name
 from persist_pipeline.plan import LATEST, PlanFile, SnapshotPlan
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import Updates, consolidate, naming_shard, sums_may_wrap
-from persist_pipeline.write import check_append_bounds, check_times
+from persist_pipeline.write import check_append_bounds, check_new_shard_bounds, check_times
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -743,10 +743,9 @@ def _write_job(options: Mapping[str, str], overwrite: bool,
     location = _Location.from_options(options, writing=True, columns=columns)
     expected, upper = write_bounds(options)
     token = write_token(options)
-    if location.new_name and expected != 0:
-        # Its fresh shard starts at upper 0: the commit would be refused, after the
-        # name was registered for good (and its shard created here).
-        raise UpperMismatch(expected, 0, shard=location.new_name)
+    if location.new_name:
+        # Before the name is registered for good (and its shard created here).
+        check_new_shard_bounds(expected, location.new_name)
     client = location.client(create=True)
     try:
         return plan_write(location, client, expected, upper, token)

@@ -47,6 +47,7 @@ from persist_pipeline.write import (
     WriteHandle,
     WriteResult,
     check_append_bounds,
+    check_new_shard_bounds,
     check_times,
     with_row_counts,
 )
@@ -218,10 +219,10 @@ class Transaction:
             # before then, or aborted, leaves nothing behind.
             data = Updates.coerce(updates)
             check_times(data, expected, upper)
-            if expected != 0 and isinstance(shard, str) and not _looks_like_id(shard):
-                # A new name's shard (a fresh id no other client knows) starts at upper
-                # 0: the commit would be refused, after registering the name for good.
-                raise UpperMismatch(expected, 0, shard=shard)
+            if isinstance(shard, str) and not _looks_like_id(shard):
+                # A new name's shard is a fresh id no other client knows: refused here,
+                # before the commit registers the name for good.
+                check_new_shard_bounds(expected, shard)
             shard_id = self._shard_id(shard)
             self._require_absent(shard_id)
         else:

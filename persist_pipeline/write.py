@@ -882,6 +882,21 @@ def check_append_bounds(expected_upper: object, new_upper: object, *,
     return expected, upper
 
 
+def check_new_shard_bounds(expected: int, shard: str) -> None:
+    """Refuses an append to a shard that does not exist yet unless it expects upper 0.
+
+    A new shard starts at upper 0, so its first commit at any other expected upper is
+    refused; every entry point that creates a shard on the way to that commit (the CLI's
+    ``append --create``, transactions, Spark writes) asks here first, so that a write
+    bound to be refused registers no name and creates no shard.
+
+    Raises:
+        UpperMismatch: ``expected`` is not 0 (its ``current`` is 0, ``shard`` as given).
+    """
+    if expected != 0:
+        raise UpperMismatch(expected, 0, shard=shard)
+
+
 def check_times(data: Updates, lower: int, upper: Frontier) -> None:
     bounds = data.time_bounds()
     if bounds is None:
