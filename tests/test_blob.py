@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import botocore.exceptions
 import pytest
 from botocore.exceptions import ClientError
 
@@ -702,6 +703,27 @@ def test_s3_error_mapping(
     error = store._error(_client_error(code, status), "get", "k")
     assert isinstance(error, expected)
     assert not isinstance(error, not_expected)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        botocore.exceptions.FlexibleChecksumError(
+            error_msg="Expected checksum abc= did not match calculated checksum: def="),
+        botocore.exceptions.ChecksumError(checksum_type="crc32", expected_checksum="a",
+                                          actual_checksum="b"),
+        botocore.exceptions.IncompleteReadError(actual_bytes=3, expected_bytes=9),
+        botocore.exceptions.ReadTimeoutError(endpoint_url="http://127.0.0.1:1"),
+    ],
+    ids=lambda exc: type(exc).__name__,
+)
+def test_s3_bodies_damaged_or_cut_in_transit_are_unavailable(exc: Exception) -> None:
+    """A GET body that fails its checksum or arrives short is retried (BlobUnavailable),
+    not reported as a lasting BlobError that fails the read or the commit."""
+    store = S3Blob("bucket", endpoint_url="http://127.0.0.1:1")
+    error = store._error(exc, "get", "k")
+    assert isinstance(error, BlobUnavailable) and isinstance(error, Unavailable)
+    assert "'k'" in str(error)
 
 
 # --- CachingBlob --------------------------------------------------------------------------

@@ -48,9 +48,11 @@ import botocore.session
 from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
+    ChecksumError,
     ClientError,
     ConnectionError,
     CredentialRetrievalError,
+    FlexibleChecksumError,
     HTTPClientError,
     IncompleteReadError,
     NoCredentialsError,
@@ -490,7 +492,11 @@ class S3Blob(Blob):
             return BlobError(detail)
         if isinstance(exc, NoCredentialsError | PartialCredentialsError | CredentialRetrievalError):
             return BlobAuthError(f"{where}: no usable AWS credentials ({type(exc).__name__})")
-        if isinstance(exc, ConnectionError | HTTPClientError | IncompleteReadError):
+        # A body whose checksum does not match was damaged on the way (the stored value
+        # is checked when S3 accepts it): transient like a dropped connection, so a
+        # retry reads it again instead of failing the read or commit for good.
+        if isinstance(exc, ConnectionError | HTTPClientError | IncompleteReadError
+                      | FlexibleChecksumError | ChecksumError):
             return BlobUnavailable(f"{where}: {type(exc).__name__}: {_SCRUBBER.scrub(str(exc))}")
         return BlobError(f"{where}: {type(exc).__name__}: {_SCRUBBER.scrub(str(exc))}")
 
