@@ -17,7 +17,7 @@ from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
-from persist_pipeline.exceptions import ConsensusUnavailable, PersistError
+from persist_pipeline.exceptions import ConsensusUnavailable, PersistError, SinceViolation
 from tests.fixtures.location import Location
 from tests.helpers import WAIT_S, ForwardingConsensus, wait_until
 from tests.test_regressions_lost_replies import ManualClock
@@ -255,3 +255,42 @@ def test_a_listen_opened_while_another_listen_releases_since_is_held(location: L
             got += [(r["k"], r["t"]) for r in event.updates.to_pylist()]
     assert sorted(got) == sorted((b"k%d" % t, t) for t in range(5, 12))
     client.close()
+
+
+def test_listen_registration_control_moves_since_past_the_new_listen(tmp_path: Path):
+    """Negative control for the test above (the simulation's sibling listens reach the
+    race too rarely to test it there): with the reader's since moves and listen
+    registrations no longer serialised, the other listen's release, run between the new
+    listen's check and its registration, moves the since past the new listen's as_of,
+    and the new listen fails once compaction folded the times it had yet to emit."""
+    from persist_pipeline.sim import controls
+
+    location = Location("sqlite", f"sqlite:///{tmp_path}/c.db", f"file://{tmp_path}/b")
+    client = location.client(InlinePolicy(0, 0), PersistConfig(
+        heartbeat_interval_s=0, background_maintenance=False))
+    try:
+        shard = str(ShardId.new())
+        writer = client.open_writer(shard)
+        writer.compare_and_append([(b"k0", b"v", 0, 1)], 0, 5)
+        with controls.listen_registration_unserialised():
+            reader = client.open_reader(shard)
+        first = reader.listen(4)
+        reader.downgrade_since(100)
+        for t in range(5, 12):
+            writer.compare_and_append([(b"k%d" % t, b"v", t, 1)], t, t + 1)
+        check_as_of = reader._check_as_of
+
+        def checked_then_moved(as_of: object, state: Any) -> int:
+            t = check_as_of(as_of, state)
+            first.poll()  # the other listen's release lands between check and registration
+            return t
+
+        reader._check_as_of = checked_then_moved  # type: ignore[method-assign]
+        second = reader.listen(4)
+        reader._check_as_of = check_as_of  # type: ignore[method-assign]
+        assert reader.since > 4  # past the second listen's as_of
+        client.compact(shard)
+        with pytest.raises(SinceViolation):
+            second.poll()
+    finally:
+        client.close()

@@ -29,7 +29,7 @@ from persist_pipeline.sim.scheduler import Process
 
 if TYPE_CHECKING:
     from persist_pipeline.client import PersistClient
-    from persist_pipeline.read import ReadHandle
+    from persist_pipeline.read import Listen, ReadHandle
     from persist_pipeline.sim.runner import SimRun
 
 
@@ -270,7 +270,10 @@ def _rows(table: Any) -> list[tuple[bytes, bytes, int, int]]:
 
 def listener(run: SimRun, proc: Process) -> None:
     """A snapshot followed by a listen, checked at every progress frontier; it also
-    releases since past its own frontier now and then."""
+    releases since past its own frontier now and then. In profiles with
+    ``sibling_listens``, a second thread of the process opens a listen of its own on the
+    same reader meanwhile, at a time at or above the since (whose release by the first
+    listen must not pass it)."""
     client = run.client(proc)
     holder = Holder()
     reader = _open_reader(run, client, holder)
@@ -283,21 +286,73 @@ def listener(run: SimRun, proc: Process) -> None:
     if upper is None or run.stopping:
         return
     as_of = run.rng.randint(min(holder.since, upper - 1), upper - 1)
+    opened = _open_listen(run, reader, holder, as_of, "listen")
+    if opened is None:
+        return
+    if run.profile.sibling_listens:
+        run.spawn(f"{proc.name}/listen2", proc,
+                  lambda: _sibling_listen(run, reader, holder))
+    _follow(run, reader, holder, *opened, releases=True, what="listen")
+
+
+def _open_listen(run: SimRun, reader: ReadHandle, holder: Holder, as_of: int, what: str
+                 ) -> tuple[Listen, dict[tuple[bytes, bytes], int]] | None:
+    """The snapshot at ``as_of``, checked, and a listen from there; None when the reader
+    expired, the outcome is unknown, or (the sibling's) since moved past ``as_of``."""
     try:
         acc: dict[tuple[bytes, bytes], int] = {}
         for k, v, _t, d in _rows(reader.snapshot(as_of)):
             acc[(k, v)] = acc.get((k, v), 0) + d
-        run.model.check(as_of, _acc_rows(acc, as_of), f"listen's snapshot at {as_of}")
-        listen = reader.listen(as_of)
+        run.model.check(as_of, _acc_rows(acc, as_of), f"{what}'s snapshot at {as_of}")
+        return reader.listen(as_of), acc
     except (LeaseExpired, Indeterminate):
-        return
+        return None
+    except SinceViolation:
+        # Fine only when another thread of the process asked for a since past as_of
+        # meanwhile: nothing else may move it.
+        if as_of >= holder.since:
+            run.violation(f"{what} setup: SinceViolation at {as_of}, at or above the "
+                          f"since {holder.since} the reader asked for")
+        return None
     except PersistError as e:
-        _unexpected(run, "listen setup", e)
-        return
+        _unexpected(run, f"{what} setup", e)
+        return None
+
+
+def _sibling_listen(run: SimRun, reader: ReadHandle, holder: Holder) -> None:
+    """Listens of the same reader, one after another, each opened while the first
+    listen polls and releases since (the release of the first and the registration of
+    each race), followed for a few polls and closed."""
     while not run.stopping:
+        run.think()
+        upper = run.monitor.upper
+        if not upper or holder.since >= upper:
+            continue
+        # Often at the since itself: a release past it is the race's harm.
+        as_of = holder.since if run.rng.random() < 0.5 \
+            else run.rng.randint(holder.since, upper - 1)
+        run.think()  # the since may move meanwhile: then the listen is refused
+        opened = _open_listen(run, reader, holder, as_of, "second listen")
+        if opened is None:
+            continue
+        if not _follow(run, reader, holder, *opened, releases=False, what="second listen",
+                       polls=run.rng.randint(1, 4)):
+            return
+        opened[0].close()
+
+
+def _follow(run: SimRun, reader: ReadHandle, holder: Holder, listen: Listen,
+            acc: dict[tuple[bytes, bytes], int], *, releases: bool, what: str,
+            polls: int | None = None) -> bool:
+    """Polls ``listen`` (``polls`` times, or until the run stops), checking the
+    collection at every frontier it reports; when ``releases``, it also moves the
+    reader's since now and then. False when the reader can no longer be used."""
+    while not run.stopping and (polls is None or polls > 0):
+        if polls is not None:
+            polls -= 1
         run.think(scale=run.profile.listen_lag)  # a listen that lags behind the writers
         try:
-            if run.rng.random() < 0.3 and run.monitor.upper:
+            if releases and run.rng.random() < 0.3 and run.monitor.upper:
                 top = max(0, run.monitor.upper - 1)
                 # Often all the way up: past this listen's own frontier.
                 pick = top if run.rng.random() < 0.5 else run.rng.randint(0, top)
@@ -312,16 +367,17 @@ def listener(run: SimRun, proc: Process) -> None:
                     elif event.upper is not None:
                         at = event.upper - 1
                         run.model.check(at, _acc_rows(acc, at),
-                                        f"listen at frontier {event.upper}")
+                                        f"{what} at frontier {event.upper}")
         except LeaseExpired:
-            _check_expired(run, reader.reader_id, "listen")
-            return
+            _check_expired(run, reader.reader_id, what)
+            return False
         except (Indeterminate, InvalidFrontier):
             pass
         except PersistError as e:
-            _unexpected(run, "listen", e)
-            return
+            _unexpected(run, what, e)
+            return False
         run.ops += 1
+    return True
 
 
 def _acc_rows(acc: dict[tuple[bytes, bytes], int], at: int) -> list[tuple[bytes, bytes, int, int]]:

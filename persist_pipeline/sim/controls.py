@@ -453,6 +453,29 @@ def listen_release_raises() -> Iterator[None]:
         yield
 
 
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@contextmanager
+def listen_registration_unserialised() -> Iterator[None]:
+    """Moving a reader's since and registering a listen are serialised: a since release
+    whose cap was computed before another listen of the reader registered commits after
+    that listen's as_of was checked, past it."""
+    original = read.ReadHandle.__init__
+
+    def init(self: read.ReadHandle, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self._since_lock = _NoLock()
+
+    with _patched(read.ReadHandle, "__init__", init):
+        yield
+
+
 @contextmanager
 def retry_not_settled_by_history() -> Iterator[None]:
     """A write retried with the token of an attempt whose outcome its caller never
@@ -553,6 +576,7 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "pinned_loads_with_the_newest_schema": pinned_loads_with_the_newest_schema,
     "latest_load_at_looked_up_upper": latest_load_at_looked_up_upper,
     "listen_release_raises": listen_release_raises,
+    "listen_registration_unserialised": listen_registration_unserialised,
     "retry_not_settled_by_history": retry_not_settled_by_history,
     "transaction_retry_not_settled": transaction_retry_not_settled,
     "abort_trusts_a_missing_marker": abort_trusts_a_missing_marker,

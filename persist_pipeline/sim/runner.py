@@ -84,6 +84,9 @@ class Profile:
     #: Each process's own ``persist_inline_update_max_bytes``, drawn from these (empty:
     #: the seed's policy for all); the seed's policy then always inlines.
     inline_max_choices: tuple[int, ...] = ()
+    #: A listener's process opens a second listen on the same reader while the first
+    #: polls and releases since.
+    sibling_listens: bool = False
 
 
 PROFILES: dict[str, Profile] = {
@@ -93,7 +96,7 @@ PROFILES: dict[str, Profile] = {
                       "spark_compactor": (0, 1), "gc": (1, 2), "opener": (0, 1)}),
     # A listen whose reader alone holds since back, under compaction and GC.
     "listen": Profile({"writer": (1, 2), "appender": (0, 1), "listener": (1, 1),
-                       "compactor": (1, 1), "gc": (1, 1)}),
+                       "compactor": (1, 1), "gc": (1, 1)}, sibling_listens=True),
     # Reads racing compaction and GC without a cache to hide deleted parts.
     "reads": Profile({"writer": (1, 2), "reader": (1, 2), "listener": (0, 1),
                       "compactor": (1, 1), "gc": (1, 2), "opener": (0, 1)},
