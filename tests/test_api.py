@@ -32,6 +32,7 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     TokenReused,
 )
+from tests.fixtures.location import location_kinds, make_location
 from tests.helpers import expected_snapshot, rows, state_history
 
 
@@ -170,6 +171,38 @@ def test_compaction_flushes_inline_and_preserves_every_read(open_client):
     for t, table in before.items():
         assert reader.snapshot(t).equals(table)
         assert rows(table, t) == expected_snapshot(written, t)
+
+
+@pytest.mark.parametrize("kind", location_kinds("embedded-wal", "pg-s3-wal"))
+def test_compaction_moves_every_wal_part_to_the_main_store(kind, request, tmp_path):
+    """The WAL store holds fresh write parts only: compaction moves them to the main
+    store even when the Spine has nothing to merge (a lone batch in its entry), as it
+    flushes inline parts. Before, a WAL batch the Spine never fused stayed in the WAL
+    store for good, and the shard reported no pending work."""
+    location = make_location(kind, request, tmp_path)
+    client = location.client(InlinePolicy(0, 0))
+    shard = ShardId.new()
+    writer = client.open_writer(shard)
+    reader = client.open_reader(shard)
+    big = [(f"big{i}".encode(), b"v", 0, 1) for i in range(3000)]
+    small = [(f"s{i}".encode(), b"w", 1, 1) for i in range(40)]
+    writer.compare_and_append(big, 0, 1)
+    writer.compare_and_append(small, 1, 2)  # a lower level than big's: no fusion
+    before = {t: reader.snapshot(t) for t in (0, 1)}
+    info = client.inspect(shard)
+    assert info["parts"]["hollow_wal"] == 2 and info["parts"]["hollow_main"] == 0
+    assert info["pending_merge_requests"] == 2, "WAL parts are work for compaction"
+    assert client.shard_summaries()[str(shard)].pending_merges == 2
+    metrics = client.compact(shard)
+    assert metrics["applied"] == metrics["requests"] == 2
+    after = client.inspect(shard)
+    assert after["parts"]["hollow_wal"] == 0, "compaction leaves nothing in the WAL store"
+    assert after["pending_merge_requests"] == 0
+    for t, table in before.items():
+        assert reader.snapshot(t).equals(table)
+        assert rows(table, t) == expected_snapshot(big + small, t)
+    assert client.compact(shard)["requests"] == 0, "nothing left to do"
+    client.close()
 
 
 def test_compaction_after_since_advances_keeps_reads_at_or_after_since(open_client):

@@ -327,8 +327,36 @@ class State:
         """The batches of one Spine entry, in time order."""
         return tuple(b for b in self.ordered_batches if entry.contains(b.desc.lower))
 
+    @cached_property
+    def wal_entry_lowers(self) -> frozenset[int]:
+        """The lowers of the Spine entries that hold a part in the WAL blob store and have
+        no other work for compaction (see :meth:`entry_pending`)."""
+        lone = [e for e in self.spine.values() if not e.pending]
+        if not lone:
+            return frozenset()
+        found: set[int] = set()
+        for batch in self.batches.values():
+            # A batch's parts share one store (a write puts all of them in its writer's
+            # store, a merge all of its in main): its first part tells, and a commit does
+            # not scan every part of the shard's big compacted batches.
+            first = batch.parts[0] if batch.parts else None
+            if not isinstance(first, HollowPart) or first.store != "wal":
+                continue
+            for entry in lone:
+                if entry.contains(batch.desc.lower):
+                    found.add(entry.lower)
+        return frozenset(found)
+
+    def entry_pending(self, entry: SpineEntry) -> bool:
+        """Whether compaction has work in ``entry``: several batches to merge, inline
+        parts to flush, or parts in the WAL blob store to move to the main one. The WAL
+        store holds fresh write parts only (compaction moves data into the main store):
+        a WAL batch the Spine never merges with another would otherwise stay there
+        for good."""
+        return entry.pending or entry.lower in self.wal_entry_lowers
+
     def pending_merges(self) -> int:
-        return sum(1 for e in self.spine.values() if e.pending)
+        return sum(1 for e in self.spine.values() if self.entry_pending(e))
 
     def num_inline_parts(self) -> int:
         return sum(e.num_inline_parts for e in self.spine.values())

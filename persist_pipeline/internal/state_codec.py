@@ -480,9 +480,10 @@ def encode_summary(state: State) -> bytes:
     msg.num_batches = len(state.batches)
     # State.num_inline_parts() and pending_merges(), in one pass over the spine.
     inline_parts = pending = 0
+    wal = state.wal_entry_lowers
     for entry in state.spine.values():
         inline_parts += entry.num_inline_parts
-        if entry.pending:
+        if entry.pending or entry.lower in wal:  # State.entry_pending
             pending += 1
     msg.num_inline_parts = inline_parts
     msg.pending_merges = pending

@@ -4,7 +4,7 @@ requests derived from it.
 Each Spine entry is a merge group covering a time range. A new non-empty batch enters as
 its own entry at level ``floor(log2(len))``; while the newest entry's level is at least
 its predecessor's, the two fuse into one entry a level up (a binary counter, so there
-are O(log n) entries). An entry holding several batches, or any inline part, is a
+are O(log n) entries). An entry holding several batches, any inline part or a WAL part, is a
 pending merge request: compaction replaces its batches with one hollow output batch.
 These are pure functions over the state's maps.
 """
@@ -80,7 +80,7 @@ def merge_requests(state: State) -> list[MergeReq]:
     reqs = []
     since = state.since if state.since is not None else 0
     for entry in state.ordered_spine:
-        if not entry.pending:
+        if not state.entry_pending(entry):
             continue
         inputs = state.spine_members(entry)
         if not inputs:
