@@ -151,6 +151,9 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # aborted afterwards leaves an empty shard behind (3)
     "transaction_creates_shards_on_add": (r"aborted transaction left the shard", 20,
                                           "transactions"),
+    # a lone WAL batch is no work for compaction: the final compaction of a seed with a
+    # WAL store leaves parts there (5)
+    "wal_parts_stay": (r"keeps \d+ part\(s\) in the WAL store", 20, None),
 }
 
 #: Reverted fixes the random simulation reaches too rarely to test this way (a heartbeat

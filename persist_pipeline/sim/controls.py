@@ -545,6 +545,17 @@ def transaction_creates_shards_on_add() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def wal_parts_stay() -> Iterator[None]:
+    """A Spine entry holding WAL parts is pending only for several batches or inline
+    parts: a WAL batch the Spine never fuses with another stays in the WAL store for
+    good, and the shard reports no work for compaction."""
+    from persist_pipeline.internal.state import State
+
+    with _patched(State, "wal_entry_lowers", property(lambda self: frozenset())):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -583,4 +594,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "commit_ignores_an_earlier_abort": commit_ignores_an_earlier_abort,
     "transaction_names_on_add": transaction_names_on_add,
     "transaction_creates_shards_on_add": transaction_creates_shards_on_add,
+    "wal_parts_stay": wal_parts_stay,
 }

@@ -87,6 +87,10 @@ class Profile:
     #: A listener's process opens a second listen on the same reader while the first
     #: polls and releases since.
     sibling_listens: bool = False
+    #: In seeds with a WAL store, the final check compacts every shard until nothing is
+    #: pending and then finds no part left in the WAL store (it holds fresh write parts
+    #: only: compaction moves them all to the main store).
+    final_wal_flush: bool = True
 
 
 PROFILES: dict[str, Profile] = {
@@ -400,6 +404,8 @@ class SimRun:
         try:
             for shard in self.shards():
                 client.gc(shard)
+            if self.wal is not None and self.profile.final_wal_flush:
+                self._flush_wal(client)
             seams.final_check(self, client)
             transactions.check(self, client, "final check")
             ingestion.check(self, client, "final check")
@@ -422,6 +428,22 @@ class SimRun:
         leaked = self.monitors.leaked()
         if leaked:
             self.violation(f"{len(leaked)} blobs leaked after the final GC, e.g. {leaked[0]}")
+
+
+    def _flush_wal(self, client: PersistClient) -> None:
+        """Compaction until nothing is pending moves every part out of the WAL store;
+        the snapshots after it are checked against the model as before."""
+        for shard in self.shards():
+            for _ in range(3):
+                if not client.compact(shard)["requests"]:
+                    break
+            state = client._machine(shard).fetch_latest()
+            left = [p.key for b in state.batches.values() for p in b.hollow_parts()
+                    if p.store == "wal"]
+            if left:
+                self.violation(f"final check: shard {shard} keeps {len(left)} part(s) in "
+                               f"the WAL store after compaction ran until nothing was "
+                               f"pending, e.g. {left[0]}")
 
 
 @contextmanager
