@@ -14,7 +14,9 @@ cut C, and:
    the head's latest rollup or from a cached state, and records below C are gone);
 4. optionally sweeps orphans: blobs under the shard's prefix that no kept version
    references (for rollups: that the head does not list) and that are older than
-   the shard's orphan age A (uploads whose commit failed, rollups a killed GC dropped).
+   the shard's orphan age A (uploads whose commit failed, rollups a killed GC dropped),
+   and what uploads killed mid-write left that no key names (a local folder's
+   temporary files, :meth:`Blob.sweep_partial_writes`), by the same age.
    Writes, merge results and rollups only commit references to blobs whose upload
    started less than half that age before their transition ran, measured on the
    committer's monotonic clock (:meth:`Machine.commit_deadline`). The sweep first reads
@@ -223,6 +225,16 @@ def _sweep_orphans(machine: Machine) -> int:
             continue
         _delete(machine, store, key)
         deleted += 1
+    # What uploads that died mid-write left (a local folder's temporary files): no key
+    # names them, so no listing above shows them and nothing else deletes them. Older
+    # than the cutoff, their upload started too long ago for any commit to reference it.
+    for store in stores:
+        try:
+            deleted += machine.blobs.store(store).sweep_partial_writes(
+                paths.shard_prefix(machine.shard_id), cutoffs[store])
+        except BackendError as e:  # left for the next GC
+            log.warning("shard %s: could not sweep partial uploads in the %s store: %s",
+                        machine.shard_id, store, e)
     return deleted
 
 

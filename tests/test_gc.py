@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +216,54 @@ def test_gc_without_the_wal_store_is_a_config_error_and_changes_nothing(tmp_path
     # adds a blob, it removes nothing.)
     assert _blob_files(blob) >= before[0], "no blob of the main store was deleted"
     assert _blob_files(wal) == before[1], "no WAL part was deleted"
+
+
+_KILLED_MID_UPLOAD = """
+import os, signal, sys
+from persist_pipeline import InlinePolicy, PersistClient
+client = PersistClient.open(sys.argv[1], sys.argv[2], sys.argv[3],
+                            inline_policy=InlinePolicy(0, 0))
+writer = client.open_writer(sys.argv[4])
+# Die as the kernel would kill it: the part's bytes are written and synced to its
+# temporary file, the rename that makes it the part never happens.
+os.replace = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+writer.compare_and_append([(b"k%d" % i, b"v" * 64, 0, 1) for i in range(500)], 0, 1)
+"""
+
+
+def _temp_files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob(".tmp-*") if p.is_file()]
+
+
+def test_the_sweep_deletes_the_partial_uploads_of_a_killed_writer(tmp_path: Path):
+    """A writer killed mid-upload leaves its part's temporary file in a local store (the
+    listing never shows it, so it was swept by nothing, in the main or the WAL store):
+    the orphan sweep deletes such files once older than the orphan age, and keeps a
+    younger one (an upload that may still finish)."""
+    consensus = f"sqlite:///{tmp_path / 'consensus.db'}"
+    blob, wal = tmp_path / "blobs", tmp_path / "wal"
+    shard = ShardId.new()
+    with PersistClient.open(consensus, f"file://{blob}", f"file://{wal}",
+                            inline_policy=BLOB_ONLY) as client:
+        client.create_shard(shard)
+    repo = Path(__file__).resolve().parents[1]
+    child = subprocess.run([sys.executable, "-c", _KILLED_MID_UPLOAD, consensus,
+                            f"file://{blob}", f"file://{wal}", str(shard)],
+                           cwd=repo, capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    [left] = _temp_files(wal)
+    assert left.parent.is_relative_to(wal / str(shard))
+    old = time.time() - 2 * 3600  # older than the shard's orphan age (1 hour)
+    os.utime(left, (old, old))
+    young = left.parent / (".tmp-" + "f" * 32)  # an upload in flight right now
+    young.write_bytes(b"partial")
+    with PersistClient.open(consensus, f"file://{blob}", f"file://{wal}",
+                            inline_policy=BLOB_ONLY) as client:
+        metrics = client.gc(shard)
+    assert not left.exists(), "the dead writer's partial upload was swept"
+    assert young.exists(), "a young partial upload is kept"
+    assert metrics["orphans_deleted"] >= 1
+    young.unlink()
 
 
 def test_reading_a_wal_part_without_the_wal_store_is_a_config_error(tmp_path: Path):

@@ -148,6 +148,17 @@ class Blob(ABC):
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
         """Every object whose key starts with ``prefix``."""
 
+    def sweep_partial_writes(self, prefix: str, stamped_before: float) -> int:
+        """Delete what writes that died left under ``prefix`` and that no key names (a
+        local folder's temporary files), stamped before ``stamped_before`` on the
+        store's own clock (:meth:`clock_now`); returns how many. GC's orphan sweep calls
+        it with its cutoff: nothing else ever deletes them, since no listing shows them.
+
+        Default: nothing (a store whose writes leave nothing behind, such as S3's
+        single-request PUT).
+        """
+        return 0
+
     def clock_now(self, probe_key: str) -> float:
         """The store's current time, on the clock that stamps ``last_modified``.
 

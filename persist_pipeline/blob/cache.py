@@ -144,6 +144,10 @@ class CachingBlob(Blob):
         """The inner store's listing (never cached)."""
         return self.inner.list_keys(prefix)
 
+    def sweep_partial_writes(self, prefix: str, stamped_before: float) -> int:
+        """The inner store's (nothing it deletes was ever a value, so never cached)."""
+        return self.inner.sweep_partial_writes(prefix, stamped_before)
+
     def close(self) -> None:
         """Drop the cache and close the inner store."""
         self.clear()

@@ -89,6 +89,12 @@ class FaultyBlob(Blob):
         found = self._run("list_keys", repr(prefix), lambda: list(self.inner.list_keys(prefix)))
         return iter(found)
 
+    def sweep_partial_writes(self, prefix: str, stamped_before: float) -> int:
+        """The inner sweep, with the faults of ``delete``."""
+        validate_prefix(prefix)
+        return self._run("delete", repr(prefix), lambda: self.inner.sweep_partial_writes(
+            prefix, stamped_before))
+
     def close(self) -> None:
         """Close the inner store."""
         self.inner.close()

@@ -14,7 +14,8 @@ Layout and guarantees:
   directory, fsyncs it, renames it over the target with :func:`os.replace` and fsyncs
   the directory, so a reader (or a crash) sees the old value, the whole new value, or
   nothing, never a partial file. Key segments of that temp-file form are rejected, and
-  listings skip leftover temp files of crashed writers;
+  listings skip leftover temp files of crashed writers (GC's orphan sweep deletes them
+  once older than the orphan age: :meth:`LocalBlob.sweep_partial_writes`);
 * no key can reach outside the root: besides the key rules of
   :func:`~persist_pipeline.blob.base.validate_key`, every path is resolved (following
   symlinks) and must stay under the resolved root;
@@ -324,6 +325,62 @@ class LocalBlob(Blob):
                     out.append(BlobMeta(key, stat.st_size, stat.st_mtime))
             except FileNotFoundError:  # deleted while we were listing
                 continue
+
+    def sweep_partial_writes(self, prefix: str, stamped_before: float) -> int:
+        """Delete the temporary files of writers that died before their rename (the
+        listing skips them, so GC would never see them) under ``prefix``, modified
+        before ``stamped_before``. A writer still writing one, paused that long, finds
+        it gone at its rename and writes the value again (:meth:`set` retries), so a
+        value is never lost; it only costs that writer one more write."""
+        validate_prefix(prefix)
+        complete = prefix.split("/")[:-1]
+        start = self._root.joinpath(*complete)
+        if self._missing_root():
+            raise BlobLocationNotFound(f"sweep {self.describe()}: the directory no longer "
+                                       f"exists")
+        try:
+            self._check_inside(start, prefix)
+        except InvalidInput:
+            return 0
+        base = "/".join(complete) + "/" if complete else ""
+        deleted = 0
+        try:
+            for directory, name in self._temporaries(start, base, prefix):
+                path = directory / name
+                try:
+                    if path.lstat().st_mtime >= stamped_before:
+                        continue
+                    path.unlink()
+                except FileNotFoundError:  # renamed or deleted meanwhile
+                    continue
+                deleted += 1
+                self._prune(directory)
+        except OSError as exc:
+            raise self._fail("sweep", prefix, exc) from exc
+        return deleted
+
+    def _temporaries(self, directory: Path, base: str, prefix: str
+                     ) -> list[tuple[Path, str]]:
+        """The temporary files in the folders of keys under ``prefix``."""
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found: list[tuple[Path, str]] = []
+        for entry in entries:
+            key = base + entry.name
+            try:
+                if _TEMP_RE.match(entry.name):
+                    # A temporary file belongs to the key being written in its folder:
+                    # under the prefix when the folder is.
+                    if base.startswith(prefix) and entry.is_file(follow_symlinks=False):
+                        found.append((directory, entry.name))
+                elif entry.is_dir(follow_symlinks=False) and (
+                        key.startswith(prefix) or prefix.startswith(key + "/")):
+                    found += self._temporaries(Path(entry.path), key + "/", prefix)
+            except FileNotFoundError:
+                continue
+        return found
 
     def describe(self) -> str:
         """``file://<root>``."""

@@ -56,6 +56,10 @@ class RetryingBlob(Blob):
     def list_keys(self, prefix: str = "") -> Iterator[BlobMeta]:
         return iter(self._retry("list_keys", lambda: list(self.inner.list_keys(prefix))))
 
+    def sweep_partial_writes(self, prefix: str, stamped_before: float) -> int:
+        return self._retry("sweep", lambda: self.inner.sweep_partial_writes(
+            prefix, stamped_before))
+
     def close(self) -> None:
         self.inner.close()
 
