@@ -232,6 +232,29 @@ def test_control_gc_without_orphan_sweep_leaks_and_is_caught(location, monkeypat
     assert _check(client, shard, [b"a", b"b"], 0).leaked_blobs == 0  # the real GC sweeps
 
 
+def test_control_partial_uploads_left_by_killed_writers_are_caught(tmp_path, monkeypatch):
+    """A writer killed mid-upload leaves a local folder's temporary file, which no listing
+    shows: the checker counts it as a leak unless the final GC's sweep took it."""
+    import os
+
+    location = Location("embedded-wal", f"sqlite:///{tmp_path / 'consensus.db'}",
+                        f"file://{tmp_path / 'blobs'}", f"file://{tmp_path / 'wal'}")
+    client = location.client(InlinePolicy(0, 0))
+    shard = _two_batches(client)
+    partial = tmp_path / "wal" / str(shard) / "p" / "b-killed" / (".tmp-" + "a" * 32)
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(b"half a part")
+    old = time.time() - 2 * 3600  # older than the shard's orphan age
+    os.utime(partial, (old, old))
+    monkeypatch.setattr("persist_pipeline.blob.local.LocalBlob.sweep_partial_writes",
+                        lambda self, prefix, stamped_before: 0)
+    result = _check(client, shard, [b"a", b"b"], 0)
+    assert result.leaked_blobs == 1 and "partial upload" in result.violations[0]
+    monkeypatch.undo()
+    assert _check(client, shard, [b"a", b"b"], 0).leaked_blobs == 0  # the real GC sweeps
+    assert not partial.exists()
+
+
 def test_control_listen_that_drops_updates_is_caught(tmp_path, monkeypatch):
     from persist_pipeline.read import Listen, ReadHandle
 

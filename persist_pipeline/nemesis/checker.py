@@ -13,11 +13,14 @@ Given what writers logged (attempted and acknowledged keys), it checks that:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from persist_pipeline.blob.base import Blob
+from persist_pipeline.blob.local import LocalBlob
 from persist_pipeline.client import PersistClient
 from persist_pipeline.exceptions import CorruptData, PersistError
 from persist_pipeline.frontier import less_equal
@@ -178,8 +181,28 @@ def check_shard(
                 if (name, meta.key) not in live:
                     result.leaked_blobs += 1
                     leaked.append(f"{meta.key} ({time.time() - meta.last_modified:.0f}s old)")
+            # What a writer killed mid-upload left in a local folder: no key names it, so
+            # the listing above never shows it; the final GC's sweep must have taken it.
+            for path in _partial_writes(blob, paths.shard_prefix(shard)):
+                result.leaked_blobs += 1
+                leaked.append(f"{path} (a partial upload, "
+                              f"{time.time() - os.path.getmtime(path):.0f}s old)")
         if result.leaked_blobs:
             result.violations.append(f"{result.leaked_blobs} blobs left after the final GC "
                                      f"that no live state references, e.g. {leaked[:3]}; "
                                      f"final GC: {gc_metrics}")
     return result
+
+
+def _partial_writes(blob: Blob, prefix: str) -> list[str]:
+    """The temporary files of unfinished writes under ``prefix``, when ``blob`` (through
+    its wrappers) is a local folder."""
+    inner: object = blob
+    while not isinstance(inner, LocalBlob) and hasattr(inner, "inner"):
+        inner = inner.inner
+    if not isinstance(inner, LocalBlob):
+        return []
+    top = inner.root.joinpath(*prefix.split("/")[:-1])
+    if not top.is_dir():
+        return []
+    return sorted(str(p) for p in top.rglob(".tmp-*") if p.is_file())
