@@ -408,7 +408,7 @@ class PersistClient:
             "orphan_min_age_s": state.orphan_min_age_ms / 1000 if state.orphan_min_age_ms
             else None,
             "spine": [{"lower": e.lower, "upper": e.upper, "level": e.level,
-                       "batches": e.num_batches, "pending": state.entry_pending(e)}
+                       "batches": e.num_batches, "pending": e.pending}
                       for e in state.ordered_spine],
             "pending_merge_requests": len(merge_requests(state)),
             "readers": sorted(state.leased_readers),

@@ -116,7 +116,7 @@ def states(draw: st.DrawFn) -> State:
         orphan_min_age_ms=draw(_u64),
         batches={i: draw(batches(i)) for i in ids},
         spine={lo: SpineEntry(lo, draw(frontier), draw(st.integers(0, 63)), draw(_u64),
-                              draw(_u64))
+                              draw(_u64), draw(_u64))
                for lo in draw(st.lists(_u64, max_size=4, unique=True))},
         leased_readers={r: LeasedReader(r, draw(frontier), draw(_u64), draw(_u64), draw(_u64),
                                         draw(_text))
@@ -248,3 +248,39 @@ def test_a_writer_recorded_without_its_last_writes_lower_still_decodes() -> None
     assert _append_no_rows(again, "tok-2", 2, 3) == (again, transitions.Appended(True))
     assert _append_no_rows(again, "tok-2", 1, 3) == (
         again, transitions.TokenReusedResult(2, 3))
+
+
+def _wal_part(key: str) -> HollowPart:
+    return HollowPart(key, "wal", 100, 10, 0, 0, None, None)
+
+
+def test_spine_entries_recorded_before_wal_parts_were_counted_are_counted_on_decode() -> None:
+    """A Spine entry holding a WAL part is work for compaction (the WAL store holds
+    fresh write parts only). Entries recorded before the entry counted its WAL parts
+    get the count from the state's batches, in a rollup and in a diff, so a lone WAL
+    batch recorded then is moved to the main store too; entries that have a count keep
+    it as recorded."""
+    wal = Batch("b1", Description(0, 5, 0), (_wal_part("p1"), _wal_part("p2")), 20)
+    main = Batch("b2", Description(5, 6, 0), (HollowPart("p3", "main", 1, 1, 5, 5, None,
+                                                        None),), 1)
+    state = State(shard_id=SHARD, seqno=3, upper=6, since=0,
+                  batches={"b1": wal, "b2": main},
+                  spine={0: SpineEntry(0, 5, 4, 1, 0, 2), 5: SpineEntry(5, 6, 0, 1, 0, 0)})
+    assert [e.pending for e in state.ordered_spine] == [True, False]
+
+    rollup = pb.State()
+    rollup.ParseFromString(sc.encode_state(state))
+    for entry in rollup.spine:
+        assert entry.HasField("num_wal_parts")  # written even when 0
+        entry.ClearField("num_wal_parts")
+    decoded = sc.decode_state(rollup.SerializeToString(), "old rollup")
+    assert decoded.spine == state.spine
+    assert [e.pending for e in decoded.ordered_spine] == [True, False]
+
+    grown = Batch("b3", Description(6, 7, 0), (_wal_part("p4"),), 1)
+    new = replace(state, seqno=4, upper=7, batches={**state.batches, "b3": grown},
+                  spine={**state.spine, 6: SpineEntry(6, 7, 0, 1, 0, 1)})
+    diff = sc.decode_diff(sc.encode_diff(state, new), "t")
+    [upsert] = diff.spine_upserts
+    upsert.ClearField("num_wal_parts")
+    assert sc.apply_diff(state, diff, "old diff") == new

@@ -132,6 +132,14 @@ class Batch:
         return count
 
     @property
+    def num_wal_parts(self) -> int:
+        count = 0
+        for p in self.parts:
+            if isinstance(p, HollowPart) and p.store == "wal":
+                count += 1
+        return count
+
+    @property
     def encoded_size(self) -> int:
         return sum(p.encoded_size for p in self.parts)
 
@@ -167,14 +175,19 @@ class SpineEntry:
     level: int
     num_batches: int
     num_inline_parts: int
+    #: Parts in the WAL blob store. The WAL store holds fresh write parts only
+    #: (compaction moves data into the main store), so they are work for compaction
+    #: even in a lone batch the Spine never fuses with another.
+    num_wal_parts: int = 0
 
     def contains(self, batch_lower: int) -> bool:
         return self.lower <= batch_lower and (self.upper is None or batch_lower < self.upper)
 
     @property
     def pending(self) -> bool:
-        """Whether compaction has work here: several batches, or inline data to flush."""
-        return self.num_batches > 1 or self.num_inline_parts > 0
+        """Whether compaction has work here: several batches to merge, inline data to
+        flush, or parts to move from the WAL store to the main one."""
+        return self.num_batches > 1 or self.num_inline_parts > 0 or self.num_wal_parts > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,36 +340,8 @@ class State:
         """The batches of one Spine entry, in time order."""
         return tuple(b for b in self.ordered_batches if entry.contains(b.desc.lower))
 
-    @cached_property
-    def wal_entry_lowers(self) -> frozenset[int]:
-        """The lowers of the Spine entries that hold a part in the WAL blob store and have
-        no other work for compaction (see :meth:`entry_pending`)."""
-        lone = [e for e in self.spine.values() if not e.pending]
-        if not lone:
-            return frozenset()
-        found: set[int] = set()
-        for batch in self.batches.values():
-            # A batch's parts share one store (a write puts all of them in its writer's
-            # store, a merge all of its in main): its first part tells, and a commit does
-            # not scan every part of the shard's big compacted batches.
-            first = batch.parts[0] if batch.parts else None
-            if not isinstance(first, HollowPart) or first.store != "wal":
-                continue
-            for entry in lone:
-                if entry.contains(batch.desc.lower):
-                    found.add(entry.lower)
-        return frozenset(found)
-
-    def entry_pending(self, entry: SpineEntry) -> bool:
-        """Whether compaction has work in ``entry``: several batches to merge, inline
-        parts to flush, or parts in the WAL blob store to move to the main one. The WAL
-        store holds fresh write parts only (compaction moves data into the main store):
-        a WAL batch the Spine never merges with another would otherwise stay there
-        for good."""
-        return entry.pending or entry.lower in self.wal_entry_lowers
-
     def pending_merges(self) -> int:
-        return sum(1 for e in self.spine.values() if self.entry_pending(e))
+        return sum(1 for e in self.spine.values() if e.pending)
 
     def num_inline_parts(self) -> int:
         return sum(e.num_inline_parts for e in self.spine.values())

@@ -153,11 +153,33 @@ def _spine_to(e: SpineEntry, out: pb.SpineEntry) -> None:
     out.lower, out.level = e.lower, e.level
     frontier_to_proto(e.upper, out.upper)
     out.num_batches, out.num_inline_parts = e.num_batches, e.num_inline_parts
+    out.num_wal_parts = e.num_wal_parts  # always present (absent: an older record)
+
+
+#: ``SpineEntry.num_wal_parts`` of an entry recorded before the count existed, until
+#: :func:`_with_wal_counts` counts it from the state's batches.
+_UNCOUNTED = -1
 
 
 def _spine_from(p: pb.SpineEntry) -> SpineEntry:
     return SpineEntry(p.lower, frontier_from_proto(p.upper), p.level, p.num_batches,
-                      p.num_inline_parts)
+                      p.num_inline_parts,
+                      p.num_wal_parts if p.HasField("num_wal_parts") else _UNCOUNTED)
+
+
+def _with_wal_counts(spine: Mapping[int, SpineEntry], batches: Mapping[str, Batch]
+                     ) -> Mapping[int, SpineEntry]:
+    """``spine`` with the WAL parts of entries recorded before they were counted
+    counted from ``batches`` (so that compaction moves those parts out of the WAL store
+    too); ``spine`` itself when every entry has its count."""
+    if all(e.num_wal_parts != _UNCOUNTED for e in spine.values()):
+        return spine
+    counted = dict(spine)
+    for lower, e in spine.items():
+        if e.num_wal_parts == _UNCOUNTED:
+            wal = sum(b.num_wal_parts for b in batches.values() if e.contains(b.desc.lower))
+            counted[lower] = replace(e, num_wal_parts=wal)
+    return counted
 
 
 def _reader_to(r: LeasedReader, out: pb.LeasedReader) -> None:
@@ -275,11 +297,12 @@ def decode_state(data: bytes, where: str) -> State:
     try:
         msg.ParseFromString(data)
         _check_version(msg.format_version, where)
+        batches = {b.id: _batch_from(b) for b in msg.batches}
         return State(
             shard_id=msg.shard_id,
             seqno=msg.seqno,
-            batches={b.id: _batch_from(b) for b in msg.batches},
-            spine={e.lower: _spine_from(e) for e in msg.spine},
+            batches=batches,
+            spine=_with_wal_counts({e.lower: _spine_from(e) for e in msg.spine}, batches),
             leased_readers={r.id: _reader_from(r) for r in msg.leased_readers},
             critical_readers={r.id: _critical_from(r) for r in msg.critical_readers},
             writers={w.id: _writer_from(w) for w in msg.writers},
@@ -452,6 +475,7 @@ def apply_diff(state: State, diff: pb.StateDiff, where: str) -> State:
                                    [f.from_proto(v) for v in getattr(diff, f.upserts)],
                                    list(getattr(diff, f.deletes)), f.key)
                 for f in _MAP_FIELDS}
+        maps["spine"] = _with_wal_counts(maps["spine"], maps["batches"])
         schema = diff.schema if diff.HasField("schema") else state.schema
         return replace(state, shard_id=diff.shard_id, seqno=diff.seqno, **maps,
                        schema=schema, **_scalars_from(diff.scalars))
@@ -480,10 +504,9 @@ def encode_summary(state: State) -> bytes:
     msg.num_batches = len(state.batches)
     # State.num_inline_parts() and pending_merges(), in one pass over the spine.
     inline_parts = pending = 0
-    wal = state.wal_entry_lowers
     for entry in state.spine.values():
         inline_parts += entry.num_inline_parts
-        if entry.pending or entry.lower in wal:  # State.entry_pending
+        if entry.pending:
             pending += 1
     msg.num_inline_parts = inline_parts
     msg.pending_merges = pending

@@ -62,7 +62,7 @@ def push_batch(
     """Add a new (latest, non-empty) batch to ``spine`` in place, fusing levels."""
     desc = batch.desc
     spine[desc.lower] = SpineEntry(desc.lower, desc.upper, _level_for(batch.num_updates), 1,
-                                   batch.num_inline_parts)
+                                   batch.num_inline_parts, batch.num_wal_parts)
     lowers = sorted(spine)  # once: fusing only ever removes the last entry
     while len(lowers) >= 2:
         prev, last = spine[lowers[-2]], spine[lowers[-1]]
@@ -72,7 +72,8 @@ def push_batch(
         lowers.pop()
         spine[prev.lower] = SpineEntry(
             prev.lower, last.upper, max(prev.level, last.level) + 1,
-            prev.num_batches + last.num_batches, prev.num_inline_parts + last.num_inline_parts)
+            prev.num_batches + last.num_batches, prev.num_inline_parts + last.num_inline_parts,
+            prev.num_wal_parts + last.num_wal_parts)
 
 
 def merge_requests(state: State) -> list[MergeReq]:
@@ -80,7 +81,7 @@ def merge_requests(state: State) -> list[MergeReq]:
     reqs = []
     since = state.since if state.since is not None else 0
     for entry in state.ordered_spine:
-        if not state.entry_pending(entry):
+        if not entry.pending:
             continue
         inputs = state.spine_members(entry)
         if not inputs:
@@ -120,8 +121,10 @@ def apply_merge_res(
         del batches[b.id]
     batches[out.id] = out
     removed_inline = sum(b.num_inline_parts for b in run)
+    removed_wal = sum(b.num_wal_parts for b in run)
     spine[entry.lower] = SpineEntry(
         entry.lower, entry.upper, entry.level,
         entry.num_batches - len(run) + 1,
-        entry.num_inline_parts - removed_inline + out.num_inline_parts)
+        entry.num_inline_parts - removed_inline + out.num_inline_parts,
+        entry.num_wal_parts - removed_wal + out.num_wal_parts)
     return "applied"

@@ -85,18 +85,20 @@ class Batch(_message.Message):
     def __init__(self, id: _Optional[str] = ..., desc: _Optional[_Union[Description, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ..., num_updates: _Optional[int] = ...) -> None: ...
 
 class SpineEntry(_message.Message):
-    __slots__ = ("lower", "upper", "level", "num_batches", "num_inline_parts")
+    __slots__ = ("lower", "upper", "level", "num_batches", "num_inline_parts", "num_wal_parts")
     LOWER_FIELD_NUMBER: _ClassVar[int]
     UPPER_FIELD_NUMBER: _ClassVar[int]
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     NUM_BATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_INLINE_PARTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAL_PARTS_FIELD_NUMBER: _ClassVar[int]
     lower: int
     upper: Frontier
     level: int
     num_batches: int
     num_inline_parts: int
-    def __init__(self, lower: _Optional[int] = ..., upper: _Optional[_Union[Frontier, _Mapping]] = ..., level: _Optional[int] = ..., num_batches: _Optional[int] = ..., num_inline_parts: _Optional[int] = ...) -> None: ...
+    num_wal_parts: int
+    def __init__(self, lower: _Optional[int] = ..., upper: _Optional[_Union[Frontier, _Mapping]] = ..., level: _Optional[int] = ..., num_batches: _Optional[int] = ..., num_inline_parts: _Optional[int] = ..., num_wal_parts: _Optional[int] = ...) -> None: ...
 
 class LeasedReader(_message.Message):
     __slots__ = ("id", "since", "seqno", "last_heartbeat_ms", "lease_duration_ms", "debug")

@@ -550,9 +550,9 @@ def wal_parts_stay() -> Iterator[None]:
     """A Spine entry holding WAL parts is pending only for several batches or inline
     parts: a WAL batch the Spine never fuses with another stays in the WAL store for
     good, and the shard reports no work for compaction."""
-    from persist_pipeline.internal.state import State
+    from persist_pipeline.internal.state import Batch
 
-    with _patched(State, "wal_entry_lowers", property(lambda self: frozenset())):
+    with _patched(Batch, "num_wal_parts", property(lambda self: 0)):
         yield
 
 
