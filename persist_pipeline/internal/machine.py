@@ -21,11 +21,10 @@ Two rules make its answers trustworthy:
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from persist_pipeline.config import PersistConfig
 from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
@@ -359,20 +358,6 @@ def _require_settled(lead: Machine, attempts: list[_Attempt[R]]) -> None:
                               f"{where}; read the shard to find out")
 
 
-@contextlib.contextmanager
-def _holding(locks: Sequence[LockLike]) -> Iterator[None]:
-    """Holds every lock, taken in the given order and released in reverse."""
-    taken: list[LockLike] = []
-    try:
-        for lock in locks:
-            lock.__enter__()
-            taken.append(lock)
-        yield
-    finally:
-        for lock in reversed(taken):
-            lock.__exit__(None, None, None)
-
-
 def apply_many(steps: Sequence[Step[R]], *, routine: bool = True,
                proves_done: Callable[[R], bool] | None = None) -> Applied[R]:
     """Run each step's transition against its shard's latest state and commit all of
@@ -395,8 +380,22 @@ def apply_many(steps: Sequence[Step[R]], *, routine: bool = True,
     if len(steps) == 1:
         with steps[0].machine._lock:
             return _apply_locked(steps, routine, proves_done)
-    with _holding([s.machine._lock for s in sorted(steps, key=lambda s: s.machine.shard_id)]):
+    # Taken in shard order and released in reverse, written out rather than through a
+    # context manager (a generator per commit).
+    taken: list[LockLike] = []
+    try:
+        for s in sorted(steps, key=_shard_of):
+            lock = s.machine._lock
+            lock.__enter__()
+            taken.append(lock)
         return _apply_locked(steps, routine, proves_done)
+    finally:
+        for lock in reversed(taken):
+            lock.__exit__(None, None, None)
+
+
+def _shard_of(step: Step[Any]) -> str:
+    return step.machine.shard_id
 
 
 def _refresh_all(machines: list[Machine]) -> list[State]:
@@ -411,8 +410,12 @@ def _apply_locked(steps: Sequence[Step[R]], routine: bool,
     machines: list[Machine] = []
     states: list[State] = []
     for step in steps:
-        machines.append(step.machine)
-        states.append(step.machine.state)
+        m = step.machine
+        machines.append(m)
+        # The cached state, read directly: its lock is held here (the property would
+        # take it again), and only a first use has none yet to fetch.
+        cached = m._state
+        states.append(cached if cached is not None else m.state)
     lead = machines[0]
     # The retry deadline runs from the call's start; the Backoff that enforces it is
     # only built once a reply is lost (most calls never need one).
