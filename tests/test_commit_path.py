@@ -335,3 +335,39 @@ def test_kept_cursor_survives_a_lost_multi_shard_race(pg_url: str) -> None:
         assert store.compare_and_set("b", 3, VersionedData(4, b"stale")) is False
     finally:
         store.close()
+
+
+# --- the machine's bump of an append's state -----------------------------------------------
+
+
+class _FixedClock:
+    def __init__(self, now: int) -> None:
+        self.now = now
+
+    def now_ms(self) -> int:
+        return self.now
+
+    def monotonic(self) -> float:
+        return 0.0
+
+    def sleep(self, seconds: float) -> None:
+        raise AssertionError("no sleep expected")
+
+
+@pytest.mark.parametrize("now", [999, 1000, 1001])
+def test_bump_of_an_append_equals_the_general_bump(now: int) -> None:
+    from persist_pipeline.internal.machine import Machine
+
+    base = State(shard_id=SHARD, seqno=4)
+    new, result = transitions.compare_and_append(
+        base, _batch(0, 3), writer_id="w", token="t", expected_upper=0, new_upper=1,
+        now_ms=1000, lease_ms=60_000, inline_max_bytes=1 << 30, fell_back=False)
+    assert result == transitions.Appended() and new.seqno == 5
+    machine = Machine.__new__(Machine)
+    machine.clock = _FixedClock(now)  # type: ignore[assignment]
+    bumped = machine._bump(new, base)
+    general = dataclasses.replace(new, seqno=base.seqno + 1,
+                                  walltime_ms=max(new.walltime_ms, now))
+    assert bumped == general
+    # Committed as it is when nothing is left to change (no second copy).
+    assert (bumped is new) == (now <= 1000)

@@ -323,7 +323,15 @@ class Machine:
         self.maintenance.committed(new, routine)
 
     def _bump(self, new: State, base: State) -> State:
-        return new.evolve(seqno=base.seqno + 1, walltime_ms=max(new.walltime_ms, self.now_ms()))
+        """``new`` as the commit after ``base``: the next seqno, and a walltime no
+        earlier than now. A transition that already set both (an append sets the seqno,
+        and its walltime is usually still the current millisecond) is committed as it
+        is: the state is the same either way, without a second copy of it."""
+        seqno = base.seqno + 1
+        now = self.now_ms()
+        if new.seqno == seqno and new.walltime_ms >= now:
+            return new
+        return new.evolve(seqno=seqno, walltime_ms=max(new.walltime_ms, now))
 
     def _backoff(self, started_s: float | None = None) -> Backoff:
         return Backoff(self.config.retry_deadline_s, f"shard {self.shard_id}", self.clock,
