@@ -473,7 +473,7 @@ def _interrupt_once(monkeypatch: Any, name: str, after: bool) -> list[str]:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("window_s, name, after", [
-    (0.0, "_admit", True),          # bytes and a group-of-one slot claimed
+    (0.0, "_claim_alone", True),    # bytes and a group-of-one slot claimed
     (0.0, "_commit_alone", False),  # about to commit that group of one
     (0.01, "_admit", True),         # bytes claimed, queued
     (0.01, "_lead", False),         # a leader's slot claimed

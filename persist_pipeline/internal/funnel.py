@@ -141,10 +141,20 @@ class Funnel:
         """Commit ``transition`` on ``machine``'s shard, perhaps in a group with other
         threads' appends: what :meth:`Machine.apply` does for one append. ``size`` is
         what the append holds in memory until it commits (its inline bytes)."""
+        # The usual append commits at once as a group of its own, without an entry; the
+        # claim is recorded in ``held`` under the lock, so that whatever ends this thread
+        # right after it (an interrupt) gives back exactly that.
+        held: list[int] = []
+        try:
+            if self._claim_alone(machine.shard_id, size, held):
+                return self._commit_alone(machine, transition, proves_done)
+        finally:
+            if held:
+                self._leave_alone(machine.shard_id, held[0])
         entry = _Entry(machine, transition, proves_done, size)
         try:
             if self._admit(entry):
-                return self._commit_alone(entry)
+                return self._commit_alone(machine, transition, proves_done)
             while True:
                 wake: EventLike | None = None
                 with self._queue_lock:
@@ -234,12 +244,33 @@ class Funnel:
         return leaders < GROUPS_IN_FLIGHT and \
             len(self._queue) + arriving >= self._in_groups
 
-    def _commit_alone(self, entry: _Entry) -> tuple[Any, State]:
-        """Commit ``entry`` as a group of one, as :meth:`Machine.apply` commits it
+    def _claim_alone(self, shard: str, size: int, held: list[int]) -> bool:
+        """Take an append to ``shard`` of ``size`` bytes as a group of its own at once,
+        when :meth:`_admit` would (nothing waits, no window, room in the bound, a group
+        may start, the shard is free): its slot, shard and bytes are then held by the
+        calling thread, and ``size`` is appended to ``held`` in the same step. False
+        (nothing claimed) otherwise: the append goes the general way."""
+        with self._queue_lock:
+            if self._queue or self._wanting_room or self._window_s \
+                    or (self._inflight and self._inflight + size > self._max_inflight) \
+                    or not (self._leaders == 0 or self._may_lead(1)) \
+                    or shard in self._busy:
+                return False
+            self._inflight += size
+            self._leaders += 1
+            self._in_groups += 1
+            self._busy.add(shard)
+            held.append(size)
+            return True
+
+    def _commit_alone(self, machine: Machine,
+                      transition: Callable[[State], tuple[State, Any]],
+                      proves_done: Callable[[Any], bool] | None) -> tuple[Any, State]:
+        """Commit one append as a group of one, as :meth:`Machine.apply` commits it
         (its slot and bytes are given back as its thread leaves :meth:`commit`)."""
         self._metrics.group_commits += 1
         self._metrics.group_commit_appends += 1
-        return entry.machine.apply(entry.transition, proves_done=entry.proves_done)
+        return machine.apply(transition, proves_done=proves_done)
 
     def _lead(self, entry: _Entry) -> tuple[Any, State] | None:
         """Commit one group as its leader (one of :data:`GROUPS_IN_FLIGHT` slots is
@@ -342,6 +373,19 @@ class Funnel:
                     wakes.append(successor)
         for wake in wakes:
             wake.set()
+
+    def _leave_alone(self, shard: str, size: int) -> None:
+        """:meth:`_leave` of an append that :meth:`commit` took as a group of its own
+        without an entry: give back its slot, shard and bytes, and wake the oldest
+        waiting append that may lead the next group."""
+        with self._queue_lock:
+            self._leaders -= 1
+            self._in_groups -= 1
+            self._busy.discard(shard)
+            self._inflight -= size
+            successor = self._successor()
+        if successor is not None:
+            successor.set()
 
     def _successor(self) -> EventLike | None:
         """The event of the oldest waiting append that may lead the next group now, if
