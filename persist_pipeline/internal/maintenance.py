@@ -100,6 +100,11 @@ class RollupMaintenance:
 
     def fold_ready(self, new: State) -> State:
         """Record a rollup stored in the background in the commit about to be made."""
+        # Most commits find none ready: one read of the reference tells (a rollup made
+        # ready just after it rides along with the next commit, as it would had it
+        # been made ready just after the lock below).
+        if self._ready is None:
+            return new
         with self._lock:
             ready = self._ready
         if ready is None:
@@ -122,10 +127,11 @@ class RollupMaintenance:
     def committed(self, state: State, routine: bool) -> None:
         """After every commit of ``state``: forget the ready rollup once the committed
         state holds it; then, after a ``routine`` commit, start a rollup if one is due."""
-        with self._lock:
-            ready = self._ready
-        if ready is not None and state.rollups.get(ready.rollup.seqno) == ready.rollup:
-            self._clear(ready)
+        if self._ready is not None:  # as in fold_ready: usually none is ready
+            with self._lock:
+                ready = self._ready
+            if ready is not None and state.rollups.get(ready.rollup.seqno) == ready.rollup:
+                self._clear(ready)
         if routine and self.due(state):
             self._start(state)
 
