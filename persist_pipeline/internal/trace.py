@@ -61,19 +61,28 @@ def push_batch(
 ) -> None:
     """Add a new (latest, non-empty) batch to ``spine`` in place, fusing levels."""
     desc = batch.desc
-    spine[desc.lower] = SpineEntry(desc.lower, desc.upper, _level_for(batch.num_updates), 1,
-                                   batch.num_inline_parts, batch.num_wal_parts)
+    spine[desc.lower] = SpineEntry(desc.lower, desc.upper,
+                                   max(0, batch.num_updates.bit_length() - 1),  # _level_for
+                                   1, batch.num_inline_parts, batch.num_wal_parts)
     lowers = sorted(spine)  # once: fusing only ever removes the last entry
-    while len(lowers) >= 2:
-        prev, last = spine[lowers[-2]], spine[lowers[-1]]
+    n = len(lowers) - 1
+    if not n:
+        return
+    # The last entry is kept in hand as it fuses (it is what the next step compares);
+    # it fuses only while its level is at least its predecessor's, so the fused level
+    # is one above its own.
+    last = spine[lowers[n]]
+    while n:
+        prev = spine[lowers[n - 1]]
         if last.level < prev.level:
             break
         del spine[last.lower]
-        lowers.pop()
-        spine[prev.lower] = SpineEntry(
-            prev.lower, last.upper, max(prev.level, last.level) + 1,
-            prev.num_batches + last.num_batches, prev.num_inline_parts + last.num_inline_parts,
-            prev.num_wal_parts + last.num_wal_parts)
+        n -= 1
+        last = SpineEntry(prev.lower, last.upper, last.level + 1,
+                          prev.num_batches + last.num_batches,
+                          prev.num_inline_parts + last.num_inline_parts,
+                          prev.num_wal_parts + last.num_wal_parts)
+        spine[prev.lower] = last
 
 
 def merge_requests(state: State) -> list[MergeReq]:
