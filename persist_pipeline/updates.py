@@ -287,7 +287,14 @@ class Updates:
             t = self.table()
             ks, vs = t.column("k").to_pylist(), t.column("v").to_pylist()
             ts, ds = t.column("t").to_pylist(), t.column("d").to_pylist()
-        return pb.InlineUpdates(keys=ks, vals=vs, times=ts, diffs=ds).SerializeToString()
+        # Filled column by column (slice assignment converts a list a little faster
+        # than the constructor's keywords do; the same message, the same bytes).
+        msg = pb.InlineUpdates()
+        msg.keys[:] = ks
+        msg.vals[:] = vs
+        msg.times[:] = ts
+        msg.diffs[:] = ds
+        return msg.SerializeToString()
 
     def estimated_inline_size(self) -> int:
         """An upper-bound guess of the inline encoding's size without encoding it."""
