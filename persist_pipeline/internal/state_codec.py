@@ -505,8 +505,9 @@ def encode_summary(state: State) -> bytes:
     # State.num_inline_parts() and pending_merges(), in one pass over the spine.
     inline_parts = pending = 0
     for entry in state.spine.values():
-        inline_parts += entry.num_inline_parts
-        if entry.pending:
+        parts = entry.num_inline_parts
+        inline_parts += parts
+        if entry.num_batches > 1 or parts > 0:  # SpineEntry.pending, written out
             pending += 1
     msg.num_inline_parts = inline_parts
     msg.pending_merges = pending
