@@ -262,10 +262,11 @@ class Updates:
         return max(abs(int(mm["min"])), abs(int(mm["max"])))
 
     def time_bounds(self) -> tuple[int, int] | None:
-        if not len(self):
+        if self._lists is not None:  # without len(self): a Python call of its own
+            ts = self._lists[2]
+            return (min(ts), max(ts)) if ts else None
+        if not self.table().num_rows:
             return None
-        if self._lists is not None:
-            return min(self._lists[2]), max(self._lists[2])
         mm = pc.min_max(self.table().column("t")).as_py()
         return int(mm["min"]), int(mm["max"])
 
