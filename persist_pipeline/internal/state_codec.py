@@ -507,7 +507,7 @@ def encode_summary(state: State) -> bytes:
     for entry in state.spine.values():
         parts = entry.num_inline_parts
         inline_parts += parts
-        if entry.num_batches > 1 or parts > 0:  # SpineEntry.pending, written out
+        if entry.num_batches > 1 or parts > 0 or entry.num_wal_parts > 0:  # .pending
             pending += 1
     msg.num_inline_parts = inline_parts
     msg.pending_merges = pending
