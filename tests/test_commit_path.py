@@ -151,6 +151,11 @@ def test_summary_counts_the_spine() -> None:
     assert summary.num_inline_parts == state.num_inline_parts()
     assert summary.pending_merges == state.pending_merges()
     assert summary.num_batches == 37 and summary.upper.time == 37
+    # An entry whose only work is a part in the WAL store is pending too.
+    lone = {0: SpineEntry(0, 10, 9, 1, 0, 1), 10: SpineEntry(10, 11, 0, 1, 0, 0)}
+    state = dataclasses.replace(state, spine=lone)
+    summary = state_codec.decode_summary(state_codec.encode_summary(state), "test")
+    assert summary.pending_merges == state.pending_merges() == 1
 
 
 # --- quick_init ----------------------------------------------------------------------------
