@@ -497,6 +497,19 @@ def _json_lines_columns(path: Path, types: Mapping[str, pa.DataType]) -> set[str
     return present
 
 
+def _wide_floats(type_: pa.DataType) -> pa.DataType:
+    """``type_`` with float16 and float32 (also inside lists and structs) as float64."""
+    if pa.types.is_float16(type_) or pa.types.is_float32(type_):
+        return pa.float64()
+    if pa.types.is_struct(type_):
+        return pa.struct([field.with_type(_wide_floats(field.type)) for field in type_])
+    if pa.types.is_large_list(type_):
+        return pa.large_list(type_.value_field.with_type(_wide_floats(type_.value_type)))
+    if pa.types.is_list(type_):
+        return pa.list_(type_.value_field.with_type(_wide_floats(type_.value_type)))
+    return type_
+
+
 def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = None) -> pa.Table:
     """Read a file of a typed shard's rows (its key and value columns, ``t``, optional
     ``d``), parsed to the schema's types; raises :class:`InvalidUpdates`.
@@ -512,7 +525,12 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
     path = Path(path)
     kind = detect_format(path, fmt)
     _check_file(path, arrow=True)  # every format is opened by Arrow here
-    types = {f.name: f.type for f in [*schema.key, *schema.value]}
+    # Text numbers are parsed as float64 where the column is a narrower float: parsed
+    # straight to float32, one out of its range became infinity or zero unseen, a value
+    # the API refuses; ShardSchema.encode's cast refuses it here too (bad input changes
+    # nothing, whichever entry point it comes through).
+    types = {f.name: _wide_floats(f.type) if kind != "parquet" else f.type
+             for f in [*schema.key, *schema.value]}
     types.update({"t": pa.int64(), "d": pa.int64()})
     nested = [name for name in _csv_header(path) if name in types
               and pa.types.is_nested(types[name])] if kind == "csv" else []

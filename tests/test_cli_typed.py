@@ -338,3 +338,31 @@ def test_a_json_schema_naming_a_column_no_utf8_text_holds_is_bad_input(
     assert code == 2 and "surrogate" in err, err
     with _client(tmp_path) as client:
         assert client.shard_names() == {} and client.list_shards() == []
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+@pytest.mark.parametrize("value", ["1e40", "-1e40", "1e-50"])
+def test_append_of_a_float_a_float32_column_cannot_hold_is_refused_as_by_the_api(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str,
+        value: str) -> None:
+    """A text file's number out of a float32 column's range was parsed straight to
+    float32 (infinity, or zero) and stored, while the Python API refuses the same value
+    (SchemaMismatch, nothing written): one entry point stored what another refuses.
+    Bad input changes nothing, whichever entry point it comes through."""
+    from persist_pipeline.exceptions import SchemaMismatch
+
+    schema = ShardSchema({"id": pa.int64()}, {"g": pa.float32()})
+    with _client(tmp_path) as client:
+        shard = client.resolve("narrow", create=True)
+        with client.open_writer(shard, schema=schema) as writer, \
+                pytest.raises(SchemaMismatch, match="does not fit float"):
+            writer.compare_and_append(pa.table({"id": [1], "g": [float(value)], "t": [0]}),
+                                      0, 1)
+    rows = tmp_path / f"rows.{fmt}"
+    rows.write_text(f"id,g,t\n1,{value},0\n" if fmt == "csv"
+                    else f'{{"id": 1, "g": {value}, "t": 0}}\n')
+    code, _, err = _run(env, capsys, "append", "narrow", str(rows))
+    assert code == 2 and "does not fit float" in err, err
+    with _client(tmp_path) as client:
+        state = client.inspect(shard)
+        assert state["upper"] == 0, state
