@@ -897,7 +897,10 @@ def _merge_fixture(clients: Clients, *, since: int) -> tuple[ShardId, PersistCli
         writer.fetch_recent_upper()
     writer.compare_and_append([(b"p", b"1", since, 1)], since, since + 1)
     writer.compare_and_append([(b"q", b"1", since + 1, 1)], since + 1, since + 2)
-    reqs = merge_requests(client._machine(shard).fetch_latest())
+    # The merge of the last two batches (with a WAL store, the first batch alone is
+    # work too: compaction moves its part to the main store).
+    reqs = [r for r in merge_requests(client._machine(shard).fetch_latest())
+            if len(r.inputs) == 2]
     assert len(reqs) == 1
     (req,) = reqs
     assert max(b.desc.since for b in req.inputs) == since
