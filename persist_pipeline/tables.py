@@ -215,6 +215,7 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
             wrote that shard (ingestion's, the CLI's): no generation follows it.
     """
     check_table_name(name)
+    primary_key = key_columns(primary_key)
     names = client.shard_names()
     table = _typed_nulls(client, name, names, table)
     plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
@@ -261,6 +262,7 @@ def store_tables(client: PersistClient,
     names = client.shard_names()
     for name, (table, primary_key) in tables.items():
         check_table_name(name)
+        primary_key = key_columns(primary_key)
         table = _typed_nulls(client, name, names, table)
         plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
         encoded[name] = (plan, _encode(plan, table, primary_key))
@@ -715,6 +717,28 @@ def ordered_dictionaries(table: pa.Table) -> dict[str, pa.Array]:
     return out
 
 
+def key_columns(primary_key: str | Sequence[str] | None) -> list[str] | None:
+    """``primary_key`` as a list of column names: one string is ONE column name.
+
+    Guarantee 13: the key a table is stored with means the same at every entry point.
+    The IO manager's output metadata reads ``"id"`` as the column ``id``; iterating a
+    string here would key a table by the columns ``i`` and ``d`` instead (or by the
+    wrong columns, silently, where one-letter columns exist).
+
+    Raises:
+        InvalidInput: ``primary_key`` is neither a string nor a sequence of strings.
+    """
+    if primary_key is None:
+        return None
+    if isinstance(primary_key, str):
+        return [primary_key]
+    if isinstance(primary_key, bytes | bytearray) or not isinstance(primary_key, Sequence) \
+            or not all(isinstance(c, str) for c in primary_key):
+        raise InvalidInput(f"primary_key must be a column name or a sequence of them, "
+                           f"got {primary_key!r}")
+    return list(primary_key)
+
+
 def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None,
                  dictionaries: Mapping[str, pa.Array] | None = None) -> StoragePlan:
     """The shard schema that stores tables of ``schema`` (keyed by ``primary_key``), with
@@ -730,7 +754,7 @@ def storage_plan(schema: pa.Schema, primary_key: Sequence[str] | None = None,
     names = schema.names
     if len(set(names)) != len(names):
         raise UnsupportedOutput(f"the table repeats a column name: {names}")
-    keys = list(primary_key or [])
+    keys = key_columns(primary_key) or []
     unknown = [k for k in keys if k not in names]
     if unknown or len(set(keys)) != len(keys):
         raise InvalidInput(f"primary_key {keys} must name distinct columns of the table "

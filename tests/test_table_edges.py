@@ -302,3 +302,16 @@ def test_store_tables_refused_for_a_foreign_shard_names_no_other_table(
                                      "foreign": (pa.table({"id": [2]}), None)})
     assert client.shard_names() == before
     assert set(client.list_shards()) == shards_before
+
+
+def test_a_primary_key_given_as_one_string_is_one_column_as_the_io_manager_reads_it(
+        client: PersistClient) -> None:
+    # Guarantee 13: a key declared as "ab" means the column "ab" at every entry point
+    # (the IO manager's output metadata reads it so), never the columns "a" and "b".
+    table = pa.table({"ab": [1, 2], "a": [1, 1], "b": [1, 1]})
+    tables.store_table(client, "edges/str_key", table, "ab")
+    loaded = tables.load_table(client, "edges/str_key")
+    assert loaded.sort_by("ab").equals(table)
+    assert tables.store_tables(client, {"edges/str_keys": (table, "ab")})
+    assert tables.load_table(client, "edges/str_keys").sort_by("ab").equals(table)
+
