@@ -315,3 +315,14 @@ def test_a_primary_key_given_as_one_string_is_one_column_as_the_io_manager_reads
     assert tables.store_tables(client, {"edges/str_keys": (table, "ab")})
     assert tables.load_table(client, "edges/str_keys").sort_by("ab").equals(table)
 
+
+
+def test_a_store_of_what_is_not_an_arrow_table_is_a_typed_error_naming_nothing(
+        client: PersistClient) -> None:
+    # Guarantee 7: bad input gets a typed error and changes nothing.
+    from persist_pipeline.exceptions import InvalidInput
+    with pytest.raises(InvalidInput):
+        tables.store_table(client, "edges/not_a_table", {"id": [1]})  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        tables.store_tables(client, {"edges/not_a_pair": ORDERS})  # type: ignore[dict-item]
+    assert not {"edges/not_a_table", "edges/not_a_pair"} & set(client.shard_names())
