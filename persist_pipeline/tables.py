@@ -215,7 +215,7 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
             wrote that shard (ingestion's, the CLI's): no generation follows it.
     """
     check_table_name(name)
-    _check_is_arrow_table(name, table)
+    table = _arrow_table(name, table)
     primary_key = key_columns(primary_key)
     names = client.shard_names()
     table = _typed_nulls(client, name, names, table)
@@ -267,7 +267,7 @@ def store_tables(client: PersistClient,
             raise InvalidInput(f"{name}: store_tables takes a (table, primary_key) pair "
                                f"per name, got {type(entry).__name__}")
         table, primary_key = entry
-        _check_is_arrow_table(name, table)
+        table = _arrow_table(name, table)
         primary_key = key_columns(primary_key)
         table = _typed_nulls(client, name, names, table)
         plan = storage_plan(table.schema, primary_key, ordered_dictionaries(table))
@@ -723,12 +723,16 @@ def ordered_dictionaries(table: pa.Table) -> dict[str, pa.Array]:
     return out
 
 
-def _check_is_arrow_table(name: str, table: object) -> None:
-    """Guarantee 7: a store of something that is not a ``pyarrow.Table`` gets a typed
-    error before anything is named or written (not an AttributeError from within)."""
+def _arrow_table(name: str, table: object) -> pa.Table:
+    """Guarantee 7: a store of something that is not a ``pyarrow.Table`` (a record
+    batch is taken as one) gets a typed error before anything is named or written (not an
+    AttributeError from within)."""
+    if isinstance(table, pa.RecordBatch):
+        return pa.Table.from_batches([table])
     if not isinstance(table, pa.Table):
         raise InvalidInput(f"{name}: a table store takes a pyarrow.Table, got "
                            f"{type(table).__name__}")
+    return table
 
 
 def key_columns(primary_key: str | Sequence[str] | None) -> list[str] | None:
