@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from persist_pipeline.exceptions import InvalidInput, InvalidUpdates
 from persist_pipeline.frontier import MAX_TIME
+from persist_pipeline.schema import replace_leaf_types
 from persist_pipeline.updates import SCHEMA
 
 if TYPE_CHECKING:
@@ -497,16 +498,10 @@ def _json_lines_columns(path: Path, types: Mapping[str, pa.DataType]) -> set[str
     return present
 
 
-def _wide_floats(type_: pa.DataType) -> pa.DataType:
-    """``type_`` with float16 and float32 (also inside lists and structs) as float64."""
+def _wide_float(type_: pa.DataType) -> pa.DataType:
+    """float16 and float32 as float64; any other type as it is."""
     if pa.types.is_float16(type_) or pa.types.is_float32(type_):
         return pa.float64()
-    if pa.types.is_struct(type_):
-        return pa.struct([field.with_type(_wide_floats(field.type)) for field in type_])
-    if pa.types.is_large_list(type_):
-        return pa.large_list(type_.value_field.with_type(_wide_floats(type_.value_type)))
-    if pa.types.is_list(type_):
-        return pa.list_(type_.value_field.with_type(_wide_floats(type_.value_type)))
     return type_
 
 
@@ -529,7 +524,7 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
     # straight to float32, one out of its range became infinity or zero unseen, a value
     # the API refuses; ShardSchema.encode's cast refuses it here too (bad input changes
     # nothing, whichever entry point it comes through).
-    types = {f.name: _wide_floats(f.type) if kind != "parquet" else f.type
+    types = {f.name: replace_leaf_types(f.type, _wide_float) if kind != "parquet" else f.type
              for f in [*schema.key, *schema.value]}
     types.update({"t": pa.int64(), "d": pa.int64()})
     nested = [name for name in _csv_header(path) if name in types

@@ -17,7 +17,7 @@ import base64
 import dataclasses
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any
@@ -604,6 +604,19 @@ def _check_whole_days(column: pa.ChunkedArray, cast: pa.ChunkedArray,
                              f"{field.type}: which day an instant falls on depends on the "
                              f"time zone; convert it to dates first")
     _refuse_changed(column, cast, pc.not_equal(cast.cast(column.type), column), field)
+
+
+def replace_leaf_types(type_: pa.DataType, leaf: Callable[[pa.DataType], pa.DataType]
+                       ) -> pa.DataType:
+    """``type_`` with ``leaf`` applied to every type that is not a struct or a list
+    (inside structs, lists and large lists, at any depth; field names, nullability and
+    the kind of list are kept)."""
+    if pa.types.is_struct(type_):
+        return pa.struct([f.with_type(replace_leaf_types(f.type, leaf)) for f in type_])
+    if pa.types.is_list(type_) or pa.types.is_large_list(type_):
+        item = type_.value_field.with_type(replace_leaf_types(type_.value_type, leaf))
+        return pa.list_(item) if pa.types.is_list(type_) else pa.large_list(item)
+    return leaf(type_)
 
 
 def narrow_types(type_: pa.DataType) -> Iterator[pa.DataType]:

@@ -133,7 +133,7 @@ from persist_pipeline.internal.merge import memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Store
 from persist_pipeline.names import refuse_new_generation_name
 from persist_pipeline.plan import LATEST, PlanFile, SnapshotPlan
-from persist_pipeline.schema import ShardSchema
+from persist_pipeline.schema import ShardSchema, replace_leaf_types
 from persist_pipeline.updates import Updates, consolidate, naming_shard, sums_may_wrap
 from persist_pipeline.write import check_append_bounds, check_new_shard_bounds, check_times
 
@@ -614,12 +614,7 @@ def _spark_readable(type_: pa.DataType) -> pa.DataType:
     """``type_`` with every part Spark cannot hold replaced by one that holds its values
     (see :data:`_SPARK_READS_AS`), so a shard any entry point stored (a pandas frame's
     unsigned columns through the IO manager) reads in Spark too."""
-    if pa.types.is_struct(type_):
-        return pa.struct([f.with_type(_spark_readable(f.type)) for f in type_])
-    if pa.types.is_list(type_) or pa.types.is_large_list(type_):
-        item = type_.value_field.with_type(_spark_readable(type_.value_type))
-        return pa.list_(item) if pa.types.is_list(type_) else pa.large_list(item)
-    return _SPARK_READS_AS.get(type_, type_)
+    return replace_leaf_types(type_, lambda leaf: _SPARK_READS_AS.get(leaf, leaf))
 
 
 def spark_struct(schema: ShardSchema) -> StructType:

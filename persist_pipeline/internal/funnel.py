@@ -206,12 +206,8 @@ class Funnel:
                             waiting = False
                         self._inflight += entry.size
                         entry.counted = entry.size
-                        if not self._queue and not self._window_s and \
-                                (self._leaders == 0 or self._may_lead(1)) and \
-                                shard not in self._busy:
-                            self._leaders += 1
-                            self._in_groups += 1
-                            self._busy.add(shard)
+                        if self._may_go_alone(shard):
+                            self._take_alone(shard)
                             entry.taken = True
                             entry.leading = [entry]
                             return True
@@ -251,17 +247,27 @@ class Funnel:
         calling thread, and ``size`` is appended to ``held`` in the same step. False
         (nothing claimed) otherwise: the append goes the general way."""
         with self._queue_lock:
-            if self._queue or self._wanting_room or self._window_s \
+            if self._wanting_room \
                     or (self._inflight and self._inflight + size > self._max_inflight) \
-                    or not (self._leaders == 0 or self._may_lead(1)) \
-                    or shard in self._busy:
+                    or not self._may_go_alone(shard):
                 return False
             self._inflight += size
-            self._leaders += 1
-            self._in_groups += 1
-            self._busy.add(shard)
+            self._take_alone(shard)
             held.append(size)
             return True
+
+    def _may_go_alone(self, shard: str) -> bool:
+        """Whether an append to ``shard`` admitted now commits at once as a group of its
+        own (under the lock): nothing queued, no window, a group may start, and the
+        shard is in no group being committed."""
+        return not self._queue and not self._window_s \
+            and (self._leaders == 0 or self._may_lead(1)) and shard not in self._busy
+
+    def _take_alone(self, shard: str) -> None:
+        """Record an append to ``shard`` taken as a group of its own (under the lock)."""
+        self._leaders += 1
+        self._in_groups += 1
+        self._busy.add(shard)
 
     def _commit_alone(self, machine: Machine,
                       transition: Callable[[State], tuple[State, Any]],

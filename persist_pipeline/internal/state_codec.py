@@ -475,7 +475,8 @@ def apply_diff(state: State, diff: pb.StateDiff, where: str) -> State:
                                    [f.from_proto(v) for v in getattr(diff, f.upserts)],
                                    list(getattr(diff, f.deletes)), f.key)
                 for f in _MAP_FIELDS}
-        maps["spine"] = _with_wal_counts(maps["spine"], maps["batches"])
+        if maps["spine"] is not state.spine:  # entries this diff upserted
+            maps["spine"] = _with_wal_counts(maps["spine"], maps["batches"])
         schema = diff.schema if diff.HasField("schema") else state.schema
         return replace(state, shard_id=diff.shard_id, seqno=diff.seqno, **maps,
                        schema=schema, **_scalars_from(diff.scalars))
