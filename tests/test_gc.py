@@ -269,6 +269,65 @@ def test_the_sweep_deletes_the_partial_uploads_of_a_killed_writer(tmp_path: Path
     young.unlink()
 
 
+def test_a_writer_paused_mid_upload_past_the_orphan_age_loses_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A writer pauses between writing its part's temporary file and the rename, longer
+    than the shard's orphan age, while GC sweeps the file as a dead upload's. When it
+    resumes, its rename finds the file gone: it writes the part again, and its commit
+    is refused for the deadline (the upload started more than half the orphan age
+    ago), so nothing references a part the sweep may delete. The shard is unchanged
+    and takes the same write when it is made again."""
+    age_s = 1.0  # the smallest orphan age there is: the pause below is real time
+    consensus = f"sqlite:///{tmp_path / 'consensus.db'}"
+    blob, wal = tmp_path / "blobs", tmp_path / "wal"
+    cfg = PersistConfig(inline_policy=BLOB_ONLY, gc_orphan_min_age_s=age_s,
+                        heartbeat_interval_s=0, background_maintenance=False)
+    shard = ShardId.new()
+    writer_client = PersistClient.open(consensus, f"file://{blob}", f"file://{wal}",
+                                       config=cfg)
+    collector = PersistClient.open(consensus, f"file://{blob}", f"file://{wal}",
+                                   config=cfg)
+    writer = writer_client.open_writer(shard)
+    # Inline, so no deadline applies to it: on a cold process the first upload alone
+    # may take longer than half this orphan age.
+    writer.compare_and_append([], 0, 1)
+    real_replace = os.replace
+    paused: list[str] = []
+    metrics: list[dict[str, object]] = []
+
+    def replace_after_a_pause(src: Any, dst: Any) -> None:
+        if not paused and Path(src).name.startswith(".tmp-"):
+            paused.append(str(src))
+            # The pause: past the orphan age on every clock, then GC runs meanwhile.
+            time.sleep(age_s + 0.2 + writer_client.blobs.main.stamp_resolution_s)
+            metrics.append(collector.gc(shard))
+            assert not Path(src).exists(), "the sweep took the paused upload's file"
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_after_a_pause)
+    updates = [(b"k%d" % i, b"v" * 64, 1, 1) for i in range(200)]
+    with pytest.raises(CommitDeadlineExceeded):
+        writer.compare_and_append(updates, 1, 2)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert paused and metrics and metrics[0]["orphans_deleted"] >= 1
+    assert _temp_files(blob) == [] and _temp_files(wal) == []
+    state = collector._machine(str(shard)).fetch_latest()
+    missing = [key for store, key in state.referenced_blobs()
+               if collector.blobs.store(store).get(key) is None]
+    assert missing == [], "the shard references a part GC deleted"
+    assert state.upper == 1, "the refused write changed nothing"
+    for attempt in range(5):  # an upload slower than half the age (a loaded machine)
+        try:
+            writer.compare_and_append(updates, 1, 2)
+            break
+        except CommitDeadlineExceeded:
+            if attempt == 4:
+                raise
+    assert rows(collector.open_reader(shard).snapshot(1), 1) == expected_snapshot(updates, 1)
+    for client in (writer_client, collector):
+        client.close()
+
+
 def test_reading_a_wal_part_without_the_wal_store_is_a_config_error(tmp_path: Path):
     consensus = f"sqlite:///{tmp_path / 'consensus.db'}"
     blob, wal = f"file://{tmp_path / 'blobs'}", f"file://{tmp_path / 'wal'}"
