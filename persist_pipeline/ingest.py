@@ -331,7 +331,7 @@ def _first_bad_csv_row(path: Path, types: dict[str, pa.DataType]) -> str | None:
     try:
         try:
             text = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
-                column_types=texts, strings_can_be_null=True,
+                column_types=texts, null_values=_CSV_NULLS, strings_can_be_null=True,
                 quoted_strings_can_be_null=False))
         except pa.ArrowInvalid:
             return _ragged_csv_row(path)
@@ -498,6 +498,13 @@ def _json_lines_columns(path: Path, types: Mapping[str, pa.DataType]) -> set[str
     return present
 
 
+# The only null a CSV cell spells: an empty one, as the CLI's snapshot writes it.
+# Arrow's default markers (NA, N/A, null, NULL, nan, #N/A, ...) would turn such words
+# in a text column into nulls nobody wrote (an untyped file keeps them as text); in a
+# number or time column they are then bad input, named with their line.
+_CSV_NULLS = [""]
+
+
 def _wide_float(type_: pa.DataType) -> pa.DataType:
     """float16 and float32 as float64; any other type as it is."""
     if pa.types.is_float16(type_) or pa.types.is_float32(type_):
@@ -511,8 +518,8 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
 
     CSV and JSON Lines cells are parsed as the schema's column types (nested columns
     need Parquet or JSON Lines); the rows are checked by :meth:`ShardSchema.encode`. A
-    CSV cell is null when it is empty or a null marker (``NULL``, ``NaN``, ...) unquoted;
-    a quoted one is text (``""`` the empty string).
+    CSV cell is null when it is empty and unquoted; a quoted one is text (``""`` the
+    empty string), and so is every other cell of a text column (``NA``, ``null``).
     """
     import pyarrow.csv as pacsv
     import pyarrow.json as pajson
@@ -540,7 +547,7 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
             # A quoted cell is text, never null: "" is empty and "NULL" the word (the
             # CLI's snapshot quotes every text cell and writes null as an empty one).
             table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(
-                column_types=types, strings_can_be_null=True,
+                column_types=types, null_values=_CSV_NULLS, strings_can_be_null=True,
                 quoted_strings_can_be_null=False))
         elif kind == "jsonl":
             # Every column some line gives: a line may leave one out, as in an untyped

@@ -366,3 +366,30 @@ def test_append_of_a_float_a_float32_column_cannot_hold_is_refused_as_by_the_api
     with _client(tmp_path) as client:
         state = client.inspect(shard)
         assert state["upper"] == 0, state
+
+
+def test_a_hand_written_csv_keeps_unquoted_words_that_look_like_null(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """CSV writers other than the CLI (pandas' to_csv, Excel, spreadsheets) quote no
+    text: a country code ``NA`` or the word ``null`` is text in a typed shard's string
+    column, as it is in an untyped shard's ``k`` and ``v``; only an empty cell is null.
+    A marker where a number or time must be is bad input naming its line, nothing
+    written, rather than a null nobody wrote."""
+    shard = _id_name_shard(env, capsys)
+    words = ["NA", "N/A", "null", "NULL", "nan", "NaN", "#N/A", "-nan", "None"]
+    rows = tmp_path / "words.csv"
+    rows.write_text("id,name,t\n" + "".join(f"{i},{w},0\n" for i, w in enumerate(words))
+                    + f"{len(words)},,0\n")
+    code, _, err = _run(env, capsys, "append", shard, str(rows))
+    assert code == 0, err
+    with _client(tmp_path) as client:
+        reader = client.open_reader(shard)
+        got = reader.snapshot(0).sort_by("id").column("name").to_pylist()
+        reader.expire()
+    assert got == [*words, None]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("id,name,t\n20,x,1\nNA,y,1\n")
+    code, _, err = _run(env, capsys, "append", shard, str(bad))
+    assert code == 2 and "line 3" in err and "'NA'" in err, err
+    with _client(tmp_path) as client:
+        assert client.inspect(shard)["upper"] == 1
