@@ -418,6 +418,32 @@ def _csv_header(path: Path) -> list[str]:
         return []  # the read itself says what is wrong
 
 
+def _json_times(path: Path, name: str, texts: pa.ChunkedArray, type_: pa.DataType
+                ) -> pa.ChunkedArray:
+    """A JSON Lines file's timestamp column ``name``, read as text, parsed to ``type_`` by
+    Arrow's cast: an offset where the column has a zone and none where it has none, as
+    in a CSV file; else :class:`InvalidUpdates` naming the first refused value's line."""
+    try:
+        return pc.cast(texts, type_)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        pass
+
+    def refused(value: str) -> bool:
+        try:
+            pc.cast(pa.array([value]), type_)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return True
+        return False
+
+    row, value = next((i, v) for i, v in enumerate(texts.to_pylist())
+                      if v is not None and refused(v))
+    with path.open(encoding="utf-8-sig") as f:
+        line = [n for n, text in enumerate(f, start=1) if text.strip()][row]
+    zone = "with" if getattr(type_, "tz", None) else "without"
+    raise InvalidUpdates(f"{path}: line {line}: column {name} must be {type_} (a time "
+                         f"{zone} a zone offset), got {json.dumps(value)[:40]}")
+
+
 def _first_bad_json_line(path: Path, explicit: pa.Schema) -> str | None:
     """Where a typed JSON Lines read failed: ``"N: column C must be T, got V"`` for the
     first line holding a value Arrow's JSON reader does not read as its column's type,
@@ -554,8 +580,18 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
             # file (Spark's JSON writer leaves null fields out).
             present = _json_lines_columns(path, types)
             explicit = pa.schema([(n, t) for n, t in types.items() if n in present])
+            # Timestamps are read as text and parsed by Arrow's cast, as a CSV cell is:
+            # the JSON reader took a time without an offset for UTC in a zoned column
+            # and dropped an offset in a column without a zone.
+            times = [f.name for f in explicit if pa.types.is_timestamp(f.type)]
             table = pajson.read_json(path, parse_options=pajson.ParseOptions(
-                explicit_schema=explicit, unexpected_field_behavior="error"))
+                explicit_schema=pa.schema([(f.name, pa.string()) if f.name in times
+                                           else f for f in explicit]),
+                unexpected_field_behavior="error"))
+            for name in times:
+                table = table.set_column(table.column_names.index(name), name,
+                                         _json_times(path, name, table.column(name),
+                                                     types[name]))
             if "d" in table.column_names and table.column("d").null_count:
                 # d null or left out is 1, as in an untyped file.
                 table = table.set_column(table.column_names.index("d"), "d",

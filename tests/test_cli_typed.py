@@ -393,3 +393,35 @@ def test_a_hand_written_csv_keeps_unquoted_words_that_look_like_null(
     assert code == 2 and "line 3" in err and "'NA'" in err, err
     with _client(tmp_path) as client:
         assert client.inspect(shard)["upper"] == 1
+
+
+def test_a_json_lines_time_without_its_columns_zone_is_refused_as_in_csv(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A JSON Lines timestamp without a zone offset into a column with a zone (or one
+    with an offset into a column without) is refused naming its line, nothing written,
+    as a CSV cell is: Arrow's JSON reader took the wall clock for UTC and dropped an
+    offset. A time with an offset into a zoned column is that instant."""
+    schema = json.dumps({"key": {"id": "int64"},
+                         "value": {"at": "timestamp[us, tz=UTC]", "local": "timestamp[ms]"}})
+    code, out, err = _run(env, capsys, "new-shard", "--schema", schema)
+    assert code == 0, err
+    shard = out.strip()
+    rows = tmp_path / "rows.jsonl"
+    for line, column in [('{"id": 2, "t": 0, "at": "2024-01-02 03:04:05"}', "at"),
+                         ('{"id": 2, "t": 0, "local": "2024-01-02T03:04:05Z"}', "local"),
+                         ('{"id": 2, "t": 0, "at": "2024-01-02"}', "at")]:
+        rows.write_text('{"id": 1, "t": 0}\n\n' + line + "\n")
+        code, _, err = _run(env, capsys, "append", shard, str(rows))
+        assert code == 2 and "line 3" in err and f"column {column}" in err, err
+        with _client(tmp_path) as client:
+            assert client.inspect(shard)["upper"] == 0
+    rows.write_text('{"id": 1, "t": 0, "at": "2024-01-02T03:04:05+02:00", '
+                    '"local": "2024-01-02 03:04:05.5"}\n')
+    code, _, err = _run(env, capsys, "append", shard, str(rows))
+    assert code == 0, err
+    with _client(tmp_path) as client:
+        reader = client.open_reader(shard)
+        row = reader.snapshot(0).to_pylist()[0]
+        reader.expire()
+    assert row["at"].isoformat() == "2024-01-02T01:04:05+00:00"
+    assert row["local"].isoformat() == "2024-01-02T03:04:05.500000"

@@ -215,7 +215,7 @@ def test_an_asset_loads_a_typed_shard_other_entry_points_wrote(
     schema = '{"key": {"id": "int64"}, "value": {"name": "string", "at": "timestamp[us, tz=UTC]"}}'
     assert cli.main([*env, "new-shard", "--name", "sales/events", "--schema", schema]) == 0
     rows = tmp_path / "events.jsonl"
-    rows.write_text('{"id": 1, "name": "ann", "at": "2026-01-01T10:00:00", "t": 0, "d": 1}\n'
+    rows.write_text('{"id": 1, "name": "ann", "at": "2026-01-01T10:00:00Z", "t": 0, "d": 1}\n'
                     '{"id": 2, "name": null, "at": null, "t": 0, "d": 2}\n')
     assert cli.main([*env, "append", "sales/events", str(rows)]) == 0
     client = io_manager.client()
