@@ -420,9 +420,10 @@ def _csv_header(path: Path) -> list[str]:
 
 def _json_times(path: Path, name: str, texts: pa.ChunkedArray, type_: pa.DataType
                 ) -> pa.ChunkedArray:
-    """A JSON Lines file's timestamp column ``name``, read as text, parsed to ``type_`` by
-    Arrow's cast: an offset where the column has a zone and none where it has none, as
-    in a CSV file; else :class:`InvalidUpdates` naming the first refused value's line."""
+    """A JSON Lines file's timestamp or date column ``name``, read as text, parsed to
+    ``type_`` by Arrow's cast as a CSV cell is (an offset where the column has a zone and
+    none where it has none); else :class:`InvalidUpdates` naming the first refused
+    value's line."""
     try:
         return pc.cast(texts, type_)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -439,18 +440,21 @@ def _json_times(path: Path, name: str, texts: pa.ChunkedArray, type_: pa.DataTyp
                       if v is not None and refused(v))
     with path.open(encoding="utf-8-sig") as f:
         line = [n for n, text in enumerate(f, start=1) if text.strip()][row]
-    zone = "with" if getattr(type_, "tz", None) else "without"
-    raise InvalidUpdates(f"{path}: line {line}: column {name} must be {type_} (a time "
-                         f"{zone} a zone offset), got {json.dumps(value)[:40]}")
+    form = ("ISO text" if pa.types.is_date(type_) else
+            f"a time {'with' if getattr(type_, 'tz', None) else 'without'} a zone offset")
+    raise InvalidUpdates(f"{path}: line {line}: column {name} must be {type_} ({form}), "
+                         f"got {json.dumps(value)[:40]}")
 
 
-def _first_bad_json_line(path: Path, explicit: pa.Schema) -> str | None:
+def _first_bad_json_line(path: Path, explicit: pa.Schema, named: pa.Schema | None = None
+                         ) -> str | None:
     """Where a typed JSON Lines read failed: ``"N: column C must be T, got V"`` for the
     first line holding a value Arrow's JSON reader does not read as its column's type,
     or None if none is found. Lines are read again by the same reader with the same
     schema (a thousand at a time, then one by one and column by column within a refused
     thousand), so a line is blamed only if Arrow refuses it (Arrow's own message counts
-    rows from 0 within a block, not lines of the file)."""
+    rows from 0 within a block, not lines of the file). ``named``: the types the message
+    names, when the file is read as others (times as text)."""
     import io
 
     import pyarrow.json as pajson
@@ -475,7 +479,7 @@ def _first_bad_json_line(path: Path, explicit: pa.Schema) -> str | None:
             for name, value in (record.items() if isinstance(record, dict) else ()):
                 if name in explicit.names and refused(
                         [json.dumps({name: value}) + "\n"], pa.schema([explicit.field(name)])):
-                    return (f"{n}: column {name} must be {explicit.field(name).type}, "
+                    return (f"{n}: column {name} must be {(named or explicit).field(name).type}, "
                             f"got {json.dumps(value)[:40]}")
             return None  # the line is refused as a whole: Arrow's message, then
         return None
@@ -580,14 +584,16 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
             # file (Spark's JSON writer leaves null fields out).
             present = _json_lines_columns(path, types)
             explicit = pa.schema([(n, t) for n, t in types.items() if n in present])
-            # Timestamps are read as text and parsed by Arrow's cast, as a CSV cell is:
-            # the JSON reader took a time without an offset for UTC in a zoned column
-            # and dropped an offset in a column without a zone.
-            times = [f.name for f in explicit if pa.types.is_timestamp(f.type)]
+            # Timestamps and dates are read as text and parsed by Arrow's cast, as a CSV
+            # cell is: the JSON reader took a time without an offset for UTC in a zoned
+            # column, dropped an offset in a column without a zone, refused a date's
+            # ISO text and took a number for days.
+            times = [f.name for f in explicit
+                     if pa.types.is_timestamp(f.type) or pa.types.is_date(f.type)]
+            read_as = pa.schema([(f.name, pa.string()) if f.name in times else f
+                                 for f in explicit])
             table = pajson.read_json(path, parse_options=pajson.ParseOptions(
-                explicit_schema=pa.schema([(f.name, pa.string()) if f.name in times
-                                           else f for f in explicit]),
-                unexpected_field_behavior="error"))
+                explicit_schema=read_as, unexpected_field_behavior="error"))
             for name in times:
                 table = table.set_column(table.column_names.index(name), name,
                                          _json_times(path, name, table.column(name),
@@ -608,7 +614,7 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
         if kind == "csv" and isinstance(e, pa.ArrowInvalid):
             located = _first_bad_csv_row(path, types)
         elif kind == "jsonl" and isinstance(e, pa.ArrowInvalid):
-            located = _first_bad_json_line(path, explicit)
+            located = _first_bad_json_line(path, read_as, explicit)
         if located is not None:
             raise InvalidUpdates(f"{path}: line {located}") from None
         raise InvalidUpdates(f"{path}: cannot read it as rows of {schema!r}: {e}") from None

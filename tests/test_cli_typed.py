@@ -425,3 +425,28 @@ def test_a_json_lines_time_without_its_columns_zone_is_refused_as_in_csv(
         reader.expire()
     assert row["at"].isoformat() == "2024-01-02T01:04:05+00:00"
     assert row["local"].isoformat() == "2024-01-02T03:04:05.500000"
+
+
+def test_a_json_lines_date_is_its_iso_text_as_in_csv(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A date column's JSON Lines value is its ISO text, as a CSV cell and Spark's JSON
+    writer give it (Arrow's JSON reader refused "2024-01-02" and took a number for days
+    since 1970); a number there is refused naming its line, nothing written."""
+    schema = json.dumps({"key": {"id": "int64"}, "value": {"day": "date32"}})
+    code, out, err = _run(env, capsys, "new-shard", "--schema", schema)
+    assert code == 0, err
+    shard = out.strip()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": 1, "t": 0, "day": "2024-01-02"}\n{"id": 2, "t": 0, "day": 19000}\n')
+    code, _, err = _run(env, capsys, "append", shard, str(rows))
+    assert code == 2 and "line 2: column day must be date32[day], got 19000" in err, err
+    with _client(tmp_path) as client:
+        assert client.inspect(shard)["upper"] == 0
+    rows.write_text('{"id": 1, "t": 0, "day": "2024-01-02"}\n{"id": 2, "t": 0, "day": null}\n')
+    code, _, err = _run(env, capsys, "append", shard, str(rows))
+    assert code == 0, err
+    with _client(tmp_path) as client:
+        reader = client.open_reader(shard)
+        got = reader.snapshot(0).sort_by("id").column("day").to_pylist()
+        reader.expire()
+    assert [d and d.isoformat() for d in got] == ["2024-01-02", None]
