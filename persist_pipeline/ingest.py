@@ -418,30 +418,40 @@ def _csv_header(path: Path) -> list[str]:
         return []  # the read itself says what is wrong
 
 
+def _time_as_text(type_: pa.DataType) -> pa.DataType:
+    """Timestamps and dates as text (read so, then cast); any other type as it is."""
+    return pa.string() if pa.types.is_timestamp(type_) or pa.types.is_date(type_) else type_
+
+
 def _json_times(path: Path, name: str, texts: pa.ChunkedArray, type_: pa.DataType
                 ) -> pa.ChunkedArray:
-    """A JSON Lines file's timestamp or date column ``name``, read as text, parsed to
-    ``type_`` by Arrow's cast as a CSV cell is (an offset where the column has a zone and
-    none where it has none); else :class:`InvalidUpdates` naming the first refused
-    value's line."""
+    """A JSON Lines file's column ``name`` of timestamps or dates (or lists and structs
+    holding them), read as text, parsed to ``type_`` by Arrow's cast as a CSV cell is
+    (an offset where the column has a zone and none where it has none); else
+    :class:`InvalidUpdates` naming the first refused value's line."""
     try:
         return pc.cast(texts, type_)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         pass
 
-    def refused(value: str) -> bool:
+    def refused(value: object) -> bool:
         try:
-            pc.cast(pa.array([value]), type_)
+            pc.cast(pa.array([value], texts.type), type_)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
             return True
         return False
 
-    row, value = next((i, v) for i, v in enumerate(texts.to_pylist())
-                      if v is not None and refused(v))
+    found = next(((i, v) for i, v in enumerate(texts.to_pylist())
+                  if v is not None and refused(v)), None)
+    if found is None:  # refused as a whole only: no line to name
+        raise InvalidUpdates(f"{path}: column {name} cannot be read as {type_}")
+    row, value = found
     with path.open(encoding="utf-8-sig") as f:
         line = [n for n, text in enumerate(f, start=1) if text.strip()][row]
     form = ("ISO text" if pa.types.is_date(type_) else
-            f"a time {'with' if getattr(type_, 'tz', None) else 'without'} a zone offset")
+            f"a time {'with' if type_.tz else 'without'} a zone offset"
+            if pa.types.is_timestamp(type_) else
+            "dates and times as ISO text, with a zone offset where the type has a zone")
     raise InvalidUpdates(f"{path}: line {line}: column {name} must be {type_} ({form}), "
                          f"got {json.dumps(value)[:40]}")
 
@@ -588,10 +598,10 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
             # cell is: the JSON reader took a time without an offset for UTC in a zoned
             # column, dropped an offset in a column without a zone, refused a date's
             # ISO text and took a number for days.
-            times = [f.name for f in explicit
-                     if pa.types.is_timestamp(f.type) or pa.types.is_date(f.type)]
-            read_as = pa.schema([(f.name, pa.string()) if f.name in times else f
+            # (also inside lists and structs).
+            read_as = pa.schema([f.with_type(replace_leaf_types(f.type, _time_as_text))
                                  for f in explicit])
+            times = [f.name for f in explicit if read_as.field(f.name).type != f.type]
             table = pajson.read_json(path, parse_options=pajson.ParseOptions(
                 explicit_schema=read_as, unexpected_field_behavior="error"))
             for name in times:

@@ -450,3 +450,28 @@ def test_a_json_lines_date_is_its_iso_text_as_in_csv(
         got = reader.snapshot(0).sort_by("id").column("day").to_pylist()
         reader.expire()
     assert [d and d.isoformat() for d in got] == ["2024-01-02", None]
+
+
+def test_json_lines_times_inside_lists_and_structs_parse_as_top_level_ones(
+        tmp_path: Path) -> None:
+    """A list's or struct's timestamps and dates are read as top-level ones are: a time
+    without an offset in a zoned list is refused naming its line, a date's ISO text in
+    a struct is that date."""
+    from persist_pipeline.exceptions import InvalidInput
+    from persist_pipeline.ingest import read_typed_file
+
+    schema = ShardSchema({"id": pa.int64()}, {"ats": pa.list_(pa.timestamp("us", "UTC")),
+                                              "s": pa.struct([("d", pa.date32())])})
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": 1, "t": 0, "ats": ["2024-01-02T03:04:05Z"], '
+                    '"s": {"d": "2024-01-02"}}\n'
+                    '{"id": 2, "t": 0, "ats": ["2024-01-02T03:04:05Z", "2024-01-02 03:04:05"]}\n')
+    with pytest.raises(InvalidInput, match="line 2: column ats must be"):
+        read_typed_file(rows, schema)
+    rows.write_text('{"id": 1, "t": 0, "ats": ["2024-01-02T03:04:05+01:00"], '
+                    '"s": {"d": "2024-01-02"}}\n{"id": 2, "t": 0}\n')
+    table = read_typed_file(rows, schema)
+    assert table.schema.field("ats").type == pa.list_(pa.timestamp("us", "UTC"))
+    assert table.column("ats").to_pylist()[0][0].isoformat() == "2024-01-02T02:04:05+00:00"
+    assert table.column("s").to_pylist()[0]["d"].isoformat() == "2024-01-02"
+    assert table.column("s").to_pylist()[1] is None
