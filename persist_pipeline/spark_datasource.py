@@ -46,7 +46,6 @@ from persist_pipeline.spark_source import (
     _write_job,
     _write_task,
     _WriteJob,
-    declared_columns,
     make_read_plan,
     spark_struct,
 )
@@ -69,8 +68,7 @@ class PersistReader(DataSourceReader):
     def __init__(self, options: Mapping[str, str], declared: StructType | None = None
                  ) -> None:
         (self.location, self.as_of, self._partitions, self.lease_s,
-         self.schema, self.reader_id) = make_read_plan(options)
-        self.columns = declared_columns(declared, self.schema, self.location.shard_id)
+         self.schema, self.reader_id, self.columns) = make_read_plan(options, declared)
 
     def partitions(self) -> Sequence[InputPartition]:
         return [PersistInputPartition(p) for p in self._partitions]

@@ -551,11 +551,18 @@ def _as_of_option(options: Mapping[str, str]) -> int | str:
     return t
 
 
-def make_read_plan(options: Mapping[str, str]) -> tuple[_Location, int, list[_ReadPartition],
-                                                         float, bytes, str]:
+def make_read_plan(options: Mapping[str, str], declared: StructType | None = None
+                   ) -> tuple[_Location, int, list[_ReadPartition], float, bytes, str,
+                              int | None]:
     """The planner's side of a read: a leased reader (left to expire), its plan at
-    ``as_of``, the partitions, the shard's encoded schema (empty: untyped) and the
-    reader's id."""
+    ``as_of``, the partitions, the shard's encoded schema (empty: untyped), the
+    reader's id and how many of its columns the read yields (:func:`declared_columns`
+    of ``declared``, the DataFrame's columns).
+
+    Raises:
+        SchemaMismatch: the planned columns cannot be the declared ones (the reader is
+            expired: a refused read holds nothing).
+    """
     location = _Location.from_options(options)
     as_of = _as_of_option(options)
     partition_bytes = _int_option(options, "partition_bytes", _DEFAULT_PARTITION_BYTES)
@@ -584,7 +591,11 @@ def make_read_plan(options: Mapping[str, str]) -> tuple[_Location, int, list[_Re
             reader.downgrade_since(plan.as_of)
             partitions = plan_partitions(plan, client.blobs, partition_bytes, max_partitions)
             schema = plan.schema.to_bytes() if plan.schema is not None else b""
-            return location, plan.as_of, partitions, lease, schema, reader.reader_id
+            # Checked before the reader is left to its lease: a read refused here must
+            # not hold since and the plan's files for a whole lease.
+            columns = declared_columns(declared, schema, location.shard_id)
+            return (location, plan.as_of, partitions, lease, schema, reader.reader_id,
+                    columns)
         except BaseException:
             with contextlib.suppress(PersistError):
                 reader.expire()

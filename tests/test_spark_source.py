@@ -334,15 +334,19 @@ def test_a_write_whose_columns_the_shard_cannot_take_creates_nothing(
     client.close()
 
 
+@pytest.mark.parametrize("wal", [False, True], ids=["main", "wal"])
 def test_a_planned_read_keeps_its_files_until_its_lease_runs_out(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wal: bool) -> None:
     """Compaction commits while the planner splits the plan, and GC runs before the
-    executors read: the plan's files must stay for the lease (no Spark needed)."""
+    executors read: the plan's files must stay for the lease (no Spark needed). With a
+    WAL store, the plan lists WAL parts that compaction moves to the main store: the
+    executors still read them from the WAL store."""
     from persist_pipeline import PersistConfig, ReadHandle
     from persist_pipeline.spark_source import _read_partition, make_read_plan
 
     consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
-    client = PersistClient.open(consensus, blob, inline_policy=InlinePolicy(0, 0),
+    wal_blob = f"file://{tmp_path / 'w'}" if wal else None
+    client = PersistClient.open(consensus, blob, wal_blob, inline_policy=InlinePolicy(0, 0),
                                 config=PersistConfig(rollup_threshold=4))
     shard = str(ShardId.new())
     written = []
@@ -353,6 +357,8 @@ def test_a_planned_read_keeps_its_files_until_its_lease_runs_out(
             written += batch
     opts = {"consensus": consensus, "blob": blob, "shard": shard, "as_of": "9",
             "partition_bytes": "1024", "lease_seconds": "1.5"}
+    if wal_blob:
+        opts["wal_blob"] = wal_blob
     take_plan = ReadHandle.snapshot_plan
 
     def compacting_meanwhile(*args: Any) -> Any:
@@ -364,8 +370,12 @@ def test_a_planned_read_keeps_its_files_until_its_lease_runs_out(
         return plan
 
     monkeypatch.setattr(ReadHandle, "snapshot_plan", compacting_meanwhile)
-    location, as_of, partitions, lease, _, reader_id = make_read_plan(opts)
+    location, as_of, partitions, lease, _, reader_id, _ = make_read_plan(opts)
     assert len(partitions) > 1 and lease == 1.5
+    assert {f.store for p in partitions for f in p.parts} == {"wal" if wal else "main"}
+    if wal:  # compaction moved every part out of the WAL store
+        assert {p.store for b in client._machine(shard).fetch_latest().batches.values()
+                for p in b.hollow_parts()} == {"main"}
     assert client.gc(shard)["blobs_deleted"] == 0
     got = sorted((r["k"], r["v"], r["d"]) for p in partitions
                  for b in _read_partition(location, as_of, p, lease, reader_id=reader_id)
@@ -398,7 +408,7 @@ def test_a_part_missing_while_its_reader_holds_the_plan_is_no_lease_that_ran_out
         writer.compare_and_append([(b"k", b"v", 0, 1)], 0, 1)
     (tmp_path / "other").mkdir()
     opts = {"consensus": consensus, "blob": f"file://{tmp_path / 'other'}", "shard": shard}
-    location, as_of, [partition], lease, _, reader_id = make_read_plan(opts)
+    location, as_of, [partition], lease, _, reader_id, _ = make_read_plan(opts)
     with pytest.raises(PartMissing, match="reader still holds it") as missing:
         list(_read_partition(location, as_of, partition, lease, reader_id=reader_id))
     assert not isinstance(missing.value, LeaseExpired)
@@ -664,4 +674,27 @@ def test_a_write_to_a_new_name_at_an_upper_its_shard_has_not_creates_nothing(
     df.write.format("persist").options(**opts, expected_upper="0", new_upper="9"
                                        ).mode("append").save()
     assert client.inspect(client.resolve("fresh/late"))["upper"] == 9
+    client.close()
+
+
+def test_a_read_refused_for_its_declared_columns_leaves_no_reader_behind(
+        tmp_path: Path) -> None:
+    """A read whose DataFrame was loaded before the shard was typed is refused with
+    SchemaMismatch when it plans, and changes nothing: the planner's reader, which would
+    hold since at the read's time and the plan's files against GC for a whole lease
+    (15 minutes by default), is expired (no Spark needed)."""
+    from persist_pipeline import ShardSchema
+    from persist_pipeline.exceptions import SchemaMismatch
+    from persist_pipeline.spark_datasource import PersistReader
+    from persist_pipeline.spark_source import _untyped_struct
+
+    location = _spark_location("embedded", None, tmp_path)  # type: ignore[arg-type]
+    client = location.client(INLINE_ON)
+    shard = ShardId.new()
+    v1 = ShardSchema([("id", pa.int64())], [("name", pa.string())])
+    client.open_writer(shard, schema=v1).compare_and_append(
+        [{"id": 1, "name": "one", "t": 0}], 0, 1)
+    with pytest.raises(SchemaMismatch, match="load the DataFrame again"):
+        PersistReader(_options(location, str(shard)), _untyped_struct())
+    assert client.inspect(shard)["readers"] == []
     client.close()
