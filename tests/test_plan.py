@@ -236,6 +236,57 @@ def test_plan_files_may_go_once_its_readers_lease_ran_out(
     client.close()
 
 
+@pytest.mark.parametrize("kind", location_kinds("embedded-wal", "pg-s3-wal"))
+def test_a_plans_wal_files_stay_after_compaction_moved_them_until_its_lease_ran_out(
+        kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A plan of WAL parts, then compaction moves them all into the main store and GC
+    truncates consensus and collects again and again: the reader's seqno hold keeps
+    every WAL file of the plan, read alike by pyarrow and DuckDB. Once the reader's
+    lease runs out (its holder paused), GC deletes them and reading the plan names the
+    WAL file that is gone (typed), never returning fewer rows."""
+    cfg = PersistConfig(reader_lease_duration_s=2.0, heartbeat_interval_s=0,
+                        rollup_threshold=3)
+    clock = HandClock()
+    location = make_location(kind, request, tmp_path)
+    client = client_on_clock(location, clock, InlinePolicy(0, 0), cfg)
+    shard = str(ShardId.new())
+    written: list[Update] = []
+    with client.open_writer(shard) as writer:
+        for t in range(8):
+            batch = [(b"k%d" % (t % 3), b"v%d" % t, t, 1)]
+            assert writer.compare_and_append(batch, t, t + 1).placement == "wal"
+            written += batch
+    reader = client.open_reader(shard)
+    plan = reader.snapshot_plan(7)
+    assert plan.stores() == ["wal"] and len(plan.files) == 8
+    assert client.compact(shard)["applied"]
+    with client.open_writer(shard) as writer:
+        for t in range(8, 20):  # rollups, so that GC truncates below the plan's version
+            writer.compare_and_append([], t, t + 1)
+    state = client._machine(shard).fetch_latest()
+    assert {p.store for b in state.batches.values() for p in b.hollow_parts()} == {"main"}
+    truncated = 0
+    for _ in range(3):
+        metrics = client.gc(shard)
+        assert metrics["blobs_deleted"] == 0, metrics
+        truncated += metrics["seqnos_truncated"]
+    assert truncated > 0
+    expected = expected_snapshot(written, 7)
+    assert all(_exists(plan, "wal"))
+    assert rows(plan.to_table(), 7) == expected
+    assert _duckdb_snapshot(plan) == expected
+    clock.advance(2.5)  # no heartbeat for longer than the lease: GC expires the reader
+    assert client.gc(shard)["blobs_deleted"] >= 8
+    assert not any(_exists(plan, "wal"))
+    for read in (plan.to_table, plan.to_dataset):
+        with pytest.raises(PartMissing, match=r"file file://.*of this snapshot plan is gone"):
+            read()
+    with pytest.raises(LeaseExpired):
+        reader.snapshot(7)
+    plan.close()
+    client.close()
+
+
 def test_a_plan_shows_no_credentials(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     location = make_location("pg-s3", request, tmp_path)
     secret = "SeCrEtPlanKey/9+x"
