@@ -154,6 +154,9 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # a lone WAL batch is no work for compaction: the final compaction of a seed with a
     # WAL store leaves parts there (5)
     "wal_parts_stay": (r"keeps \d+ part\(s\) in the WAL store", 20, None),
+    # a heartbeat publishes the reader's latest state as its seqno hold, not the version
+    # an open read plan reads: GC collects the plan's parts while its reader holds it (1)
+    "hold_ignores_open_plans": (r"plan read: unexpected PartMissing", 20, "plans"),
 }
 
 #: Reverted fixes the random simulation reaches too rarely to test this way (a heartbeat
@@ -196,6 +199,16 @@ DETERMINISTIC_ONLY = {
                                      "test_control_schema_recorded_at_open_loads_a_column_"
                                      "never_stored",
 }
+
+
+@pytest.mark.slow
+def test_plans_profile_passes():
+    """Read plans held across heartbeats or past their lease while compaction moves
+    their parts (out of the WAL store in odd seeds) and GC collects: every plan reads
+    the model's collection, or its reader was expired (the profile is outside the
+    rotation, so other seeds keep their paths)."""
+    report = run_seeds(list(range(20)), STEPS, profile="plans")
+    assert report.failures == [], [f.violations[:3] for f in report.failures]
 
 
 @pytest.mark.slow

@@ -126,6 +126,14 @@ def reader_hold_race() -> Iterator[None]:
 
 
 @contextmanager
+def hold_ignores_open_plans() -> Iterator[None]:
+    """A read plan's seqno hold: a heartbeat publishes the reader's latest state as its
+    hold, not the oldest version an open plan (or read) still reads."""
+    with _patched(read.ReadHandle, "_hold", lambda self: self._machine.state.seqno):
+        yield
+
+
+@contextmanager
 def listen_without_hold() -> Iterator[None]:
     """A listen's since hold: a listen does not hold since below its frontier (nor refuses batches
     compacted past it)."""
@@ -563,6 +571,7 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "merge_without_deadline": merge_without_deadline,
     "gc_trusts_its_scan": gc_trusts_its_scan,
     "reader_hold_race": reader_hold_race,
+    "hold_ignores_open_plans": hold_ignores_open_plans,
     "listen_without_hold": listen_without_hold,
     "open_fails_on_replaced_rollup": open_fails_on_replaced_rollup,
     "expired_read_reports_corruption": expired_read_reports_corruption,

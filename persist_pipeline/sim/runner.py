@@ -18,7 +18,7 @@ from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.exceptions import Indeterminate, PersistError
 from persist_pipeline.ids import ShardId, new_critical_reader_id, seeded_ids
 from persist_pipeline.internal.sync import event_factory, inline_workers, lock_factory
-from persist_pipeline.sim import actors, ingestion, seams, transactions
+from persist_pipeline.sim import actors, ingestion, plans, seams, transactions
 from persist_pipeline.sim.monitor import Model, Monitor, Monitors
 from persist_pipeline.sim.scheduler import (
     Nemesis,
@@ -39,7 +39,8 @@ T = TypeVar("T")
 INLINE_SETTINGS = (InlinePolicy(1024, 3000), InlinePolicy(0, 0), InlinePolicy(1024, 0))
 
 #: Every simulated process kind, by role name.
-ROLES = {**actors.ROLES, **seams.ROLES, **transactions.ROLES, **ingestion.ROLES}
+ROLES = {**actors.ROLES, **seams.ROLES, **transactions.ROLES, **ingestion.ROLES,
+         **plans.ROLES}
 
 #: The share of seeds whose processes (and blob stores) have skewed wall clocks (their
 #: offsets: up to past half the orphan sweep's age, 8 s in ``sim_config``, and near the
@@ -153,6 +154,11 @@ PROFILES: dict[str, Profile] = {
     "inline": Profile({"writer": (2, 3), "appender": (0, 1), "limiter": (0, 1),
                        "compactor": (0, 1), "gc": (0, 1)},
                       inline_max_choices=(600, 3000, 12000)),
+    # Read plans held across heartbeats, or past their reader's lease, while compaction
+    # moves their parts (out of the WAL store too) and GC collects and truncates; no
+    # part cache to hide a deleted part.
+    "plans": Profile({"writer": (2, 3), "plan_reader": (1, 2), "reader": (0, 1),
+                      "compactor": (1, 1), "gc": (2, 2)}, part_cache=False),
 }
 
 #: The profiles seeds take in turn (``profile_for``). A profile added later is left out
