@@ -25,7 +25,8 @@ is open *and* its reader's lease is alive *and* the reader is not closed (``expi
 releases every hold of the reader, an open plan's too: close plans before their
 reader). Close the plan (``close()`` or a ``with`` block) when the engine has finished
 reading; the hold is then released with the reader's next heartbeat, and the plan's
-``to_table`` and ``to_dataset`` raise ``LeaseExpired``. If
+``to_table`` and ``to_dataset`` raise ``LeaseExpired``, as they do once the reader is
+known to be expired (``expire()``, or a heartbeat that found its lease gone). If
 the reader stops heartbeating (its process died, paused, or was closed) for longer than
 its lease, GC expires it and may delete the plan's files: a read still in progress then
 fails on a missing file, it never returns wrong data.
@@ -230,7 +231,8 @@ class SnapshotPlan:
     def __init__(self, *, shard_id: str, as_of: int, since: Frontier, upper: Frontier,
                  seqno: int, files: tuple[PlanFile, ...], inline: pa.Table,
                  stores: Mapping[str, Blob], release: Callable[[], None],
-                 schema: ShardSchema | None = None) -> None:
+                 schema: ShardSchema | None = None,
+                 expired: Callable[[], bool] = lambda: False) -> None:
         self.shard_id = shard_id
         self.schema = schema
         if schema is not None:
@@ -248,6 +250,7 @@ class SnapshotPlan:
         self.inline = inline
         self._stores = dict(stores)
         self._release: Callable[[], None] | None = release
+        self._expired = expired
 
     @property
     def closed(self) -> bool:
@@ -266,6 +269,12 @@ class SnapshotPlan:
         if self._release is None:
             raise LeaseExpired(f"shard {self.shard_id}: the plan was closed; make a new one "
                                f"(its files are no longer held against GC)")
+        # Expiring the reader released the plan's hold as closing it does (expire(), or
+        # a heartbeat that found the lease gone): the same refusal, not a read racing GC.
+        if self._expired():
+            raise LeaseExpired(f"shard {self.shard_id}: the reader holding this plan was "
+                               f"expired; make a new plan with a live reader (its files "
+                               f"are no longer held against GC)")
 
     def __enter__(self) -> SnapshotPlan:
         return self

@@ -400,7 +400,8 @@ class ReadHandle:
             return SnapshotPlan(shard_id=self.shard_id, as_of=t, since=state.since,
                                 upper=state.upper, seqno=state.seqno, files=tuple(files),
                                 inline=table, stores=stores, schema=schema,
-                                release=lambda: self._stop_reading(state, heartbeat=True))
+                                release=lambda: self._stop_reading(state, heartbeat=True),
+                                expired=lambda: self._expired)
         except BaseException:
             self._stop_reading(state)
             raise

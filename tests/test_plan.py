@@ -330,6 +330,40 @@ def test_a_closed_plan_refuses_to_read(tmp_path: Path) -> None:
     client.close()
 
 
+def test_a_plan_whose_reader_was_expired_refuses_to_read(tmp_path: Path) -> None:
+    """Expiring a reader releases its open plans' hold, as closing them does; so does a
+    heartbeat that finds the reader expired (its holder paused past the lease). Reading
+    such a plan is refused with LeaseExpired, as a closed plan's is, rather than
+    succeeding while GC has not yet deleted its files and failing half-way once it
+    does."""
+    cfg = PersistConfig(reader_lease_duration_s=1.0, heartbeat_interval_s=0)
+    clock = HandClock()
+    location = Location("embedded", f"sqlite:///{tmp_path / 'c.db'}",
+                        f"file://{tmp_path / 'b'}")
+    client = client_on_clock(location, clock, InlinePolicy(0, 0), cfg)
+    shard = str(ShardId.new())
+    with client.open_writer(shard) as writer:
+        writer.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+        writer.compare_and_append([(b"b", b"1", 1, 1)], 1, 2)
+    expired = client.open_reader(shard)
+    plan = expired.snapshot_plan(1)
+    assert rows(plan.to_table(), 1) == [(b"a", b"1", 1), (b"b", b"1", 1)]
+    expired.expire()
+    paused = client.open_reader(shard)
+    paused_plan = paused.snapshot_plan(1)
+    clock.advance(1.5)
+    client.gc(shard)  # expires the paused reader (nothing to delete yet)
+    with pytest.raises(LeaseExpired):
+        paused.heartbeat()
+    for read in (plan.to_table, plan.to_dataset, paused_plan.to_table,
+                 paused_plan.to_dataset):
+        with pytest.raises(LeaseExpired, match="was expired; make a new plan"):
+            read()
+    plan.close()
+    paused_plan.close()
+    client.close()
+
+
 def test_a_plan_made_before_an_evolution_compaction_and_gc_reads_its_own_version(
         tmp_path: Path) -> None:
     """A typed shard's plan is of one state version: a nullable column appended after it
