@@ -71,10 +71,24 @@ def check_name(name: object) -> str:
 _GENERATION = re.compile(r"(.+)/_v([1-9][0-9]*)")
 
 
+#: The last segment of a partitioned table's folder of partitions
+#: (``sales/orders/_partitions/<key>``, :func:`persist_pipeline.tables.asset_shard_name`).
+PARTITIONS_FOLDER = "_partitions"
+
+
+def is_partitions_folder(base: str) -> bool:
+    """Whether ``base`` is a folder of partitions: each ``base/<key>`` is a partition's
+    table, so ``base/_v<N>`` is the partition ``_v<N>``, not a generation of a table at
+    ``base`` (none is stored there: :func:`persist_pipeline.tables.check_table_name`).
+    ``sales/_partitions/_partitions`` is no folder but the partition ``_partitions``."""
+    segments = base.split("/")
+    return segments[-1] == PARTITIONS_FOLDER and segments[-2:-1] != [PARTITIONS_FOLDER]
+
+
 def generation_of(name: str) -> tuple[str, int] | None:
     """``(base, N)`` when ``name`` is generation ``N`` > 1 of table ``base``, else None."""
     match = _GENERATION.fullmatch(name)
-    if match is None or int(match.group(2)) < 2:
+    if match is None or int(match.group(2)) < 2 or is_partitions_folder(match.group(1)):
         return None
     return match.group(1), int(match.group(2))
 

@@ -36,8 +36,10 @@ table). Rows come back sorted by their encoding, not in the order they were stor
 **Names.** An asset's shard is named after its key (``sales/orders``); a partition's
 after the key and the partition (``sales/orders/_partitions/2026-11-25``; a segment
 with other characters than ``A-Z a-z 0-9 . _ -`` is written as ``-`` plus its UTF-8
-bytes in hex; too long a name ends in a hash instead). A
-materialization whose schema no longer fits the shard's starts the asset's next
+bytes in hex; too long a name ends in a hash instead). No table is stored at a folder
+of partitions (a name whose last segment is ``_partitions``, unless it is the partition
+keyed so): a partition keyed ``_v2`` is no generation of one. A materialization whose
+schema no longer fits the shard's starts the asset's next
 *generation*, a new shard named with a ``/_v<N>`` suffix (``sales/orders/_v2``); loads
 read the newest generation, and every materialization reports the name it wrote. A
 table whose generation was closed (its upper set to the empty frontier) is closed for
@@ -76,7 +78,7 @@ from persist_pipeline.exceptions import (
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.ids import ShardId
 from persist_pipeline.internal import rowcodec
-from persist_pipeline.names import generation_of
+from persist_pipeline.names import PARTITIONS_FOLDER, generation_of, is_partitions_folder
 from persist_pipeline.plan import LATEST
 from persist_pipeline.schema import (
     ARROW_SCHEMA_META,
@@ -97,7 +99,7 @@ if TYPE_CHECKING:
 MAX_DICTIONARY_BYTES = 1 << 20
 #: Where a name's generations live, and its partitions.
 _GENERATION = "/_v"
-_PARTITIONS = "/_partitions/"
+_PARTITIONS = f"/{PARTITIONS_FOLDER}/"
 _PLAIN = re.compile(r"[A-Za-z0-9._-]+")
 #: Names are at most this long (see :func:`persist_pipeline.names.check_name`).
 _NAME_MAX = 200
@@ -142,17 +144,24 @@ _GENERATION_SEGMENT = re.compile(r"_v[0-9]+")
 def check_table_name(name: str) -> None:
     """Whether a table may be stored under ``name``: a name whose last segment is
     ``_v<N>`` is a generation of another name (a load of that name would return this
-    table), and a name must leave room for its own generations' suffix.
+    table), one whose last segment is ``_partitions`` is a folder of partitions (its
+    generations would be partitions' tables), and a name must leave room for its own
+    generations' suffix.
 
     Raises:
-        InvalidInput: either is violated.
+        InvalidInput: any of these is violated.
     """
     if not isinstance(name, str) or not name:
         raise InvalidInput(f"a table name is a non-empty string, got {name!r}")
-    segments = name.split("/")
-    # A partition key (after /_partitions/) may read _v<N>: no table is stored at the
-    # name of the partitions folder itself, so it is no generation of one.
-    if _GENERATION_SEGMENT.fullmatch(segments[-1]) and segments[-2:-1] != ["_partitions"]:
+    base, _, last = name.rpartition("/")
+    # A partition key (after /_partitions/) may read _v<N>: it is no generation, since
+    # no table is stored at the name of the partitions folder itself (its generation
+    # _v<N> would be that partition's table, stored over).
+    if is_partitions_folder(name):
+        raise InvalidInput(f"table name {name!r}: a last segment {PARTITIONS_FOLDER} names "
+                           f"the folder of a partitioned table's partitions (each "
+                           f"{name}/<key> is one); choose another name")
+    if _GENERATION_SEGMENT.fullmatch(last) and not (base and is_partitions_folder(base)):
         raise InvalidInput(f"table name {name!r}: a last segment _v<N> names a generation "
                            f"of another table (its schema after a change); choose another "
                            f"name")
@@ -585,8 +594,9 @@ def _first_generation(name: str, names: Mapping[str, ShardId]) -> ShardId | None
     generation), unless ``name`` is registered as it is (a table stored under such a
     name before those were refused)."""
     suffix = _GENERATION + "1"
-    if name in names or not name.endswith(suffix):
-        return None
+    if name in names or not name.endswith(suffix) \
+            or is_partitions_folder(name[:-len(suffix)]):
+        return None  # (the partition _v1 of a partitioned table: no generation)
     return names.get(name[:-len(suffix)])
 
 

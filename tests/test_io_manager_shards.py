@@ -909,3 +909,30 @@ def test_the_readmes_duckdb_query_reads_a_table_stored_twice(io_manager: Persist
                          f"ORDER BY id").fetchall()
     reader.expire()
     assert got == [(1, "a", 1), (2, "B", 1), (4, "d", 1)]
+
+
+def test_an_asset_declaring_a_partition_folder_as_its_table_keeps_off_its_partitions(
+        io_manager: PersistIOManager) -> None:
+    """A partition key may read ``_v<N>`` (``visits/_partitions/_v2``); an asset whose
+    ``dagster/table_name`` is the folder ``visits/_partitions`` took that partition for
+    its table's second generation and stored over it. It is refused (InvalidInput),
+    and the partition keeps its rows."""
+    @dg.asset(partitions_def=dg.StaticPartitionsDefinition(["_v2"]))
+    def visits() -> pa.Table:
+        return pa.table({"region": ["eu"], "n": [3]})
+
+    @dg.asset(metadata={"dagster/table_name": "visits/_partitions"})
+    def totals() -> pa.Table:
+        return pa.table({"region": ["all"], "n": [0]})
+
+    resources = {"io_manager": io_manager}
+    with dg.instance_for_test() as instance:
+        assert dg.materialize([visits], partition_key="_v2", instance=instance,
+                              resources=resources).success
+        second = dg.materialize([totals], instance=instance, resources=resources,
+                                raise_on_error=False)
+    assert not second.success
+    [failure] = [e for e in second.all_events if e.is_step_failure]
+    assert "InvalidInput" in str(failure.event_specific_data)
+    assert io_manager.load("visits/_partitions/_v2").to_pylist() == [
+        {"region": "eu", "n": 3}]

@@ -326,3 +326,40 @@ def test_a_store_of_what_is_not_an_arrow_table_is_a_typed_error_naming_nothing(
     with pytest.raises(InvalidInput):
         tables.store_tables(client, {"edges/not_a_pair": ORDERS})  # type: ignore[dict-item]
     assert not {"edges/not_a_table", "edges/not_a_pair"} & set(client.shard_names())
+
+
+def test_a_partition_keyed_like_a_generation_is_no_generation_of_its_folder(
+        client: PersistClient) -> None:
+    # A partition key may read _v<N>: sales/orders/_partitions/_v2 is that partition's
+    # table. A table stored at the folder's name took it for its second generation and
+    # stored over the partition (another table's rows lost); a load of the folder's name
+    # read the partition.
+    from persist_pipeline.exceptions import InvalidInput, ShardNameNotFound
+    partition = tables.asset_shard_name(["sales", "orders"], "_v2")
+    folder = "sales/orders/_partitions"
+    assert partition == f"{folder}/_v2"
+    tables.store_table(client, partition, ORDERS, ["id"])
+    other = pa.table({"id": [9], "val": ["not the partition"]})
+    with pytest.raises(InvalidInput, match="_partitions"):
+        tables.store_table(client, folder, other, ["id"])
+    with pytest.raises(InvalidInput, match="_partitions"):
+        tables.store_tables(client, {folder: (other, ["id"])})
+    assert tables.load_table(client, partition).sort_by("id").equals(ORDERS)
+    with pytest.raises(ShardNameNotFound):
+        tables.load_table(client, folder)
+    # A shard registered at the folder's name by another entry point (the CLI, a
+    # pipeline's config) is that shard alone; the partition _v1, never stored, is not it.
+    writer = client.open_writer(client.resolve(folder, create=True))
+    writer.compare_and_append([(b"k", b"v", 0, 1)], 0, 1)
+    writer.expire()
+    assert tables.load_table(client, folder).to_pylist() == [{"k": b"k", "v": b"v"}]
+    with pytest.raises(ShardNameNotFound):
+        tables.load_table(client, f"{folder}/_v1")
+    assert tables.load_table(client, partition).sort_by("id").equals(ORDERS)
+    # The partition keyed _partitions is a partition like any other, with generations.
+    keyed = tables.asset_shard_name(["sales", "orders"], "_partitions")
+    tables.store_table(client, keyed, ORDERS, ["id"])
+    assert tables.store_table(client, keyed, other.cast(pa.schema(
+        [("id", pa.int32()), ("val", pa.string())])), ["id"]).name == f"{keyed}/_v2"
+    assert tables.load_table(client, keyed).column("id").type == pa.int32()
+    assert tables.load_table(client, partition).sort_by("id").equals(ORDERS)
