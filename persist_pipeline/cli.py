@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--schema", help="make it a typed shard: a JSON schema (inline, or a "
                    ".json file), e.g. '{\"key\": {\"id\": \"int64\"}, \"value\": "
                    "{\"name\": \"string\"}}', or a Parquet file whose columns it takes "
-                   "(with --key)")
+                   "(with --key; its t and d columns, a rows file's times and diffs, are "
+                   "left out)")
     s.add_argument("--key", action="append", default=[], metavar="COLUMN",
                    help="with a Parquet --schema: a key column (repeat for several; "
                         "default: every column is the key)")
@@ -498,6 +499,10 @@ def _new_shard(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The columns of a typed rows file that hold each row's time and diff, not its data.
+_UPDATE_COLUMNS = ("t", "d")
+
+
 def _schema_arg(text: str, keys: list[str]) -> ShardSchema:
     """``new-shard --schema``: JSON (inline or a .json file), or a Parquet file's schema
     with ``--key`` columns (default: every column is a key)."""
@@ -511,12 +516,16 @@ def _schema_arg(text: str, keys: list[str]) -> ShardSchema:
             arrow = pq.read_schema(path).remove_metadata()
         except (pa.ArrowInvalid, OSError) as e:
             raise InvalidInput(f"--schema {text}: not a Parquet file ({e})") from None
-        unknown = [k for k in keys if k not in arrow.names]
+        # A file of a typed shard's rows (what `snapshot --out` writes, what `append`
+        # takes) carries its times and diffs as t and d: they are no columns of the shard.
+        columns = [f for f in arrow if f.name not in _UPDATE_COLUMNS]
+        names = [f.name for f in columns]
+        unknown = [k for k in keys if k not in names]
         if unknown:
-            raise InvalidInput(f"--key {unknown} are not columns of {text}: {arrow.names}")
-        key_names = keys or arrow.names
+            raise InvalidInput(f"--key {unknown} are not columns of {text}: {names}")
+        key_names = keys or names
         return ShardSchema([arrow.field(k) for k in key_names],
-                           [f for f in arrow if f.name not in key_names])
+                           [f for f in columns if f.name not in key_names])
     if keys:
         raise InvalidInput("--key goes with a Parquet --schema (a JSON schema names its "
                            "key columns itself)")

@@ -80,6 +80,28 @@ def test_new_shard_takes_a_parquet_files_schema_with_keys(
     assert code == 2 and "not columns" in err
 
 
+def test_new_shard_takes_the_schema_of_a_rows_file_without_its_times_and_diffs(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    # A typed shard's rows file (as snapshot --out writes and append takes) holds t and
+    # d besides the shard's columns: the schema made from it is the shard's own, and
+    # the same file then appends into it.
+    rows = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"sku": ["a", "b"], "qty": pa.array([1, 2], pa.int32()),
+                             "t": pa.array([0, 1], pa.int64()),
+                             "d": pa.array([1, 1], pa.int64())}), rows)
+    code, out, err = _run(env, capsys, "new-shard", "--name", "stock", "--schema", str(rows),
+                          "--key", "sku")
+    assert code == 0, err
+    with _client(tmp_path) as client:
+        schema = client.schema(out.strip())
+    assert schema is not None and schema.key.names == ["sku"]
+    assert schema.value.names == ["qty"]
+    code, out, err = _run(env, capsys, "append", "stock", str(rows))
+    assert code == 0 and json.loads(out)["updates"] == 2, err
+    code, _, err = _run(env, capsys, "new-shard", "--schema", str(rows), "--key", "t")
+    assert code == 2 and "not columns" in err
+
+
 @pytest.mark.parametrize("bad", ['{"key": {"id": "int65"}}', '{"value": {}}', "not json",
                                  '{"key": {"id": 5}}'])
 def test_bad_schemas_are_refused_and_create_nothing(env: list[str], tmp_path: Path,
