@@ -580,9 +580,11 @@ def _lookup(client: PersistClient, text: str, missing_ok: bool) -> ShardId | Non
         except InvalidShardName:
             raise not_an_id from None
         if found is None and not missing_ok:
-            raise InvalidShardId(f"{text!r} is neither a shard id ({not_an_id}) nor a "
-                                 "registered shard name (`persist-pipeline names` lists "
-                                 "them)") from None
+            # Not found, as an id of no shard and `resolve` of an unknown name are (exit
+            # 1): a well-formed name is no bad input, it may be registered a moment later.
+            raise ShardNameNotFound(f"{text!r} is neither a shard id ({not_an_id}) nor a "
+                                    "registered shard name (`persist-pipeline names` lists "
+                                    "them)") from None
         return found
 
 

@@ -101,8 +101,9 @@ def test_errors_are_one_line_without_traceback(env, tmp_path):
     assert out.returncode == 2
     assert "bad.csv: line 3" in out.stderr and "Traceback" not in out.stderr
     assert json.loads(cli(env, "inspect", shard).stdout)["upper"] == 0  # nothing written
+    # Neither an id nor a registered name: not found (exit 1), saying why it is no id.
     out = cli(env, "inspect", "s-nope")
-    assert out.returncode == 2 and "malformed shard id" in out.stderr
+    assert out.returncode == 1 and "malformed shard id" in out.stderr
     out = cli(env, "inspect", "s00000000-0000-4000-8000-000000000000")
     assert out.returncode == 1 and "ShardNotFound" in out.stderr
     out = cli({**env, "PERSIST_BLOB_URI": "ftp://x"}, "inspect", shard)
@@ -239,7 +240,7 @@ def test_create_with_a_name_registers_the_name_and_creates_the_shard(env, tmp_pa
     assert json.loads(cli(env, "names").stdout) == names
     assert json.loads(cli(env, "inspect", "new/shard").stdout)["upper"] == 2
     missing = cli(env, "append", "other/shard", str(rows))
-    assert missing.returncode == 2 and "other/shard" in missing.stderr
+    assert missing.returncode == 1 and "other/shard" in missing.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"k": "a", "v": "x"}\n')
     refused = cli(env, "append", "other/shard", str(bad), "--create")
