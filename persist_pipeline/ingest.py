@@ -320,7 +320,8 @@ def read_updates_file(path: Path | str, fmt: str | None = None, *,
         raise InvalidUpdates(f"{path}: not UTF-8 text (byte {e.start})") from None
 
 
-def _first_bad_csv_row(path: Path, types: dict[str, pa.DataType]) -> str | None:
+def _first_bad_csv_row(path: Path, types: dict[str, pa.DataType],
+                       named: Mapping[str, pa.DataType] | None = None) -> str | None:
     """Where a typed CSV read failed: ``"N: what"`` for the first row whose field count
     differs from the header's or whose cell does not convert to its column's type, or
     None if neither is found. Cells are converted by Arrow's cast of the text read
@@ -335,13 +336,13 @@ def _first_bad_csv_row(path: Path, types: dict[str, pa.DataType]) -> str | None:
                 quoted_strings_can_be_null=False))
         except pa.ArrowInvalid:
             return _ragged_csv_row(path)
-        return _first_bad_cell(path, text, types)
+        return _first_bad_cell(path, text, types, named or types)
     except (UnicodeDecodeError, csv.Error, OSError):
         return None  # Arrow's own message, then
 
 
-def _first_bad_cell(path: Path, text: pa.Table, types: dict[str, pa.DataType]
-                    ) -> str | None:
+def _first_bad_cell(path: Path, text: pa.Table, types: dict[str, pa.DataType],
+                    named: Mapping[str, pa.DataType]) -> str | None:
     first: tuple[int, str, str] | None = None  # (row, column, value)
     for name in text.column_names:
         if name not in types:
@@ -356,7 +357,7 @@ def _first_bad_cell(path: Path, text: pa.Table, types: dict[str, pa.DataType]
     line = _csv_line_of_row(path, row)
     if line is None:
         return None
-    return f"{line}: column {name} must be {types[name]}, got {value[:40]!r}"
+    return f"{line}: column {name} must be {named[name]}, got {value[:40]!r}"
 
 
 def _first_uncastable(column: pa.ChunkedArray, type_: pa.DataType) -> int | None:
@@ -574,6 +575,9 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
     types = {f.name: replace_leaf_types(f.type, _wide_float) if kind != "parquet" else f.type
              for f in [*schema.key, *schema.value]}
     types.update({"t": pa.int64(), "d": pa.int64()})
+    # What an error names: the schema's types, not the wider ones text is parsed as.
+    declared = {f.name: f.type for f in [*schema.key, *schema.value]}
+    declared.update({"t": pa.int64(), "d": pa.int64()})
     nested = [name for name in _csv_header(path) if name in types
               and pa.types.is_nested(types[name])] if kind == "csv" else []
     if nested:
@@ -622,9 +626,10 @@ def read_typed_file(path: Path | str, schema: ShardSchema, fmt: str | None = Non
         # error names its line as for untyped files.
         located = None
         if kind == "csv" and isinstance(e, pa.ArrowInvalid):
-            located = _first_bad_csv_row(path, types)
+            located = _first_bad_csv_row(path, types, declared)
         elif kind == "jsonl" and isinstance(e, pa.ArrowInvalid):
-            located = _first_bad_json_line(path, read_as, explicit)
+            located = _first_bad_json_line(path, read_as, pa.schema(
+                [f.with_type(declared[f.name]) for f in explicit]))
         if located is not None:
             raise InvalidUpdates(f"{path}: line {located}") from None
         raise InvalidUpdates(f"{path}: cannot read it as rows of {schema!r}: {e}") from None

@@ -144,6 +144,22 @@ def test_a_bad_typed_json_line_is_reported_with_its_line(tmp_path: Path) -> None
         read_typed_file(wrong, schema)
 
 
+@pytest.mark.parametrize("suffix", ["csv", "jsonl"])
+def test_a_bad_narrow_float_cell_names_the_schemas_type(tmp_path: Path, suffix: str) -> None:
+    """A float32 column's text is parsed as float64 (so a value out of float32's range
+    is refused, not stored as infinity), but a cell that is no number is reported
+    against the schema's type: the user declared float, never double."""
+    from persist_pipeline.schema import ShardSchema
+
+    schema = ShardSchema([("id", pa.int64())], [("x", pa.float32()), ("n", pa.int32())])
+    bad = tmp_path / f"narrow.{suffix}"
+    bad.write_text("id,x,n,t\n1,1.5,2,0\n2,abc,3,0\n" if suffix == "csv" else
+                   '{"id": 1, "x": 1.5, "n": 2, "t": 0}\n{"id": 2, "x": "abc", "n": 3, "t": 0}\n')
+    line = 3 if suffix == "csv" else 2  # a CSV file's first line is its header
+    with pytest.raises(InvalidUpdates, match=rf"line {line}: column x must be float, got "):
+        read_typed_file(bad, schema)
+
+
 def test_a_csv_with_a_byte_order_mark_reads_like_one_without(tmp_path: Path) -> None:
     """Excel writes UTF-8 CSV with a BOM: the header's first name is k, not '\\ufeffk'."""
     path = tmp_path / "excel.csv"
