@@ -98,6 +98,13 @@ class UpperMismatch(PersistError):
         return (type(self), (self.expected, self.current, self.shard), self.__dict__)
 
 
+class Contended(PersistError):
+    """Concurrent writers kept changing what an operation builds on (a table's newest
+    generation, its schema) and it gave up after a bounded number of attempts. Transient:
+    retry it later. What it wrote before giving up went where no load reads (an older
+    generation), so loads return what they did before."""
+
+
 class ShardNotFound(PersistError, LookupError):
     """No shard with this id exists in the consensus store."""
 

@@ -63,13 +63,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from persist_pipeline.exceptions import (
+    Contended,
     CorruptPart,
     InvalidFrontier,
     InvalidInput,
     InvalidUpdates,
     NotATable,
     NotYetAvailable,
-    PersistError,
     SchemaMismatch,
     ShardNameNotFound,
     ShardNotFound,
@@ -222,6 +222,8 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
         InvalidFrontier: the table's newest generation is closed (for good).
         NotATable: the table does not fit the shard ``name`` names, and no table store
             wrote that shard (ingestion's, the CLI's): no generation follows it.
+        Contended: other stores kept starting newer generations (or changing their
+            schemas) for ``MAX_GENERATION_ATTEMPTS`` attempts; store it again.
     """
     check_table_name(name)
     table = _arrow_table(name, table)
@@ -248,8 +250,8 @@ def store_table(client: PersistClient, name: str, table: pa.Table,
         names = client.shard_names()
         if not _superseded(name, gen_name, names):
             return stored
-    raise PersistError(f"{name}: newer generations kept starting while this table was "
-                       f"stored ({MAX_GENERATION_ATTEMPTS} attempts)")
+    raise Contended(f"{name}: newer generations kept starting while this table was "
+                    f"stored ({MAX_GENERATION_ATTEMPTS} attempts)")
 
 
 def store_tables(client: PersistClient,
@@ -312,8 +314,8 @@ def store_tables(client: PersistClient,
                    for name, (gen_name, _, _) in where.items()):
             return {name: Stored(results[str(shard)], gen_name, shard, reason)
                     for name, (gen_name, shard, reason) in where.items()}
-    raise PersistError(f"{sorted(tables)}: newer generations kept starting while these "
-                       f"tables were stored ({MAX_GENERATION_ATTEMPTS} attempts)")
+    raise Contended(f"{sorted(tables)}: newer generations kept starting while these "
+                    f"tables were stored ({MAX_GENERATION_ATTEMPTS} attempts)")
 
 
 def _typed_nulls(client: PersistClient, name: str, names: Mapping[str, ShardId],
@@ -453,8 +455,8 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
             generation += 1
             continue
         return writer, gen_name, shard, reason
-    raise PersistError(f"{name}: could not settle on a generation for this table's schema "
-                       f"in {MAX_GENERATION_ATTEMPTS} attempts (its schema keeps changing)")
+    raise Contended(f"{name}: could not settle on a generation for this table's schema "
+                    f"in {MAX_GENERATION_ATTEMPTS} attempts (its schema keeps changing)")
 
 
 def _refuse_foreign_newest(client: PersistClient, name: str,

@@ -13,7 +13,7 @@ import pytest
 
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, tables
 from persist_pipeline.consensus import open_consensus
-from persist_pipeline.exceptions import CommitDeadlineExceeded
+from persist_pipeline.exceptions import CommitDeadlineExceeded, Contended
 from persist_pipeline.frontier import MAX_TIME
 from tests.fixtures.location import Location
 from tests.helpers import BeforeNextCas, HandClock, client_on_clock
@@ -126,6 +126,35 @@ def test_a_store_committing_after_a_concurrent_evolution_loads_exactly(
         latest = tables.load_table(client, "t")
         assert latest.schema.names == narrow.schema.names, latest
         assert latest.equals(narrow)
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["store_table", "store_tables"])
+def test_a_store_outrun_by_newer_generations_every_time_gives_up_with_contended(
+        tmp_path: Path, many: bool) -> None:
+    """Another process starts a newer generation (a table keyed otherwise) right after
+    each of this store's writers opens, so every attempt lands in a generation no load
+    reads: after MAX_GENERATION_ATTEMPTS the store gives up with the typed, retryable
+    Contended, and loads return the other process's table, never this one."""
+    with _client(tmp_path) as client, _client(tmp_path) as other:
+        tables.store_table(client, "t", V1, ["id"])
+        keys = [["name"], ["id", "name"]]
+        original = client._open_table_writer
+        stored = []
+
+        def opened(*args: Any, **kwargs: Any) -> Any:
+            handle = original(*args, **kwargs)
+            # Keyed unlike this store and unlike the newest: a generation of its own.
+            stored.append(tables.store_table(other, "t", V2, keys[len(stored) % 2]))
+            return handle
+
+        client._open_table_writer = opened  # type: ignore[method-assign]
+        with pytest.raises(Contended, match="newer generations kept starting"):
+            if many:
+                tables.store_tables(client, {"t": (V1.slice(1), ["id"])})
+            else:
+                tables.store_table(client, "t", V1.slice(1), ["id"])
+        assert len(stored) == tables.MAX_GENERATION_ATTEMPTS
+        assert tables.load_table(client, "t").sort_by("id").equals(V2.sort_by("id"))
 
 
 def _evolution_refused_for_its_deadline(location: Location) -> PersistClient:
