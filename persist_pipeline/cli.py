@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the upper the shard must have (default: its current upper)")
     s.add_argument("--new-upper", type=_frontier, default=_UNSET,
                    help="new upper time, or 'closed' (default: one past the file's "
-                        "largest time)")
+                        "largest time and at least one past the expected upper, so a "
+                        "file without rows still advances the shard by one time)")
     s.add_argument("--create", action="store_true",
                    help="create the shard if it does not exist, registering the name "
                         "if SHARD is one (else a mistyped id or name is an error)")

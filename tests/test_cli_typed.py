@@ -65,6 +65,20 @@ def test_new_shard_with_a_json_schema_then_appends_at_the_current_upper(
     assert any(r["at"] == "2026-11-25T10:00:00+00:00" for r in plan["inline"])
 
 
+def test_appending_a_file_without_rows_advances_the_upper_by_one(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    # As --help says: the default new upper is at least one past the expected one, so a
+    # header-only export (nothing happened in that interval) still marks progress.
+    shard = _id_name_shard(env, capsys)
+    empty = tmp_path / "empty.csv"
+    empty.write_text("id,name,t\n")
+    code, out, err = _run(env, capsys, "append", shard, str(empty))
+    assert code == 0, err
+    assert json.loads(out)["upper"] == 1 and json.loads(out)["updates"] == 0
+    code, out, err = _run(env, capsys, "append", shard, str(empty))
+    assert code == 0 and json.loads(out)["upper"] == 2, err
+
+
 def test_new_shard_takes_a_parquet_files_schema_with_keys(
         env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     sample = tmp_path / "sample.parquet"
