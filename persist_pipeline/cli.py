@@ -138,10 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "if SHARD is one (else a mistyped id or name is an error)")
     s.add_argument("--format", choices=["parquet", "csv", "jsonl"],
                    help="file format (default: from the extension)")
-    s = sub.add_parser("snapshot", help="write the collection at --as-of")
+    s = sub.add_parser("snapshot", help="write the collection at --as-of (default: latest)")
     s.add_argument("shard")
-    s.add_argument("--as-of", type=_as_of, required=True,
-                   help="a time, or 'latest' (the latest complete time: upper - 1)")
+    s.add_argument("--as-of", type=_as_of, default="latest",
+                   help="a time, or 'latest' (default: the latest complete time, upper - 1)")
     s.add_argument("--out", type=Path, help="output .parquet or .csv (default: stdout, CSV; "
                                             "k and v as text, or hex where not UTF-8)")
     s = sub.add_parser("plan", help="print the read plan at --as-of as JSON: the live "
@@ -580,6 +580,8 @@ def _lookup(client: PersistClient, text: str, missing_ok: bool) -> ShardId | Non
             found = client.name_registry.lookup(text)
         except InvalidShardName:
             raise not_an_id from None
+        if found is not None:
+            _note_newer_generation(client, text)
         if found is None and not missing_ok:
             # Not found, as an id of no shard and `resolve` of an unknown name are (exit
             # 1): a well-formed name is no bad input, it may be registered a moment later.
@@ -587,6 +589,20 @@ def _lookup(client: PersistClient, text: str, missing_ok: bool) -> ShardId | Non
                                     "registered shard name (`persist-pipeline names` lists "
                                     "them)") from None
         return found
+
+
+def _note_newer_generation(client: PersistClient, name: str) -> None:
+    """Say on stderr when ``name`` is a table whose newest generation is another shard:
+    a name names one shard for good, so the command reads (or writes) the generation
+    the name itself names, which table loads no longer read."""
+    from persist_pipeline.tables import generation_name, generations
+
+    found = generations(name, client.shard_names())
+    if found and found[-1] != 1:
+        newest = generation_name(name, found[-1])
+        print(f"persist-pipeline: note: {name!r} is a table whose newest generation is "
+              f"{newest!r} (a schema change started it; table loads read that one); this "
+              f"command uses the shard named {name!r} itself", file=sys.stderr)
 
 
 def _simulate(args: argparse.Namespace) -> int:

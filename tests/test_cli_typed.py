@@ -79,6 +79,25 @@ def test_appending_a_file_without_rows_advances_the_upper_by_one(
     assert code == 0 and json.loads(out)["upper"] == 2, err
 
 
+def test_a_tables_old_generation_is_read_by_its_name_with_a_note_and_latest_by_default(
+        env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    from persist_pipeline import tables
+
+    with _client(tmp_path) as client:
+        tables.store_table(client, "sales", pa.table({"id": [1], "amt": [1.5]}), ["id"])
+        # Another type for amt: a new generation, sales/_v2, which loads read.
+        tables.store_table(client, "sales", pa.table({"id": [2], "amt": ["x"]}), ["id"])
+    code, out, err = _run(env, capsys, "snapshot", "sales")  # --as-of latest by default
+    assert code == 0, err
+    assert out.splitlines()[1:] == ["1,1.5,0,1"]  # the first generation, as named
+    assert "newest generation is 'sales/_v2'" in err
+    code, out, err = _run(env, capsys, "snapshot", "sales/_v2")
+    assert code == 0 and err == "", err
+    assert out.splitlines()[1:] == ['2,"x",0,1']
+    code, out, err = _run(env, capsys, "inspect", "sales")
+    assert code == 0 and json.loads(out)["upper"] == 1 and "sales/_v2" in err
+
+
 def test_new_shard_takes_a_parquet_files_schema_with_keys(
         env: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     sample = tmp_path / "sample.parquet"
