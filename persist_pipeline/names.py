@@ -132,6 +132,14 @@ def _decode(key: str, payload: bytes) -> ShardId:
                            f"{payload[:60]!r}") from None
 
 
+def name_record(name: str, shard: ShardId) -> tuple[str, VersionedData]:
+    """The consensus key of ``name`` and the one record registering it for ``shard``
+    (its first and only record: names never change). What every registration writes,
+    alone (:meth:`NameRegistry.register`) or in a transaction's commit."""
+    payload = str(shard).encode("ascii")
+    return registry_key(name), VersionedData(1, payload, payload)
+
+
 class NameRegistry:
     """The name registry of one consensus store. Thread-safe.
 
@@ -192,9 +200,7 @@ class NameRegistry:
         """
         check_name(name)
         proposed = ShardId.parse(shard)
-        key = registry_key(name)
-        payload = str(proposed).encode("ascii")
-        record = VersionedData(1, payload, payload)
+        key, record = name_record(name, proposed)
         backoff = Backoff(self.deadline_s, f"registering shard name {name!r}", self.clock)
         while True:
             try:

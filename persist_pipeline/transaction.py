@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from persist_pipeline import write as write_module
+from persist_pipeline.consensus.base import CasWrite
 from persist_pipeline.exceptions import (
     CorruptPart,
     CorruptState,
@@ -36,8 +37,8 @@ from persist_pipeline.exceptions import (
 from persist_pipeline.frontier import Frontier, less_than
 from persist_pipeline.ids import ShardId, check_token, new_token
 from persist_pipeline.internal import history, transitions
-from persist_pipeline.internal.machine import Step, apply_many
-from persist_pipeline.names import refuse_new_generation_name
+from persist_pipeline.internal.machine import RecordTaken, Step, apply_many
+from persist_pipeline.names import name_record, refuse_new_generation_name, registry_key
 from persist_pipeline.updates import Updates
 from persist_pipeline.write import (
     _MISSING_PART_RETRIES,
@@ -144,8 +145,8 @@ class Transaction:
         at commit; it then advances to ``new_upper``. Arguments and validation are those
         of :meth:`WriteHandle.compare_and_append`; bad input raises here and leaves the
         transaction as it was (a name given for a shard that does not exist yet is
-        registered as the last step before the commit: an abort leaves no name behind,
-        a commit then refused leaves it registered, as names are never deleted; an
+        registered in the commit's own compare-and-set: an abort, or a commit refused,
+        leaves no name behind; an
         ``expected_upper`` other than 0, the upper its new shard starts at, is refused
         here with ``UpperMismatch``).
         ``idempotency_token`` names the shard's batch, so a
@@ -333,6 +334,10 @@ class Transaction:
     def _commit(self) -> dict[str, WriteResult]:
         ops = list(self._ops.values())
         clock = self._client.clock
+        registry = self._client.name_registry
+        created = [CasWrite(key, None, record) for key, record in (
+            name_record(name, ShardId.parse(shard_id))
+            for name, shard_id in self._new_names.items())]
         deadline = clock.monotonic() + self._client.config.retry_deadline_s
         try:
             for attempt in itertools.count():
@@ -344,16 +349,17 @@ class Transaction:
                 self._stage_all(live, ops)
                 if not live:
                     return self._results(ops)
-                if not attempt:
-                    # The last step before the first commit, as a Spark write's: a
-                    # transaction refused earlier (or aborted) leaves no name behind.
-                    self._register_new_names()
                 staged = [op.staged for op in live if op.staged is not None]
                 steps = [Step(s.handle._machine, s.handle._transition(s)) for s in staged]
                 try:
-                    applied = apply_many(steps, proves_done=write_module.already_appended)
+                    # New names are created in the same compare-and-set as the appends:
+                    # registered exactly when the transaction commits.
+                    applied = apply_many(steps, proves_done=write_module.already_appended,
+                                         created=created)
                     committed, results = applied.committed, applied.results
                     states = applied.states
+                except RecordTaken as e:
+                    raise self._name_taken(e.key) from None
                 except Indeterminate as e:
                     # Every shard or none has its batch: any one found in its shard's
                     # kept history tells the transaction committed.
@@ -364,6 +370,8 @@ class Transaction:
                     if self._retry_refused(live, results, clock.monotonic() < deadline):
                         continue
                     _raise_refusal(staged, results, states)
+                for name, shard_id in self._new_names.items():
+                    registry._remember(name, ShardId.parse(shard_id))
                 for op, s, result, state in zip(live, staged, results, states, strict=True):
                     op.result = s.handle._finish(s, result, state)
                     if op.contents is not None and op.result is not None:
@@ -396,24 +404,18 @@ class Transaction:
                 op.data = handle._coerce(op.data)
                 op.writer = handle
 
-    def _register_new_names(self) -> None:
-        """Register each new name of the transaction for the shard its append was staged
-        for.
-
-        Raises:
-            UpperMismatch: another client registered one of the names for another shard
-                since it was added (``.shard`` is the name, ``.current`` that shard's
-                upper); nothing is committed (names registered before it stay).
-        """
-        for name, shard_id in self._new_names.items():
-            registered = str(self._client.register_name(name, shard_id))
-            if registered == shard_id:
-                continue
-            try:
-                current: Frontier = self._client._machine(registered).fetch_latest().upper
-            except ShardNotFound:
-                current = 0  # registered, not written yet
-            raise UpperMismatch(self._ops[shard_id].expected, current, shard=name)
+    def _name_taken(self, key: str) -> UpperMismatch:
+        """The refusal of a commit that another client's registration of one of its new
+        names (consensus key ``key``) beat: ``.shard`` is the name, ``.current`` the upper
+        of the shard registered under it. Nothing of the transaction landed."""
+        name = next(n for n in self._new_names if registry_key(n) == key)
+        registered = self._client.name_registry.lookup(name)
+        assert registered is not None  # names are never deleted
+        try:
+            current: Frontier = self._client._machine(registered).fetch_latest().upper
+        except ShardNotFound:
+            current = 0  # registered, not written yet
+        return UpperMismatch(self._ops[self._new_names[name]].expected, current, shard=name)
 
     @staticmethod
     def _stage_all(live: list[_Op], ops: list[_Op]) -> None:

@@ -971,14 +971,46 @@ def test_compare_and_set_many_at_every_width(store: Consensus, width: int) -> No
     assert all(store.head(s_) == vd(2, s_) for s_ in shards[:-1])
 
 
+@pytest.mark.parametrize("width", [2, 9])
+def test_compare_and_set_many_creates_a_shard_with_the_others_or_not_at_all(
+        store: Consensus, width: int) -> None:
+    """A write expecting no record (None) creates its shard in the same all-or-nothing
+    commit (a transaction registering a name with its appends): it loses, with every
+    other write, when the shard has a record already, and a lost commit lists nothing.
+    Both PostgreSQL statement forms (fixed width up to 8, arrays beyond) are covered."""
+    shards = [f"w{i:02d}" for i in range(width - 1)]
+    for shard in shards:
+        fill(store, shard, 1, shard)
+    # A stale head elsewhere: nothing is written, the new shard is neither created nor
+    # listed.
+    stale = [CasWrite(s_, 2, vd(3, "x")) for s_ in shards] + [CasWrite("new", None, vd(1, "n"))]
+    assert store.compare_and_set_many(stale) is False
+    assert store.head("new") is None and "new" not in store.list_shards()
+    assert "new" not in store.list_heads()
+    writes = [CasWrite(s_, 1, vd(2, s_)) for s_ in shards] + [CasWrite("new", None, vd(1, "n"))]
+    assert store.compare_and_set_many(writes) is True
+    assert store.head("new") == vd(1, "n") and all(store.head(s_) == vd(2, s_) for s_ in shards)
+    assert "new" in store.list_shards() and store.list_heads()["new"].seqno == 1
+    # Created already (by that commit, or a competitor's): a second creation loses as a
+    # whole, so the other shards do not move either.
+    again = [CasWrite(s_, 2, vd(3, "y")) for s_ in shards] + [CasWrite("new", None, vd(1, "m"))]
+    assert store.compare_and_set_many(again) is False
+    assert store.head("new") == vd(1, "n") and all(store.head(s_) == vd(2, s_) for s_ in shards)
+    # A shard truncated down to its head still has a record: never created again.
+    assert store.compare_and_set("new", 1, vd(2, "n2"))
+    store.truncate("new", 2)
+    assert store.compare_and_set_many([CasWrite("new", None, vd(1, "z"))]) is False
+    assert store.scan("new", 0) == [vd(2, "n2")]
+
+
 MANY_INVALID: list[tuple[str, Callable[[Consensus], object]]] = [
     ("empty", lambda s: s.compare_and_set_many([])),
     ("not-a-sequence", lambda s: s.compare_and_set_many(cast(Any, {"a": 1}))),
     ("not-a-caswrite", lambda s: s.compare_and_set_many(cast(Any, [("a", 1, vd(2))]))),
     ("same-shard-twice", lambda s: s.compare_and_set_many([CasWrite("a", 1, vd(2)),
                                                            CasWrite("a", 1, vd(2, "x"))])),
-    ("creation", lambda s: s.compare_and_set_many(cast(Any, [CasWrite("new", None, vd(1)),
-                                                             CasWrite("a", 1, vd(2))]))),
+    ("creation-not-at-1", lambda s: s.compare_and_set_many([CasWrite("new", None, vd(2)),
+                                                            CasWrite("a", 1, vd(2))])),
     ("wrong-seqno", lambda s: s.compare_and_set_many([CasWrite("a", 1, vd(3))])),
 ]
 

@@ -69,7 +69,8 @@ def check_cas(expected: object, new: object) -> None:
 
 def check_cas_many(writes: object) -> list[CasWrite]:
     """Checks the argument of ``compare_and_set_many``: a non-empty sequence of
-    :class:`CasWrite` to distinct, existing shards (``expected >= 1``); returns it sorted
+    :class:`CasWrite` to distinct shards (``expected >= 1``, or None for a shard's first
+    record); returns it sorted
     by shard, the order every backend takes locks in, so two overlapping multi-shard
     commits never wait for each other in a cycle."""
     if not isinstance(writes, Sequence) or isinstance(writes, str | bytes):
@@ -84,6 +85,7 @@ def check_cas_many(writes: object) -> list[CasWrite]:
         if write.shard in seen:
             raise InvalidInput(f"shard {write.shard!r} appears twice in one multi-shard commit")
         seen.add(write.shard)
-        check_int(write.expected, "expected", 1)
+        if write.expected is not None:
+            check_int(write.expected, "expected", 1)
         check_cas(write.expected, write.new)
     return sorted(writes, key=lambda w: w.shard)

@@ -171,10 +171,11 @@ def multi_cas(n: int) -> ClauseElement:
         for i in range(n)
     ]
     new = (rows[0] if n == 1 else union_all(*rows)).subquery("new")
+    # NULL-safe: an expected NULL matches a shard without records (its creation).
     heads_match = and_(
         *(
-            _head_seqno_of(bindparam(f"shard_{i}", type_=Text))
-            == bindparam(f"expected_{i}", type_=BigInteger)
+            _head_seqno_of(bindparam(f"shard_{i}", type_=Text)).is_not_distinct_from(
+                bindparam(f"expected_{i}", type_=BigInteger))
             for i in range(n)
         )
     )

@@ -30,10 +30,11 @@ class VersionedData:
 @dataclass(frozen=True, slots=True)
 class CasWrite:
     """One shard's part of :meth:`Consensus.compare_and_set_many`: append ``new`` iff
-    the shard's head seqno is ``expected``."""
+    the shard's head seqno is ``expected`` (None: the shard has no record yet, and
+    ``new`` is its first, seqno 1)."""
 
     shard: str
-    expected: int
+    expected: int | None
     new: VersionedData
 
 
@@ -66,12 +67,13 @@ class Consensus(ABC):
 
         All or nothing, in one round trip: either every record is written or none is,
         and a reader of any of the shards sees either all of them or none. The shards
-        must exist (``expected >= 1``) and be distinct, else
-        :class:`~persist_pipeline.exceptions.InvalidInput` is raised. Returns False
-        (writing nothing) if any head did not match. A
+        must be distinct, else :class:`~persist_pipeline.exceptions.InvalidInput` is
+        raised; a write with ``expected`` None creates its shard (its first record,
+        seqno 1), only if the shard has no record at all, as :meth:`compare_and_set`
+        does. Returns False (writing nothing) if any head did not match. A
         :class:`~persist_pipeline.exceptions.ConsensusUnavailable` means the outcome is
-        unknown, as for :meth:`compare_and_set`; the record at ``expected + 1`` of any
-        one shard settles it for all of them.
+        unknown, as for :meth:`compare_and_set`; the record at ``expected + 1`` (1 for
+        a created shard) of any one shard settles it for all of them.
         """
 
     @abstractmethod

@@ -90,10 +90,10 @@ class MemoryConsensus(Consensus):
         with self._store.lock:
             for write in ordered:
                 records = self._records(write.shard)
-                if not records or records[-1].seqno != write.expected:
+                if (records[-1].seqno if records else None) != write.expected:
                     return False
             for write in ordered:
-                self._store.shards[write.shard].append(write.new)
+                self._store.shards.setdefault(write.shard, []).append(write.new)
             return True
 
     def scan(self, shard: str, from_seqno: int, limit: int | None = None) -> list[VersionedData]:

@@ -674,6 +674,13 @@ class SqlConsensus(Consensus):
                 params.update({f"shard_{i}": write.shard, f"seqno_{i}": write.new.seqno,
                                f"data_{i}": write.new.data, f"summary_{i}": write.new.summary,
                                f"expected_{i}": write.expected})
+        for write in ordered:
+            if write.expected is None:
+                # Listed before its first record, as compare_and_set registers a created
+                # shard: harmless if the statement then inserts nothing (listings show
+                # only shards with records), and it needs no second round trip otherwise.
+                self._run("compare_and_set_many", "register", {"shard": write.shard},
+                          _rowcount)
         try:
             inserted = self._run("compare_and_set_many", statement, params, _rowcount)
         except _LostRace:

@@ -298,13 +298,15 @@ class Machine:
             attempt.resolution = "unknown"
             pending = False
             for write in attempt.writes:
-                following = self.consensus.scan(write.shard, write.expected + 1, limit=1)
+                # A record the attempt created (expected None) is its shard's first.
+                at = 1 if write.expected is None else write.expected + 1
+                following = self.consensus.scan(write.shard, at, limit=1)
                 if not following:
                     # Nothing at S+1 yet: it may still land, unless another shard's
                     # record shows the one statement cannot (it needed every head).
                     pending = True
                     continue
-                if following[0].seqno != write.expected + 1:
+                if following[0].seqno != at:
                     continue  # GC truncated the record that would tell: ask the next shard
                 attempt.resolution = "committed" if following[0].data == write.new.data \
                     else "lost"
@@ -352,6 +354,19 @@ class _RollupMissing(PersistError):
     """The rollup the head names is gone (GC may have replaced it): re-read the head."""
 
 
+class RecordTaken(PersistError):
+    """A record :func:`apply_many` was to create (``created``) was created by another
+    commit first: nothing of this commit landed, and it never can.
+
+    Attributes:
+        key: the consensus key of the record (a shard id, a name record's key).
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"the record {key!r} was created by another commit first")
+        self.key = key
+
+
 def _require_settled(lead: Machine, attempts: list[_Attempt[R]]) -> None:
     """Refuse to give a negative answer while a lost-reply attempt may have committed."""
     if any(a.resolution == "pending" for a in attempts):
@@ -360,14 +375,15 @@ def _require_settled(lead: Machine, attempts: list[_Attempt[R]]) -> None:
         lead._resolve(attempts)
     open_attempts = [a for a in attempts if a.resolution != "lost"]
     if open_attempts:
-        where = "; ".join(", ".join(f"shard {w.shard} seqno {w.expected + 1}" for w in a.writes)
+        where = "; ".join(", ".join(f"shard {w.shard} seqno {w.new.seqno}" for w in a.writes)
                           for a in open_attempts)
         raise UnsettledCommit(f"a commit whose reply was lost may or may not have landed at "
                               f"{where}; read the shard to find out")
 
 
 def apply_many(steps: Sequence[Step[R]], *, routine: bool = True,
-               proves_done: Callable[[R], bool] | None = None) -> Applied[R]:
+               proves_done: Callable[[R], bool] | None = None,
+               created: Sequence[CasWrite] = ()) -> Applied[R]:
     """Run each step's transition against its shard's latest state and commit all of
     them atomically: the one compare-and-set loop of the library (one step is
     :meth:`Machine.apply`; several are a multi-shard transaction, committed with
@@ -379,15 +395,20 @@ def apply_many(steps: Sequence[Step[R]], *, routine: bool = True,
     state fetched from consensus during this call, and only given once every lost reply
     is settled. A lost reply over several shards is settled by any one of them.
 
+    ``created``: records (``expected`` None: keys without any record, such as a name's)
+    created in the same compare-and-set as the steps' states, so they exist exactly
+    when the commit landed.
+
     Raises:
         Indeterminate: a CaS reply was lost and whether it committed cannot be told,
             or consensus stayed unavailable past the retry deadline.
+        RecordTaken: another commit created one of ``created`` first; nothing landed.
     """
     if not steps:
         raise ValueError("apply_many needs at least one step")
     if len(steps) == 1:
         with steps[0].machine._lock:
-            return _apply_locked(steps, routine, proves_done)
+            return _apply_locked(steps, routine, proves_done, created)
     # Taken in shard order and released in reverse, written out rather than through a
     # context manager (a generator per commit).
     taken: list[LockLike] = []
@@ -396,7 +417,7 @@ def apply_many(steps: Sequence[Step[R]], *, routine: bool = True,
             lock = s.machine._lock
             lock.__enter__()
             taken.append(lock)
-        return _apply_locked(steps, routine, proves_done)
+        return _apply_locked(steps, routine, proves_done, created)
     finally:
         for lock in reversed(taken):
             lock.__exit__(None, None, None)
@@ -411,7 +432,8 @@ def _refresh_all(machines: list[Machine]) -> list[State]:
 
 
 def _apply_locked(steps: Sequence[Step[R]], routine: bool,
-                  proves_done: Callable[[R], bool] | None) -> Applied[R]:
+                  proves_done: Callable[[R], bool] | None,
+                  created: Sequence[CasWrite] = ()) -> Applied[R]:
     """:func:`apply_many` once every step's machine lock is held."""
     # Plain loops rather than comprehensions below: each comprehension is a function
     # call of its own, and this loop runs in every commit.
@@ -465,6 +487,8 @@ def _apply_locked(steps: Sequence[Step[R]], routine: bool,
             news.append(new)
             writes.append(CasWrite(m.shard_id, state.seqno, VersionedData(
                 new.seqno, state_codec.encode_diff(state, new), state_codec.encode_summary(new))))
+        if created:
+            writes.extend(created)
         lead.metrics.cas_attempts += 1
         try:
             if len(writes) == 1:
@@ -493,6 +517,12 @@ def _apply_locked(steps: Sequence[Step[R]], routine: bool,
             for m, new, latest in zip(machines, landed.news, states, strict=True):
                 m._committed(new, routine, latest=latest)
             return Applied(True, landed.results, landed.news)
+        for write in created:
+            # Records are never created twice: once another commit created one, this
+            # commit can never land (its earlier attempts, if any, settled first).
+            if lead.consensus.head(write.shard) is not None:
+                _require_settled(lead, attempts)
+                raise RecordTaken(write.shard)
         if lost_reply is not None:
             if backoff is None:
                 backoff = lead._backoff(started_s)

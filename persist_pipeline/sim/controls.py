@@ -554,6 +554,23 @@ def transaction_creates_shards_on_add() -> Iterator[None]:
 
 
 @contextmanager
+def names_registered_before_commit() -> Iterator[None]:
+    """A transaction's new names are registered by compare-and-sets of their own just
+    before the transaction's: a commit then refused leaves its names registered."""
+    from persist_pipeline import transaction
+
+    original = machine.apply_many
+
+    def registering_first(steps: Any, **kwargs: Any) -> Any:
+        for record in kwargs.pop("created", ()):
+            steps[0].machine.consensus.compare_and_set(record.shard, None, record.new)
+        return original(steps, **kwargs)
+
+    with _patched(transaction, "apply_many", registering_first):
+        yield
+
+
+@contextmanager
 def wal_parts_stay() -> Iterator[None]:
     """A Spine entry holding WAL parts is pending only for several batches or inline
     parts: a WAL batch the Spine never fuses with another stays in the WAL store for
@@ -604,4 +621,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "transaction_names_on_add": transaction_names_on_add,
     "transaction_creates_shards_on_add": transaction_creates_shards_on_add,
     "wal_parts_stay": wal_parts_stay,
+    "names_registered_before_commit": names_registered_before_commit,
 }

@@ -92,6 +92,9 @@ class Profile:
     #: pending and then finds no part left in the WAL store (it holds fresh write parts
     #: only: compaction moves them all to the main store).
     final_wal_flush: bool = True
+    #: Transactors now and then commit a transaction that also creates a name (at a
+    #: stale upper of the other shard now and then, so the commit refuses it).
+    naming_commits: bool = False
 
 
 PROFILES: dict[str, Profile] = {
@@ -159,6 +162,12 @@ PROFILES: dict[str, Profile] = {
     # part cache to hide a deleted part.
     "plans": Profile({"writer": (2, 3), "plan_reader": (1, 2), "reader": (0, 1),
                       "compactor": (1, 1), "gc": (2, 2)}, part_cache=False),
+    # Transactions that create a name beside their append to a shard others write too,
+    # refused by stale uppers, with lost replies and pauses at the commit: each name is
+    # registered exactly when its transaction landed.
+    "naming": Profile({"transactor": (2, 3), "compactor": (1, 1), "gc": (1, 2)},
+                      nemesis=Nemesis(pause_at_cas=0.1, pause_then_lose=0.1),
+                      naming_commits=True),
 }
 
 #: The profiles seeds take in turn (``profile_for``). A profile added later is left out

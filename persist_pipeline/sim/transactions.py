@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 TXN_PREFIX = b"txn/"
 #: Grouped writers' rows' keys start with this.
 GROUPED_PREFIX = b"grp/"
+#: The first shard's rows of transactions that also create a name start with this.
+NAMED_PREFIX = b"named/"
 
 
 @dataclass
@@ -69,6 +71,8 @@ class TxnLedger:
     count: int = 0
     #: Grouped writers' appends: (shard, entry).
     singles: list[tuple[str, Txn]] = field(default_factory=list)
+    #: Transactions that created a name: (name, entry).
+    named: list[tuple[str, Txn]] = field(default_factory=list)
 
 
 def _ledger(run: SimRun) -> TxnLedger:
@@ -140,6 +144,61 @@ def _abort_naming(run: SimRun, client: PersistClient, ledger: TxnLedger,
     if created:
         run.violation(f"an aborted transaction left the shard {fresh} it made for "
                       f"{name!r} behind")
+
+
+def _commit_naming(run: SimRun, client: PersistClient, ledger: TxnLedger,
+                   writers: list[WriteHandle]) -> None:
+    """A transaction appending to the pair's first shard (at an upper now and then
+    stale) and to a name no shard has: the name must be registered exactly when the
+    transaction landed, never by a commit that was refused (names are never deleted)."""
+    pair = ledger.pair
+    assert pair is not None
+    stale = run.rng.random() < 0.4
+    upper = writers[0].upper if stale else run.monitors.get(pair[0]).upper
+    if upper is None:
+        return
+    tag = f"{run.rng.getrandbits(48):012x}"
+    name, entry = f"named/{tag}", Txn(NAMED_PREFIX + tag.encode())
+    txn = client.transaction()
+    try:
+        txn.compare_and_append(writers[0], [(entry.key, b"", upper, 1)], upper, upper + 1)
+        txn.compare_and_append(name, [(entry.key, b"", 0, 1)], 0, 1)
+    except BackendError:
+        txn.abort()
+        return  # a store fault while adding (a name lookup): nothing committed
+    ledger.named.append((name, entry))
+    try:
+        txn.commit()
+        entry.status = "acked"
+    except (UpperMismatch, CommitDeadlineExceeded, LeaseExpired):
+        entry.status = "failed"
+    except Indeterminate:
+        entry.status = "unknown"
+
+
+def check_named(run: SimRun, client: PersistClient, where: str) -> None:
+    """Each name a transaction created is registered iff its row is in the pair's first
+    shard; an acknowledged one is both, a refused one neither."""
+    ledger: TxnLedger = run.txns
+    if ledger.pair is None or not ledger.named:
+        return
+    # Only outcomes known before the reads (a commit in flight may land after them).
+    settled = [(n, e) for n, e in ledger.named if e.status != "pending"]
+    landed = _keys(client, ledger.pair[0], NAMED_PREFIX)
+    if landed is None:
+        return
+    names = client.shard_names()
+    for name, entry in settled:
+        registered, present = name in names, entry.key in landed
+        if entry.status == "acked" and not (registered and present):
+            run.violation(f"{where}: acknowledged transaction naming {name!r} LOST "
+                          f"(name registered: {registered}, row present: {present})")
+        elif entry.status == "failed" and (registered or present):
+            run.violation(f"{where}: refused transaction naming {name!r} was written "
+                          f"(name registered: {registered}, row present: {present})")
+        elif registered != present:
+            run.violation(f"{where}: transaction naming {name!r} landed in part (name "
+                          f"registered: {registered}, row present: {present})")
 
 
 def _commit_and_retry(run: SimRun, client: PersistClient, ledger: TxnLedger) -> None:
@@ -244,6 +303,7 @@ def check(run: SimRun, client: PersistClient, where: str) -> None:
         if entry.status == "failed" and entry.key in first | second | third:
             run.violation(f"{where}: refused transaction {entry.key!r} was written")
     check_grouped(run, client, where)
+    check_named(run, client, where)
 
 
 def check_grouped(run: SimRun, client: PersistClient, where: str) -> None:
@@ -325,7 +385,10 @@ def transactor(run: SimRun, proc: Process) -> None:
         run.think()
         roll = run.rng.random()
         try:
-            if roll < 0.6:
+            if run.profile.naming_commits and roll < 0.3:
+                # Only where the profile asks: other profiles keep their draws.
+                _commit_naming(run, client, ledger, writers)
+            elif roll < 0.6:
                 _commit(run, client, ledger, writers, stale=run.rng.random() < 0.3)
             elif roll < 0.65:
                 _commit_and_retry(run, client, ledger)
