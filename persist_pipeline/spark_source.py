@@ -48,11 +48,12 @@ any other change (a shard typed since) is refused with ``SchemaMismatch``. A rea
 **Writing.** The driver checks the DataFrame's columns as a task checks its rows before
 it creates the shard, so a write whose columns the shard cannot
 take (text ``k``/``v``, a typed shard's column missing) changes nothing. A new shard
-name is registered only as the driver commits (after every task succeeded), so a write
-refused earlier (a row only a task meets: a time outside the bounds, a null key) leaves
-no name behind; a name another writer registered meanwhile refuses the commit with
-``UpperMismatch``, and so does a write to a new name expecting an upper other than 0
-(where its fresh shard starts), when it is planned, before anything is created. Each task
+name is created in the driver's commit, in the compare-and-set of the write's batch, so
+a write refused earlier (a row only a task meets: a time outside the bounds, a null key)
+or by its commit leaves no name behind; a name another writer registered meanwhile
+refuses the commit with ``UpperMismatch``, and so does a write to a new name expecting
+an upper other than 0 (where its fresh shard starts), when it is planned, before
+anything is created. Each task
 validates its rows (``k``, ``v`` binary; ``t``, ``d`` long, ``d`` optional: 1 when the
 DataFrame has no ``d`` column, as in the CLI's append and ingestion; every
 ``t`` in ``[expected_upper, new_upper)``), consolidates them and writes Parquet parts to
@@ -108,6 +109,7 @@ import pyarrow as pa
 from persist_pipeline.blob import redact_uri
 from persist_pipeline.compaction import KeyRange
 from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
+from persist_pipeline.consensus.base import CasWrite
 from persist_pipeline.exceptions import (
     CommitDeadlineExceeded,
     DiffOverflow,
@@ -129,9 +131,10 @@ from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ingest import with_default_diff
 from persist_pipeline.internal import history
 from persist_pipeline.internal.blobs import ShardBlobs, key_starts, split_keys
+from persist_pipeline.internal.machine import RecordTaken
 from persist_pipeline.internal.merge import memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Store
-from persist_pipeline.names import refuse_new_generation_name
+from persist_pipeline.names import name_record, refuse_new_generation_name
 from persist_pipeline.plan import LATEST, PlanFile, SnapshotPlan
 from persist_pipeline.schema import ShardSchema, replace_leaf_types
 from persist_pipeline.updates import Updates, consolidate, naming_shard, sums_may_wrap
@@ -884,7 +887,7 @@ def _commit(job: _WriteJob, messages: Sequence[Any],
     try:
         # Refused before the commit marker exists: the abort that follows deletes parts.
         _refuse_wrapping_sums(client, job, messages)
-        _register_new_name(client, job)
+        _refuse_taken_name(client, job)
         marker = _commit_marker(job)
         marker.touch()
         if _was_aborted(job):
@@ -893,13 +896,25 @@ def _commit(job: _WriteJob, messages: Sequence[Any],
             raise CommitDeadlineExceeded(
                 "this write was aborted while its commit had not started; nothing was "
                 "written (run the write again)")
+        name = job.location.new_name
+        # A new name is created in the commit's own compare-and-set: registered exactly
+        # when the write lands, never by a commit that is then refused.
+        created: tuple[CasWrite, ...] = ()
+        if name:
+            key, record = name_record(name, ShardId.parse(job.location.shard_id))
+            created = (CasWrite(key, None, record),)
         with client.open_writer(job.location.shard_id, debug="spark write") as writer:
             # The schema the tasks encoded with, fixed when the write was planned: a
             # schema recorded since (another client typing the shard) refuses the commit.
-            result = writer.compare_and_append_parts(
-                parts, updates, job.expected_upper, job.new_upper,
-                idempotency_token=job.token, upload_started_s=job.planned_s,
-                schema=ShardSchema.from_bytes(job.schema) if job.schema else None)
+            try:
+                result = writer.compare_and_append_parts(
+                    parts, updates, job.expected_upper, job.new_upper,
+                    idempotency_token=job.token, upload_started_s=job.planned_s,
+                    schema=ShardSchema.from_bytes(job.schema) if job.schema else None,
+                    created=created)
+            except RecordTaken:
+                assert name  # the only record a Spark write creates
+                raise _name_taken(client, job, name) from None
         log.info("persist spark write: %d update(s) in %d part(s) committed at seqno %d",
                  updates, len(parts), result.seqno)
     finally:
@@ -908,24 +923,30 @@ def _commit(job: _WriteJob, messages: Sequence[Any],
     marker.unlink(missing_ok=True)
 
 
-def _register_new_name(client: PersistClient, job: _WriteJob) -> None:
-    """Register the write's new shard name (if any) for the shard its tasks wrote to, as
-    the last step before the commit: a write refused earlier leaves no name behind.
+def _refuse_taken_name(client: PersistClient, job: _WriteJob) -> None:
+    """Refuse the commit, before its marker exists (so the abort that follows deletes
+    the parts), when another writer registered the write's new shard name (for another
+    shard) since the write was planned. A registration racing the commit itself is
+    refused by the commit's compare-and-set instead (the parts are then left to GC).
 
     Raises:
-        UpperMismatch: another writer registered the name (for another shard) since
-            this write was planned; nothing committed (the abort deletes the parts).
+        UpperMismatch: the name names another shard; nothing committed.
     """
     name = job.location.new_name
-    if not name:
-        return
-    registered = str(client.register_name(name, job.location.shard_id))
-    if registered != job.location.shard_id:
-        try:
-            current: int | None = int(client.inspect(registered)["upper"])
-        except ShardNotFound:
-            current = 0  # registered, not written yet
-        raise UpperMismatch(job.expected_upper, current, shard=name)
+    if name and client.name_registry.lookup(name) is not None:
+        raise _name_taken(client, job, name)
+
+
+def _name_taken(client: PersistClient, job: _WriteJob, name: str) -> UpperMismatch:
+    """The refusal of a write whose new shard name another writer registered first:
+    ``.shard`` is the name, ``.current`` the upper of the shard registered under it."""
+    registered = client.name_registry.lookup(name)
+    assert registered is not None  # names are never deleted
+    try:
+        current: int | None = int(client.inspect(registered)["upper"])
+    except ShardNotFound:
+        current = 0  # registered, not written yet
+    return UpperMismatch(job.expected_upper, current, shard=name)
 
 
 def _refuse_wrapping_sums(client: PersistClient, job: _WriteJob,

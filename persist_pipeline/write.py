@@ -32,13 +32,14 @@ from persist_pipeline.internal.blobs import write_parts
 from persist_pipeline.internal.funnel import Funnel
 from persist_pipeline.internal.heartbeat import Heartbeater
 from persist_pipeline.internal.lookup import current_rows
-from persist_pipeline.internal.machine import Machine
+from persist_pipeline.internal.machine import Machine, Step, apply_many
 from persist_pipeline.internal.records import quick_init
 from persist_pipeline.internal.state import Batch, Description, HollowPart, InlinePart, Store
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.updates import SCHEMA, Updates, empty_table
 
 if TYPE_CHECKING:
+    from persist_pipeline.consensus.base import CasWrite
     from persist_pipeline.internal.state import State
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,9 @@ class Staged:
     fell_back: bool = False
     upload_started_s: float | None = None
     inline_size: int = 0
+    #: Records created in the same compare-and-set (a new name's), so they exist exactly
+    #: when this write commits (:func:`~persist_pipeline.internal.machine.apply_many`).
+    created: tuple[CasWrite, ...] = ()
 
     @property
     def parts(self) -> tuple[HollowPart, ...]:
@@ -329,7 +333,7 @@ class WriteHandle:
     def compare_and_append_parts(
         self, parts: tuple[HollowPart, ...], num_updates: int, expected_upper: int,
         new_upper: Frontier, *, idempotency_token: str, upload_started_s: float,
-        schema: ShardSchema | None,
+        schema: ShardSchema | None, created: tuple[CasWrite, ...] = (),
     ) -> WriteResult:
         """Commit Parquet parts uploaded elsewhere (Spark tasks) as ONE batch, atomically.
 
@@ -354,11 +358,14 @@ class WriteHandle:
         committed (perhaps merged away by compaction since), it reports
         ``already_committed`` and keeps the parts (they may be that attempt's); when GC
         truncated the history that would tell, it raises ``Indeterminate`` and leaves
-        them to GC.
+        them to GC. ``created``: records created in the same compare-and-set (a new
+        name's, so it is registered exactly when the parts commit).
 
         Raises:
             UpperMismatch / CommitDeadlineExceeded / InvalidUpdates / Indeterminate: as
                 :meth:`compare_and_append`.
+            RecordTaken: another commit created one of ``created`` first; nothing
+                committed, the parts are left to GC.
             InvalidInput: a malformed ``idempotency_token``; nothing is committed or
                 deleted (its parts cannot lie in this shard's batch folders).
         """
@@ -387,7 +394,7 @@ class WriteHandle:
             "wal" if parts[0].store == "wal" else "blob")
         staged = Staged(self, batch, expected, upper, idempotency_token, Encoding.of(schema),
                         placement, sum(p.encoded_size for p in parts), len(parts),
-                        upload_started_s=upload_started_s)
+                        upload_started_s=upload_started_s, created=created)
         try:
             result = self._apply(staged)
         except CERTAINLY_NOT_COMMITTED as refused:
@@ -730,7 +737,12 @@ class WriteHandle:
         """Commit ``staged`` alone; None when the shard's inline budget turned it away."""
         machine = self._machine
         try:
-            if self._funnel is not None:
+            if staged.created:
+                # Alone, not through the funnel: the records travel in its CaS.
+                applied = apply_many([Step(machine, self._transition(staged))],
+                                     proves_done=already_appended, created=staged.created)
+                result, state = applied.results[0], applied.states[0]
+            elif self._funnel is not None:
                 size = staged.encoded if staged.placement == "inline" else 0
                 result, state = self._funnel.commit(machine, self._transition(staged),
                                                     already_appended, size)

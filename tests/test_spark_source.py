@@ -19,6 +19,7 @@ from persist_pipeline import InlinePolicy, PersistClient, ShardId
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.exceptions import (
+    CommitDeadlineExceeded,
     InvalidUpdates,
     LeaseExpired,
     PartMissing,
@@ -263,6 +264,39 @@ def test_a_new_name_is_registered_only_when_its_write_commits(
     _abort(job, [message])
     assert open_blob(blob).get(parts[0].key) is None
     assert client.resolve("fresh/raced") == other
+    client.close()
+
+
+def test_a_write_to_a_new_name_refused_by_its_commit_registers_no_name(
+        tmp_path: Path) -> None:
+    """A Spark write to a new name whose commit itself is refused (the driver paused
+    past the commit deadline after planning) leaves the name unregistered: the name is
+    created in the commit's own compare-and-set. Committed in time, it is registered
+    with the write's rows."""
+    import dataclasses
+
+    from persist_pipeline.config import PersistConfig
+    from persist_pipeline.spark_datasource import PersistCommitMessage
+    from persist_pipeline.spark_source import _commit, _write_job, _write_task
+
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    opts = {"consensus": consensus, "blob": blob, "shard": "fresh/paused",
+            "expected_upper": "0", "new_upper": "5"}
+    job = _write_job(opts, overwrite=False)
+    parts, n, bound = _write_task(job, iter([pa.RecordBatch.from_pylist(
+        [{"k": b"a", "v": b"b", "t": 1, "d": 1}])]))
+    message = PersistCommitMessage(parts, n, bound)
+    # Planned longer ago than the commit deadline (half the orphan age) allows.
+    paused = dataclasses.replace(
+        job, planned_s=job.planned_s - PersistConfig().gc_orphan_min_age_s)
+    with pytest.raises(CommitDeadlineExceeded):
+        _commit(paused, [message])
+    client = PersistClient.open(consensus, blob)
+    assert "fresh/paused" not in client.shard_names()
+    _commit(job, [message])
+    reader = client.open_reader(client.resolve("fresh/paused"))
+    assert _as_rows(reader.snapshot(4)) == [(b"a", b"b", 4, 1)]
+    reader.expire()
     client.close()
 
 

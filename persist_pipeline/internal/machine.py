@@ -517,12 +517,19 @@ def _apply_locked(steps: Sequence[Step[R]], routine: bool,
             for m, new, latest in zip(machines, landed.news, states, strict=True):
                 m._committed(new, routine, latest=latest)
             return Applied(True, landed.results, landed.news)
+        still_absent: list[CasWrite] = []
         for write in created:
             # Records are never created twice: once another commit created one, this
-            # commit can never land (its earlier attempts, if any, settled first).
-            if lead.consensus.head(write.shard) is not None:
+            # commit can never land (its earlier attempts, if any, settled first). One
+            # holding exactly this record (a retry of a commit that created it, such as
+            # a Spark write committed again) is this commit's own: not created again.
+            head = lead.consensus.head(write.shard)
+            if head is None:
+                still_absent.append(write)
+            elif head.data != write.new.data:
                 _require_settled(lead, attempts)
                 raise RecordTaken(write.shard)
+        created = still_absent
         if lost_reply is not None:
             if backoff is None:
                 backoff = lead._backoff(started_s)
