@@ -42,6 +42,7 @@ from persist_pipeline.sim.scheduler import Process
 if TYPE_CHECKING:
     from persist_pipeline.client import PersistClient
     from persist_pipeline.sim.runner import SimRun
+    from persist_pipeline.transaction import Transaction
     from persist_pipeline.write import WriteHandle, WriteResult
 
 #: Transaction rows' keys start with this; the first shard's lone appends do not.
@@ -108,6 +109,11 @@ def _commit(run: SimRun, client: PersistClient, ledger: TxnLedger,
         value = b"v" * (6000 if big else 3)
         txn.compare_and_append(writer, [(entry.key, value, upper, 1)], upper, upper + 1)
     ledger.txns.append(entry)
+    _commit_recording(txn, entry)
+
+
+def _commit_recording(txn: Transaction, entry: Txn) -> None:
+    """Commit ``txn``; record in ``entry`` what its committer was told."""
     try:
         txn.commit()
         entry.status = "acked"
@@ -167,13 +173,7 @@ def _commit_naming(run: SimRun, client: PersistClient, ledger: TxnLedger,
         txn.abort()
         return  # a store fault while adding (a name lookup): nothing committed
     ledger.named.append((name, entry))
-    try:
-        txn.commit()
-        entry.status = "acked"
-    except (UpperMismatch, CommitDeadlineExceeded, LeaseExpired):
-        entry.status = "failed"
-    except Indeterminate:
-        entry.status = "unknown"
+    _commit_recording(txn, entry)
 
 
 def check_named(run: SimRun, client: PersistClient, where: str) -> None:
