@@ -300,6 +300,45 @@ def test_a_write_to_a_new_name_refused_by_its_commit_registers_no_name(
     client.close()
 
 
+def test_two_commits_of_one_write_to_a_new_name_racing_land_it_once(tmp_path: Path) -> None:
+    """The same Spark write committed twice at once (a driver that never learnt the
+    outcome commits again while the first commit is on its way): the second loses its
+    compare-and-set to the first, finds the name record it was to create holding its
+    own shard, and reports the write committed; the name is registered once, the rows
+    are there once."""
+    from persist_pipeline.spark_datasource import PersistCommitMessage
+    from persist_pipeline.spark_source import _commit, _write_job, _write_task
+    from tests.helpers import ForwardingConsensus
+
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    opts = {"consensus": consensus, "blob": blob, "shard": "fresh/twice",
+            "expected_upper": "0", "new_upper": "5"}
+    job = _write_job(opts, overwrite=False)
+    parts, n, bound = _write_task(job, iter([pa.RecordBatch.from_pylist(
+        [{"k": b"a", "v": b"b", "t": 1, "d": 1}])]))
+    message = PersistCommitMessage(parts, n, bound)
+    first = PersistClient.open(consensus, blob)
+    racing: list[bool] = [True]
+
+    class FirstCommitLandsMeanwhile(ForwardingConsensus):
+        def compare_and_set_many(self, writes: Any) -> bool:
+            if racing and any(w.expected is None for w in writes):
+                racing.clear()  # the other commit of this write lands just before
+                _commit(job, [message], first)
+            return super().compare_and_set_many(writes)
+
+    second = PersistClient(FirstCommitLandsMeanwhile(open_consensus(consensus)),
+                           open_blob(blob))
+    _commit(job, [message], second)
+    assert not racing  # the race happened
+    assert first.shard_names() == {"fresh/twice": ShardId.parse(job.location.shard_id)}
+    reader = first.open_reader(first.resolve("fresh/twice"))
+    assert _as_rows(reader.snapshot(4)) == [(b"a", b"b", 4, 1)]
+    reader.expire()
+    first.close()
+    second.close()
+
+
 def test_spark_source_refuses_bad_options(spark_session: Any, tmp_path: Path) -> None:
     register(spark_session)
     opts = {"consensus": f"sqlite:///{tmp_path / 'c.db'}", "blob": "mem://x",
