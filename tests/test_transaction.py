@@ -604,6 +604,52 @@ def test_a_lost_reply_is_settled_by_any_shards_batch_in_history(location, rows_f
         clients.close()
 
 
+class LoseNextTransactionReply(LoseNextReply):
+    """:class:`LoseNextReply` for multi-shard compare-and-sets only (a new shard's own
+    creation, a single compare-and-set, keeps its reply)."""
+
+    def compare_and_set(self, shard: str, expected: int | None, new: Any) -> bool:
+        return self.inner.compare_and_set(shard, expected, new)
+
+
+def test_a_lost_reply_of_a_naming_commit_is_settled_by_the_name_record(location):
+    """A transaction of empty appends (no batch for history to find) to a shard and to a
+    new name lands; its process pauses past its writers' leases, GC expires them and
+    truncates both shards' records that would settle it; then its reply is lost. The
+    name's record, created by that commit and never truncated, settles it: reported
+    committed, not Indeterminate."""
+    clients = Clients(location)
+    try:
+        a = ShardId.new()
+        lossy = LoseNextTransactionReply(open_consensus(location.consensus_uri))
+        client = clients._open(lossy, NO_INLINE, reader_lease_duration_s=SHORT_LEASE_S)
+        wa = client.open_writer(a)
+        wa.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+        gc = clients.plain()
+        txn = client.transaction()
+        txn.compare_and_append(wa, [], 1, 2)
+        txn.compare_and_append("named/lost", [], 0, 2)
+        new = txn._new_names["named/lost"]
+        truncated: list[bool] = []
+
+        def pause_then_gc() -> None:
+            clients.clock.advance(PAUSE_S)
+            for shard in (str(a), new):
+                landed = gc.consensus.head(shard)  # the record this commit wrote
+                assert landed is not None
+                gc.gc(shard)
+                truncated.append(gc.consensus.scan(shard, 0)[0].seqno > landed.seqno)
+
+        lossy.arm(pause_then_gc)
+        results = txn.commit()
+        assert lossy.lost == 1 and truncated == [True, True]
+        assert results[new].upper == 2 and results[str(a)].upper == 2
+        assert gc.shard_names() == {"named/lost": ShardId.parse(new)}
+        assert uppers(gc, a, new) == [2, 2]
+    finally:
+        clients.close()
+
+
 def _txn_loop(consensus_uri: str, blob_uri: str, a: str, b: str, ready: Any,
               commits: Any) -> None:
     """A spawned process: commits pair transactions forever (until killed), counting the
