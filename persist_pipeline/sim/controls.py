@@ -555,8 +555,8 @@ def transaction_creates_shards_on_add() -> Iterator[None]:
 
 @contextmanager
 def names_registered_before_commit() -> Iterator[None]:
-    """A transaction's new names are registered by compare-and-sets of their own just
-    before the transaction's: a commit then refused leaves its names registered."""
+    """A new name (a transaction's, a Spark write's) is registered by a compare-and-set
+    of its own just before the write's: a commit then refused leaves it registered."""
     from persist_pipeline import transaction
 
     original = machine.apply_many
@@ -566,7 +566,8 @@ def names_registered_before_commit() -> Iterator[None]:
             steps[0].machine.consensus.compare_and_set(record.shard, None, record.new)
         return original(steps, **kwargs)
 
-    with _patched(transaction, "apply_many", registering_first):
+    with _patched(transaction, "apply_many", registering_first), \
+            _patched(write, "apply_many", registering_first):
         yield
 
 

@@ -163,9 +163,11 @@ PROFILES: dict[str, Profile] = {
     "plans": Profile({"writer": (2, 3), "plan_reader": (1, 2), "reader": (0, 1),
                       "compactor": (1, 1), "gc": (2, 2)}, part_cache=False),
     # Transactions that create a name beside their append to a shard others write too,
-    # refused by stale uppers, with lost replies and pauses at the commit: each name is
-    # registered exactly when its transaction landed.
-    "naming": Profile({"transactor": (2, 3), "compactor": (1, 1), "gc": (1, 2)},
+    # refused by stale uppers, and Spark writes to new names (some jobs aborted), with
+    # lost replies and pauses at the commit: each name is registered exactly when its
+    # write landed.
+    "naming": Profile({"transactor": (2, 3), "spark_naming_writer": (1, 1),
+                       "compactor": (1, 1), "gc": (1, 2)},
                       nemesis=Nemesis(pause_at_cas=0.1, pause_then_lose=0.1),
                       naming_commits=True),
 }

@@ -619,6 +619,50 @@ def namer(run: SimRun, proc: Process) -> None:
         run.ops += 1
 
 
+def spark_naming_writer(run: SimRun, proc: Process) -> None:
+    """Spark writes to names no shard has (some tasks failing, so the job aborts): each
+    name is registered exactly when its write's rows landed, never by a write that was
+    refused or aborted."""
+    client = run.client(proc)
+    while not run.stopping:
+        run.think(scale=3.0)
+        name = f"spark-named/{run.rng.getrandbits(48):012x}"
+        location = spark_source._Location("sim://consensus", run.spark_blob_uri,
+                                          run.spark_wal_uri, str(ShardId.new()), name)
+        try:
+            job = spark_source.plan_write(location, client, 0, 1)
+        except Indeterminate:
+            continue
+        rows = pa.table({"k": [b"n-0", b"n-1"], "v": [b"v", b"v"], "t": [0, 0], "d": [1, 1]})
+        status = _drive(run, client, job, [rows])
+        _check_spark_name(run, client, name, location.shard_id, status)
+        run.ops += 1
+
+
+def _check_spark_name(run: SimRun, client: PersistClient, name: str, shard: str,
+                      status: str) -> None:
+    try:
+        registered = client.name_registry.lookup(name)
+        upper = client.inspect(shard)["upper"]
+    except (Indeterminate, ShardNotFound):
+        return
+    except PersistError as e:
+        run.violation(f"checking Spark write to {name!r}: unexpected {type(e).__name__}: {e}")
+        return
+    landed = bool(upper)  # its one write moves the new shard's upper from 0
+    if registered is not None and str(registered) != shard:
+        run.violation(f"Spark write's new name {name!r} names another shard")
+    elif status == "acked" and not (registered and landed):
+        run.violation(f"acknowledged Spark write to {name!r} LOST (name registered: "
+                      f"{registered is not None}, rows landed: {landed})")
+    elif status in ("failed", "aborted") and (registered or landed):
+        run.violation(f"refused Spark write to {name!r} was written (name registered: "
+                      f"{registered is not None}, rows landed: {landed})")
+    elif (registered is not None) != landed:
+        run.violation(f"Spark write to {name!r} landed in part (name registered: "
+                      f"{registered is not None}, rows landed: {landed})")
+
+
 @dataclass
 class _DiffWrite:
     time: int
@@ -941,6 +985,7 @@ ROLES: dict[str, Callable[[SimRun, Process], None]] = {
     "typed_reader": typed_reader,
     "spark_writer": spark_writer,
     "namer": namer,
+    "spark_naming_writer": spark_naming_writer,
     "overflow_writer": overflow_writer,
     "closer": closer,
     "configured_writer": configured_writer,
