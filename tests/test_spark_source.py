@@ -267,6 +267,21 @@ def test_a_new_name_is_registered_only_when_its_write_commits(
     client.close()
 
 
+def _one_task_write_to(tmp_path: Path, name: str) -> tuple[str, str, Any, Any]:
+    """A planned Spark write of one row to ``name`` (new) on an embedded location, its one
+    task run: the consensus and blob URIs, the job and the task's commit message."""
+    from persist_pipeline.spark_datasource import PersistCommitMessage
+    from persist_pipeline.spark_source import _write_job, _write_task
+
+    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
+    opts = {"consensus": consensus, "blob": blob, "shard": name,
+            "expected_upper": "0", "new_upper": "5"}
+    job = _write_job(opts, overwrite=False)
+    parts, n, bound = _write_task(job, iter([pa.RecordBatch.from_pylist(
+        [{"k": b"a", "v": b"b", "t": 1, "d": 1}])]))
+    return consensus, blob, job, PersistCommitMessage(parts, n, bound)
+
+
 def test_a_write_to_a_new_name_refused_by_its_commit_registers_no_name(
         tmp_path: Path) -> None:
     """A Spark write to a new name whose commit itself is refused (the driver paused
@@ -276,16 +291,9 @@ def test_a_write_to_a_new_name_refused_by_its_commit_registers_no_name(
     import dataclasses
 
     from persist_pipeline.config import PersistConfig
-    from persist_pipeline.spark_datasource import PersistCommitMessage
-    from persist_pipeline.spark_source import _commit, _write_job, _write_task
+    from persist_pipeline.spark_source import _commit
 
-    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
-    opts = {"consensus": consensus, "blob": blob, "shard": "fresh/paused",
-            "expected_upper": "0", "new_upper": "5"}
-    job = _write_job(opts, overwrite=False)
-    parts, n, bound = _write_task(job, iter([pa.RecordBatch.from_pylist(
-        [{"k": b"a", "v": b"b", "t": 1, "d": 1}])]))
-    message = PersistCommitMessage(parts, n, bound)
+    consensus, blob, job, message = _one_task_write_to(tmp_path, "fresh/paused")
     # Planned longer ago than the commit deadline (half the orphan age) allows.
     paused = dataclasses.replace(
         job, planned_s=job.planned_s - PersistConfig().gc_orphan_min_age_s)
@@ -306,17 +314,10 @@ def test_two_commits_of_one_write_to_a_new_name_racing_land_it_once(tmp_path: Pa
     compare-and-set to the first, finds the name record it was to create holding its
     own shard, and reports the write committed; the name is registered once, the rows
     are there once."""
-    from persist_pipeline.spark_datasource import PersistCommitMessage
-    from persist_pipeline.spark_source import _commit, _write_job, _write_task
+    from persist_pipeline.spark_source import _commit
     from tests.helpers import ForwardingConsensus
 
-    consensus, blob = f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}"
-    opts = {"consensus": consensus, "blob": blob, "shard": "fresh/twice",
-            "expected_upper": "0", "new_upper": "5"}
-    job = _write_job(opts, overwrite=False)
-    parts, n, bound = _write_task(job, iter([pa.RecordBatch.from_pylist(
-        [{"k": b"a", "v": b"b", "t": 1, "d": 1}])]))
-    message = PersistCommitMessage(parts, n, bound)
+    consensus, blob, job, message = _one_task_write_to(tmp_path, "fresh/twice")
     first = PersistClient.open(consensus, blob)
     racing: list[bool] = [True]
 
