@@ -990,3 +990,47 @@ def test_a_transaction_refused_by_its_commit_registers_no_name(request, tmp_path
     assert uppers(other, a) == [1]
     other.close()
     client.close()
+
+
+@pytest.mark.parametrize("kind", location_kinds("embedded", "pg-s3"))
+def test_a_name_another_client_takes_before_the_commit_refuses_it_whole(
+        request, tmp_path, kind):
+    """Another client creates and writes a shard under a transaction's new name between
+    the append's add and the commit: the commit is refused as a whole (``UpperMismatch``
+    whose ``.shard`` is the name, ``.current`` that shard's upper). Nothing of the
+    transaction landed: the name keeps the other client's shard and rows, the
+    transaction's other shard did not move, its parts were deleted; a new transaction
+    at the name's current upper then appends to the other client's shard."""
+    location = make_location(kind, request, tmp_path)
+    client = location.client(NO_INLINE)  # blob parts, uploaded before the commit
+    a = ShardId.new()
+    wa = client.open_writer(a)
+    wa.compare_and_append([(b"x", b"", 0, 1)], 0, 1)
+    big = [(f"k{i}".encode(), b"v" * 200, 0, 1) for i in range(50)]  # blob-sized
+    txn = client.transaction()
+    txn.compare_and_append("taken/late", big, 0, 1)
+    txn.compare_and_append(wa, [(k, v, 1, d) for k, v, _, d in big], 1, 2)
+    other = location.client()
+    theirs = other.open_writer(other.resolve("taken/late", create=True))
+    theirs.compare_and_append([(b"theirs", b"", 0, 1)], 0, 1)
+    before = blob_keys(client)
+    with pytest.raises(UpperMismatch) as refused:
+        txn.commit()
+    assert (refused.value.shard, refused.value.expected, refused.value.current) == \
+        ("taken/late", 0, 1)
+    assert blob_keys(client) - before == set()
+    fresh = location.client()
+    assert fresh.shard_names() == {"taken/late": ShardId.parse(theirs.shard_id)}
+    assert uppers(fresh, a, theirs.shard_id) == [1, 1]
+    assert snapshot_rows(fresh, a) == [(b"x", b"", 1)]
+    assert snapshot_rows(fresh, theirs.shard_id) == [(b"theirs", b"", 1)]
+    # The shard the commit created for the name (its first step) holds nothing.
+    for shard in set(fresh.list_shards()) - {str(a), theirs.shard_id}:
+        assert uppers(fresh, shard) == [0]
+    with client.transaction() as again:
+        again.compare_and_append("taken/late", [(b"mine", b"", 1, 1)], 1, 2)
+        again.compare_and_append(wa, [(b"mine", b"", 1, 1)], 1, 2)
+    assert snapshot_rows(fresh, theirs.shard_id) == [(b"mine", b"", 1), (b"theirs", b"", 1)]
+    assert snapshot_rows(fresh, a) == [(b"mine", b"", 1), (b"x", b"", 1)]
+    for c in (fresh, other, client):
+        c.close()
