@@ -123,7 +123,6 @@ from persist_pipeline.exceptions import (
     PersistError,
     SchemaMismatch,
     ShardNotFound,
-    UpperMismatch,
 )
 from persist_pipeline.frontier import Frontier, check_frontier
 from persist_pipeline.ids import ShardId, check_token, new_token
@@ -137,6 +136,7 @@ from persist_pipeline.internal.state import Batch, Description, HollowPart, Stor
 from persist_pipeline.names import name_record, refuse_new_generation_name
 from persist_pipeline.plan import LATEST, PlanFile, SnapshotPlan
 from persist_pipeline.schema import ShardSchema, replace_leaf_types
+from persist_pipeline.transaction import name_taken
 from persist_pipeline.updates import Updates, consolidate, naming_shard, sums_may_wrap
 from persist_pipeline.write import check_append_bounds, check_new_shard_bounds, check_times
 
@@ -914,7 +914,7 @@ def _commit(job: _WriteJob, messages: Sequence[Any],
                     created=created)
             except RecordTaken:
                 assert name  # the only record a Spark write creates
-                raise _name_taken(client, job, name) from None
+                raise name_taken(client, name, job.expected_upper) from None
         log.info("persist spark write: %d update(s) in %d part(s) committed at seqno %d",
                  updates, len(parts), result.seqno)
     finally:
@@ -934,19 +934,7 @@ def _refuse_taken_name(client: PersistClient, job: _WriteJob) -> None:
     """
     name = job.location.new_name
     if name and client.name_registry.lookup(name) is not None:
-        raise _name_taken(client, job, name)
-
-
-def _name_taken(client: PersistClient, job: _WriteJob, name: str) -> UpperMismatch:
-    """The refusal of a write whose new shard name another writer registered first:
-    ``.shard`` is the name, ``.current`` the upper of the shard registered under it."""
-    registered = client.name_registry.lookup(name)
-    assert registered is not None  # names are never deleted
-    try:
-        current: int | None = int(client.inspect(registered)["upper"])
-    except ShardNotFound:
-        current = 0  # registered, not written yet
-    return UpperMismatch(job.expected_upper, current, shard=name)
+        raise name_taken(client, name, job.expected_upper)
 
 
 def _refuse_wrapping_sums(client: PersistClient, job: _WriteJob,

@@ -406,16 +406,9 @@ class Transaction:
 
     def _name_taken(self, key: str) -> UpperMismatch:
         """The refusal of a commit that another client's registration of one of its new
-        names (consensus key ``key``) beat: ``.shard`` is the name, ``.current`` the upper
-        of the shard registered under it. Nothing of the transaction landed."""
+        names (consensus key ``key``) beat. Nothing of the transaction landed."""
         name = next(n for n in self._new_names if registry_key(n) == key)
-        registered = self._client.name_registry.lookup(name)
-        assert registered is not None  # names are never deleted
-        try:
-            current: Frontier = self._client._machine(registered).fetch_latest().upper
-        except ShardNotFound:
-            current = 0  # registered, not written yet
-        return UpperMismatch(self._ops[self._new_names[name]].expected, current, shard=name)
+        return name_taken(self._client, name, self._ops[self._new_names[name]].expected)
 
     @staticmethod
     def _stage_all(live: list[_Op], ops: list[_Op]) -> None:
@@ -538,6 +531,19 @@ class Transaction:
             self.commit()
         else:
             self.abort()
+
+
+def name_taken(client: PersistClient, name: str, expected: int) -> UpperMismatch:
+    """The refusal of a write to the new name ``name`` that another client registered
+    first (a transaction's, a Spark write's): ``.shard`` is the name, ``.current`` the
+    upper of the shard registered under it (0 if not written yet, None if closed)."""
+    registered = client.name_registry.lookup(name)
+    assert registered is not None  # names are never deleted
+    try:
+        current: Frontier = client._machine(registered).fetch_latest().upper
+    except ShardNotFound:
+        current = 0  # registered, not written yet
+    return UpperMismatch(expected, current, shard=name)
 
 
 def _raise_refusal(staged: list[Staged], results: list[transitions.AppendResult],
