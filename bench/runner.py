@@ -144,7 +144,7 @@ def closing_note(results: Sequence[CaseResult]) -> list[str]:
             f"{cum('merge.py:_merge_round'):.0%} (of which ordering rows by key prefix, "
             f"`merge.py:_key_prefixes` and numpy's argsort, "
             f"{cum('merge.py:_key_prefixes') + cum('argsort'):.0%}, and checking neighbours, "
-            f"`merge.py:_neighbours`, {cum('merge.py:_neighbours'):.0%}), the runs' buffers "
+            f"`merge.py:neighbours`, {cum('merge.py:neighbours'):.0%}), the runs' buffers "
             f"(`merge.py:take`) {cum('merge.py:take'):.0%}, encoding and writing the output "
             f"(`blobs.py:_encode_pending`) {cum('blobs.py:_encode_pending'):.0%}, of which "
             f"durable writes of parts (`blob/local.py:set`) {cum('blob/local.py:set'):.0%}.")

@@ -22,6 +22,9 @@ Module map:
   the part encodings (Parquet k/v/t/d; inline protobuf).
 - ``compaction`` / ``gc``: maintenance, each returning a metrics dict; ``run_merge``
   streams a merge request (or one key range of it) in bounded memory.
+- ``verify``: :class:`VerifyReport`, a check that every blob and inline part a shard's
+  state references is stored intact (``PersistClient.verify``, ``persist-pipeline
+  verify``).
 - ``consensus/`` and ``blob/``: backends behind small ABCs, opened by URI scheme.
 - ``internal/``: the state model, pure transitions, the Spine, codecs, the k-way merge
   of sorted runs (``merge``), streaming part reads and writes (``blobs``), the typed
@@ -98,6 +101,7 @@ from persist_pipeline.plan import SnapshotPlan
 from persist_pipeline.read import CriticalReaderHandle, Listen, ListenEvent, ReadHandle
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.transaction import Transaction
+from persist_pipeline.verify import IntegrityProblem, VerifyReport
 from persist_pipeline.write import WriteHandle, WriteResult
 
 __version__ = "0.1.0"
@@ -127,6 +131,7 @@ __all__ = [
     "Frontier",
     "Indeterminate",
     "InlinePolicy",
+    "IntegrityProblem",
     "InvalidConfig",
     "InvalidFrontier",
     "InvalidInput",
@@ -160,6 +165,7 @@ __all__ = [
     "UnsettledCommit",
     "UntypedUpdates",
     "UpperMismatch",
+    "VerifyReport",
     "WriteHandle",
     "WriteResult",
     "__version__",

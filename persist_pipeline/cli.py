@@ -157,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("shard")
     s = sub.add_parser("gc", help="delete unreferenced blobs and truncate consensus")
     s.add_argument("shard")
+    s = sub.add_parser("verify", help="check that every part and rollup the shards' states "
+                       "reference is stored intact (JSON report; exit 1 if anything is "
+                       "lost or damaged)")
+    s.add_argument("shards", nargs="*", metavar="SHARD")
+    s.add_argument("--all", action="store_true", help="every shard at the location")
+    s.add_argument("--deep", action="store_true",
+                   help="also fetch and decode every part and rollup and check its "
+                        "contents (reads all the data; without it: one listing per store)")
     s = sub.add_parser("set-inline-max", help="record the shard's "
                        "persist_inline_update_max_bytes (every process inlines up to the "
                        "smaller of it and its own; 0: no inlining)")
@@ -209,6 +217,7 @@ EXAMPLES: dict[str, list[str]] = {
     "plan": ["plan sales/orders", "plan sales/orders --as-of 9"],
     "compact": ["compact sales/orders"],
     "gc": ["gc sales/orders"],
+    "verify": ["verify sales/orders", "verify --all", "verify sales/orders --deep"],
     "set-inline-max": ["set-inline-max sales/orders 1048576", "set-inline-max sales/orders 0"],
     "nemesis": ["nemesis --seconds 60", "nemesis --seconds 600 --writers 4 --seed 7"],
     "simulate": ["simulate --seeds 200", "simulate --seeds 1 --seed 27 --profile writes"],
@@ -380,6 +389,8 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "append":
             _append(client, args)
             return 0
+        if args.command == "verify":
+            return _verify(client, args)
         shard = _shard(client, args.shard)
         if args.command == "inspect":
             _print_json(client.inspect(shard))
@@ -413,12 +424,34 @@ def run(args: argparse.Namespace) -> int:
 
 #: Commands that only read: they open the location without creating it, so a mistyped
 #: URI is reported ("no store at ...") instead of leaving an empty store behind.
-_READ_ONLY = frozenset({"shards", "names", "inspect", "snapshot", "plan"})
+_READ_ONLY = frozenset({"shards", "names", "inspect", "snapshot", "plan", "verify"})
 
 
 #: Commands that need an existing shard (without --create): at a location without a
 #: store they cannot succeed, so they create nothing there either.
 _NEED_A_SHARD = frozenset({"compact", "gc", "set-inline-max"})
+
+
+def _verify(client: PersistClient, args: argparse.Namespace) -> int:
+    """``verify``: one report per shard, as JSON; exit 1 when any finds a problem."""
+    if args.all == bool(args.shards):
+        raise InvalidInput("verify needs shards (ids or names) or --all, not both")
+    shards = client.list_shards() if args.all else [str(_shard(client, text))
+                                                     for text in args.shards]
+    reports = {}
+    for shard in dict.fromkeys(shards):
+        if args.all or len(shards) > 1:
+            print(f"persist-pipeline: verifying {shard}", file=sys.stderr, flush=True)
+        reports[shard] = client.verify(shard, deep=args.deep)
+    _print_json({"ok": all(r.ok for r in reports.values()),
+                 "shards": {shard: r.as_dict() for shard, r in reports.items()}})
+    damaged = [shard for shard, r in reports.items() if not r.ok]
+    if damaged:
+        problems = sum(len(reports[shard].problems) for shard in damaged)
+        print(f"persist-pipeline: {problems} problem(s) in {len(damaged)} shard(s): "
+              f"{', '.join(damaged)} (see the report's problems)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _int_or_text(text: str) -> int | str:

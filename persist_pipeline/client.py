@@ -35,6 +35,7 @@ from persist_pipeline.names import NameRegistry, is_registry_key, refuse_new_gen
 from persist_pipeline.read import CriticalReaderHandle, ReadHandle, check_opaque
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.transaction import Transaction
+from persist_pipeline.verify import VerifyReport, verify_shard
 from persist_pipeline.write import WriteHandle
 
 ShardLike = ShardId | str
@@ -448,6 +449,26 @@ class PersistClient:
         """
         _check_bool(sweep_orphans, "sweep_orphans")
         return gc_shard(self._existing(shard), sweep_orphans=sweep_orphans)
+
+    def verify(self, shard: ShardLike, *, deep: bool = False) -> VerifyReport:
+        """Check that everything the shard's latest state references is stored as
+        recorded: every Parquet part and state rollup present at its recorded size,
+        every inline part decodable; ``deep`` also fetches and decodes every part and
+        rollup and checks its contents (update count, time and key bounds, sorted and
+        consolidated). Reads only; safe beside writers, compaction and GC (a blob they
+        replaced and collected meanwhile is counted as ``replaced``, not a problem).
+        ``report.ok`` is False when something is lost or damaged; ``report.problems``
+        says what.
+
+        Raises:
+            InvalidInput: ``deep`` is not a bool (nothing is read).
+            ShardNotFound: the shard does not exist (nothing is created).
+            InvalidConfig: the shard has parts in the WAL blob store and this client
+                was opened without it.
+        """
+        _check_bool(deep, "deep")
+        # Not _existing: a state that cannot be rebuilt is the report's to tell.
+        return verify_shard(self._machine(shard), deep=deep)
 
     def list_shards(self) -> list[str]:
         """Every shard with at least one record (shard names are not shards)."""

@@ -178,12 +178,14 @@ class ShardBlobs:
             return blob
         return self.cached_main if cached else self.main
 
-    def fetch_part(self, part: Part, where: str) -> pa.Table:
-        """Decode a part to a k/v/t/d table; raises :class:`CorruptPart` if unreadable."""
+    def fetch_part(self, part: Part, where: str, cached: bool = True) -> pa.Table:
+        """Decode a part to a k/v/t/d table; raises :class:`CorruptPart` if unreadable
+        (:class:`PartMissing` if gone). ``cached=False`` reads the store itself, never a
+        cached copy (a check of what is stored)."""
         if isinstance(part, InlinePart):
             return decode_inline(part.updates, f"{part.part_id} ({where})")
         assert isinstance(part, HollowPart)
-        data = self.store(part.store, cached=True).get(part.key)
+        data = self.store(part.store, cached=cached).get(part.key)
         if data is None:
             raise PartMissing(f"part {part.key!r} ({where}) is missing from the "
                               f"{part.store} blob store")

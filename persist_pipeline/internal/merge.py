@@ -314,7 +314,7 @@ def _merge_round(taken: list[tuple[_Cursor, list[pa.Table]]],
         else:
             index = int64_array(order)
             ks, vs, ts = k.take(index), v.take(index), t.take(index)
-        same, disorder = _neighbours(ks, vs, ts)
+        same, disorder = neighbours(ks, vs, ts)
         if not len(disorder):
             break
         if order is None:
@@ -349,7 +349,7 @@ def _merge_round(taken: list[tuple[_Cursor, list[pa.Table]]],
     return pa.Table.from_arrays([ks, vs, ts, int64_array(sums)], schema=SCHEMA)
 
 
-def _neighbours(k: pa.Array, v: pa.Array, t: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def neighbours(k: pa.Array, v: pa.Array, t: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """For each row but the last: whether the next row equals it on ``(k, v, t)``; and
     the positions where the next row sorts below it (empty when the rows are sorted)."""
     if len(k) < 2:

@@ -454,6 +454,22 @@ def opener(run: SimRun, proc: Process) -> None:
     _loop(run, "opening a shard", lambda: run.client(proc).inspect(run.shard), scale=2.0)
 
 
+def verifier(run: SimRun, proc: Process) -> None:
+    """An operator checking a shard's stores (``verify``, shallow or deep) while
+    compaction replaces parts and GC collects them, over and over. Nothing is ever lost
+    here, so every report must be clean: a blob replaced and collected between the
+    check's state read and its look at the store is no problem."""
+    client = run.client(proc)
+
+    def check() -> None:
+        report = client.verify(run.rng.choice(run.shards()), deep=run.rng.random() < 0.5)
+        if not report.ok:
+            run.violation(f"verify reported problems in stores that lost nothing: "
+                          f"{[(p.kind, p.key) for p in report.problems[:2]]}")
+
+    _loop(run, "verify", check, scale=2.0)
+
+
 #: The inline maxima a limiter records for the shard: below what the shard holds as
 #: often as above it, and 0 (no inlining).
 LIMITS = (0, 600, 3000, 12000)
@@ -469,6 +485,7 @@ def limiter(run: SimRun, proc: Process) -> None:
 
 ROLES: dict[str, Callable[[SimRun, Process], None]] = {
     "opener": opener,
+    "verifier": verifier,
     "limiter": limiter,
     "writer": writer,
     "appender": appender,

@@ -582,6 +582,20 @@ def wal_parts_stay() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def verify_trusts_its_first_read() -> Iterator[None]:
+    """A check of the stores reports every blob it finds gone, without reading the
+    shard's state again: a part that compaction replaced and GC collected after the
+    check read the state is reported lost."""
+    from persist_pipeline import verify
+
+    def everything(_machine: Any, found: list[Any]) -> tuple[list[Any], int]:
+        return [f.problem for f in found], 0
+
+    with _patched(verify, "_still_referenced", everything):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -618,6 +632,7 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "retry_not_settled_by_history": retry_not_settled_by_history,
     "transaction_retry_not_settled": transaction_retry_not_settled,
     "abort_trusts_a_missing_marker": abort_trusts_a_missing_marker,
+    "verify_trusts_its_first_read": verify_trusts_its_first_read,
     "commit_ignores_an_earlier_abort": commit_ignores_an_earlier_abort,
     "transaction_names_on_add": transaction_names_on_add,
     "transaction_creates_shards_on_add": transaction_creates_shards_on_add,

@@ -162,6 +162,11 @@ PROFILES: dict[str, Profile] = {
     # part cache to hide a deleted part.
     "plans": Profile({"writer": (2, 3), "plan_reader": (1, 2), "reader": (0, 1),
                       "compactor": (1, 1), "gc": (2, 2)}, part_cache=False),
+    # Checks of the stores (verify, shallow and deep) racing compaction, which replaces
+    # parts (moving them out of the WAL store too), and GC, which collects them; no part
+    # cache: every check finds nothing wrong.
+    "verify": Profile({"writer": (2, 3), "verifier": (1, 2), "compactor": (1, 1),
+                       "spark_compactor": (0, 1), "gc": (2, 2)}, part_cache=False),
     # Transactions that create a name beside their append to a shard others write too,
     # refused by stale uppers, and Spark writes to new names (some jobs aborted), with
     # lost replies and pauses at the commit: each name is registered exactly when its
