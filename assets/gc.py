@@ -6,6 +6,12 @@ Each ``gc/NAME`` has ``AutomationCondition.cron_tick_passed(gc.schedule)``, so
 For each selected shard, deletes the blobs no live state version references and
 truncates consensus below every reader's hold (:meth:`PersistClient.gc`), and reports
 what it removed. Runs on the driver only (GC is metadata work plus deletes).
+
+Each ``gc/NAME`` has a ``stores_intact`` check, run right after its GC: every part and
+rollup the shard's latest state references is still stored at its recorded size, and
+every inline part decodes (:meth:`PersistClient.verify`, one listing per store). It
+fails (severity ERROR) naming each blob lost or damaged, whoever lost it: this GC, a
+hand-made delete or a bucket lifecycle rule.
 """
 
 # No `from __future__ import annotations` here: Dagster 1.13 reads the annotations of
@@ -18,8 +24,14 @@ import dagster as dg
 
 from assets.asset_keys import MAINTENANCE_GROUP, gc_key
 from assets.pipeline_config import ShardConfig
+from persist_pipeline import PersistClient
 from persist_pipeline.exceptions import ShardNotFound
 from resources.persist import PersistResource
+
+STORES_CHECK = "stores_intact"
+
+#: Problems listed in a failed check's metadata (the description counts them all).
+_PROBLEMS_SHOWN = 20
 
 METRIC_KEYS = ("seqnos_truncated", "blobs_deleted", "bytes_deleted", "rollups_deleted",
                "orphans_deleted", "live_blobs", "duration_s")
@@ -52,10 +64,19 @@ def build_gc_assets(shards: tuple[ShardConfig, ...], *, cron: str = "30 3 * * *"
                           metadata={"shard_id": s.shard_id})
              for s in shards]
 
-    @dg.multi_asset(name="persist_gc", specs=specs, can_subset=True)
+    check_specs = [dg.AssetCheckSpec(STORES_CHECK, asset=gc_key(s.name),
+                                     description="After GC, every part and rollup the shard's "
+                                                 "latest state references is stored at its "
+                                                 "recorded size and every inline part "
+                                                 "decodes (PersistClient.verify).")
+                   for s in shards]
+
+    @dg.multi_asset(name="persist_gc", specs=specs, check_specs=check_specs,
+                    can_subset=True)
     def persist_gc(context: dg.AssetExecutionContext, config: GcConfig,
-                   persist: PersistResource) -> Iterator[dg.MaterializeResult]:
+                   persist: PersistResource) -> Iterator[Any]:
         client = persist.client()
+        checked = {ck.asset_key for ck in context.selected_asset_check_keys}
         for key in sorted(context.selected_asset_keys, key=str):
             shard = by_key[key]
             try:
@@ -68,5 +89,33 @@ def build_gc_assets(shards: tuple[ShardConfig, ...], *, cron: str = "30 3 * * *"
             meta["shard_found"] = found
             context.log.info(f"gc of shard {shard.name}: {meta}")
             yield dg.MaterializeResult(asset_key=key, metadata=meta)
+            if key in checked:
+                yield _stores_intact(client, shard, key, found)
 
     return persist_gc
+
+
+def _stores_intact(client: PersistClient, shard: ShardConfig, key: dg.AssetKey,
+                   found: bool) -> dg.AssetCheckResult:
+    if not found:
+        return dg.AssetCheckResult(asset_key=key, check_name=STORES_CHECK, passed=True,
+                                   description="the shard has never been written: nothing "
+                                               "to check", metadata={"shard_found": False})
+    report = client.verify(shard.shard_id)
+    meta: dict[str, Any] = {"parts": report.parts, "inline_parts": report.inline_parts,
+                            "rollups": report.rollups, "bytes_checked": report.bytes_checked,
+                            "replaced": report.replaced, "problems": len(report.problems),
+                            "seqno": report.seqno,
+                            "duration_s": round(report.duration_s, 3)}
+    if report.ok:
+        return dg.AssetCheckResult(asset_key=key, check_name=STORES_CHECK, passed=True,
+                                   metadata=meta)
+    shown = [f"{p.kind}: {p.store} {p.key} (batch {p.batch or '-'}): {p.detail}"
+             for p in report.problems[:_PROBLEMS_SHOWN]]
+    meta["lost_or_damaged"] = dg.MetadataValue.md("\n".join(f"- `{line}`" for line in shown))
+    return dg.AssetCheckResult(
+        asset_key=key, check_name=STORES_CHECK, passed=False,
+        severity=dg.AssetCheckSeverity.ERROR,
+        description=f"{len(report.problems)} blob(s) the state of shard {shard.name} "
+                    f"references are lost or damaged; first: {shown[0]}"[:1000],
+        metadata=meta)

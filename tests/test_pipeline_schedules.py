@@ -96,6 +96,41 @@ def test_gc_run_collects_every_shard(make_pipeline: Any) -> None:
     assert meta["gc/idle"]["shard_found"] is False  # never written: nothing to collect
     for m in meta.values():
         assert {"seqnos_truncated", "blobs_deleted", "bytes_deleted", "live_blobs"} <= set(m)
+    # After each GC, its shard's stores are checked: all intact here.
+    checks = check_results(result)
+    assert set(checks) == {"gc/clicks:stores_intact", "gc/stock:stores_intact",
+                           "gc/idle:stores_intact"}
+    assert all(c.passed for c in checks.values())
+    clicks = checks["gc/clicks:stores_intact"].metadata
+    assert clicks["inline_parts"].value >= 1 and clicks["rollups"].value >= 1
+    assert clicks["problems"].value == 0
+    assert "never been written" in (checks["gc/idle:stores_intact"].description or "")
+
+
+def test_the_gc_check_fails_naming_a_lost_part(make_pipeline: Any) -> None:
+    """A part the shard references deleted behind the library's back (a bucket
+    lifecycle rule, a hand-made delete): the next GC run's check fails, naming it."""
+    pipeline: Pipeline = make_pipeline(SHARDS)
+    assert pipeline.ingest("clicks").success
+    client = pipeline.client()
+    shard = pipeline.shard_id("clicks")
+    upper = client.inspect(shard)["upper"]
+    n = 5000
+    with client.open_writer(shard) as writer:  # a write too big to inline: a Parquet part
+        writer.compare_and_append(
+            [(b"key-%06d" % i, b"v", upper, 1) for i in range(n)], upper, upper + 1)
+    state = client._machine(shard).fetch_latest()
+    [part] = [p for b in state.batches.values() for p in b.hollow_parts()]
+    client.blobs.store(part.store).delete(part.key)
+    result = pipeline.defs.resolve_job_def("gc_job").execute_in_process(
+        instance=pipeline.instance, raise_on_error=False)
+    assert result.success  # the check fails, not the step: GC itself did its work
+    check = check_results(result)["gc/clicks:stores_intact"]
+    assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+    assert check.metadata["problems"].value == 1
+    assert part.key in check.metadata["lost_or_damaged"].value
+    assert "1 blob(s)" in (check.description or "") and "missing" in check.description
+    assert check_results(result)["gc/stock:stores_intact"].passed
 
 
 class _WallClockAhead:

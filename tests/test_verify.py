@@ -200,6 +200,27 @@ def test_verify_beside_writers_compaction_and_gc_finds_nothing(tmp_path: Path) -
     checker.close()
 
 
+def test_a_merged_count_beyond_64_bits_verifies_clean(tmp_path: Path) -> None:
+    """Two valid writes whose diffs for one row add up beyond 64 bits: the merge keeps
+    the exact count as two rows on one (k, v, t), which deep verification accepts."""
+    client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
+                                inline_policy=InlinePolicy(0, 0))
+    shard = ShardId.new()
+    with client.open_writer(shard) as w:
+        w.compare_and_append([(b"a", b"1", 0, 2**63 - 1)], 0, 1)
+        w.compare_and_append([(b"a", b"1", 1, 1), (b"b", b"1", 1, 1)], 1, 2)
+        w.compare_and_append([(b"c", b"1", 2, 1)], 2, 3)
+    with client.open_reader(shard) as r:
+        r.downgrade_since(2)  # the merge advances both rows of a to time 2
+    client.compact(shard)
+    keys = [client.blobs.fetch_part(p, "test", cached=False).column("k").to_pylist()
+            for p in _hollow_parts(client, shard)]
+    assert [b"a", b"a", b"b"] in keys  # the merge kept a's count exact, in two rows
+    report = client.verify(shard, deep=True)
+    assert report.ok, report.problems
+    client.close()
+
+
 def test_wal_parts_need_the_wal_store(tmp_path: Path) -> None:
     with_wal = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
                                   f"file://{tmp_path / 'wal'}", inline_policy=InlinePolicy(0, 0))
@@ -242,6 +263,13 @@ def _part(n: int, min_time: int = 0, max_time: int = 9, min_key: bytes | None = 
     (_table([b"b", b"a"], [b"1", b"1"], [0, 0], [1, 1]), _part(2), "out of (k, v, t) order"),
     (_table([b"a", b"a"], [b"2", b"1"], [0, 0], [1, 1]), _part(2), "out of (k, v, t) order"),
     (_table([b"a", b"a"], [b"1", b"1"], [0, 0], [1, 1]), _part(2), "two rows on one"),
+    (_table([b"a", b"a", b"b"], [b"1", b"1", b"1"], [0, 0, 0], [-1, -2, 1]), _part(3),
+     "two rows on one"),
+    # A merge writes a count beyond 64 bits as rows that add up to it: not a problem.
+    (_table([b"a", b"a", b"b"], [b"1", b"1", b"1"], [0, 0, 0], [2**63 - 1, 1, 1]),
+     _part(3), None),
+    (_table([b"a", b"a", b"b", b"b"], [b"1"] * 4, [0] * 4, [2**63 - 1, 1, 2, 3]),
+     _part(4), "two rows on one"),
     (_table([b"a", b"b"], [b"1", b"1"], [0, 0], [1, 0]), _part(2), "diff 0"),
     (_table([b"a", b"b"], [b"1", b"1"], [0, 12], [1, 1]), _part(2), "times 0..12 stored"),
     (_table([b"a", b"b"], [b"1", b"1"], [0, 0], [1, 1]), _part(2, min_key=b"b"),
