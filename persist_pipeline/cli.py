@@ -438,10 +438,14 @@ def _verify(client: PersistClient, args: argparse.Namespace) -> int:
         raise InvalidInput("verify needs shards (ids or names) or --all, not both")
     shards = client.list_shards() if args.all else [str(_shard(client, text))
                                                      for text in args.shards]
+    named: dict[str, str] = {}
+    if args.all or len(shards) > 1:  # progress on stderr, with each shard's name if any
+        named = {str(i): n for n, i in sorted(client.shard_names().items(), reverse=True)}
     reports = {}
     for shard in dict.fromkeys(shards):
         if args.all or len(shards) > 1:
-            print(f"persist-pipeline: verifying {shard}", file=sys.stderr, flush=True)
+            name = f" ({named[shard]})" if shard in named else ""
+            print(f"persist-pipeline: verifying {shard}{name}", file=sys.stderr, flush=True)
         reports[shard] = client.verify(shard, deep=args.deep)
     _print_json({"ok": all(r.ok for r in reports.values()),
                  "shards": {shard: r.as_dict() for shard, r in reports.items()}})

@@ -307,6 +307,7 @@ def test_cli_verify_reports_and_exits_by_what_it_found(env: dict[str, str],
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["ok"] is True and set(report["shards"]) == {str(shard), str(other)}
+    assert f"verifying {other} (sales/orders)" in out.stderr  # progress, with names
     out = run_cli(env, "verify", "sales/orders", "--deep")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["shards"][str(other)]["inline_parts"] == 1
