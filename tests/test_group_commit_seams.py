@@ -1,0 +1,146 @@
+"""Group commit where it meets other features: an append held in the funnel's window
+while another client changes its shard (evolves or records its schema, closes it).
+
+The append's transition runs against the shard's state at the group's commit, not at
+enqueue: it commits with the schema it was encoded with (an evolution appended only
+nullable columns, so its rows still fit, and read back identically through every read
+path), or it is refused with the typed error of a single write, nothing written and its
+uploaded parts deleted. Deterministic: the other client acts inside the leader's window
+sleep, on SQLite + files and PostgreSQL + S3, inline and blob.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pytest
+
+from persist_pipeline import (
+    InlinePolicy,
+    PersistClient,
+    PersistConfig,
+    SchemaMismatch,
+    ShardId,
+    ShardSchema,
+    UpperMismatch,
+)
+from tests.fixtures.location import Location
+
+V1 = ShardSchema({"id": pa.int64()}, {"a": pa.string()})
+V2 = ShardSchema({"id": pa.int64()}, {"a": pa.string(), "b": pa.int32()})
+POLICIES = {"inline": InlinePolicy(4096, 1 << 20), "blob": InlinePolicy(0, 0)}
+WINDOW_S = 0.01
+
+
+class _WindowHook:
+    """The funnel's clock, running ``hook`` once inside the leader's window sleep: after
+    the append was enqueued, before its group is taken and committed."""
+
+    def __init__(self, clock: Any, hook: Callable[[], None]) -> None:
+        self._clock = clock
+        self._hook: Callable[[], None] | None = hook
+
+    def sleep(self, seconds: float) -> None:
+        hook, self._hook = self._hook, None
+        if hook is not None and seconds == WINDOW_S:
+            hook()
+        else:
+            self._hook = hook
+        self._clock.sleep(seconds)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._clock, name)
+
+
+def _grouping_client(location: Location, policy: InlinePolicy,
+                     hook: Callable[[], None]) -> PersistClient:
+    client = location.client(policy, PersistConfig(group_commit_window_s=WINDOW_S))
+    funnel = client._funnel
+    funnel._clock = _WindowHook(funnel._clock, hook)  # type: ignore[assignment]
+    return client
+
+
+def _part_keys(client: PersistClient, shard: str) -> set[str]:
+    stores = [client.blobs.main] + ([client.blobs.wal] if client.blobs.wal else [])
+    return {m.key for s in stores for m in s.list_keys(shard) if "/p/" in m.key}
+
+
+@pytest.mark.parametrize("placement", list(POLICIES))
+def test_an_append_held_while_the_schema_evolves_commits_and_reads_back_everywhere(
+        durable_location: Location, placement: str):
+    policy = POLICIES[placement]
+    other = durable_location.client(policy)
+    shard = str(ShardId.new())
+    client = _grouping_client(durable_location, policy,
+                              lambda: other.open_writer(shard, schema=V2).expire())
+    writer = client.open_writer(shard, schema=V1)
+    result = writer.compare_and_append(
+        pa.table({"id": [1, 2], "a": ["x", None], "t": [0, 0], "d": [1, 1]}), 0, 1)
+    assert result.upper == 1 and result.placement == placement
+    assert client.metrics.group_commits >= 1
+    assert other.schema(shard) == V2
+    # A writer of the new shape retracts one of the held append's rows and rewrites it
+    # with the new column: the sums only cancel if both encode the row identically.
+    later = other.open_writer(shard)
+    later.compare_and_append(pa.table({"id": [1, 1, 3], "a": ["x", "x", "z"],
+                                       "b": pa.array([None, 5, 7], pa.int32()),
+                                       "t": [1, 1, 1], "d": [-1, 1, 1]}), 1, 2)
+    expected = [(1, "x", 5, 1), (2, None, None, 1), (3, "z", 7, 1)]
+    reader = other.open_reader(shard)
+    try:
+        snap = reader.snapshot(1)
+        assert [(r["id"], r["a"], r["b"], r["d"]) for r in snap.to_pylist()] == expected
+        batches = pa.Table.from_batches(list(reader.snapshot_batches(1, max_rows=1)))
+        assert batches.equals(snap)
+        with reader.snapshot_plan(1) as plan:
+            ds = plan.to_dataset()  # noqa: F841 (read by DuckDB below)
+            got = duckdb.sql("SELECT id, a, b, sum(d) FROM ds WHERE t <= 1 GROUP BY id, a, b "
+                             "HAVING sum(d) <> 0 ORDER BY id").fetchall()
+            assert got == expected
+    finally:
+        reader.expire()
+    client.close()
+    other.close()
+
+
+@pytest.mark.parametrize("placement", list(POLICIES))
+def test_an_untyped_append_held_while_the_shard_is_typed_is_refused(
+        durable_location: Location, placement: str):
+    policy = POLICIES[placement]
+    other = durable_location.client(policy)
+    shard = str(ShardId.new())
+    client = _grouping_client(durable_location, policy,
+                              lambda: other.open_writer(shard, schema=V1).expire())
+    writer = client.open_writer(shard)
+    with pytest.raises(SchemaMismatch):
+        writer.compare_and_append([(b"raw", b"bytes", 0, 1)], 0, 1)
+    state = other.inspect(shard)
+    assert state["upper"] == 0 and other.schema(shard) == V1
+    assert _part_keys(other, shard) == set()  # certainly refused: its parts deleted
+    client.close()
+    other.close()
+
+
+@pytest.mark.parametrize("placement", list(POLICIES))
+def test_an_append_held_while_the_shard_is_closed_writes_nothing(
+        durable_location: Location, placement: str):
+    policy = POLICIES[placement]
+    other = durable_location.client(policy)
+    shard = str(ShardId.new())
+    closer = other.open_writer(shard)
+    client = _grouping_client(durable_location, policy,
+                              lambda: closer.compare_and_append([], 0, None))
+    writer = client.open_writer(shard)
+    with pytest.raises(UpperMismatch) as refused:
+        writer.compare_and_append([(b"k", b"v", 0, 1)], 0, 1)
+    assert refused.value.current is None
+    # persist's append leaves a closed shard out, as when it was closed before.
+    closed_after = writer.append([(b"k", b"v", 0, 1)], 0, 1)
+    assert closed_after.placement == "none" and closed_after.upper is None
+    assert other.inspect(shard)["upper"] is None
+    assert _part_keys(other, shard) == set()
+    client.close()
+    other.close()
