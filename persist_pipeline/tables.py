@@ -70,6 +70,7 @@ from persist_pipeline.exceptions import (
     InvalidUpdates,
     NotATable,
     NotYetAvailable,
+    ResourceExhausted,
     SchemaMismatch,
     ShardNameNotFound,
     ShardNotFound,
@@ -521,6 +522,8 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
             negative. A typed shard no table store wrote loads as the table of its key
             and value columns, an untyped one as its ``k`` and ``v`` bytes.
         SinceViolation: ``upper`` is so old that compaction merged it away.
+        ResourceExhausted: the rows' counts make a table of more rows than this process
+            can hold (other writers' diffs: any 64-bit count); nothing changed.
     """
     what = what or name
     names = client.shard_names()
@@ -586,8 +589,34 @@ def _rows_by_count(snapshot: pa.Table) -> pa.Table:
         raise NotATable("the shard holds retractions without rows (a negative count), "
                            "which no table has")
     if len(counts) and counts.max() > 1:
-        snapshot = snapshot.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
+        snapshot = _repeated(snapshot, counts)
     return snapshot
+
+
+#: The most rows a load expands counts into: one int64 index per row must be
+#: addressable (beyond it NumPy refuses the size with a ValueError, not a memory error).
+_MAX_LOAD_ROWS = np.iinfo(np.intp).max // np.dtype(np.int64).itemsize
+
+
+def _repeated(snapshot: pa.Table, counts: np.ndarray) -> pa.Table:
+    """``snapshot``'s rows, each ``counts`` times.
+
+    Raises:
+        ResourceExhausted: the table would have more rows than this process can hold.
+            Any 64-bit count is a valid diff (the API, the CLI and ingestion store
+            them), so this is a limit of loading, not a problem of the shard.
+    """
+    # Exact: 64-bit counts may sum beyond 64 bits, where NumPy's sum would wrap.
+    total = int(counts.sum()) if counts.max() <= _MAX_LOAD_ROWS // len(counts) \
+        else sum(counts.tolist())
+    try:
+        if total > _MAX_LOAD_ROWS:
+            raise MemoryError("beyond the addressable size")
+        return snapshot.take(pa.array(np.repeat(np.arange(len(counts)), counts)))
+    except MemoryError as e:
+        raise ResourceExhausted(f"the shard's counts make a table of {total} rows, more than "
+                                f"this process can hold ({e}); read it with a snapshot "
+                                f"(rows with their counts) instead") from None
 
 
 def _first_generation(name: str, names: Mapping[str, ShardId]) -> ShardId | None:

@@ -17,6 +17,7 @@ from persist_pipeline import (
     NotATable,
     NotYetAvailable,
     PersistClient,
+    ResourceExhausted,
     SchemaMismatch,
     ShardSchema,
     SinceViolation,
@@ -363,3 +364,32 @@ def test_a_partition_keyed_like_a_generation_is_no_generation_of_its_folder(
         [("id", pa.int32()), ("val", pa.string())])), ["id"]).name == f"{keyed}/_v2"
     assert tables.load_table(client, keyed).column("id").type == pa.int32()
     assert tables.load_table(client, partition).sort_by("id").equals(ORDERS)
+
+
+@pytest.mark.parametrize("counts", [[1 << 62, 1 << 62], [1 << 62], [1 << 45, 3]],
+                         ids=["sum-beyond-64-bits", "beyond-addressable", "beyond-memory"])
+def test_a_load_of_counts_no_table_can_hold_is_a_typed_error_and_changes_nothing(
+        client: PersistClient, counts: list[int]) -> None:
+    """Counts the API, the CLI or ingestion store (any 64-bit diff) that a table load
+    cannot expand into rows (a sum beyond 64 bits, more rows than memory can address or
+    hold) are refused with ResourceExhausted, a PersistError, never a bare ValueError or
+    MemoryError from the expansion; the shard is unchanged and other reads still count
+    them exactly."""
+    writer = client.open_writer(client.resolve("ingested", create=True))
+    rows = [(b"k%d" % i, b"v", 0, d) for i, d in enumerate(counts)]
+    writer.compare_and_append(rows, 0, 1)
+    writer.expire()
+    with pytest.raises(ResourceExhausted, match=f"{sum(counts)} rows"):
+        tables.load_table(client, "ingested")
+    typed = client.open_writer(client.resolve("typed", create=True),
+                               schema=ShardSchema({"id": pa.int64()}, {}))
+    typed.compare_and_append(pa.table({"id": list(range(len(counts))), "t": [0] * len(counts),
+                                       "d": counts}), 0, 1)
+    typed.expire()
+    with pytest.raises(ResourceExhausted, match=f"{sum(counts)} rows"):
+        tables.load_table(client, "typed")
+    reader = client.open_reader(client.resolve("ingested"))
+    try:
+        assert reader.snapshot(0).column("d").to_pylist() == counts
+    finally:
+        reader.expire()

@@ -442,6 +442,8 @@ class PersistIOManager(dg.ConfigurableIOManager):
             SinceViolation: ``upper`` is so old that compaction merged it away.
             NotATable: other writers' appends left the shard holding what no table is
                 (a key twice, a row retracted that was never stored).
+            ResourceExhausted: other writers' counts make a table of more rows than
+                this process can hold.
         """
         what = what or name
         client = self._existing_client(what)
