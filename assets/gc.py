@@ -11,7 +11,9 @@ Each ``gc/NAME`` has a ``stores_intact`` check, run right after its GC: every pa
 rollup the shard's latest state references is still stored at its recorded size, and
 every inline part decodes (:meth:`PersistClient.verify`, one listing per store). It
 fails (severity ERROR) naming each blob lost or damaged, whoever lost it: this GC, a
-hand-made delete or a bucket lifecycle rule.
+hand-made delete or a bucket lifecycle rule. A shard whose state cannot be rebuilt (its
+rollup lost) is not collected, but its check still runs and fails naming the rollup, and
+the other shards are collected and checked before the step fails with that error.
 """
 
 # No `from __future__ import annotations` here: Dagster 1.13 reads the annotations of
@@ -25,7 +27,7 @@ import dagster as dg
 from assets.asset_keys import MAINTENANCE_GROUP, gc_key
 from assets.pipeline_config import ShardConfig
 from persist_pipeline import PersistClient
-from persist_pipeline.exceptions import ShardNotFound
+from persist_pipeline.exceptions import CorruptData, ShardNotFound
 from resources.persist import PersistResource
 
 STORES_CHECK = "stores_intact"
@@ -77,6 +79,7 @@ def build_gc_assets(shards: tuple[ShardConfig, ...], *, cron: str = "30 3 * * *"
                    persist: PersistResource) -> Iterator[Any]:
         client = persist.client()
         checked = {ck.asset_key for ck in context.selected_asset_check_keys}
+        unreadable: list[CorruptData] = []
         for key in sorted(context.selected_asset_keys, key=str):
             shard = by_key[key]
             try:
@@ -84,6 +87,16 @@ def build_gc_assets(shards: tuple[ShardConfig, ...], *, cron: str = "30 3 * * *"
                 found = True
             except ShardNotFound:
                 metrics, found = {}, False
+            except CorruptData as e:
+                # The shard's state cannot be rebuilt (its rollup lost), so it cannot be
+                # collected; its check still says what is lost (a report, not an error:
+                # guarantee 22), and the other shards are still collected and checked.
+                # The step fails afterwards: this GC did not run.
+                context.log.error(f"gc of shard {shard.name}: {type(e).__name__}: {e}")
+                unreadable.append(e)
+                if key in checked:
+                    yield _stores_intact(client, shard, key, True)
+                continue
             meta: dict[str, Any] = {k: metrics.get(k, 0) for k in METRIC_KEYS}
             meta["duration_s"] = round(float(meta["duration_s"]), 3)
             meta["shard_found"] = found
@@ -91,6 +104,8 @@ def build_gc_assets(shards: tuple[ShardConfig, ...], *, cron: str = "30 3 * * *"
             yield dg.MaterializeResult(asset_key=key, metadata=meta)
             if key in checked:
                 yield _stores_intact(client, shard, key, found)
+        if unreadable:
+            raise unreadable[0]
 
     return persist_gc
 

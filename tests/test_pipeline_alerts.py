@@ -159,8 +159,12 @@ def test_a_failed_gc_step_in_a_compaction_run_is_not_a_compaction_alert(
     failures = [e for e in result.all_events
                 if e.event_type == dg.DagsterEventType.STEP_FAILURE]
     assert [e.step_key for e in failures] == ["persist_gc"]
-    [check] = result.get_asset_check_evaluations()
-    assert check.asset_key == compacted_key("clicks") and check.passed
+    checks = {c.asset_key: c for c in result.get_asset_check_evaluations()}
+    assert set(checks) == {compacted_key("clicks"), gc_key("clicks")}
+    assert checks[compacted_key("clicks")].passed
+    # The GC step's own check still ran and names the state that cannot be rebuilt.
+    assert not checks[gc_key("clicks")].passed
+    assert "CorruptState" in (checks[gc_key("clicks")].description or "")
 
     skip = evaluate_failure_sensor(pipeline, result)
     assert isinstance(skip, dg.SkipReason) and "persist_gc" in skip.skip_message

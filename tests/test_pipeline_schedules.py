@@ -195,3 +195,32 @@ def test_gc_runs_when_its_tick_comes_with_the_compaction_tick(make_pipeline: Any
     assert {k for k in meta if k.startswith("gc/")} == {"gc/clicks", "gc/idle", "gc/stock"}
     assert meta["gc/clicks"]["shard_found"] is True
     assert not [k for k in meta if k.startswith("compact/")]  # nothing had work
+
+
+def test_the_gc_check_fails_naming_a_lost_state_rollup_and_the_others_still_run(
+        make_pipeline: Any) -> None:
+    """The rollup the shard's state is rebuilt from deleted behind the library's back:
+    the state cannot be rebuilt, so GC of that shard cannot run; its check fails naming
+    the lost rollup, and the other shards are still collected and checked."""
+    pipeline: Pipeline = make_pipeline(SHARDS)
+    assert pipeline.ingest("clicks").success
+    assert pipeline.defs.resolve_job_def("gc_job").execute_in_process(
+        instance=pipeline.instance, raise_on_error=False).success
+    client = pipeline.client()
+    shard = pipeline.shard_id("clicks")
+    latest = client._machine(shard).fetch_latest().latest_rollup()
+    assert latest is not None
+    client.blobs.main.delete(latest.key)
+    result = pipeline.defs.resolve_job_def("gc_job").execute_in_process(
+        instance=pipeline.instance, raise_on_error=False)
+    checks = check_results(result)
+    check = checks["gc/clicks:stores_intact"]
+    assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
+    assert latest.key in (check.description or "")
+    assert checks["gc/stock:stores_intact"].passed
+    meta = materializations(result)
+    assert "gc/stock" in meta and "gc/clicks" not in meta
+    # That shard's GC did not run: the step fails, with the typed cause.
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.is_step_failure]
+    assert "CorruptState" in str(failure.step_failure_data.error)
