@@ -165,6 +165,20 @@ class PartMissing(CorruptPart):
     compaction replaced it (a reader past its lease, or a stale state), or it was lost."""
 
 
+class ChecksumMismatch(CorruptData):
+    """Bytes read from a blob store are not the bytes written there: their CRC-32
+    differs from the one the state recorded (rot, a truncated, replaced or swapped
+    object). Raised instead of decoding them, so they never become wrong rows."""
+
+
+class PartChecksumMismatch(ChecksumMismatch, CorruptPart):
+    """A Parquet part's bytes do not match its recorded CRC-32."""
+
+
+class RollupChecksumMismatch(ChecksumMismatch, CorruptState):
+    """A state rollup's bytes do not match its recorded CRC-32."""
+
+
 # --- backends -----------------------------------------------------------------------------
 
 

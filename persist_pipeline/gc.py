@@ -76,10 +76,11 @@ def _state_at(machine: Machine, head: State, seqno: int) -> State:
         return state_codec.apply_diff(State(shard_id=machine.shard_id),
                                       state_codec.decode_diff(records[0].data, where), where)
     rollup = head.rollups.get(seqno)
-    data = machine.blobs.main.get(rollup.key) if rollup is not None else None
-    if data is None:
+    rolled = machine.blobs.fetch_rollup(rollup.key, rollup.crc32, f"rollup {rollup.key}") \
+        if rollup is not None else None
+    if rolled is None:
         raise _Overtaken(f"the rollup at seqno {seqno} was removed meanwhile")
-    return state_codec.decode_state(data, f"rollup {rollup.key if rollup else ''}")
+    return rolled
 
 
 def _records(machine: Machine, start: int, end: int | None) -> list[Any]:

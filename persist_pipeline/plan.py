@@ -48,6 +48,7 @@ from persist_pipeline.blob.base import Blob
 from persist_pipeline.blob.local import LocalBlob
 from persist_pipeline.exceptions import (
     BlobUnavailable,
+    CorruptPart,
     InvalidConfig,
     LeaseExpired,
     NotYetAvailable,
@@ -91,6 +92,8 @@ class PlanFile:
         index: its position among that batch's parts (a batch's parts are consecutive,
             ascending ranges of one sorted run of keys).
         min_key / max_key: bounds of its keys (inclusive), None if not recorded.
+        crc32: the CRC-32 of its bytes as written (None if not recorded); readers of
+            the whole file through this library check it.
     """
 
     uri: str
@@ -105,11 +108,12 @@ class PlanFile:
     index: int = 0
     min_key: bytes | None = None
     max_key: bytes | None = None
+    crc32: int | None = None
 
     def hollow_part(self) -> HollowPart:
         """The state's description of this part (what the streaming reader takes)."""
         return HollowPart(self.key, self.store, self.size, self.num_updates, self.min_time,
-                          self.max_time, self.min_key, self.max_key)
+                          self.max_time, self.min_key, self.max_key, self.crc32)
 
 
 #: The ``as_of`` of every read that means the latest complete time (``upper - 1``).
@@ -319,7 +323,7 @@ class SnapshotPlan:
             try:
                 # A typed shard's older files may lack value columns added since: null.
                 pieces.append(pads.dataset(paths, schema=self.dataset_schema,
-                                           format="parquet",
+                                           format=_parquet_format(),
                                            filesystem=self.filesystem(store)))
             except (OSError, pa.ArrowException) as e:
                 raise self._read_error(e) from e
@@ -352,7 +356,8 @@ class SnapshotPlan:
     def _read_error(self, error: Exception) -> Exception:
         """What :meth:`to_table` raises for ``error``: :class:`PartMissing` naming a file
         of the plan that is gone (GC deleted it: the plan was closed, or its reader's
-        lease ran out), else :class:`BlobUnavailable`."""
+        lease ran out), :class:`CorruptPart` for a page whose CRC-32 failed (retrying
+        reads the same bytes), else :class:`BlobUnavailable`."""
         import pyarrow.fs as pafs
 
         for f in self.file_details:
@@ -365,6 +370,9 @@ class SnapshotPlan:
                     f"shard {self.shard_id}: file {f.uri} of this snapshot plan is gone: GC "
                     f"deletes a plan's files once the plan is closed or its reader's lease "
                     f"ran out; make a new plan (or give the reader a longer lease)")
+        if _PAGE_CHECKSUM_FAILED in str(error):
+            return CorruptPart(f"shard {self.shard_id}: a file of this snapshot plan holds "
+                               f"bytes that changed since it was written: {error}")
         return BlobUnavailable(f"shard {self.shard_id}: reading this snapshot plan's files "
                                f"failed: {error}")
 
@@ -392,7 +400,7 @@ class SnapshotPlan:
             "seqno": self.seqno,
             "files": [{"uri": f.uri, "store": f.store, "bytes": f.size,
                        "updates": f.num_updates, "min_time": f.min_time,
-                       "max_time": f.max_time} for f in self.file_details],
+                       "max_time": f.max_time, "crc32": f.crc32} for f in self.file_details],
         }
         if self.schema is not None:
             rows = self.schema.decode(self.inline, f"shard {self.shard_id}").to_pylist()
@@ -422,6 +430,20 @@ class SnapshotPlan:
         return (f"SnapshotPlan(shard={self.shard_id}, as_of={self.as_of}, "
                 f"files={len(self.files)}, inline_rows={self.inline.num_rows}, "
                 f"{'closed' if self.closed else 'open'})")
+
+
+#: What Arrow's Parquet reader says of a page whose CRC-32 does not match.
+_PAGE_CHECKSUM_FAILED = "CRC checksum verification failed"
+
+
+def _parquet_format() -> pads.ParquetFileFormat:
+    """Parquet as a plan's dataset scans it: checking every page's CRC-32 (our parts
+    carry them), so that DuckDB, polars or pyarrow scanning the dataset get an error
+    for a rotted page, never its garbage."""
+    import pyarrow.dataset as pads
+
+    return pads.ParquetFileFormat(default_fragment_scan_options=pads.ParquetFragmentScanOptions(
+        page_checksum_verification=True))
 
 
 def _file_schema(schema: ShardSchema) -> pa.Schema:

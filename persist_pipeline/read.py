@@ -391,7 +391,8 @@ class ReadHandle:
                     uri, path = file_uri(self._machine.blobs.store(part.store), part.key)
                     files.append(PlanFile(uri, part.store, part.key, path, part.encoded_size,
                                           part.num_updates, part.min_time, part.max_time,
-                                          batch.id, index, part.min_key, part.max_key))
+                                          batch.id, index, part.min_key, part.max_key,
+                                          part.crc32))
             stores = {"main": self._machine.blobs.main}
             if self._machine.blobs.wal is not None:
                 stores["wal"] = self._machine.blobs.wal

@@ -5,10 +5,12 @@ A check reads and changes nothing. It takes the shard's latest state, then:
 - lists the shard's prefix in each blob store once, and finds every Parquet part and
   state rollup the state references there, at the size recorded when it was written;
 - decodes every inline part the state holds (they live in consensus, at no blob cost);
-- ``deep``: also fetches every Parquet part and rollup, decodes it with the codec every
-  read uses, and checks its contents against what the state records of it (update
-  count, time bounds, key bounds) and the order every part is written in: sorted by
-  ``(k, v, t)`` and consolidated (no two rows on one ``(k, v, t)``, no zero diff).
+- ``deep``: also fetches every Parquet part and rollup, checks its bytes against the
+  CRC-32 recorded when it was written (parts and rollups written before CRCs were
+  recorded have none), decodes it with the codec every read uses, and checks its
+  contents against what the state records of it (update count, time bounds, key
+  bounds) and the order every part is written in: sorted by ``(k, v, t)`` and
+  consolidated (no two rows on one ``(k, v, t)``, no zero diff).
 
 Compaction and GC may run while a check does: a part merged away and collected between
 the state read and the listing is gone for good reason. So a blob found missing, of the
@@ -27,18 +29,25 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from persist_pipeline.exceptions import CorruptData, PartMissing
-from persist_pipeline.internal import paths, state_codec
+from persist_pipeline.exceptions import ChecksumMismatch, CorruptData, PartMissing
+from persist_pipeline.internal import paths
 from persist_pipeline.internal.machine import Machine
 from persist_pipeline.internal.merge import neighbours
-from persist_pipeline.internal.state import Batch, HollowPart, InlinePart, State, Store
+from persist_pipeline.internal.state import (
+    Batch,
+    HollowPart,
+    InlinePart,
+    Rollup,
+    State,
+    Store,
+)
 
 __all__ = ["IntegrityProblem", "VerifyReport", "verify_shard"]
 
 #: The counts one diff holds.
 _SIGNED_64_BIT = range(-(1 << 63), 1 << 63)
 
-ProblemKind = Literal["missing", "size", "unreadable", "contents", "state"]
+ProblemKind = Literal["missing", "size", "checksum", "unreadable", "contents", "state"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,9 @@ class IntegrityProblem:
 
     Attributes:
         kind: ``missing`` (no such blob), ``size`` (a blob of another size than
-            recorded), ``unreadable`` (it does not decode), ``contents`` (it decodes,
+            recorded), ``checksum`` (its bytes' CRC-32 is not the one recorded when it
+            was written: they changed since), ``unreadable`` (it does not decode),
+            ``contents`` (it decodes,
             but not to what the state records of it, or not in the order parts are
             written in) or ``state`` (the shard's state itself cannot be rebuilt from
             its consensus records and rollup: nothing else could be checked).
@@ -163,7 +174,7 @@ def _verify_state(machine: Machine, state: State, *, deep: bool) -> VerifyReport
         problem = _check_blob(machine, listed["main"], "main", rollup.key,
                               rollup.encoded_size, "")
         if problem is None and deep:
-            problem = _check_rollup(machine, state, rollup.seqno, rollup.key)
+            problem = _check_rollup(machine, state, rollup)
         if problem is not None:
             found.append(_Found(problem, ("main", rollup.key)))
     problems, replaced = _still_referenced(machine, found)
@@ -216,6 +227,8 @@ def _check_contents(machine: Machine, batch: Batch, part: HollowPart | InlinePar
     except PartMissing:
         return IntegrityProblem("missing", store, key, batch.id,
                                 f"not in the {store} blob store")
+    except ChecksumMismatch as e:
+        return IntegrityProblem("checksum", store, key, batch.id, str(e))
     except CorruptData as e:
         return IntegrityProblem("unreadable", store, key, batch.id, str(e))
     wrong = _contents_problem(table, part.num_updates,
@@ -270,15 +283,17 @@ def _sums_beyond_64_bits(same: np.ndarray, d: pa.Array) -> bool:
     return True
 
 
-def _check_rollup(machine: Machine, state: State, seqno: int, key: str
+def _check_rollup(machine: Machine, state: State, rollup: Rollup
                   ) -> IntegrityProblem | None:
-    data = machine.blobs.main.get(key)
-    if data is None:
-        return IntegrityProblem("missing", "main", key, "", "not in the main blob store")
+    seqno, key = rollup.seqno, rollup.key
     try:
-        rolled = state_codec.decode_state(data, f"rollup {key}")
+        rolled = machine.blobs.fetch_rollup(key, rollup.crc32, f"rollup {key}")
+    except ChecksumMismatch as e:
+        return IntegrityProblem("checksum", "main", key, "", str(e))
     except CorruptData as e:
         return IntegrityProblem("unreadable", "main", key, "", str(e))
+    if rolled is None:
+        return IntegrityProblem("missing", "main", key, "", "not in the main blob store")
     if rolled.seqno != seqno or rolled.shard_id != state.shard_id:
         return IntegrityProblem("contents", "main", key, "",
                                 f"a state of shard {rolled.shard_id} at seqno "

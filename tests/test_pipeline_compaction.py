@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,12 @@ def test_spark_executor_compacts_many_shards_in_one_job(tmp_path: Path,
         after = _snapshots(client, str(shard), 9)
         for t, table in before[shard].items():
             assert after[t].equals(table), f"shard {shard}: snapshot at {t} changed"
+        # The executors' parts record the CRC-32 of the bytes they stored, as the
+        # driver's do: reads check it.
+        state = client._machine(str(shard)).fetch_latest()
+        for part in (p for b in state.batches.values() for p in b.hollow_parts()):
+            data = client.blobs.store(part.store).get(part.key)
+            assert data is not None and part.crc32 == zlib.crc32(data), part.key
 
     # Nothing pending: no Spark job at all.
     idle = compact_shards(spark_session, client, shards, blob_uri=blob, wal_blob_uri=wal)

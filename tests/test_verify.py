@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -100,13 +101,22 @@ def test_a_lost_or_truncated_part_is_reported(loc: Location, kind: str) -> None:
 
 
 def test_deep_finds_bytes_that_rotted_in_place(tmp_path: Path) -> None:
-    """Garbage of the recorded size passes the listing; only decoding it tells."""
+    """Garbage of the recorded size passes the listing; only its CRC-32 tells, or, for
+    a part recorded before CRC-32s were (none to check), decoding it."""
     client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}")
     shard = _shard_with_everything(client)
     [part] = _hollow_parts(client, shard)
     client.blobs.main.set(part.key, b"\x00" * part.encoded_size)
     assert client.verify(shard).ok
     [problem] = client.verify(shard, deep=True).problems
+    assert (problem.kind, problem.key) == ("checksum", part.key)
+    assert "CRC-32" in problem.detail
+    machine = client._machine(str(shard))
+    state = machine.fetch_latest()
+    unrecorded = {b.id: replace(b, parts=tuple(replace(p, crc32=None) if p == part else p
+                                                for p in b.parts))
+                  for b in state.batches.values()}
+    [problem] = _verify_state(machine, state.evolve(batches=unrecorded), deep=True).problems
     assert (problem.kind, problem.key) == ("unreadable", part.key)
     assert "corrupt Parquet part" in problem.detail
     client.close()

@@ -101,6 +101,12 @@ class CachingBlob(Blob):
                 self._admit(key, value, epoch)
         return value
 
+    def forget(self, key: str) -> None:
+        """Drop ``key``'s cached value, if any: a reader found it is not the value
+        written (its checksum failed), so the next read goes to the inner store."""
+        with self._lock:
+            self._drop(key)
+
     def get_range(self, key: str, start: int, length: int) -> bytes | None:
         """A range of the cached value when the cache holds it, else of the inner store
         (ranges are not admitted: streaming reads must not evict whole parts)."""

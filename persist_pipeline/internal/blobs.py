@@ -24,18 +24,27 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from persist_pipeline.blob.base import Blob
+from persist_pipeline.blob.cache import CachingBlob
 
 if TYPE_CHECKING:
     from persist_pipeline.schema import ShardSchema
 from persist_pipeline.exceptions import (
     CorruptPart,
     InvalidConfig,
+    PartChecksumMismatch,
     PartMissing,
     PersistError,
     ResourceExhausted,
 )
-from persist_pipeline.internal import paths
-from persist_pipeline.internal.state import HollowPart, InlinePart, Part, Store, key_bounds
+from persist_pipeline.internal import checksum, paths, state_codec
+from persist_pipeline.internal.state import (
+    HollowPart,
+    InlinePart,
+    Part,
+    State,
+    Store,
+    key_bounds,
+)
 from persist_pipeline.updates import (
     PARQUET_ROW_GROUP_BYTES as _ROW_GROUP_BYTES,
 )
@@ -114,7 +123,7 @@ class DecodedParts:
                 meta = self._footers.get((part.store, part.key))
             source = _BlobFile(blobs.store(part.store, cached=True), part, where)
             if meta is None:
-                meta = pq.ParquetFile(source).metadata
+                meta = pq.ParquetFile(source, page_checksum_verification=True).metadata
                 with self._lock:
                     self._footers[(part.store, part.key)] = meta
                     while len(self._footers) > _FOOTERS_CACHED:
@@ -123,7 +132,8 @@ class DecodedParts:
                 key = (part.store, part.key, group)
                 table = self._cached(key)
                 if table is None:
-                    reader = pq.ParquetFile(source, metadata=meta)
+                    reader = pq.ParquetFile(source, metadata=meta,
+                                            page_checksum_verification=True)
                     table = reader.read_row_group(group, columns=SCHEMA.names,
                                                   use_threads=False).cast(SCHEMA)
                     self._keep(key, table)
@@ -185,11 +195,39 @@ class ShardBlobs:
         if isinstance(part, InlinePart):
             return decode_inline(part.updates, f"{part.part_id} ({where})")
         assert isinstance(part, HollowPart)
-        data = self.store(part.store, cached=cached).get(part.key)
+        store = self.store(part.store, cached=cached)
+        data = self._get(store, part, where)
+        described = f"{part.key!r} in the {part.store} blob store"
+        if part.crc32 is not None and checksum.crc32(data) != part.crc32:
+            # One read that went wrong (or a copy of one, cached) must not fail a read,
+            # or every later one, of a part that is intact: the store's bytes, read
+            # again, decide.
+            if isinstance(store, CachingBlob):
+                store.forget(part.key)
+            data = self._get(self.store(part.store), part, where)
+        checksum.check(data, part.crc32, f"part {described} ({where})",
+                       PartChecksumMismatch)
+        return decode_parquet(data, described)
+
+    def fetch_rollup(self, key: str, crc32: int | None, where: str) -> State | None:
+        """The state stored as a rollup at ``key`` in the main store (None if it is
+        gone), after checking its bytes against ``crc32`` (as :meth:`fetch_part` checks
+        a part's, read again once before they are judged changed); raises
+        :class:`RollupChecksumMismatch` or :class:`CorruptState` naming ``where``."""
+        data = self.main.get(key)
+        if data is not None and crc32 is not None and checksum.crc32(data) != crc32:
+            data = self.main.get(key)
+        if data is None:
+            return None
+        return state_codec.decode_rollup(data, crc32, where)
+
+    @staticmethod
+    def _get(store: Blob, part: HollowPart, where: str) -> bytes:
+        data = store.get(part.key)
         if data is None:
             raise PartMissing(f"part {part.key!r} ({where}) is missing from the "
                               f"{part.store} blob store")
-        return decode_parquet(data, f"{part.key!r} in the {part.store} blob store")
+        return data
 
     def stream_part(self, part: Part, where: str, batch_bytes: int,
                     key_lower: bytes | None = None, key_upper: bytes | None = None,
@@ -214,7 +252,7 @@ class ShardBlobs:
         described = f"{part.key!r} in the {part.store} blob store"
         try:
             reader = pq.ParquetFile(self._open(part, where), buffer_size=max(1, read_bytes),
-                                    pre_buffer=False)
+                                    pre_buffer=False, page_checksum_verification=True)
             meta = reader.metadata
             # Batches of the storage types need no cast (a cast per batch costs more
             # than decoding a small one).
@@ -307,7 +345,8 @@ def key_starts(blobs: ShardBlobs, part: HollowPart, where: str,
         step = max(1, len(keys) // small_part_samples)
         samples = [keys[i].as_py() for i in range(0, len(keys), step)]
         return [(key, part.encoded_size // max(1, len(samples))) for key in samples]
-    meta = pq.ParquetFile(_BlobFile(blobs.store(part.store, cached=True), part, where)).metadata
+    meta = pq.ParquetFile(_BlobFile(blobs.store(part.store, cached=True), part, where),
+                          page_checksum_verification=True).metadata
     if "k" not in meta.schema.names:
         return whole
     k = meta.schema.names.index("k")
@@ -508,7 +547,8 @@ class PartWriter:
         self._blob.set(key, data)
         min_key, max_key = key_bounds(self._first_key, self._last_key)
         self._parts.append(HollowPart(key, self._store, len(data), self._rows,
-                                      self._min_time, self._max_time, min_key, max_key))
+                                      self._min_time, self._max_time, min_key, max_key,
+                                      checksum.crc32(data)))
         self._rows = 0
 
 

@@ -123,10 +123,9 @@ def batch_landed(machine: Machine, batch_id: str | None, lower: int,
     base_upper: Frontier | None = None
     known = False
     for seqno, rollup in sorted(latest.rollups.items()):
-        data = machine.blobs.main.get(rollup.key)
-        if data is None:
+        rolled = machine.blobs.fetch_rollup(rollup.key, rollup.crc32, f"rollup {rollup.key}")
+        if rolled is None:
             continue  # replaced by a concurrent GC: the others still tell
-        rolled = state_codec.decode_state(data, f"rollup {rollup.key}")
         if batch_id is not None and batch_id in rolled.batches:
             return at(rolled.batches[batch_id].desc)
         for w in rolled.writers.values() if token else ():

@@ -239,11 +239,13 @@ class Machine:
         if summary.HasField("latest_rollup_seqno"):
             seqno = summary.latest_rollup_seqno
             key = summary.latest_rollup_key
-            data = self.blobs.main.get(key) if key else None
-            if data is None:
+            crc32 = summary.latest_rollup_crc32 \
+                if summary.HasField("latest_rollup_crc32") else None
+            rolled = self.blobs.fetch_rollup(key, crc32, f"rollup {key}") if key else None
+            if rolled is None:
                 raise _RollupMissing(f"shard {self.shard_id}: rollup for seqno {seqno} is "
                                      f"missing from blob key {key!r}")
-            base = state_codec.decode_state(data, f"rollup {key}")
+            base = rolled
             if base.seqno != seqno or base.shard_id != self.shard_id:
                 raise CorruptState(f"rollup {key} holds shard {base.shard_id} seqno "
                                    f"{base.seqno}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from persist_pipeline.exceptions import PersistError
-from persist_pipeline.internal import paths, state_codec, transitions
+from persist_pipeline.internal import checksum, paths, state_codec, transitions
 from persist_pipeline.internal.state import Rollup, State
 from persist_pipeline.internal.sync import SharedPool, new_lock
 
@@ -96,7 +96,7 @@ class RollupMaintenance:
         data = state_codec.encode_state(state)
         machine.blobs.main.set(key, data)
         machine.metrics.rollups_written += 1
-        return _Ready(Rollup(state.seqno, key, len(data)), started_s)
+        return _Ready(Rollup(state.seqno, key, len(data), checksum.crc32(data)), started_s)
 
     def fold_ready(self, new: State) -> State:
         """Record a rollup stored in the background in the commit about to be made."""

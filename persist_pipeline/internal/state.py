@@ -36,7 +36,9 @@ class HollowPart:
     Every part is sorted by ``(k, v, t)`` and consolidated; the parts one writer or one
     merge writes for a batch are in key order, one sorted run (see :meth:`Batch.runs`).
     ``min_key``/``max_key`` bound its keys (inclusive, see :func:`key_bounds`); None in
-    parts written before they were recorded.
+    parts written before they were recorded. ``crc32`` is the CRC-32 of its bytes as
+    written (:func:`checksum`), which every whole read checks; None in parts written
+    before it was recorded.
     """
 
     key: str
@@ -47,6 +49,7 @@ class HollowPart:
     max_time: int
     min_key: bytes | None = None
     max_key: bytes | None = None
+    crc32: int | None = None
 
     def may_hold_keys(self, lower: bytes | None, upper: bytes | None) -> bool:
         """Whether the part may hold a key ``k`` with ``lower <= k < upper`` (None: open)."""
@@ -237,11 +240,13 @@ class Writer:
 
 @dataclass(frozen=True, slots=True)
 class Rollup:
-    """A full copy of the state at ``seqno``, stored in the main blob store."""
+    """A full copy of the state at ``seqno``, stored in the main blob store, with the
+    CRC-32 of its bytes (None in rollups recorded before it was)."""
 
     seqno: int
     key: str
     encoded_size: int
+    crc32: int | None = None
 
 
 @dataclass(frozen=True)

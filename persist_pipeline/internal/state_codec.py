@@ -14,8 +14,9 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
-from persist_pipeline.exceptions import CorruptState
+from persist_pipeline.exceptions import CorruptState, RollupChecksumMismatch
 from persist_pipeline.frontier import Frontier
+from persist_pipeline.internal import checksum
 from persist_pipeline.internal.state import (
     FORMAT_VERSION,
     Batch,
@@ -81,6 +82,8 @@ def _part_to(part: Part, out: pb.Part) -> None:
             h.min_key = part.min_key
         if part.max_key is not None:
             h.max_key = part.max_key
+        if part.crc32 is not None:
+            h.crc32 = part.crc32
     else:
         i = out.inline
         i.part_id, i.updates, i.num_updates = part.part_id, part.updates, part.num_updates
@@ -95,7 +98,8 @@ def _part_from(p: pb.Part) -> Part:
         store: Any = h.store
         return HollowPart(h.key, store, h.encoded_size, h.num_updates, h.min_time, h.max_time,
                           h.min_key if h.HasField("min_key") else None,
-                          h.max_key if h.HasField("max_key") else None)
+                          h.max_key if h.HasField("max_key") else None,
+                          h.crc32 if h.HasField("crc32") else None)
     if kind == "inline":
         i = p.inline
         return InlinePart(i.part_id, i.updates, i.num_updates)
@@ -220,10 +224,12 @@ def _writer_from(p: pb.Writer) -> Writer:
 
 def _rollup_to(r: Rollup, out: pb.Rollup) -> None:
     out.seqno, out.key, out.encoded_size = r.seqno, r.key, r.encoded_size
+    if r.crc32 is not None:
+        out.crc32 = r.crc32
 
 
 def _rollup_from(p: pb.Rollup) -> Rollup:
-    return Rollup(p.seqno, p.key, p.encoded_size)
+    return Rollup(p.seqno, p.key, p.encoded_size, p.crc32 if p.HasField("crc32") else None)
 
 
 def _scalars_to(s: State, out: pb.Scalars) -> None:
@@ -289,6 +295,15 @@ def encode_state(state: State) -> bytes:
     msg.schema = state.schema
     encoded.append(msg.SerializeToString(deterministic=True))
     return b"".join(encoded)
+
+
+def decode_rollup(data: bytes, crc32: int | None, where: str) -> State:
+    """Decode a rollup's bytes after checking them against the CRC-32 recorded for it
+    (None: none was); raises :class:`RollupChecksumMismatch` or :class:`CorruptState`
+    naming ``where``. Every read of a rollup goes through here: a rollup whose bytes
+    changed in the store could otherwise decode into a wrong state."""
+    checksum.check(data, crc32, where, RollupChecksumMismatch)
+    return decode_state(data, where)
 
 
 def decode_state(data: bytes, where: str) -> State:
@@ -520,6 +535,8 @@ def encode_summary(state: State) -> bytes:
         latest = state.rollups[max(state.rollups)]  # State.latest_rollup()
         msg.latest_rollup_seqno = latest.seqno
         msg.latest_rollup_key = latest.key
+        if latest.crc32 is not None:
+            msg.latest_rollup_crc32 = latest.crc32
     return msg.SerializeToString()
 
 

@@ -58,11 +58,12 @@ def _history(client: PersistClient, shard: str, result: CheckResult) -> list[Sta
             state = State(shard_id=shard)
         else:
             rollup = client._machine(shard).fetch_latest().rollups.get(first)
-            data = client.blobs.main.get(rollup.key) if rollup is not None else None
-            if data is None:
+            rolled = client.blobs.fetch_rollup(rollup.key, rollup.crc32,
+                                               f"rollup at seqno {first}") if rollup else None
+            if rolled is None:
                 result.violations.append(f"no rollup at the earliest record, seqno {first}")
                 return []
-            state = state_codec.decode_state(data, f"rollup at seqno {first}")
+            state = rolled
             states.append(state)
     except CorruptData as e:
         result.violations.append(f"state does not decode: {e}")

@@ -35,7 +35,7 @@ class InlineUpdates(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., vals: _Optional[_Iterable[bytes]] = ..., times: _Optional[_Iterable[int]] = ..., diffs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HollowPart(_message.Message):
-    __slots__ = ("key", "store", "encoded_size", "num_updates", "min_time", "max_time", "min_key", "max_key")
+    __slots__ = ("key", "store", "encoded_size", "num_updates", "min_time", "max_time", "min_key", "max_key", "crc32")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     ENCODED_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class HollowPart(_message.Message):
     MAX_TIME_FIELD_NUMBER: _ClassVar[int]
     MIN_KEY_FIELD_NUMBER: _ClassVar[int]
     MAX_KEY_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     key: str
     store: str
     encoded_size: int
@@ -52,7 +53,8 @@ class HollowPart(_message.Message):
     max_time: int
     min_key: bytes
     max_key: bytes
-    def __init__(self, key: _Optional[str] = ..., store: _Optional[str] = ..., encoded_size: _Optional[int] = ..., num_updates: _Optional[int] = ..., min_time: _Optional[int] = ..., max_time: _Optional[int] = ..., min_key: _Optional[bytes] = ..., max_key: _Optional[bytes] = ...) -> None: ...
+    crc32: int
+    def __init__(self, key: _Optional[str] = ..., store: _Optional[str] = ..., encoded_size: _Optional[int] = ..., num_updates: _Optional[int] = ..., min_time: _Optional[int] = ..., max_time: _Optional[int] = ..., min_key: _Optional[bytes] = ..., max_key: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class InlinePart(_message.Message):
     __slots__ = ("part_id", "updates", "num_updates")
@@ -147,14 +149,16 @@ class Writer(_message.Message):
     def __init__(self, id: _Optional[str] = ..., last_heartbeat_ms: _Optional[int] = ..., lease_duration_ms: _Optional[int] = ..., most_recent_write_token: _Optional[str] = ..., most_recent_write_upper: _Optional[_Union[Frontier, _Mapping]] = ..., debug: _Optional[str] = ..., most_recent_write_lower: _Optional[int] = ...) -> None: ...
 
 class Rollup(_message.Message):
-    __slots__ = ("seqno", "key", "encoded_size")
+    __slots__ = ("seqno", "key", "encoded_size", "crc32")
     SEQNO_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     ENCODED_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
     seqno: int
     key: str
     encoded_size: int
-    def __init__(self, seqno: _Optional[int] = ..., key: _Optional[str] = ..., encoded_size: _Optional[int] = ...) -> None: ...
+    crc32: int
+    def __init__(self, seqno: _Optional[int] = ..., key: _Optional[str] = ..., encoded_size: _Optional[int] = ..., crc32: _Optional[int] = ...) -> None: ...
 
 class Scalars(_message.Message):
     __slots__ = ("walltime_ms", "upper", "since", "inline_bytes", "created_ms", "inline_fallbacks", "orphan_sweep_ms", "orphan_min_age_ms", "inline_max_bytes")
@@ -243,7 +247,7 @@ class StateDiff(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., shard_id: _Optional[str] = ..., seqno: _Optional[int] = ..., scalars: _Optional[_Union[Scalars, _Mapping]] = ..., batch_upserts: _Optional[_Iterable[_Union[Batch, _Mapping]]] = ..., batch_deletes: _Optional[_Iterable[str]] = ..., spine_upserts: _Optional[_Iterable[_Union[SpineEntry, _Mapping]]] = ..., spine_deletes: _Optional[_Iterable[int]] = ..., reader_upserts: _Optional[_Iterable[_Union[LeasedReader, _Mapping]]] = ..., reader_deletes: _Optional[_Iterable[str]] = ..., critical_upserts: _Optional[_Iterable[_Union[CriticalReader, _Mapping]]] = ..., critical_deletes: _Optional[_Iterable[str]] = ..., writer_upserts: _Optional[_Iterable[_Union[Writer, _Mapping]]] = ..., writer_deletes: _Optional[_Iterable[str]] = ..., rollup_upserts: _Optional[_Iterable[_Union[Rollup, _Mapping]]] = ..., rollup_deletes: _Optional[_Iterable[int]] = ..., schema: _Optional[bytes] = ...) -> None: ...
 
 class ShardSummary(_message.Message):
-    __slots__ = ("upper", "since", "inline_bytes", "num_batches", "num_inline_parts", "pending_merges", "walltime_ms", "latest_rollup_seqno", "inline_fallbacks", "latest_rollup_key", "inline_max_bytes")
+    __slots__ = ("upper", "since", "inline_bytes", "num_batches", "num_inline_parts", "pending_merges", "walltime_ms", "latest_rollup_seqno", "inline_fallbacks", "latest_rollup_key", "inline_max_bytes", "latest_rollup_crc32")
     UPPER_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
     INLINE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +259,7 @@ class ShardSummary(_message.Message):
     INLINE_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     LATEST_ROLLUP_KEY_FIELD_NUMBER: _ClassVar[int]
     INLINE_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LATEST_ROLLUP_CRC32_FIELD_NUMBER: _ClassVar[int]
     upper: Frontier
     since: Frontier
     inline_bytes: int
@@ -266,4 +271,5 @@ class ShardSummary(_message.Message):
     inline_fallbacks: int
     latest_rollup_key: str
     inline_max_bytes: int
-    def __init__(self, upper: _Optional[_Union[Frontier, _Mapping]] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., inline_bytes: _Optional[int] = ..., num_batches: _Optional[int] = ..., num_inline_parts: _Optional[int] = ..., pending_merges: _Optional[int] = ..., walltime_ms: _Optional[int] = ..., latest_rollup_seqno: _Optional[int] = ..., inline_fallbacks: _Optional[int] = ..., latest_rollup_key: _Optional[str] = ..., inline_max_bytes: _Optional[int] = ...) -> None: ...
+    latest_rollup_crc32: int
+    def __init__(self, upper: _Optional[_Union[Frontier, _Mapping]] = ..., since: _Optional[_Union[Frontier, _Mapping]] = ..., inline_bytes: _Optional[int] = ..., num_batches: _Optional[int] = ..., num_inline_parts: _Optional[int] = ..., pending_merges: _Optional[int] = ..., walltime_ms: _Optional[int] = ..., latest_rollup_seqno: _Optional[int] = ..., inline_fallbacks: _Optional[int] = ..., latest_rollup_key: _Optional[str] = ..., inline_max_bytes: _Optional[int] = ..., latest_rollup_crc32: _Optional[int] = ...) -> None: ...

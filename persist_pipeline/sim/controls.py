@@ -596,6 +596,17 @@ def verify_trusts_its_first_read() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def blobs_without_checksums() -> Iterator[None]:
+    """Parts and rollups are written without a CRC-32 (as before checksums were): a read
+    that went bad decodes into wrong rows or fails, and a copy of it in the part cache
+    fails or misleads every later read of an intact part."""
+    from persist_pipeline.internal import checksum
+
+    with _patched(checksum, "crc32", lambda _data: None):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -638,4 +649,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "transaction_creates_shards_on_add": transaction_creates_shards_on_add,
     "wal_parts_stay": wal_parts_stay,
     "names_registered_before_commit": names_registered_before_commit,
+    "blobs_without_checksums": blobs_without_checksums,
 }

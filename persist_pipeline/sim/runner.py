@@ -167,6 +167,14 @@ PROFILES: dict[str, Profile] = {
     # cache: every check finds nothing wrong.
     "verify": Profile({"writer": (2, 3), "verifier": (1, 2), "compactor": (1, 1),
                        "spark_compactor": (0, 1), "gc": (2, 2)}, part_cache=False),
+    # Reads of parts and rollups that now and then return a flipped bit (the objects
+    # intact) while writers, readers (through the part cache, which keeps what a read
+    # returned), listeners, compaction (in-process and Spark), GC and checks of the
+    # stores run: every read returns the rows written, or the bytes are never used.
+    "checksums": Profile({"writer": (1, 2), "reader": (1, 2), "listener": (0, 1),
+                          "verifier": (0, 1), "compactor": (1, 1),
+                          "spark_compactor": (0, 1), "gc": (1, 1)},
+                         nemesis=Nemesis(bad_read=0.15)),
     # Transactions that create a name beside their append to a shard others write too,
     # refused by stale uppers, and Spark writes to new names (some jobs aborted), with
     # lost replies and pauses at the commit: each name is registered exactly when its
@@ -214,6 +222,7 @@ class SeedResult:
     crashes: int
     violations: list[str]
     outages: int = 0
+    bad_reads: int = 0
 
 
 class SimRun:
@@ -376,7 +385,8 @@ class SimRun:
             self._final_checks()
         s = self.scheduler.stats
         return SeedResult(self.seed, s.steps, self.ops, s.lost_replies, s.failed_calls,
-                          s.pauses, s.stalls, s.crashes, list(self.violations), s.outages)
+                          s.pauses, s.stalls, s.crashes, list(self.violations), s.outages,
+                          s.bad_reads)
 
     def _setup(self) -> None:
         self.shard = str(ShardId.new())
@@ -509,7 +519,7 @@ def _spark_blobs(run: SimRun) -> Iterator[None]:
 
 #: The counters a seed reports and a batch sums.
 _COUNTERS = ("steps", "ops", "lost_replies", "failed_calls", "pauses", "stalls", "crashes",
-             "outages")
+             "outages", "bad_reads")
 
 
 @dataclass
@@ -525,6 +535,7 @@ class SimReport:
     stalls: int = 0
     crashes: int = 0
     outages: int = 0
+    bad_reads: int = 0
     seconds: float = 0.0
     failures: list[SeedResult] = field(default_factory=list)
 
@@ -540,7 +551,8 @@ class SimReport:
         return (f"seeds={self.seeds} steps={self.steps} ops={self.ops} "
                 f"lost_replies={self.lost_replies} failed_calls={self.failed_calls} "
                 f"pauses={self.pauses} stalls={self.stalls} crashes={self.crashes} "
-                f"outages={self.outages} violations={self.violations} "
+                f"outages={self.outages} bad_reads={self.bad_reads} "
+                f"violations={self.violations} "
                 f"ops_per_s={self.ops_per_s:.0f}")
 
     def add(self, r: SeedResult) -> None:

@@ -74,6 +74,10 @@ class Nemesis:
     #: deadline make retries give up, so every caller's answer to an outage is exercised.
     outage: float = 0.0
     outage_choices_s: tuple[float, ...] = (3.0, 30.0, 45.0)
+    #: A read of a part or rollup returns its bytes with one bit flipped (a bad read:
+    #: the stored object stays intact; each object's reads go bad at most once, so a
+    #: reader that reads again gets the bytes written).
+    bad_read: float = 0.0
 
 
 @dataclass
@@ -85,6 +89,7 @@ class Stats:
     stalls: int = 0
     crashes: int = 0
     outages: int = 0
+    bad_reads: int = 0
     ops: int = 0
     counters: dict[str, int] = field(default_factory=dict)
 

@@ -16,6 +16,7 @@ from persist_pipeline.blob.base import Blob, BlobMeta
 from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.consensus.memory import MemoryConsensus
 from persist_pipeline.exceptions import BlobUnavailable, ConsensusUnavailable
+from persist_pipeline.internal.paths import is_rollup_key
 from persist_pipeline.sim.scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -121,13 +122,30 @@ class SimBlob(Blob):
         #: The store's own clock is this far from true time (it stamps objects with it).
         self.skew_s = skew_s
         self.objects: dict[str, tuple[bytes, float]] = {}
+        self._went_bad: set[str] = set()
 
     def get(self, key: str) -> bytes | None:
         def op() -> bytes | None:
             entry = self.objects.get(key)
             return None if entry is None else entry[0]
 
-        return _call(self._s, f"{self.name} get", op, BlobUnavailable, False)
+        return self._bad_read(key, _call(self._s, f"{self.name} get", op, BlobUnavailable,
+                                         False))
+
+    def _bad_read(self, key: str, value: bytes | None) -> bytes | None:
+        """``value`` as read, now and then with a bit flipped (see ``Nemesis.bad_read``;
+        no draw at all when it is off, so other profiles' seeds are unchanged)."""
+        s = self._s
+        if value is None or not value or s.nemesis.bad_read == 0.0 or key in self._went_bad \
+                or not (key.endswith(".parquet") or is_rollup_key(key)):
+            return value
+        if not s.roll(s.nemesis.bad_read):
+            return value
+        self._went_bad.add(key)
+        s.stats.bad_reads += 1
+        flipped = bytearray(value)
+        flipped[s.rng.randrange(len(flipped))] ^= 1 << s.rng.randrange(8)
+        return bytes(flipped)
 
     def set(self, key: str, value: bytes) -> None:
         def op() -> None:
