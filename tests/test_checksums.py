@@ -22,12 +22,13 @@ from persist_pipeline import (
     CorruptPart,
     CorruptState,
     InlinePolicy,
+    PartChecksumMismatch,
     PersistClient,
     PersistConfig,
+    RollupChecksumMismatch,
     ShardId,
 )
 from persist_pipeline.blob.cache import CachingBlob
-from persist_pipeline.exceptions import PartChecksumMismatch, RollupChecksumMismatch
 from persist_pipeline.internal import state_codec
 from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES
 from persist_pipeline.internal.state import HollowPart, State
