@@ -97,6 +97,7 @@ from persist_pipeline.exceptions import (
     UnsettledCommit,
     UntypedUpdates,
     UpperMismatch,
+    VersionMismatch,
 )
 from persist_pipeline.frontier import CLOSED, Frontier
 from persist_pipeline.ids import ShardId
@@ -172,6 +173,7 @@ __all__ = [
     "UntypedUpdates",
     "UpperMismatch",
     "VerifyReport",
+    "VersionMismatch",
     "WriteHandle",
     "WriteResult",
     "__version__",

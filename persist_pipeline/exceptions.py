@@ -72,6 +72,11 @@ class InvalidConfig(InvalidInput):
     """A setting has an out-of-range or unparsable value."""
 
 
+class VersionMismatch(InvalidConfig):
+    """Processes that must run one version of persist-pipeline (a Spark driver and its
+    executors) run different ones; nothing was written."""
+
+
 # --- expected races and usage conditions --------------------------------------------------
 
 

@@ -43,10 +43,16 @@ from persist_pipeline.compaction import (
 )
 from persist_pipeline.compaction import run_merge as _run_merge
 from persist_pipeline.config import COMPACTION_MEMORY_BOUND_BYTES
-from persist_pipeline.exceptions import InvalidConfig, PersistError, ShardNotFound
+from persist_pipeline.exceptions import (
+    InvalidConfig,
+    PersistError,
+    ShardNotFound,
+    VersionMismatch,
+)
 from persist_pipeline.ids import ShardId, new_token
 from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.internal.blobs import ShardBlobs, key_starts, split_keys
+from persist_pipeline.internal.compat import check_same_code, code_fingerprint
 from persist_pipeline.internal.state import Batch, HollowPart
 
 if TYPE_CHECKING:
@@ -301,6 +307,9 @@ class _Task:
     batch_id: str | None = None
     #: Which request of the run this task belongs to (the tasks of a split merge share it).
     request: int = -1
+    #: The driver's persist-pipeline (:func:`code_fingerprint`): an executor running
+    #: another refuses the task.
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +320,8 @@ class _TaskResult:
     error: str | None
     duration_s: float
     cpu_s: float = 0.0
+    #: The executor's persist-pipeline: the driver refuses a result from another.
+    fingerprint: str = ""
 
 
 #: Blob stores opened by this (executor) process, by URI; Python workers are reused.
@@ -333,15 +344,17 @@ def _run_task(task: _Task) -> _TaskResult:
     """
     started, cpu = time.monotonic(), time.process_time()
     try:
+        check_same_code(task.fingerprint, "driver", "executor")
         wal = _blob(task.wal_uri) if task.wal_uri else None
         res = _run_merge(task.req, task.shard_id, _blob(task.main_uri), wal,
                          task.target_size_bytes, task.memory_bound_bytes,
                          key_range=task.key_range, batch_id=task.batch_id)
     except Exception as e:
         return _TaskResult(task.index, task.shard_id, None, f"{type(e).__name__}: {e}",
-                           time.monotonic() - started, time.process_time() - cpu)
+                           time.monotonic() - started, time.process_time() - cpu,
+                           code_fingerprint())
     return _TaskResult(task.index, task.shard_id, res, None, time.monotonic() - started,
-                       time.process_time() - cpu)
+                       time.process_time() - cpu, code_fingerprint())
 
 
 #: Parquet footers the driver reads at once to choose a split merge's key ranges.
@@ -452,6 +465,17 @@ def compact_shards(
                             max_splits=max(1, 2 * spark.sparkContext.defaultParallelism))
 
 
+def _foreign(result: _TaskResult) -> str | None:
+    """Why the driver refuses ``result``: an executor of another persist-pipeline ran
+    it (its parts are then deleted, never committed); None when it did not."""
+    try:
+        # Unset in a result from a version without the field: getattr's default.
+        check_same_code(getattr(result, "fingerprint", None), "executor", "driver")
+    except VersionMismatch as e:
+        return f"VersionMismatch: {e}"
+    return None
+
+
 def _run_alone(sc: Any, task: _Task) -> _TaskResult:
     """One task as its own Spark job; a failed job becomes this task's error."""
     try:
@@ -552,7 +576,8 @@ def drive_compaction(
                 tasks.append(_Task(len(tasks), shard_id, req, blob_uri, wal_blob_uri or None,
                                    target, config.compaction_memory_bound_bytes,
                                    KeyRange(lower, upper) if points else None,
-                                   batch_id if points else None, request))
+                                   batch_id if points else None, request,
+                                   code_fingerprint()))
             extra[shard_id]["spark_tasks"] += len(points) + 1
             extra[shard_id]["split_requests"] += 1 if points else 0
 
@@ -572,6 +597,7 @@ def drive_compaction(
     for request, (shard_id, req) in enumerate(requests):
         parts = by_request.get(request, [])
         errors = [r.error or "unknown error" for r in parts if r.res is None]
+        errors += [why for r in parts if r.res is not None and (why := _foreign(r))]
         if len(parts) != sum(1 for t in tasks if t.request == request):
             errors.append("Spark returned no result for some of its tasks")
         outputs = [r.res for r in parts if r.res is not None]

@@ -11,7 +11,7 @@ without PySpark installed.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
@@ -33,6 +33,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from persist_pipeline.internal.compat import check_same_code, code_fingerprint
 from persist_pipeline.internal.state import HollowPart
 from persist_pipeline.spark_source import (
     FORMAT,
@@ -69,12 +70,15 @@ class PersistReader(DataSourceReader):
                  ) -> None:
         (self.location, self.as_of, self._partitions, self.lease_s,
          self.schema, self.reader_id, self.columns) = make_read_plan(options, declared)
+        self.fingerprint = code_fingerprint()
 
     def partitions(self) -> Sequence[InputPartition]:
         return [PersistInputPartition(p) for p in self._partitions]
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, PersistInputPartition)
+        # Unset in a reader planned by a version without the field: getattr's default.
+        check_same_code(getattr(self, "fingerprint", None), "planner", "executor")
         return _read_partition(self.location, self.as_of, partition.partition, self.lease_s,
                                self.schema, self.columns, self.reader_id)
 
@@ -87,6 +91,9 @@ class PersistCommitMessage(WriterCommitMessage):
     num_updates: int
     #: The largest ``|d|`` of the task's rows (see :func:`_write_task`).
     diff_bound: int
+    #: The persist-pipeline of the executor that made it (the message is made there):
+    #: the driver refuses to commit another's parts.
+    fingerprint: str = field(default_factory=code_fingerprint)
 
 
 class PersistWriter(DataSourceArrowWriter):

@@ -130,6 +130,7 @@ from persist_pipeline.ids import batch_id as batch_id_of
 from persist_pipeline.ingest import with_default_diff
 from persist_pipeline.internal import history
 from persist_pipeline.internal.blobs import ShardBlobs, key_starts, split_keys
+from persist_pipeline.internal.compat import check_same_code, code_fingerprint
 from persist_pipeline.internal.machine import RecordTaken
 from persist_pipeline.internal.merge import memory_plan, merge_runs
 from persist_pipeline.internal.state import Batch, Description, HollowPart, Store
@@ -733,6 +734,9 @@ class _WriteJob:
     #: This plan's own id: runs of a save retried with one ``idempotency_token`` share
     #: the token, never their commit markers (each run's abort judges its own commit).
     plan_id: str = ""
+    #: The planner's persist-pipeline (:func:`code_fingerprint`): a task on an executor
+    #: running another refuses to write.
+    fingerprint: str = ""
 
     @property
     def store(self) -> Store:
@@ -777,7 +781,7 @@ def plan_write(location: _Location, client: PersistClient, expected: int,
                      client.config.blob_target_size_bytes,
                      typed.to_bytes() if typed is not None else b"",
                      planned_s=client.clock.monotonic(), planned_on=_this_boot(),
-                     plan_id=new_token())
+                     plan_id=new_token(), fingerprint=code_fingerprint())
 
 
 def _this_boot() -> str:
@@ -801,6 +805,8 @@ def _write_task(job: _WriteJob, batches: Iterator[pa.RecordBatch]) -> tuple[
     from persist_pipeline.internal.blobs import write_parts
     from persist_pipeline.spark import _blob
 
+    # Unset in a job planned by a version without the field: getattr's default.
+    check_same_code(getattr(job, "fingerprint", None), "driver", "executor")
     collected = list(batches)
     if not collected:
         return (), 0, 0
@@ -886,6 +892,8 @@ def _commit(job: _WriteJob, messages: Sequence[Any],
         client = job.location.client(create=True)
     try:
         # Refused before the commit marker exists: the abort that follows deletes parts.
+        for message in messages:
+            check_same_code(getattr(message, "fingerprint", None), "executor", "driver")
         _refuse_wrapping_sums(client, job, messages)
         _refuse_taken_name(client, job)
         marker = _commit_marker(job)

@@ -36,6 +36,7 @@ from persist_pipeline.exceptions import (
 )
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.ids import ShardId
+from persist_pipeline.internal.compat import code_fingerprint
 from persist_pipeline.schema import ShardSchema
 from persist_pipeline.sim.scheduler import Process
 
@@ -355,6 +356,7 @@ class _TaskMessage:
     parts: tuple[Any, ...]
     num_updates: int
     diff_bound: int
+    fingerprint: str = field(default_factory=code_fingerprint)
 
 
 def _spark_location(run: SimRun, shard: str) -> Any:
