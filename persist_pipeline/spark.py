@@ -465,6 +465,11 @@ def compact_shards(
                             max_splits=max(1, 2 * spark.sparkContext.defaultParallelism))
 
 
+#: How a task's error starts when an input could not be read: CorruptPart and its
+#: subclasses (as returned by :func:`_run_task`: the type's name first).
+_UNREADABLE_INPUT = ("CorruptPart", "PartMissing", "PartChecksumMismatch")
+
+
 def _foreign(result: _TaskResult) -> str | None:
     """Why the driver refuses ``result``: an executor of another persist-pipeline ran
     it (its parts are then deleted, never committed); None when it did not."""
@@ -605,9 +610,10 @@ def drive_compaction(
             # Never committed, so certainly unreferenced: the finished ranges' parts go.
             for res in outputs:
                 _delete_parts(client, res)
-            # Unreadable inputs (missing or corrupt parts) whose batches a newer state no
-            # longer holds: the request is obsolete, not failed.
-            if all(e.startswith(("CorruptPart", "PartMissing")) for e in errors) and \
+            # Unreadable inputs (missing or corrupt parts, as the in-process merge's
+            # ``except CorruptPart`` catches them) whose batches a newer state no longer
+            # holds: the request is obsolete, not failed.
+            if all(e.startswith(_UNREADABLE_INPUT) for e in errors) and \
                     inputs_replaced(client._machine(shard_id), req):
                 metrics[shard_id].obsolete += 1
                 continue

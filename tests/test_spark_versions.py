@@ -181,3 +181,28 @@ def test_a_data_source_write_across_versions_writes_and_commits_nothing(
     _abort(job, [message])
     assert _parquet_files(tmp_path) == files
     client.close()
+
+
+@pytest.mark.parametrize("error", ["PartMissing", "PartChecksumMismatch", "CorruptPart"])
+def test_a_task_that_could_not_read_inputs_replaced_meanwhile_is_obsolete_not_failed(
+        tmp_path: Path, error: str) -> None:
+    """Every kind of unreadable input (a CorruptPart, of whichever subclass) makes a
+    request whose inputs a newer state no longer holds obsolete, as in process; one
+    whose inputs are still there fails."""
+    client, blob = _location(tmp_path)
+    shard = _shard_with_work(client)
+
+    def unreadable(tasks: list[_Task]) -> tuple[list[_TaskResult], str]:
+        return [_TaskResult(t.index, t.shard_id, None, f"{error}: part gone or changed",
+                            0.0, 0.0, code_fingerprint()) for t in tasks], "unreadable"
+
+    with pytest.raises(SparkCompactionFailed, match=error):
+        drive_compaction(unreadable, client, [shard], blob_uri=blob)
+
+    def replaced_meanwhile(tasks: list[_Task]) -> tuple[list[_TaskResult], str]:
+        client.compact(shard)  # another compactor replaces the inputs first
+        return unreadable(tasks)
+
+    metrics = drive_compaction(replaced_meanwhile, client, [shard], blob_uri=blob)
+    assert metrics[str(shard)]["obsolete"] >= 1 and metrics[str(shard)]["failed_tasks"] == 0
+    client.close()
