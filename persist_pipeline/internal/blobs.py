@@ -198,15 +198,15 @@ class ShardBlobs:
         store = self.store(part.store, cached=cached)
         data = self._get(store, part, where)
         described = f"{part.key!r} in the {part.store} blob store"
-        if part.crc32 is not None and checksum.crc32(data) != part.crc32:
+        if not checksum.matches(data, part.crc32):
             # One read that went wrong (or a copy of one, cached) must not fail a read,
             # or every later one, of a part that is intact: the store's bytes, read
             # again, decide.
             if isinstance(store, CachingBlob):
                 store.forget(part.key)
             data = self._get(self.store(part.store), part, where)
-        checksum.check(data, part.crc32, f"part {described} ({where})",
-                       PartChecksumMismatch)
+            checksum.check(data, part.crc32, f"part {described} ({where})",
+                           PartChecksumMismatch)
         return decode_parquet(data, described)
 
     def fetch_rollup(self, key: str, crc32: int | None, where: str) -> State | None:
@@ -215,11 +215,13 @@ class ShardBlobs:
         a part's, read again once before they are judged changed); raises
         :class:`RollupChecksumMismatch` or :class:`CorruptState` naming ``where``."""
         data = self.main.get(key)
-        if data is not None and crc32 is not None and checksum.crc32(data) != crc32:
+        if data is not None and not checksum.matches(data, crc32):
             data = self.main.get(key)
+            if data is not None:
+                return state_codec.decode_rollup(data, crc32, where)  # checks it again
         if data is None:
             return None
-        return state_codec.decode_rollup(data, crc32, where)
+        return state_codec.decode_state(data, where)
 
     @staticmethod
     def _get(store: Blob, part: HollowPart, where: str) -> bytes:

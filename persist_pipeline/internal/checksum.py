@@ -14,7 +14,7 @@ import zlib
 
 from persist_pipeline.exceptions import ChecksumMismatch
 
-__all__ = ["check", "crc32"]
+__all__ = ["check", "crc32", "matches"]
 
 
 def crc32(data: bytes | bytearray | memoryview) -> int:
@@ -22,10 +22,16 @@ def crc32(data: bytes | bytearray | memoryview) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
+def matches(data: bytes | bytearray | memoryview, expected: int | None) -> bool:
+    """Whether ``data``'s CRC-32 is ``expected`` (None: nothing was recorded, as for
+    blobs written before checksums were, so nothing to check)."""
+    return expected is None or crc32(data) == expected
+
+
 def check(data: bytes | bytearray | memoryview, expected: int | None, described: str,
           error: type[ChecksumMismatch]) -> None:
-    """Raise ``error`` naming ``described`` if ``data``'s CRC-32 is not ``expected``
-    (None: nothing was recorded, as for blobs written before checksums were)."""
+    """Raise ``error`` naming ``described`` unless ``data`` :func:`matches`
+    ``expected``."""
     if expected is None:
         return
     found = crc32(data)
