@@ -199,11 +199,21 @@ def make_pipeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 @pytest.fixture(scope="session")
 def spark_session() -> Iterator[Any]:
-    """One local SparkSession for the whole test session (compaction runs reuse it)."""
-    from persist_pipeline.spark import local_spark_session
+    """One local SparkSession for the whole test session (compaction runs reuse it).
 
+    Its JVMs compile with C1 only (``-XX:TieredStopAtLevel=1``, beside
+    :data:`~persist_pipeline.spark.JIT_OPTIONS`): the suite's jobs are many and tiny, and
+    C2 spent CPU on code it then ran a few times (a session's start and five small
+    queries: 16 instead of 21 CPU-s on two cores shared with the other test worker).
+    JIT settings change speed, never results.
+    """
+    from persist_pipeline.spark import JIT_OPTIONS, local_spark_session
+
+    jvm = f"{JIT_OPTIONS} -XX:TieredStopAtLevel=1"
     session = local_spark_session("local[2]", app_name="persist-pipeline-tests",
-                                  extra={"spark.sql.shuffle.partitions": "2"})
+                                  extra={"spark.sql.shuffle.partitions": "2",
+                                         "spark.driver.extraJavaOptions": jvm,
+                                         "spark.executor.extraJavaOptions": jvm})
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()

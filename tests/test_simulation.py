@@ -170,6 +170,19 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
                                 "checksums"),
 }
 
+#: The first seed that caught each of the costlier controls when last measured: the test
+#: runs it first, then the others below the control's bound. The claim tested is the
+#: same (some seed below the bound catches it, and passes with the fix); only the order
+#: differs, sparing the scan (up to 21 seeds, 5 s) while the interleavings stay put. A
+#: hint that no longer catches costs one seed more.
+CAUGHT_AT: dict[str, int] = {
+    "open_fails_on_replaced_rollup": 21, "listen_without_hold": 16,
+    "funnel_forgets_successor": 14, "table_uppers_memoized": 13,
+    "settle_from_latest_state_only": 12, "commit_ignores_an_earlier_abort": 8,
+    "contents_read_at_the_upper": 7, "expired_read_reports_corruption": 7,
+    "merge_without_deadline": 6, "wal_parts_stay": 5,
+}
+
 #: Reverted fixes the random simulation reaches too rarely to test this way (a heartbeat
 #: landing between two lines of one read thread): each has a deterministic test.
 DETERMINISTIC_ONLY = {
@@ -256,8 +269,10 @@ def test_checksums_profile_passes():
 @pytest.mark.parametrize("control", sorted(CAUGHT))
 def test_the_simulation_catches_each_reverted_fix(control: str):
     pattern, max_seeds, profile = CAUGHT[control]
+    hint = [CAUGHT_AT[control]] if control in CAUGHT_AT else []
+    assert all(seed < max_seeds for seed in hint), "a hint beyond the control's bound"
     with CONTROLS[control]():
-        for seed in range(max_seeds):
+        for seed in [*hint, *(s for s in range(max_seeds) if s not in hint)]:
             result = run_seed(seed, STEPS, profile=profile)
             if any(re.search(pattern, v) for v in result.violations):
                 break
@@ -269,6 +284,7 @@ def test_the_simulation_catches_each_reverted_fix(control: str):
 
 def test_every_control_is_covered_by_a_test():
     assert set(CAUGHT) | set(DETERMINISTIC_ONLY) == set(CONTROLS)
+    assert set(CAUGHT_AT) <= set(CAUGHT)
     assert not set(CAUGHT) & set(DETERMINISTIC_ONLY)
 
 
