@@ -94,6 +94,9 @@ class PlanFile:
         min_key / max_key: bounds of its keys (inclusive), None if not recorded.
         crc32: the CRC-32 of its bytes as written (None if not recorded); readers of
             the whole file through this library check it.
+        footer_crc32: the CRC-32 of its Parquet footer as written (None if not
+            recorded); readers of its footer through this library (the Spark source's
+            split points and partitions, :meth:`SnapshotPlan.to_table`) check it.
     """
 
     uri: str
@@ -109,11 +112,13 @@ class PlanFile:
     min_key: bytes | None = None
     max_key: bytes | None = None
     crc32: int | None = None
+    footer_crc32: int | None = None
 
     def hollow_part(self) -> HollowPart:
         """The state's description of this part (what the streaming reader takes)."""
         return HollowPart(self.key, self.store, self.size, self.num_updates, self.min_time,
-                          self.max_time, self.min_key, self.max_key, self.crc32)
+                          self.max_time, self.min_key, self.max_key, self.crc32,
+                          self.footer_crc32)
 
 
 #: The ``as_of`` of every read that means the latest complete time (``upper - 1``).
@@ -335,13 +340,19 @@ class SnapshotPlan:
         """The consolidated collection at ``as_of``, read through :meth:`to_dataset`
         (equal to ``snapshot(as_of)``; typed for a typed shard).
 
+        Every file's footer is checked against its recorded CRC-32 first
+        (:func:`~persist_pipeline.internal.blobs.read_footer`): the scan prunes row
+        groups by their ``t`` statistics, and reads at the offsets it states.
+
         Raises:
             LeaseExpired: the plan was closed (its files are no longer held).
             PartMissing: a file of the plan is gone (its reader's lease ran out).
+            PartChecksumMismatch: a file's footer changed since it was written.
         """
         self._check_open()
         import pyarrow.dataset as pads
 
+        self._check_footers()
         try:
             table = self.to_dataset().to_table(
                 columns=SCHEMA.names, filter=pads.field("t") <= pa.scalar(self.as_of))
@@ -352,6 +363,31 @@ class SnapshotPlan:
         if self.schema is not None:
             return self.schema.decode(table, f"shard {self.shard_id}")
         return table
+
+    def _check_footers(self) -> None:
+        """Read and check the footer of every file that records its CRC-32 (8 at a
+        time, as Spark's split points read them)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from persist_pipeline.internal.blobs import read_footer
+
+        checked = [f for f in self.file_details if f.footer_crc32 is not None]
+        if not checked:
+            return
+        where = f"snapshot plan of shard {self.shard_id}"
+
+        def check(f: PlanFile) -> None:
+            blob = self._stores.get(f.store)
+            if blob is None:
+                raise InvalidConfig(f"this location has no {f.store} blob store")
+            read_footer(blob, blob, f.hollow_part(), where)
+
+        try:
+            with ThreadPoolExecutor(max_workers=min(8, len(checked)),
+                                    thread_name_prefix="persist-plan-footers") as pool:
+                list(pool.map(check, checked))
+        except PartMissing as e:
+            raise self._read_error(e) from e
 
     def _read_error(self, error: Exception) -> Exception:
         """What :meth:`to_table` raises for ``error``: :class:`PartMissing` naming a file
@@ -400,7 +436,8 @@ class SnapshotPlan:
             "seqno": self.seqno,
             "files": [{"uri": f.uri, "store": f.store, "bytes": f.size,
                        "updates": f.num_updates, "min_time": f.min_time,
-                       "max_time": f.max_time, "crc32": f.crc32} for f in self.file_details],
+                       "max_time": f.max_time, "crc32": f.crc32,
+                       "footer_crc32": f.footer_crc32} for f in self.file_details],
         }
         if self.schema is not None:
             rows = self.schema.decode(self.inline, f"shard {self.shard_id}").to_pylist()

@@ -392,7 +392,7 @@ class ReadHandle:
                     files.append(PlanFile(uri, part.store, part.key, path, part.encoded_size,
                                           part.num_updates, part.min_time, part.max_time,
                                           batch.id, index, part.min_key, part.max_key,
-                                          part.crc32))
+                                          part.crc32, part.footer_crc32))
             stores = {"main": self._machine.blobs.main}
             if self._machine.blobs.wal is not None:
                 stores["wal"] = self._machine.blobs.wal

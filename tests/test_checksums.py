@@ -1,9 +1,11 @@
 """CRC-32 checksums of stored bytes: every Parquet part and state rollup records the
 CRC-32 of the bytes written, every whole read checks it, and every Parquet page carries
-its own, which reads in row groups (and a read plan's dataset scan) check. Bytes that
-changed in a store after the write (rot, truncation, another object put under the key)
-raise :class:`ChecksumMismatch` or :class:`CorruptPart`: never wrong rows, never a
-wrong state."""
+its own, which reads in row groups (and a read plan's dataset scan) check; and every
+part records the CRC-32 of its Parquet footer, which every read of its footer alone
+(reads in row groups, key lookups, split points) checks. Bytes that changed in a store
+after the write (rot, truncation, another object put under the key) raise
+:class:`ChecksumMismatch` or :class:`CorruptPart`: never wrong rows, never a wrong
+state."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import random
 import zlib
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -30,9 +33,19 @@ from persist_pipeline import (
 )
 from persist_pipeline.blob.cache import CachingBlob
 from persist_pipeline.internal import state_codec
-from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES
-from persist_pipeline.internal.state import HollowPart, State
+from persist_pipeline.internal.blobs import (
+    FOOTER_READ_BYTES,
+    WHOLE_FETCH_MAX_BYTES,
+    DecodedParts,
+    ShardBlobs,
+    key_starts,
+)
+from persist_pipeline.internal.lookup import current_rows
+from persist_pipeline.internal.state import Description, HollowPart, State
+from persist_pipeline.internal.trace import MergeReq
 from persist_pipeline.proto import persist_pb2 as pb
+from persist_pipeline.spark import split_points
+from persist_pipeline.spark_source import plan_partitions
 from tests.fixtures.location import Location, location_kinds, make_location
 
 #: Rows of a write that goes to a Parquet part under any policy.
@@ -55,6 +68,28 @@ def _stored(client: PersistClient, part: HollowPart) -> bytes:
     return data
 
 
+def _footer(data: bytes) -> tuple[int, bytes]:
+    """Where a Parquet file's footer starts, and its bytes: the file metadata, its
+    4-byte little-endian length and "PAR1" (found here from the format, not by the
+    library's own code)."""
+    assert data[-4:] == b"PAR1"
+    start = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    return start, data[start:]
+
+
+def _large_table(n: int = 120_000) -> pa.Table:
+    """Rows whose part is larger than a whole fetch (random values stay raw under zstd),
+    so it is read in row groups: three of them."""
+    rng = random.Random(7).randbytes(40 * n)
+    return pa.table({"k": [b"k%07d" % i for i in range(n)],
+                     "v": [rng[40 * i:40 * i + 40] for i in range(n)],
+                     "t": [0] * n, "d": [1] * n})
+
+
+def _keys(tables: Any) -> list[bytes]:
+    return [k for table in tables for k in table.column("k").to_pylist()]
+
+
 @pytest.fixture(params=location_kinds("embedded", "embedded-wal", "pg-s3", "pg-s3-wal"))
 def loc(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
     return make_location(request.param, request, tmp_path)
@@ -73,6 +108,7 @@ def test_every_part_and_rollup_records_the_crc32_of_its_bytes(loc: Location) -> 
     assert len(written) == 2
     for part in written:
         assert part.crc32 == zlib.crc32(_stored(client, part)), part.key
+        assert part.footer_crc32 == zlib.crc32(_footer(_stored(client, part))[1]), part.key
     client.compact(shard)
     client.gc(shard)
     client.close()
@@ -84,6 +120,13 @@ def test_every_part_and_rollup_records_the_crc32_of_its_bytes(loc: Location) -> 
     assert any(p not in written for p in parts)  # compaction's output among them
     for part in parts:
         assert part.crc32 == zlib.crc32(_stored(fresh, part)), part.key
+        assert part.footer_crc32 == zlib.crc32(_footer(_stored(fresh, part))[1]), part.key
+    # A read plan's files name both, as the Spark source's readers of footers take them.
+    with fresh.open_reader(shard).snapshot_plan(2) as plan:
+        assert sorted((f["crc32"], f["footer_crc32"]) for f in plan.describe()["files"]) \
+            == sorted((p.crc32, p.footer_crc32) for p in parts)
+        assert sorted((f.hollow_part() for f in plan.file_details), key=lambda p: p.key) \
+            == sorted(parts, key=lambda p: p.key)
     assert state.rollups
     for rollup in state.rollups.values():
         data = fresh.blobs.main.get(rollup.key)
@@ -140,11 +183,7 @@ def test_a_rotted_page_of_a_part_read_in_row_groups_is_an_error(tmp_path: Path) 
     client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
                                 inline_policy=InlinePolicy(0, 0))
     shard = ShardId.new()
-    n = 120_000
-    rng = random.Random(7).randbytes(40 * n)
-    table = pa.table({"k": [b"k%07d" % i for i in range(n)],
-                      "v": [rng[40 * i:40 * i + 40] for i in range(n)],
-                      "t": [0] * n, "d": [1] * n})
+    table = _large_table()
     with client.open_writer(shard) as w:
         w.compare_and_append(table, 0, 1)
     [part] = _hollow(client, shard)
@@ -185,6 +224,197 @@ def test_a_rotted_page_of_a_part_read_in_row_groups_is_an_error(tmp_path: Path) 
     assert (problem.kind, problem.key) == ("checksum", part.key)
     reader.expire()
     fresh.close()
+
+
+def _raise_lowest_key(data: bytes, group: int) -> tuple[bytes, bytes, bytes]:
+    """``data`` with one byte of its footer changed: row group ``group``'s lowest key in
+    the ``k`` statistics, raised past that key (its last byte plus one), so the footer
+    still parses and prunes that key's row group. Returns the changed bytes, the row
+    group's real lowest key and the one its statistics now state."""
+    meta = pq.read_metadata(pa.BufferReader(data))
+    k = meta.schema.names.index("k")
+    lowest = meta.row_group(group).column(k).statistics.min
+    start, footer = _footer(data)
+    assert footer.count(lowest) == 1  # the statistic, once (a unique key)
+    rotted = bytearray(data)
+    rotted[start + footer.index(lowest) + len(lowest) - 1] += 1
+    stated = pq.read_metadata(pa.BufferReader(bytes(rotted))).row_group(group) \
+        .column(k).statistics.min
+    assert stated == lowest[:-1] + bytes([lowest[-1] + 1])
+    return bytes(rotted), lowest, stated
+
+
+def test_a_rotted_footer_of_a_part_read_in_row_groups_is_an_error_not_lost_rows(
+        loc: Location) -> None:
+    """A large part is read in row groups: its footer and the pages it needs, never its
+    whole bytes. One byte of its footer changed (a row group's lowest key in the
+    statistics, raised past that key) still parses, no page is touched, and the row
+    group holding the key is pruned for it: a key lookup (upserts, deletes) misses the
+    row and key ranges split where the footer says lose it. The footer's own CRC-32,
+    checked by every read of a footer, makes each of them an error naming the part."""
+    client = loc.client(policy=InlinePolicy(0, 0))
+    shard = ShardId.new()
+    table = _large_table()
+    with client.open_writer(shard) as w:
+        w.compare_and_append(table, 0, 1)
+    [part] = _hollow(client, shard)
+    assert part.encoded_size > WHOLE_FETCH_MAX_BYTES  # read in row groups
+    good = _stored(client, part)
+    rotted, lowest, stated = _raise_lowest_key(good, 1)
+    client.blobs.store(part.store).set(part.key, rotted)
+    client.close()
+
+    fresh = loc.client()  # no cached footer or bytes of the good part
+    state = fresh._machine(str(shard)).fetch_latest()
+    reader = fresh.open_reader(shard)
+    footer_changed = f"footer of part {part.key!r}.*CRC-32"
+    with pytest.raises(PartChecksumMismatch, match=footer_changed) as raised:
+        list(reader.snapshot_batches(0))
+    assert isinstance(raised.value, ChecksumMismatch | CorruptPart)
+    with pytest.raises(PartChecksumMismatch, match=footer_changed):
+        current_rows(fresh.blobs, state, [lowest])  # what an upsert or delete looks up
+    merge = MergeReq(0, tuple(state.batches.values()), Description(0, 1, 0))
+    with pytest.raises(PartChecksumMismatch, match=footer_changed):
+        split_points(merge, 4, fresh.blobs)  # Spark compaction's driver
+    with reader.snapshot_plan(0) as plan:
+        with pytest.raises(PartChecksumMismatch, match=footer_changed):
+            plan_partitions(plan, fresh.blobs, partition_bytes=1 << 20)  # Spark reads
+        with pytest.raises(PartChecksumMismatch, match=footer_changed):
+            plan.to_table()  # its scan prunes row groups by their statistics too
+        assert plan.describe()["files"][0]["footer_crc32"] == part.footer_crc32
+    with pytest.raises(PartChecksumMismatch):
+        reader.snapshot(0)
+    [problem] = fresh.verify(shard, deep=True).problems
+    assert (problem.kind, problem.key) == ("checksum", part.key)
+
+    # Negative control: the same footer unchecked (a part recording no footer CRC-32)
+    # prunes the row group that holds the key, silently.
+    unchecked = replace(part, footer_crc32=None)
+    assert lowest in table.column("k").to_pylist()
+    assert lowest not in _keys(DecodedParts().row_groups(fresh.blobs, unchecked, "test",
+                                                         [lowest]))
+    starts = [key for key, _ in key_starts(fresh.blobs, unchecked, "test")]
+    assert stated in starts and lowest not in starts
+    # Two key ranges split at the stated key (as a Spark read's partitions would be)
+    # together lose the row: the lower range prunes its row group, the upper holds the
+    # rows from the split on.
+    ranges = [fresh.blobs.stream_run([unchecked], "test", 1 << 20, key_upper=stated),
+              fresh.blobs.stream_run([unchecked], "test", 1 << 20, key_lower=stated)]
+    read = [key for keys in ranges for key in _keys(keys)]
+    assert lowest not in read and len(read) == table.num_rows - 1
+    # The intact part, unchecked alike, holds it in each of those reads.
+    fresh.blobs.store(part.store).set(part.key, good)
+    intact = ShardBlobs(fresh.blobs.main, fresh.blobs.wal, fresh.blobs.main, fresh.blobs.wal)
+    assert lowest in _keys(intact.decoded.row_groups(intact, unchecked, "test", [lowest]))
+    assert [key for keys in (intact.stream_run([unchecked], "test", 1 << 20, key_upper=stated),
+                             intact.stream_run([unchecked], "test", 1 << 20, key_lower=stated))
+            for key in _keys(keys)] == table.column("k").to_pylist()
+    reader.expire()
+    fresh.close()
+
+
+def test_a_footer_larger_than_one_ranged_read_is_checked_whole(tmp_path: Path) -> None:
+    """A footer longer than the first ranged read from the part's end (many row groups)
+    is read in two, and its CRC-32 covers both: a byte changed in its first bytes, which
+    the first read does not fetch, is found."""
+    client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}")
+    n = 60_000
+    table = pa.table({"k": [b"k%07d" % i for i in range(n)], "v": [b"v"] * n,
+                      "t": [0] * n, "d": [1] * n})
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, row_group_size=200, write_statistics=["k", "t"])
+    data = sink.getvalue().to_pybytes()
+    start, footer = _footer(data)
+    assert len(footer) > FOOTER_READ_BYTES
+    client.blobs.main.set("footer/big.parquet", data)
+    part = HollowPart("footer/big.parquet", "main", len(data), n, 0, 0, b"k0000000",
+                      b"k0059999", zlib.crc32(data), zlib.crc32(footer))
+    meta = client.blobs.footer(part, "test")
+    assert [meta.row_group(g).column(0).statistics.min for g in range(meta.num_row_groups)] \
+        == [b"k%07d" % i for i in range(0, n, 200)]
+    # Read in row groups (a read buffer smaller than the part), through that footer.
+    assert _keys(client.blobs.stream_part(part, "test", 1 << 20, read_bytes=1 << 16)) == \
+        table.column("k").to_pylist()
+    assert _keys(DecodedParts().row_groups(client.blobs, part, "test", [b"k0030000"])) == \
+        [b"k%07d" % i for i in range(30_000, 30_200)]
+    # A byte of the first row group's statistics, before the last FOOTER_READ_BYTES.
+    at = start + footer.index(b"k0000000") + 7
+    assert at < len(data) - FOOTER_READ_BYTES
+    client.blobs.main.set(part.key, data[:at] + b"9" + data[at + 1:])
+    with pytest.raises(PartChecksumMismatch, match=r"footer of part 'footer/big\.parquet'"):
+        list(client.blobs.stream_part(part, "test", 1 << 20, read_bytes=1 << 16))
+    # Unchecked, the same bytes parse, and state another lowest key.
+    unchecked = client.blobs.footer(replace(part, footer_crc32=None), "test")
+    assert unchecked.row_group(0).column(0).statistics.min == b"k0000009"
+    client.close()
+
+
+def test_a_bad_cached_copy_fails_a_footer_once_then_the_stores_bytes_are_read(
+        tmp_path: Path) -> None:
+    """A footer read from a cached copy that is not the part (a read that went wrong,
+    admitted to the cache) is read again from the store itself, as a whole read is: the
+    intact footer serves the read and the copy is dropped."""
+    client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
+                                inline_policy=InlinePolicy(0, 0),
+                                config=PersistConfig(blob_cache_bytes=64 << 20))
+    shard = ShardId.new()
+    table = _large_table()
+    with client.open_writer(shard) as w:
+        w.compare_and_append(table, 0, 1)
+    [part] = _hollow(client, shard)
+    rotted, lowest, _ = _raise_lowest_key(_stored(client, part), 1)
+    cache = client.blobs.cached_main
+    assert isinstance(cache, CachingBlob)
+    with cache._lock:
+        cache._admit(part.key, rotted, cache._epoch)
+    assert part.key in cache
+    state = client._machine(str(shard)).fetch_latest()
+    found = current_rows(client.blobs, state, [lowest])
+    assert found.column("k").to_pylist() == [lowest]  # not pruned by the bad copy
+    assert part.key not in cache  # the bad copy is gone
+    assert _keys(client.open_reader(shard).snapshot_batches(0)) == \
+        table.column("k").to_pylist()
+    client.close()
+
+
+def test_a_large_part_recorded_before_footer_checksums_still_reads(tmp_path: Path) -> None:
+    """A part that records a CRC-32 of its bytes but none of its footer (written by an
+    earlier version) decodes to None and is read in row groups as before; a footer it
+    cannot have checked, unreadable, is a CorruptPart, not a checksum mismatch."""
+    hollow = pb.Part()
+    hollow.hollow.key, hollow.hollow.store, hollow.hollow.encoded_size = "p", "main", 10
+    hollow.hollow.crc32 = 7
+    [decoded] = state_codec._batch_from(pb.Batch(id="b", parts=[hollow],
+                                                 desc=_desc())).parts
+    assert isinstance(decoded, HollowPart)
+    assert (decoded.crc32, decoded.footer_crc32) == (7, None)
+
+    client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
+                                inline_policy=InlinePolicy(0, 0))
+    shard = ShardId.new()
+    table = _large_table()
+    with client.open_writer(shard) as w:
+        w.compare_and_append(table, 0, 1)
+    [part] = _hollow(client, shard)
+    old = replace(part, footer_crc32=None)
+    for recorded in (old, part):  # each as recorded, through the state's encoding
+        msg = pb.Part()
+        state_codec._part_to(recorded, msg)
+        assert msg.hollow.HasField("footer_crc32") == (recorded is part)
+        assert state_codec._part_from(msg) == recorded
+    assert _keys(client.blobs.stream_part(old, "test", 1 << 20)) == \
+        table.column("k").to_pylist()
+    assert key_starts(client.blobs, old, "test") == key_starts(client.blobs, part, "test")
+    lowest = key_starts(client.blobs, old, "test")[1][0]
+    assert lowest in _keys(DecodedParts().row_groups(client.blobs, old, "test", [lowest]))
+    good = _stored(client, part)
+    client.blobs.main.set(part.key, good[:-1] + b"X")  # no longer ends in "PAR1"
+    with pytest.raises(CorruptPart, match="no Parquet footer") as raised:
+        list(client.blobs.stream_part(old, "test", 1 << 20))
+    assert not isinstance(raised.value, ChecksumMismatch)
+    with pytest.raises(PartChecksumMismatch, match="no Parquet footer"):
+        list(client.blobs.stream_part(part, "test", 1 << 20))
+    client.close()
 
 
 def test_a_bad_copy_in_the_part_cache_is_dropped_for_the_stores_bytes(
@@ -253,6 +483,7 @@ def test_blobs_recorded_before_checksums_still_read(tmp_path: Path) -> None:
     [decoded] = state_codec._batch_from(pb.Batch(id="b", parts=[hollow],
                                                  desc=_desc())).parts
     assert isinstance(decoded, HollowPart) and decoded.crc32 is None
+    assert decoded.footer_crc32 is None
     rollup = state_codec._rollup_from(pb.Rollup(seqno=3, key="r", encoded_size=5))
     assert rollup.crc32 is None
 

@@ -123,7 +123,7 @@ class DecodedParts:
                 meta = self._footers.get((part.store, part.key))
             source = _BlobFile(blobs.store(part.store, cached=True), part, where)
             if meta is None:
-                meta = pq.ParquetFile(source, page_checksum_verification=True).metadata
+                meta = blobs.footer(part, where)  # checked: only what matched is kept
                 with self._lock:
                     self._footers[(part.store, part.key)] = meta
                     while len(self._footers) > _FOOTERS_CACHED:
@@ -253,9 +253,10 @@ class ShardBlobs:
             return
         described = f"{part.key!r} in the {part.store} blob store"
         try:
-            reader = pq.ParquetFile(self._open(part, where), buffer_size=max(1, read_bytes),
-                                    pre_buffer=False, page_checksum_verification=True)
-            meta = reader.metadata
+            meta = self.footer(part, where)
+            reader = pq.ParquetFile(self._open(part, where), metadata=meta,
+                                    buffer_size=max(1, read_bytes), pre_buffer=False,
+                                    page_checksum_verification=True)
             # Batches of the storage types need no cast (a cast per batch costs more
             # than decoding a small one).
             stored = reader.schema_arrow
@@ -270,6 +271,12 @@ class ShardBlobs:
                         else pa.Table.from_batches([batch]).cast(SCHEMA)
         except Exception as e:
             raise _part_error(e, f"{described} ({part.encoded_size} bytes)") from None
+
+    def footer(self, part: HollowPart, where: str) -> pq.FileMetaData:
+        """A part's Parquet file metadata, its footer checked (:func:`read_footer`, the
+        part cache first, the store itself to read again)."""
+        return read_footer(self.store(part.store, cached=True), self.store(part.store),
+                           part, where)
 
     def _open(self, part: HollowPart, where: str) -> pa.NativeFile | _BlobFile:
         """A seekable file over a part: the local file itself, natively, when the store
@@ -347,8 +354,7 @@ def key_starts(blobs: ShardBlobs, part: HollowPart, where: str,
         step = max(1, len(keys) // small_part_samples)
         samples = [keys[i].as_py() for i in range(0, len(keys), step)]
         return [(key, part.encoded_size // max(1, len(samples))) for key in samples]
-    meta = pq.ParquetFile(_BlobFile(blobs.store(part.store, cached=True), part, where),
-                          page_checksum_verification=True).metadata
+    meta = blobs.footer(part, where)
     if "k" not in meta.schema.names:
         return whole
     k = meta.schema.names.index("k")
@@ -407,6 +413,96 @@ def _row_groups_from(meta: pq.FileMetaData, key_lower: bytes | None,
                     continue
         keep.append(g)
     return keep
+
+
+#: Bytes read from a part's end for its footer: the whole footer in one ranged read
+#: unless its file metadata is larger (as Parquet's own readers read 64 KiB first).
+FOOTER_READ_BYTES = 64 << 10
+
+#: The magic that ends (and starts) a Parquet file, after its metadata's length.
+_PARQUET_MAGIC = b"PAR1"
+
+
+def _footer_length(tail: bytes | memoryview) -> int | None:
+    """The length of the Parquet footer that ``tail`` (a file's last bytes) ends in:
+    its file metadata, the metadata's 4-byte little-endian length and the magic; None
+    when ``tail`` does not end in the magic."""
+    if len(tail) < 8 or bytes(tail[-4:]) != _PARQUET_MAGIC:
+        return None
+    return int.from_bytes(tail[-8:-4], "little") + 8
+
+
+def footer_bytes(data: bytes) -> memoryview | None:
+    """The footer of a Parquet file ``data``: its last bytes from its file metadata
+    through the metadata's length and the closing ``PAR1``, the exact range a part's
+    ``footer_crc32`` covers (what :meth:`ShardBlobs.footer` reads); None when ``data``
+    does not end in a footer."""
+    return _footer_in(data, len(data))
+
+
+def _footer_in(tail: bytes, size: int) -> memoryview | None:
+    """The footer that ``tail``, the last bytes of a file of ``size`` bytes, ends in;
+    None when it ends in none, or in one longer than itself or than the file allows."""
+    length = _footer_length(tail)
+    if length is None or length > len(tail) or length + len(_PARQUET_MAGIC) > size:
+        return None
+    return memoryview(tail)[len(tail) - length:]
+
+
+def read_footer(blob: Blob, store: Blob, part: HollowPart, where: str) -> pq.FileMetaData:
+    """A part's Parquet file metadata (schema, row groups' offsets and key statistics),
+    read from ``blob`` with one ranged read from its end (two when its footer is larger
+    than :data:`FOOTER_READ_BYTES`) and checked against the part's recorded
+    ``footer_crc32``: the one read of a footer for every read that does not read the
+    whole part, so never checks its whole CRC-32 (streaming in row groups, key lookups,
+    split points, a read plan's table).
+
+    Footer bytes that do not match are read again once, from ``store`` (the store
+    itself; a copy of the part in ``blob``, a cache, is dropped), before they are judged
+    changed, as :meth:`ShardBlobs.fetch_part` does. Raises :class:`PartChecksumMismatch`
+    naming the part when they still do not match, :class:`CorruptPart` when a part that
+    records no footer CRC-32 (written before it was) has no readable footer, and
+    :class:`PartMissing` when it is gone.
+    """
+    described = f"{part.key!r} in the {part.store} blob store"
+    try:
+        found = _read_footer(blob, part, where)
+        if part.footer_crc32 is not None and \
+                (found is None or not checksum.matches(found, part.footer_crc32)):
+            if isinstance(blob, CachingBlob):
+                blob.forget(part.key)
+            found = _read_footer(store, part, where)
+            what = f"the footer of part {described} ({where})"
+            if found is None:
+                raise PartChecksumMismatch(
+                    f"{what}: its last bytes are no Parquet footer (a 4-byte length and "
+                    f"{_PARQUET_MAGIC!r}), CRC-32 {part.footer_crc32:08x} recorded when "
+                    "it was written; the stored object changed after the write (rot, "
+                    "truncation, or another object put under its key)")
+            checksum.check(found, part.footer_crc32, what, PartChecksumMismatch)
+        if found is None:
+            raise CorruptPart(f"corrupt Parquet part {described}: its last bytes are no "
+                              f"Parquet footer (a 4-byte length and {_PARQUET_MAGIC!r})")
+        return pq.read_metadata(pa.BufferReader(found))
+    except Exception as e:
+        raise _part_error(e, f"{described} ({part.encoded_size} bytes)") from None
+
+
+def _read_footer(blob: Blob, part: HollowPart, where: str) -> memoryview | None:
+    """A part's :func:`footer_bytes` read from ``blob`` with ranged reads (None when
+    its last bytes are no footer)."""
+    size = part.encoded_size
+    first = min(size, FOOTER_READ_BYTES)
+    tail = blob.get_range(part.key, size - first, first)
+    length = None if tail is None else _footer_length(tail)
+    if tail is not None and length is not None and \
+            len(tail) < length <= size - len(_PARQUET_MAGIC):
+        more = blob.get_range(part.key, size - length, length - len(tail))
+        tail = None if more is None else more + tail
+    if tail is None:
+        raise PartMissing(f"part {part.key!r} ({where}) is missing from the "
+                          f"{part.store} blob store")
+    return _footer_in(tail, size)
 
 
 class _BlobFile(io.RawIOBase):
@@ -548,9 +644,11 @@ class PartWriter:
         key = paths.part_key(self._shard_id, self._batch_id, self._nonce, len(self._parts))
         self._blob.set(key, data)
         min_key, max_key = key_bounds(self._first_key, self._last_key)
+        footer = footer_bytes(data)
+        assert footer is not None  # Parquet's writer closed the file with one
         self._parts.append(HollowPart(key, self._store, len(data), self._rows,
                                       self._min_time, self._max_time, min_key, max_key,
-                                      checksum.crc32(data)))
+                                      checksum.crc32(data), checksum.crc32(footer)))
         self._rows = 0
 
 

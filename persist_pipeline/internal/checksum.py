@@ -1,7 +1,9 @@
 """CRC-32 of blob bytes: recorded when a part or rollup is written, checked when it is
-read whole, so that bytes changed in the store after the write (rot, truncation, an
-object replaced or swapped) raise :class:`~persist_pipeline.exceptions.ChecksumMismatch`
-instead of decoding into wrong rows or a wrong state.
+read whole (and, of a part's Parquet footer, recorded beside it and checked when the
+footer is read alone: :func:`~persist_pipeline.internal.blobs.read_footer`), so that
+bytes changed in the store after the write (rot, truncation, an object replaced or
+swapped) raise :class:`~persist_pipeline.exceptions.ChecksumMismatch` instead of
+decoding into wrong rows or a wrong state.
 
 zlib's CRC-32 runs at several GB/s here, a few percent of decoding the same Parquet.
 It guards against accidents, not against an adversary who can write the store (who

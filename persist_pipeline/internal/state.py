@@ -38,7 +38,10 @@ class HollowPart:
     ``min_key``/``max_key`` bound its keys (inclusive, see :func:`key_bounds`); None in
     parts written before they were recorded. ``crc32`` is the CRC-32 of its bytes as
     written (:func:`checksum`), which every whole read checks; None in parts written
-    before it was recorded.
+    before it was recorded. ``footer_crc32`` is the CRC-32 of its Parquet footer as
+    written (:func:`~persist_pipeline.internal.blobs.footer_bytes`), which every read of
+    the part in row groups checks (such a read reads the footer, not the whole part);
+    None in parts written before it was recorded.
     """
 
     key: str
@@ -50,6 +53,7 @@ class HollowPart:
     min_key: bytes | None = None
     max_key: bytes | None = None
     crc32: int | None = None
+    footer_crc32: int | None = None
 
     def may_hold_keys(self, lower: bytes | None, upper: bytes | None) -> bool:
         """Whether the part may hold a key ``k`` with ``lower <= k < upper`` (None: open)."""

@@ -84,6 +84,8 @@ def _part_to(part: Part, out: pb.Part) -> None:
             h.max_key = part.max_key
         if part.crc32 is not None:
             h.crc32 = part.crc32
+        if part.footer_crc32 is not None:
+            h.footer_crc32 = part.footer_crc32
     else:
         i = out.inline
         i.part_id, i.updates, i.num_updates = part.part_id, part.updates, part.num_updates
@@ -99,7 +101,8 @@ def _part_from(p: pb.Part) -> Part:
         return HollowPart(h.key, store, h.encoded_size, h.num_updates, h.min_time, h.max_time,
                           h.min_key if h.HasField("min_key") else None,
                           h.max_key if h.HasField("max_key") else None,
-                          h.crc32 if h.HasField("crc32") else None)
+                          h.crc32 if h.HasField("crc32") else None,
+                          h.footer_crc32 if h.HasField("footer_crc32") else None)
     if kind == "inline":
         i = p.inline
         return InlinePart(i.part_id, i.updates, i.num_updates)

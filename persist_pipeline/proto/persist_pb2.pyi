@@ -35,7 +35,7 @@ class InlineUpdates(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., vals: _Optional[_Iterable[bytes]] = ..., times: _Optional[_Iterable[int]] = ..., diffs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HollowPart(_message.Message):
-    __slots__ = ("key", "store", "encoded_size", "num_updates", "min_time", "max_time", "min_key", "max_key", "crc32")
+    __slots__ = ("key", "store", "encoded_size", "num_updates", "min_time", "max_time", "min_key", "max_key", "crc32", "footer_crc32")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     ENCODED_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class HollowPart(_message.Message):
     MIN_KEY_FIELD_NUMBER: _ClassVar[int]
     MAX_KEY_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    FOOTER_CRC32_FIELD_NUMBER: _ClassVar[int]
     key: str
     store: str
     encoded_size: int
@@ -54,7 +55,8 @@ class HollowPart(_message.Message):
     min_key: bytes
     max_key: bytes
     crc32: int
-    def __init__(self, key: _Optional[str] = ..., store: _Optional[str] = ..., encoded_size: _Optional[int] = ..., num_updates: _Optional[int] = ..., min_time: _Optional[int] = ..., max_time: _Optional[int] = ..., min_key: _Optional[bytes] = ..., max_key: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    footer_crc32: int
+    def __init__(self, key: _Optional[str] = ..., store: _Optional[str] = ..., encoded_size: _Optional[int] = ..., num_updates: _Optional[int] = ..., min_time: _Optional[int] = ..., max_time: _Optional[int] = ..., min_key: _Optional[bytes] = ..., max_key: _Optional[bytes] = ..., crc32: _Optional[int] = ..., footer_crc32: _Optional[int] = ...) -> None: ...
 
 class InlinePart(_message.Message):
     __slots__ = ("part_id", "updates", "num_updates")
