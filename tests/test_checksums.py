@@ -41,6 +41,7 @@ from persist_pipeline.internal.blobs import (
     key_starts,
 )
 from persist_pipeline.internal.lookup import current_rows
+from persist_pipeline.internal.merge import memory_plan
 from persist_pipeline.internal.state import Description, HollowPart, State
 from persist_pipeline.internal.trace import MergeReq
 from persist_pipeline.proto import persist_pb2 as pb
@@ -172,6 +173,67 @@ def test_a_part_swapped_for_another_valid_part_is_an_error_not_wrong_rows(
     # other shard's rows, silently (what the check is there to stop): every count doubled.
     rows = fresh.blobs.fetch_part(replace(part, crc32=None), "test", cached=False)
     assert rows.num_rows == BIG and set(rows.column("d").to_pylist()) == {2}
+    reader.expire()
+    fresh.close()
+
+
+def _random_rows(n: int, t: int, diff: int) -> pa.Table:
+    """Rows whose values zstd cannot shrink: the same ones for every call."""
+    rng = random.Random(7).randbytes(16 * n)
+    return pa.table({"k": [b"k%07d" % i for i in range(n)],
+                     "v": [rng[16 * i:16 * i + 16] for i in range(n)],
+                     "t": [t] * n, "d": [diff] * n})
+
+
+def test_a_small_part_streamed_by_a_merge_is_checked_whole(loc: Location) -> None:
+    """A part small enough to be fetched whole (so its footer and pages are trusted to
+    the part's CRC-32) is streamed instead when a merge's read buffer is smaller (more
+    runs, a smaller memory bound): its CRC-32 is checked all the same. Another valid
+    part under its key was read into a snapshot's rows, and compaction wrote them into
+    its output under a fresh, correct CRC-32 (after which nothing could tell)."""
+    bound = 4 << 20
+    config = PersistConfig(inline_policy=InlinePolicy(0, 0),
+                           compaction_memory_bound_bytes=bound)
+    client = loc.client(config=config)
+    mine, other = ShardId.new(), ShardId.new()
+    n = 40_000
+    for shard, diff in ((mine, 1), (other, 2)):
+        with client.open_writer(shard) as w:
+            w.compare_and_append(_random_rows(n, 0, diff), 0, 1)
+            w.compare_and_append(_random_rows(n, 1, 1), 1, 2)
+    part, theirs = _hollow(client, mine)[0], _hollow(client, other)[0]
+    assert part.crc32 is not None
+    good, swapped = _stored(client, part), _stored(client, theirs)
+    assert len(swapped) == part.encoded_size  # the same shape, so the same size
+    # Small enough for a whole fetch, larger than the merge's read buffer: streamed.
+    assert memory_plan(bound, 2, bound).read_bytes < part.encoded_size \
+        <= WHOLE_FETCH_MAX_BYTES
+    client.blobs.store(part.store).set(part.key, swapped)
+    client.close()
+
+    fresh = loc.client(config=config)
+    reader = fresh.open_reader(mine)
+    with pytest.raises(PartChecksumMismatch, match="CRC-32") as raised:
+        reader.snapshot(1)
+    assert part.key in str(raised.value)
+    with pytest.raises(PartChecksumMismatch, match="CRC-32"):
+        fresh.compact(mine)
+    # Nothing was laundered: the part is still the one referenced, still found out.
+    assert part in _hollow(fresh, mine)
+    [problem] = fresh.verify(mine, deep=True).problems
+    assert (problem.kind, problem.key) == ("checksum", part.key)
+    # Positive control: the intact part passes the same check on the same path, also
+    # past a bad copy of it in the part cache (dropped, the store's bytes read again).
+    fresh.blobs.store(part.store).set(part.key, good)
+    cache = fresh.blobs.store(part.store, cached=True)
+    assert isinstance(cache, CachingBlob)
+    with cache._lock:
+        cache._admit(part.key, swapped, cache._epoch)
+    assert reader.snapshot(1).column("d").to_pylist() == [2] * n
+    assert part.key not in cache
+    assert fresh.compact(mine)["applied"] == 1
+    assert fresh.verify(mine, deep=True).ok
+    assert reader.snapshot(1).column("d").to_pylist() == [2] * n
     reader.expire()
     fresh.close()
 

@@ -252,6 +252,11 @@ class ShardBlobs:
                 yield table.slice(start, rows)
             return
         described = f"{part.key!r} in the {part.store} blob store"
+        if part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
+            # Small enough that a whole fetch would check it (footer and all) against its
+            # CRC-32, streamed only because this read's buffer is smaller: checked the
+            # same, a buffer at a time, before anything of it is decoded.
+            self._check_in_pieces(part, where, read_bytes)
         try:
             meta = self.footer(part, where)
             reader = pq.ParquetFile(self._open(part, where), metadata=meta,
@@ -277,6 +282,22 @@ class ShardBlobs:
         part cache first, the store itself to read again)."""
         return read_footer(self.store(part.store, cached=True), self.store(part.store),
                            part, where)
+
+    def _check_in_pieces(self, part: HollowPart, where: str, piece_bytes: int) -> None:
+        """Check ``part``'s bytes against its CRC-32 reading ``piece_bytes`` at a time
+        (as :meth:`fetch_part` checks a whole read: a mismatch is read again once, from
+        the store itself, before the bytes are judged changed)."""
+        if part.crc32 is None:
+            return
+        store = self.store(part.store, cached=True)
+        found, size = _crc_in_pieces(store, part, where, piece_bytes)
+        if found == part.crc32:
+            return
+        if isinstance(store, CachingBlob):
+            store.forget(part.key)
+        found, size = _crc_in_pieces(self.store(part.store), part, where, piece_bytes)
+        checksum.check_found(found, size, part.crc32, f"part {part.key!r} in the "
+                             f"{part.store} blob store ({where})", PartChecksumMismatch)
 
     def _open(self, part: HollowPart, where: str) -> pa.NativeFile | _BlobFile:
         """A seekable file over a part: the local file itself, natively, when the store
@@ -309,6 +330,24 @@ class ShardBlobs:
                     return  # a run is in key order: nothing further is in range
                 yield advance_times(in_key_range(chunk, key_lower, key_upper),
                                     since=since, as_of=as_of)
+
+
+def _crc_in_pieces(blob: Blob, part: HollowPart, where: str, piece_bytes: int
+                   ) -> tuple[int, int]:
+    """The CRC-32 of the part's stored bytes and how many there are (up to one past its
+    recorded size: a longer object is found too), read ``piece_bytes`` at a time."""
+    crc = size = 0
+    while size <= part.encoded_size:
+        want = min(max(1, piece_bytes), part.encoded_size + 1 - size)
+        data = blob.get_range(part.key, size, want)
+        if data is None:
+            raise PartMissing(f"part {part.key!r} ({where}) is missing from the "
+                              f"{part.store} blob store")
+        crc = checksum.crc32_continued(data, crc)
+        size += len(data)
+        if len(data) < want:
+            break
+    return crc, size
 
 
 #: The fewest rows decoded from a part at a time.

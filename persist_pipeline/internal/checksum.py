@@ -16,12 +16,18 @@ import zlib
 
 from persist_pipeline.exceptions import ChecksumMismatch
 
-__all__ = ["check", "crc32", "matches"]
+__all__ = ["check", "check_found", "crc32", "crc32_continued", "matches"]
 
 
 def crc32(data: bytes | bytearray | memoryview) -> int:
     """The CRC-32 recorded for ``data`` (an unsigned 32-bit integer)."""
     return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def crc32_continued(data: bytes | bytearray | memoryview, running: int) -> int:
+    """The CRC-32 of the bytes whose CRC-32 is ``running`` followed by ``data`` (start
+    from 0): an object's, read in pieces."""
+    return zlib.crc32(data, running) & 0xFFFFFFFF
 
 
 def matches(data: bytes | bytearray | memoryview, expected: int | None) -> bool:
@@ -36,9 +42,15 @@ def check(data: bytes | bytearray | memoryview, expected: int | None, described:
     ``expected``."""
     if expected is None:
         return
-    found = crc32(data)
-    if found != expected:
-        raise error(f"{described}: its {len(data)} bytes have CRC-32 {found:08x}, "
+    check_found(crc32(data), len(data), expected, described, error)
+
+
+def check_found(found: int, size: int, expected: int | None, described: str,
+                error: type[ChecksumMismatch]) -> None:
+    """Raise ``error`` naming ``described`` unless ``found``, the CRC-32 of ``size``
+    bytes read, is ``expected`` (None: nothing recorded)."""
+    if expected is not None and found != expected:
+        raise error(f"{described}: its {size} bytes have CRC-32 {found:08x}, "
                     f"{expected:08x} recorded when it was written; the stored object "
                     "changed after the write (rot, truncation, or another object put "
                     "under its key)")
