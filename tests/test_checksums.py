@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -241,7 +242,7 @@ def test_a_small_part_streamed_by_a_merge_is_checked_whole(loc: Location) -> Non
 def test_a_rotted_page_of_a_part_read_in_row_groups_is_an_error(tmp_path: Path) -> None:
     """A part larger than a whole fetch is read in row groups, not checked whole: the
     pages' own CRC-32s find a flipped byte that zstd would pass (random values are
-    stored raw), in snapshots and in a read plan's scans (DuckDB's too)."""
+    stored raw), in snapshots and in a read plan's scans (DuckDB's and polars' too)."""
     client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
                                 inline_policy=InlinePolicy(0, 0))
     shard = ShardId.new()
@@ -282,6 +283,9 @@ def test_a_rotted_page_of_a_part_read_in_row_groups_is_an_error(tmp_path: Path) 
         con.register("parts", plan.to_dataset())
         with pytest.raises(duckdb.Error, match="CRC"):
             con.sql("SELECT count(*), sum(octet_length(v)) FROM parts").fetchall()
+        with pytest.raises(OSError, match="CRC"):
+            pl.scan_pyarrow_dataset(plan.to_dataset()).select(
+                pl.col("v").bin.size().sum()).collect()
     [problem] = fresh.verify(shard, deep=True).problems
     assert (problem.kind, problem.key) == ("checksum", part.key)
     reader.expire()
