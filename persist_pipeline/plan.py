@@ -52,9 +52,12 @@ from persist_pipeline.exceptions import (
     InvalidConfig,
     LeaseExpired,
     NotYetAvailable,
+    PartChecksumMismatch,
     PartMissing,
 )
 from persist_pipeline.frontier import MAX_TIME, Frontier
+from persist_pipeline.internal import checksum
+from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, read_footer
 from persist_pipeline.internal.state import HollowPart, Store
 from persist_pipeline.updates import SCHEMA, consolidate, naming_shard
 
@@ -340,19 +343,23 @@ class SnapshotPlan:
         """The consolidated collection at ``as_of``, read through :meth:`to_dataset`
         (equal to ``snapshot(as_of)``; typed for a typed shard).
 
-        Every file's footer is checked against its recorded CRC-32 first
-        (:func:`~persist_pipeline.internal.blobs.read_footer`): the scan prunes row
-        groups by their ``t`` statistics, and reads at the offsets it states.
+        The files are checked as :meth:`ReadHandle.snapshot
+        <persist_pipeline.read.ReadHandle.snapshot>` checks them, before the scan (which
+        prunes row groups by their ``t`` statistics and reads at the offsets the footer
+        states): each up to the size a snapshot fetches whole against the CRC-32 recorded
+        when it was written, the footer of each larger one against its own, and every
+        page of every file against its own.
 
         Raises:
             LeaseExpired: the plan was closed (its files are no longer held).
             PartMissing: a file of the plan is gone (its reader's lease ran out).
-            PartChecksumMismatch: a file's footer changed since it was written.
+            PartChecksumMismatch / CorruptPart: a file's bytes changed since it was
+                written.
         """
         self._check_open()
         import pyarrow.dataset as pads
 
-        self._check_footers()
+        self._check_files()
         try:
             table = self.to_dataset().to_table(
                 columns=SCHEMA.names, filter=pads.field("t") <= pa.scalar(self.as_of))
@@ -364,27 +371,42 @@ class SnapshotPlan:
             return self.schema.decode(table, f"shard {self.shard_id}")
         return table
 
-    def _check_footers(self) -> None:
-        """Read and check the footer of every file that records its CRC-32 (8 at a
-        time, as Spark's split points read them)."""
+    def _check_files(self) -> None:
+        """Check every file that records its CRC-32s, 8 at a time (as Spark's split
+        points read footers): one a snapshot would fetch whole against its CRC-32 (a
+        dataset scan checks only the pages, which another valid part under the key
+        passes), a larger one's footer against its own (the scan trusts its statistics
+        and offsets). A mismatch is read again once before the bytes are judged changed."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from persist_pipeline.internal.blobs import read_footer
+        where = f"shard {self.shard_id}, snapshot plan"
 
-        checked = [f for f in self.file_details if f.footer_crc32 is not None]
+        def whole(f: PlanFile) -> bool:
+            return f.crc32 is not None and f.size <= WHOLE_FETCH_MAX_BYTES
+
+        checked = [f for f in self.file_details if whole(f) or f.footer_crc32 is not None]
         if not checked:
             return
-        where = f"snapshot plan of shard {self.shard_id}"
 
         def check(f: PlanFile) -> None:
             blob = self._stores.get(f.store)
             if blob is None:
                 raise InvalidConfig(f"this location has no {f.store} blob store")
-            read_footer(blob, blob, f.hollow_part(), where)
+            if not whole(f):
+                read_footer(blob, blob, f.hollow_part(), where)
+                return
+            assert f.crc32 is not None
+            data = blob.get(f.key)
+            if data is not None and not checksum.matches(data, f.crc32):
+                data = blob.get(f.key)
+            if data is None:
+                raise PartMissing(f"{f.uri} is gone")  # named as a gone file below
+            checksum.check(data, f.crc32, f"part {f.key!r} in the {f.store} blob store "
+                           f"({where})", PartChecksumMismatch)
 
         try:
             with ThreadPoolExecutor(max_workers=min(8, len(checked)),
-                                    thread_name_prefix="persist-plan-footers") as pool:
+                                    thread_name_prefix="persist-plan-checks") as pool:
                 list(pool.map(check, checked))
         except PartMissing as e:
             raise self._read_error(e) from e

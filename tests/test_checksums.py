@@ -167,6 +167,15 @@ def test_a_part_swapped_for_another_valid_part_is_an_error_not_wrong_rows(
     assert part.key in str(raised.value)
     with pytest.raises(PartChecksumMismatch):
         list(reader.snapshot_batches(0))
+    # A read plan's table is read by this library too (equal to snapshot(0)): checked
+    # the same. (Its dataset, scanned by other engines, checks only the pages, which
+    # are the other part's, intact.)
+    with reader.snapshot_plan(0) as plan:
+        assert [f.crc32 for f in plan.file_details] == [part.crc32]
+        with pytest.raises(PartChecksumMismatch, match="CRC-32") as raised:
+            plan.to_table()
+        assert part.key in str(raised.value)
+        assert set(plan.to_dataset().to_table().column("d").to_pylist()) == {2}
     assert fresh.verify(mine).ok  # a listing sees the recorded size
     [problem] = fresh.verify(mine, deep=True).problems
     assert (problem.kind, problem.key) == ("checksum", part.key)
