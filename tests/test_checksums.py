@@ -417,7 +417,14 @@ def test_a_footer_larger_than_one_ranged_read_is_checked_whole(tmp_path: Path) -
     assert at < len(data) - FOOTER_READ_BYTES
     client.blobs.main.set(part.key, data[:at] + b"9" + data[at + 1:])
     with pytest.raises(PartChecksumMismatch, match=r"footer of part 'footer/big\.parquet'"):
+        list(DecodedParts().row_groups(client.blobs, part, "test", [b"k0030000"]))
+    # Streamed, a part this small (one a snapshot would fetch whole) is checked whole
+    # first; one recording only its footer's CRC-32 is checked by its footer.
+    with pytest.raises(PartChecksumMismatch, match=r"bytes have CRC-32"):
         list(client.blobs.stream_part(part, "test", 1 << 20, read_bytes=1 << 16))
+    with pytest.raises(PartChecksumMismatch, match=r"footer of part 'footer/big\.parquet'"):
+        list(client.blobs.stream_part(replace(part, crc32=None), "test", 1 << 20,
+                                      read_bytes=1 << 16))
     # Unchecked, the same bytes parse, and state another lowest key.
     unchecked = client.blobs.footer(replace(part, footer_crc32=None), "test")
     assert unchecked.row_group(0).column(0).statistics.min == b"k0000009"
