@@ -1,7 +1,7 @@
 """A Spark driver and executors that run different persist-pipelines (a cluster whose
 workers were not upgraded with the driver) are refused with :class:`VersionMismatch`,
 naming both, before anything is written or committed: tasks carry the driver's
-fingerprint (version and state format), results and commit messages the executor's."""
+fingerprint (version, state format and sources), results and commit messages the executor's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 
 from persist_pipeline import InlinePolicy, PersistClient, ShardId, VersionMismatch
-from persist_pipeline.internal.compat import check_same_code, code_fingerprint
+from persist_pipeline.internal.compat import check_same_code, code_fingerprint, source_digest
 from persist_pipeline.spark import (
     SparkCompactionFailed,
     _run_task,
@@ -65,6 +65,24 @@ def test_the_fingerprint_names_the_version_and_the_state_format() -> None:
             check_same_code(theirs, "driver", "executor")
         assert mine in str(raised.value)
     assert isinstance(VersionMismatch("x"), ValueError)  # an InvalidConfig
+
+
+def test_the_fingerprint_changes_with_any_source_file_within_one_version(
+        tmp_path: Path) -> None:
+    """Pickled dataclasses can change without a new version number or state format (a
+    field added to a task): a copy of the package with one changed source file has
+    another digest; an identical copy (another install of the same release) the same."""
+    import shutil
+
+    import persist_pipeline
+
+    package = Path(persist_pipeline.__file__).parent
+    copy = tmp_path / "persist_pipeline"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert source_digest(copy) == source_digest(package)
+    spark = copy / "spark.py"
+    spark.write_text(spark.read_text() + "# one line more\n")
+    assert source_digest(copy) != source_digest(package)
 
 
 def _in_process(change: Any) -> Any:

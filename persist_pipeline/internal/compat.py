@@ -14,21 +14,37 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from pathlib import Path
 
 from persist_pipeline.exceptions import VersionMismatch
 
-__all__ = ["check_same_code", "code_fingerprint"]
+__all__ = ["check_same_code", "code_fingerprint", "source_digest"]
 
 
 @functools.cache
 def code_fingerprint() -> str:
-    """This process's persist-pipeline: its version and a digest of its state format
-    (the protobuf schema, which changes whenever a recorded field is added)."""
+    """This process's persist-pipeline: its version and a digest of its code (the state
+    format, the protobuf schema, which changes whenever a recorded field is added, and
+    the package's Python sources, which define what crosses between processes pickled:
+    a dataclass can change within one version number)."""
     from persist_pipeline import __version__
     from persist_pipeline.proto import persist_pb2
 
-    digest = hashlib.sha256(persist_pb2.DESCRIPTOR.serialized_pb).hexdigest()[:12]
-    return f"{__version__}+{digest}"
+    digest = hashlib.sha256(persist_pb2.DESCRIPTOR.serialized_pb)
+    digest.update(source_digest(Path(__file__).resolve().parents[1]).encode())
+    return f"{__version__}+{digest.hexdigest()[:12]}"
+
+
+def source_digest(package: Path) -> str:
+    """A digest of the Python sources under ``package`` (their paths and bytes): equal
+    for two installs of the same release, different for a changed file. Computed once
+    per process (about 100 files)."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
 def check_same_code(theirs: str | None, other: str, here: str) -> None:
