@@ -71,18 +71,26 @@ def test_the_fingerprint_changes_with_any_source_file_within_one_version(
         tmp_path: Path) -> None:
     """Pickled dataclasses can change without a new version number or state format (a
     field added to a task): a copy of the package with one changed source file has
-    another digest; an identical copy (another install of the same release) the same."""
+    another digest; an identical copy (another install of the same release), as a
+    folder or zipped as Spark's ``--py-files`` ships it, the same."""
+    import importlib.resources
     import shutil
+    import zipfile
 
-    import persist_pipeline
-
-    package = Path(persist_pipeline.__file__).parent
+    package = importlib.resources.files("persist_pipeline")
+    mine = source_digest(package)
+    assert code_fingerprint().split("+")[1] != mine[:12]  # the state format is in too
     copy = tmp_path / "persist_pipeline"
-    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    assert source_digest(copy) == source_digest(package)
+    shutil.copytree(str(package), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert source_digest(copy) == mine
+    zipped = tmp_path / "deps.zip"
+    with zipfile.ZipFile(zipped, "w") as z:
+        for path in sorted(copy.rglob("*")):
+            z.write(path, path.relative_to(tmp_path).as_posix())
+    assert source_digest(zipfile.Path(zipped, "persist_pipeline/")) == mine
     spark = copy / "spark.py"
     spark.write_text(spark.read_text() + "# one line more\n")
-    assert source_digest(copy) != source_digest(package)
+    assert source_digest(copy) != mine
 
 
 def _in_process(change: Any) -> Any:
