@@ -88,6 +88,17 @@ def _large_table(n: int = 120_000) -> pa.Table:
                      "t": [0] * n, "d": [1] * n})
 
 
+def _write_large_part(client: PersistClient) -> tuple[ShardId, pa.Table, HollowPart]:
+    """A new shard holding :func:`_large_table` in one Parquet part: the shard, the
+    table and the part."""
+    shard = ShardId.new()
+    table = _large_table()
+    with client.open_writer(shard) as w:
+        w.compare_and_append(table, 0, 1)
+    [part] = _hollow(client, shard)
+    return shard, table, part
+
+
 def _keys(tables: Any) -> list[bytes]:
     return [k for table in tables for k in table.column("k").to_pylist()]
 
@@ -254,11 +265,7 @@ def test_a_rotted_page_of_a_part_read_in_row_groups_is_an_error(tmp_path: Path) 
     stored raw), in snapshots and in a read plan's scans (DuckDB's and polars' too)."""
     client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
                                 inline_policy=InlinePolicy(0, 0))
-    shard = ShardId.new()
-    table = _large_table()
-    with client.open_writer(shard) as w:
-        w.compare_and_append(table, 0, 1)
-    [part] = _hollow(client, shard)
+    shard, table, part = _write_large_part(client)
     assert part.encoded_size > WHOLE_FETCH_MAX_BYTES  # streamed, not fetched whole
     good = _stored(client, part)
     path = tmp_path / "rotted.parquet"
@@ -328,11 +335,7 @@ def test_a_rotted_footer_of_a_part_read_in_row_groups_is_an_error_not_lost_rows(
     row and key ranges split where the footer says lose it. The footer's own CRC-32,
     checked by every read of a footer, makes each of them an error naming the part."""
     client = loc.client(policy=InlinePolicy(0, 0))
-    shard = ShardId.new()
-    table = _large_table()
-    with client.open_writer(shard) as w:
-        w.compare_and_append(table, 0, 1)
-    [part] = _hollow(client, shard)
+    shard, table, part = _write_large_part(client)
     assert part.encoded_size > WHOLE_FETCH_MAX_BYTES  # read in row groups
     good = _stored(client, part)
     rotted, lowest, stated = _raise_lowest_key(good, 1)
@@ -439,11 +442,7 @@ def test_a_bad_cached_copy_fails_a_footer_once_then_the_stores_bytes_are_read(
     client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
                                 inline_policy=InlinePolicy(0, 0),
                                 config=PersistConfig(blob_cache_bytes=64 << 20))
-    shard = ShardId.new()
-    table = _large_table()
-    with client.open_writer(shard) as w:
-        w.compare_and_append(table, 0, 1)
-    [part] = _hollow(client, shard)
+    shard, table, part = _write_large_part(client)
     rotted, lowest, _ = _raise_lowest_key(_stored(client, part), 1)
     cache = client.blobs.cached_main
     assert isinstance(cache, CachingBlob)
@@ -473,11 +472,7 @@ def test_a_large_part_recorded_before_footer_checksums_still_reads(tmp_path: Pat
 
     client = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}",
                                 inline_policy=InlinePolicy(0, 0))
-    shard = ShardId.new()
-    table = _large_table()
-    with client.open_writer(shard) as w:
-        w.compare_and_append(table, 0, 1)
-    [part] = _hollow(client, shard)
+    _, table, part = _write_large_part(client)
     old = replace(part, footer_crc32=None)
     for recorded in (old, part):  # each as recorded, through the state's encoding
         msg = pb.Part()
