@@ -252,13 +252,14 @@ class ShardBlobs:
                 yield table.slice(start, rows)
             return
         described = f"{part.key!r} in the {part.store} blob store"
+        checked = None
         if part.encoded_size <= WHOLE_FETCH_MAX_BYTES:
             # Small enough that a whole fetch would check it (footer and all) against its
             # CRC-32, streamed only because this read's buffer is smaller: checked the
-            # same, a buffer at a time, before anything of it is decoded.
-            self._check_in_pieces(part, where, read_bytes)
+            # same before anything of it is decoded, its footer taken from those bytes.
+            checked = self._check_whole(part, where)
         try:
-            meta = self.footer(part, where)
+            meta = self.footer(part, where) if checked is None else checked
             reader = pq.ParquetFile(self._open(part, where), metadata=meta,
                                     buffer_size=max(1, read_bytes), pre_buffer=False,
                                     page_checksum_verification=True)
@@ -283,21 +284,32 @@ class ShardBlobs:
         return read_footer(self.store(part.store, cached=True), self.store(part.store),
                            part, where)
 
-    def _check_in_pieces(self, part: HollowPart, where: str, piece_bytes: int) -> None:
-        """Check ``part``'s bytes against its CRC-32 reading ``piece_bytes`` at a time
-        (as :meth:`fetch_part` checks a whole read: a mismatch is read again once, from
-        the store itself, before the bytes are judged changed)."""
+    def _check_whole(self, part: HollowPart, where: str) -> pq.FileMetaData | None:
+        """Check a part of up to :data:`WHOLE_FETCH_MAX_BYTES` against its CRC-32 (as
+        :meth:`fetch_part` checks a whole read: a mismatch is read again once, from the
+        store itself, before the bytes are judged changed) and return its file metadata,
+        parsed from the footer of the bytes checked (None: the part records no CRC-32).
+
+        One ranged read of the whole part (from the part cache when it holds it; not
+        admitted to it), released before the part is decoded a buffer at a time: a
+        stream holds one part of at most that size beyond its read buffers while it
+        checks it. Reading it in buffer-sized pieces instead cost a merge of 64 runs of
+        2.6 MiB parts on a store without local files 1.8x the ranged reads."""
         if part.crc32 is None:
-            return
+            return None
         store = self.store(part.store, cached=True)
-        found, size = _crc_in_pieces(store, part, where, piece_bytes)
-        if found == part.crc32:
-            return
-        if isinstance(store, CachingBlob):
-            store.forget(part.key)
-        found, size = _crc_in_pieces(self.store(part.store), part, where, piece_bytes)
-        checksum.check_found(found, size, part.crc32, f"part {part.key!r} in the "
-                             f"{part.store} blob store ({where})", PartChecksumMismatch)
+        data = _read_whole(store, part, where)
+        if not checksum.matches(data, part.crc32):
+            if isinstance(store, CachingBlob):
+                store.forget(part.key)
+            data = _read_whole(self.store(part.store), part, where)
+            checksum.check(data, part.crc32, f"part {part.key!r} in the {part.store} blob "
+                           f"store ({where})", PartChecksumMismatch)
+        footer = footer_bytes(data)
+        if footer is None:
+            raise CorruptPart(f"corrupt Parquet part {part.key!r} in the {part.store} blob "
+                              f"store ({where}): its last bytes are no Parquet footer")
+        return pq.read_metadata(pa.BufferReader(footer))
 
     def _open(self, part: HollowPart, where: str) -> pa.NativeFile | _BlobFile:
         """A seekable file over a part: the local file itself, natively, when the store
@@ -332,22 +344,14 @@ class ShardBlobs:
                                     since=since, as_of=as_of)
 
 
-def _crc_in_pieces(blob: Blob, part: HollowPart, where: str, piece_bytes: int
-                   ) -> tuple[int, int]:
-    """The CRC-32 of the part's stored bytes and how many there are (up to one past its
-    recorded size: a longer object is found too), read ``piece_bytes`` at a time."""
-    crc = size = 0
-    while size <= part.encoded_size:
-        want = min(max(1, piece_bytes), part.encoded_size + 1 - size)
-        data = blob.get_range(part.key, size, want)
-        if data is None:
-            raise PartMissing(f"part {part.key!r} ({where}) is missing from the "
-                              f"{part.store} blob store")
-        crc = checksum.crc32_continued(data, crc)
-        size += len(data)
-        if len(data) < want:
-            break
-    return crc, size
+def _read_whole(blob: Blob, part: HollowPart, where: str) -> bytes:
+    """The part's stored bytes with one ranged read of one byte more than its recorded
+    size (so a longer object is found too)."""
+    data = blob.get_range(part.key, 0, part.encoded_size + 1)
+    if data is None:
+        raise PartMissing(f"part {part.key!r} ({where}) is missing from the "
+                          f"{part.store} blob store")
+    return data
 
 
 #: The fewest rows decoded from a part at a time.

@@ -16,18 +16,12 @@ import zlib
 
 from persist_pipeline.exceptions import ChecksumMismatch
 
-__all__ = ["check", "check_found", "crc32", "crc32_continued", "matches"]
+__all__ = ["check", "check_found", "crc32", "matches"]
 
 
 def crc32(data: bytes | bytearray | memoryview) -> int:
     """The CRC-32 recorded for ``data`` (an unsigned 32-bit integer)."""
     return zlib.crc32(data) & 0xFFFFFFFF
-
-
-def crc32_continued(data: bytes | bytearray | memoryview, running: int) -> int:
-    """The CRC-32 of the bytes whose CRC-32 is ``running`` followed by ``data`` (start
-    from 0): an object's, read in pieces."""
-    return zlib.crc32(data, running) & 0xFFFFFFFF
 
 
 def matches(data: bytes | bytearray | memoryview, expected: int | None) -> bool:
