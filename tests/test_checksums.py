@@ -10,6 +10,7 @@ state."""
 from __future__ import annotations
 
 import random
+import re
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +28,7 @@ from persist_pipeline import (
     CorruptState,
     InlinePolicy,
     PartChecksumMismatch,
+    PartMissing,
     PersistClient,
     PersistConfig,
     RollupChecksumMismatch,
@@ -491,6 +493,35 @@ def test_a_large_part_recorded_before_footer_checksums_still_reads(tmp_path: Pat
     assert not isinstance(raised.value, ChecksumMismatch)
     with pytest.raises(PartChecksumMismatch, match="no Parquet footer"):
         list(client.blobs.stream_part(part, "test", 1 << 20))
+    client.close()
+
+
+def test_a_plan_file_gc_deleted_before_its_checks_is_named_gone_not_a_checksum_error(
+        loc: Location) -> None:
+    """``to_table`` checks a large file's footer and a small file whole before its scan;
+    a file GC deleted meanwhile (its reader's lease ran out) is the plan's gone file,
+    named (PartMissing), as the scan itself reports it: never a checksum mismatch nor an
+    unavailable store, for the footer read (one or two ranged reads) as for the whole."""
+    client = loc.client(policy=InlinePolicy(0, 0))
+    shard, table, _ = _write_large_part(client)
+    with client.open_writer(shard) as w:
+        w.compare_and_append(_rows(BIG, 1, b"y"), 1, 2)
+    reader = client.open_reader(shard)
+    with reader.snapshot_plan(1) as plan:
+        files = sorted(plan.file_details, key=lambda f: f.size)
+        assert len(files) == 2 and files[0].size <= WHOLE_FETCH_MAX_BYTES < files[1].size
+        assert None not in (files[0].crc32, files[1].footer_crc32)
+        for f in reversed(files):  # the footer-checked file, then the one checked whole
+            blob = client.blobs.store(f.store)
+            data = _stored(client, f.hollow_part())
+            blob.delete(f.key)  # as GC deletes it once the reader's lease ran out
+            with pytest.raises(PartMissing, match=re.escape(f.uri) + " of this snapshot "
+                               "plan is gone") as raised:
+                plan.to_table()
+            assert not isinstance(raised.value, ChecksumMismatch)
+            blob.set(f.key, data)
+        assert plan.to_table().num_rows == table.num_rows + BIG
+    reader.expire()
     client.close()
 
 
