@@ -52,12 +52,15 @@ from persist_pipeline.exceptions import (
     InvalidConfig,
     LeaseExpired,
     NotYetAvailable,
-    PartChecksumMismatch,
     PartMissing,
 )
 from persist_pipeline.frontier import MAX_TIME, Frontier
-from persist_pipeline.internal import checksum
-from persist_pipeline.internal.blobs import WHOLE_FETCH_MAX_BYTES, read_footer
+from persist_pipeline.internal.blobs import (
+    WHOLE_FETCH_MAX_BYTES,
+    ShardBlobs,
+    read_checked,
+    read_footer,
+)
 from persist_pipeline.internal.state import HollowPart, Store
 from persist_pipeline.updates import SCHEMA, consolidate, naming_shard
 
@@ -395,14 +398,8 @@ class SnapshotPlan:
             if not whole(f):
                 read_footer(blob, blob, f.hollow_part(), where)
                 return
-            assert f.crc32 is not None
-            data = blob.get(f.key)
-            if data is not None and not checksum.matches(data, f.crc32):
-                data = blob.get(f.key)
-            if data is None:
-                raise PartMissing(f"{f.uri} is gone")  # named as a gone file below
-            checksum.check(data, f.crc32, f"part {f.key!r} in the {f.store} blob store "
-                           f"({where})", PartChecksumMismatch)
+            # A PartMissing is named as a gone file of the plan below.
+            read_checked(blob, blob, f.hollow_part(), where, ShardBlobs.get_part)
 
         try:
             with ThreadPoolExecutor(max_workers=min(8, len(checked)),

@@ -15,7 +15,7 @@ import bisect
 import io
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -195,19 +195,9 @@ class ShardBlobs:
         if isinstance(part, InlinePart):
             return decode_inline(part.updates, f"{part.part_id} ({where})")
         assert isinstance(part, HollowPart)
-        store = self.store(part.store, cached=cached)
-        data = self._get(store, part, where)
-        described = f"{part.key!r} in the {part.store} blob store"
-        if not checksum.matches(data, part.crc32):
-            # One read that went wrong (or a copy of one, cached) must not fail a read,
-            # or every later one, of a part that is intact: the store's bytes, read
-            # again, decide.
-            if isinstance(store, CachingBlob):
-                store.forget(part.key)
-            data = self._get(self.store(part.store), part, where)
-            checksum.check(data, part.crc32, f"part {described} ({where})",
-                           PartChecksumMismatch)
-        return decode_parquet(data, described)
+        data = read_checked(self.store(part.store, cached=cached), self.store(part.store),
+                            part, where, self.get_part)
+        return decode_parquet(data, f"{part.key!r} in the {part.store} blob store")
 
     def fetch_rollup(self, key: str, crc32: int | None, where: str) -> State | None:
         """The state stored as a rollup at ``key`` in the main store (None if it is
@@ -224,7 +214,9 @@ class ShardBlobs:
         return state_codec.decode_state(data, where)
 
     @staticmethod
-    def _get(store: Blob, part: HollowPart, where: str) -> bytes:
+    def get_part(store: Blob, part: HollowPart, where: str) -> bytes:
+        """``part``'s stored bytes, read whole from ``store``; :class:`PartMissing` when
+        it is gone."""
         data = store.get(part.key)
         if data is None:
             raise PartMissing(f"part {part.key!r} ({where}) is missing from the "
@@ -297,14 +289,8 @@ class ShardBlobs:
         2.6 MiB parts on a store without local files 1.8x the ranged reads."""
         if part.crc32 is None:
             return None
-        store = self.store(part.store, cached=True)
-        data = _read_whole(store, part, where)
-        if not checksum.matches(data, part.crc32):
-            if isinstance(store, CachingBlob):
-                store.forget(part.key)
-            data = _read_whole(self.store(part.store), part, where)
-            checksum.check(data, part.crc32, f"part {part.key!r} in the {part.store} blob "
-                           f"store ({where})", PartChecksumMismatch)
+        data = read_checked(self.store(part.store, cached=True), self.store(part.store),
+                            part, where, _read_whole)
         footer = footer_bytes(data)
         if footer is None:
             raise CorruptPart(f"corrupt Parquet part {part.key!r} in the {part.store} blob "
@@ -342,6 +328,24 @@ class ShardBlobs:
                     return  # a run is in key order: nothing further is in range
                 yield advance_times(in_key_range(chunk, key_lower, key_upper),
                                     since=since, as_of=as_of)
+
+
+def read_checked(blob: Blob, store: Blob, part: HollowPart, where: str,
+                 read: Callable[[Blob, HollowPart, str], bytes]) -> bytes:
+    """``part``'s bytes read from ``blob`` by ``read``, checked against its CRC-32.
+
+    One read that went wrong (or a copy of one, cached) must not fail a read, or every
+    later one, of a part that is intact: bytes that do not match are read again once
+    from ``store`` (the store itself; a copy in ``blob``, a cache, is dropped) before
+    they are judged changed (:class:`PartChecksumMismatch`)."""
+    data = read(blob, part, where)
+    if not checksum.matches(data, part.crc32):
+        if isinstance(blob, CachingBlob):
+            blob.forget(part.key)
+        data = read(store, part, where)
+        checksum.check(data, part.crc32, f"part {part.key!r} in the {part.store} blob "
+                       f"store ({where})", PartChecksumMismatch)
+    return data
 
 
 def _read_whole(blob: Blob, part: HollowPart, where: str) -> bytes:

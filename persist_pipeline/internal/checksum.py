@@ -16,7 +16,7 @@ import zlib
 
 from persist_pipeline.exceptions import ChecksumMismatch
 
-__all__ = ["check", "check_found", "crc32", "matches"]
+__all__ = ["check", "crc32", "matches"]
 
 
 def crc32(data: bytes | bytearray | memoryview) -> int:
@@ -36,15 +36,9 @@ def check(data: bytes | bytearray | memoryview, expected: int | None, described:
     ``expected``."""
     if expected is None:
         return
-    check_found(crc32(data), len(data), expected, described, error)
-
-
-def check_found(found: int, size: int, expected: int | None, described: str,
-                error: type[ChecksumMismatch]) -> None:
-    """Raise ``error`` naming ``described`` unless ``found``, the CRC-32 of ``size``
-    bytes read, is ``expected`` (None: nothing recorded)."""
-    if expected is not None and found != expected:
-        raise error(f"{described}: its {size} bytes have CRC-32 {found:08x}, "
+    found = crc32(data)
+    if found != expected:
+        raise error(f"{described}: its {len(data)} bytes have CRC-32 {found:08x}, "
                     f"{expected:08x} recorded when it was written; the stored object "
                     "changed after the write (rot, truncation, or another object put "
                     "under its key)")
