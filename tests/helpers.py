@@ -24,6 +24,7 @@ from persist_pipeline.blob.base import Blob, BlobMeta
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import CasWrite, Consensus, VersionedData
 from persist_pipeline.internal import state_codec
+from persist_pipeline.internal.processes import StartContext, preloaded_context
 from persist_pipeline.internal.state import State
 from tests.fixtures.location import Location
 
@@ -288,3 +289,18 @@ def run_cli(env: Mapping[str, str], *args: str) -> subprocess.CompletedProcess[s
             library.setLevel(saved[2])
     stdout = out.buffer.getvalue().decode()  # type: ignore[attr-defined]
     return subprocess.CompletedProcess(list(args), code, stdout, err.getvalue())
+
+
+#: What a test's child processes import before their own module: the library and the
+#: packages under it (about a second of CPU in each child when started by ``spawn``).
+CHILD_PRELOAD = ("persist_pipeline", "persist_pipeline.transaction", "pyarrow.parquet",
+                 "sqlalchemy", "psycopg2", "boto3", "botocore.session", "pytest",
+                 "tests.helpers", "tests.fixtures.location")
+
+
+def process_context() -> StartContext:
+    """The context tests start worker processes from: children forked from a server
+    that preloaded the library (as isolated from the test process as ``spawn``: no
+    inherited connections, threads or locks; the working directory, ``sys.path`` and
+    the environment are the test's), instead of importing it again in every child."""
+    return preloaded_context(CHILD_PRELOAD)

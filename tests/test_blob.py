@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
 import signal
@@ -45,6 +44,7 @@ from persist_pipeline.exceptions import (
     InvalidUri,
     Unavailable,
 )
+from tests.helpers import process_context
 
 MiB = 1024 * 1024
 
@@ -390,7 +390,7 @@ def test_local_writer_killed_mid_write_leaves_old_or_new(tmp_path: Path) -> None
     """
     size = 16 * MiB
     complete = {bytes([65 + i]) * size for i in range(2)}
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     killed_mid_write = False
     for attempt in range(5):
         root = tmp_path / f"blobs{attempt}"

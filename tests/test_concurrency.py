@@ -11,7 +11,7 @@ import pytest
 
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId, UpperMismatch
 from tests.fixtures.location import Location
-from tests.helpers import expected_snapshot, rows, state_history
+from tests.helpers import expected_snapshot, process_context, rows, state_history
 
 #: A small budget so that concurrent writers keep running into the bound.
 TIGHT = InlinePolicy(threshold_bytes=4096, max_bytes=2500)
@@ -86,7 +86,7 @@ def test_processes_append_to_one_shard(durable_location: Location):
     client = durable_location.client(TIGHT)
     shard = str(ShardId.new())
     client.open_writer(shard).expire()
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     out: mp.Queue = ctx.Queue()
     procs = [ctx.Process(target=_process_writer, args=(durable_location, shard, f"p{n}", 12, out))
              for n in range(4)]

@@ -41,6 +41,7 @@ from persist_pipeline.exceptions import (
     LocationNotFound,
 )
 from tests.fixtures.postgres import PgServer
+from tests.helpers import process_context
 
 MAX_SEQNO = 2**63 - 1
 
@@ -307,7 +308,7 @@ def test_racing_threads_and_processes_have_one_winner_per_seqno(consensus_uri: s
     target = RACE_TARGET["postgres" if kind == "postgresql" else kind]
     shard = "raced"
     n_threads, n_procs = 8, 0 if is_mem(consensus_uri) else 4
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     start = ctx.Barrier(n_procs + 1)
     results = ctx.Queue()
     procs = [
@@ -584,7 +585,7 @@ def sqlite_worker(uri: str, worker: str, start: Any, results: Any) -> None:
 def test_sqlite_file_shared_by_two_processes(tmp_path: Path) -> None:
     path = tmp_path / "shared.db"
     uri = f"sqlite:///{path}"
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     start = ctx.Barrier(2)
     results = ctx.Queue()
     procs = [ctx.Process(target=sqlite_worker, args=(uri, w, start, results)) for w in "ab"]
@@ -1057,7 +1058,7 @@ def test_compare_and_set_many_is_atomic_under_racing_threads_and_processes(
         fill(store, "x", 1)
         fill(store, "y", 1)
     rounds = 60 if is_mem(consensus_uri) else 30
-    ctx = multiprocessing.get_context("spawn" if not is_mem(consensus_uri) else "fork")
+    ctx = process_context() if not is_mem(consensus_uri) else multiprocessing.get_context("fork")
     start, results = ctx.Event(), ctx.Queue()
     if is_mem(consensus_uri):  # one process: threads share the named store
         workers: list[Any] = [threading.Thread(target=_pair_racer,

@@ -4,7 +4,6 @@ for)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -15,6 +14,7 @@ import pytest
 
 from persist_pipeline import InlinePolicy, ShardId, UpperMismatch
 from tests.fixtures.location import Location
+from tests.helpers import process_context
 
 #: The full tier only (``make test``): processes, servers or Dagster runs.
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def test_sigkilled_writers_and_compactor_lose_and_double_nothing(durable_locatio
     client = durable_location.client(POLICY)
     shard = str(ShardId.new())
     client.open_writer(shard).expire()
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     rng = random.Random(5)
     ack_files = []
     kills = 0

@@ -11,7 +11,6 @@ wrong.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -37,7 +36,7 @@ from persist_pipeline.exceptions import (
     ShardNameNotFound,
 )
 from persist_pipeline.names import KEY_PREFIX, NameRegistry, registry_key
-from tests.helpers import ForwardingConsensus
+from tests.helpers import ForwardingConsensus, process_context
 from tests.pipeline_support import (
     SYNTHETIC,
     Pipeline,
@@ -225,7 +224,7 @@ def shared_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def test_processes_creating_the_same_names_all_get_the_recorded_ids(shared_uri: str) -> None:
     names = [f"proc-{i}" for i in range(4)]
     open_consensus(shared_uri).close()  # create the tables before the race
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     out = ctx.Queue()
     barrier = ctx.Barrier(5)
     procs = [ctx.Process(target=_process_resolver, args=(shared_uri, names, barrier, out))

@@ -8,7 +8,6 @@ tests on the durable locations.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import signal
 import threading
@@ -37,7 +36,7 @@ from persist_pipeline.exceptions import (
     SchemaMismatch,
 )
 from tests.fixtures.location import location_kinds, make_location
-from tests.helpers import rows, wait_until
+from tests.helpers import process_context, rows, wait_until
 from tests.test_regressions_lost_replies import (
     NO_INLINE,
     PAUSE_S,
@@ -679,7 +678,7 @@ def test_a_process_killed_mid_transaction_leaves_every_pair_whole(durable_locati
     setup = durable_location.client()
     setup.create_shard(a)
     setup.create_shard(b)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = process_context()
     for round_ in range(3):
         procs, commits = [], []
         for _ in range(2):

@@ -34,6 +34,7 @@ from persist_pipeline.internal.blobs import ShardBlobs
 from persist_pipeline.internal.lookup import current_rows
 from persist_pipeline.internal.state import HollowPart
 from tests.fixtures.location import Location
+from tests.helpers import process_context
 from tests.test_regressions_lost_replies import Clients
 
 UTC = datetime.UTC
@@ -760,12 +761,11 @@ def _process_upserter(consensus: str, blob: str, shard: str, seed: int, out: Any
 
 
 def test_upserts_from_several_processes_match_a_model(durable_location: Location) -> None:
-    import multiprocessing as mp
 
     client = durable_location.client(InlinePolicy(4096, 1 << 20))
     shard = ShardId.new()
     client.open_writer(shard, schema=ShardSchema([("id", pa.int64())], [("val", pa.int64())]))
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=_process_upserter,
                          args=(durable_location.consensus_uri, durable_location.blob_uri,

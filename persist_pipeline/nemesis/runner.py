@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import random
 import shlex
@@ -20,6 +19,7 @@ from urllib.parse import urlsplit
 
 from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.ids import ShardId
+from persist_pipeline.internal.processes import preloaded_context
 from persist_pipeline.nemesis import checker, workload
 from persist_pipeline.nemesis.workload import NemesisSetup
 
@@ -104,7 +104,9 @@ def run(opts: NemesisOptions, out: Callable[[str], None] = print) -> NemesisRepo
     clean.open_writer(shard, debug="nemesis-setup").expire()
     out(f"nemesis: shard {shard}, seed {seed}, {opts.writers} writers, {opts.readers} readers, "
         f"{opts.seconds:.0f}s, fault rate {opts.fault_rate}, workdir {workdir}")
-    ctx = mp.get_context("spawn")
+    # Killed processes are started again every second or two: forked from a server that
+    # imported the workload once, they write at once instead of importing for a second.
+    ctx = preloaded_context(["persist_pipeline.nemesis.workload"])
     procs: dict[str, _Proc] = {}
     incarnations: dict[str, int] = {}
 
