@@ -374,6 +374,8 @@ class Transaction:
                     registry._remember(name, ShardId.parse(shard_id))
                 for op, s, result, state in zip(live, staged, results, states, strict=True):
                     op.result = s.handle._finish(s, result, state)
+                    if op.result is not None and op.result.already_committed:
+                        s.handle._drop_superseded(s)
                     if op.contents is not None and op.result is not None:
                         op.result = with_row_counts(op.result, op.data)
                 return self._results(ops)
@@ -453,9 +455,16 @@ class Transaction:
                 # on. With tokens of this commit's own, some shards holding its batches
                 # and others not is a torn commit, refused below (CorruptState).
                 state = op.handle._machine.state
-                op.result = op.handle._finish(staged, result, state) \
-                    if isinstance(result, transitions.Appended) else \
-                    WriteResult("none", 0, state.seqno, state.upper, 0, already_committed=True)
+                if isinstance(result, transitions.Appended):
+                    op.result = op.handle._finish(staged, result, state)
+                    op.handle._drop_superseded(staged)
+                else:
+                    # This commit's own attempts were all refused for certain: the parts
+                    # it uploaded are nobody's (the earlier attempt's are kept), deleted
+                    # as a single write's retry deletes them.
+                    op.handle._delete_uncommitted(staged.parts)
+                    op.result = WriteResult("none", 0, state.seqno, state.upper, 0,
+                                            already_committed=True)
                 retry = True
             elif isinstance(result, transitions.InlineBudgetExceeded):
                 op.staged = op.handle._stage(op.data, op.expected, op.upper, op.token,

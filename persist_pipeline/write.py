@@ -662,6 +662,8 @@ class WriteHandle:
                 staged = self._stage(data, expected, upper, token, encoding, to_blob=True)
                 result = self._apply(staged)
                 assert result is not None  # blob batches never exceed the inline budget
+            if result.already_committed:
+                self._drop_superseded(staged)
             return result
         except CERTAINLY_NOT_COMMITTED:
             # The CaS loop settles every lost reply before it answers "no". Indeterminate
@@ -700,6 +702,23 @@ class WriteHandle:
         return Staged(self, Batch(batch_id, desc, parts, len(data)), expected, upper, token,
                       encoding, placement, sum(p.encoded_size for p in parts), len(parts),
                       fell_back=to_blob, upload_started_s=started_s, inline_size=inline_size)
+
+    def _drop_superseded(self, staged: Staged) -> None:
+        """Delete the parts of ``staged``, a write found already committed, when the
+        batch that committed is another attempt's (a retry uploads fresh keys before its
+        commit finds its batch there): the shard's state holds the batch with none of
+        these parts. A batch id lands once and a batch's parts never change, so no
+        version references them. Found only in history or by its writer's record, the
+        batch may be this very attempt's (merged away since): its parts are left to GC.
+        """
+        parts = staged.parts
+        if not parts or staged.batch is None:
+            return
+        landed = self._machine.state.batches.get(staged.batch.id)
+        if landed is None or landed.desc.lower != staged.expected:
+            return
+        if {p.key for p in landed.hollow_parts()}.isdisjoint(p.key for p in parts):
+            self._delete_uncommitted(parts)
 
     def _delete_uncommitted(self, parts: tuple[HollowPart, ...]) -> None:
         for part in parts:
