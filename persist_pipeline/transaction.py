@@ -316,11 +316,13 @@ class Transaction:
             raise InvalidInput("an empty transaction: add at least one append before commit")
         self._finished = True
         try:
-            self._open_new_shards()
             for op in self._ops.values():
                 # A handle expired after its append was added writes nothing more, here
-                # as through its own compare_and_append: no shard changes.
-                op.handle._check_open()
+                # as through its own compare_and_append: no shard changes, and none is
+                # created (checked before the new shards are).
+                if op.writer is not None:
+                    op.writer._check_open()
+            self._open_new_shards()
             return self._commit()
         finally:
             self._expire_opened()

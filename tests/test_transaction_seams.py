@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from persist_pipeline import InlinePolicy, PersistClient, ShardId
+from persist_pipeline.exceptions import LeaseExpired
 from tests.fixtures.location import Location
 from tests.helpers import rows
 
@@ -100,4 +101,32 @@ def test_a_retried_write_that_landed_leaves_no_parts_of_its_own(
     assert _part_keys(client) == before
     assert _rows(client, shard) == [(b"x", b"1", 1)]
     assert _referenced(client, shard) <= _part_keys(client)
+    client.close()
+
+
+@pytest.mark.parametrize("new", ["id", "name"])
+def test_a_commit_refused_for_an_expired_writer_creates_no_shard(
+        location: Location, new: str) -> None:
+    """A transaction whose writer handle was expired after its append was added is
+    refused at commit (``LeaseExpired``) before anything is done: the shard it would
+    have created for an append to a new id or name is not created (nor the name
+    registered), and the other shards keep their uppers."""
+    client = location.client(BLOB)
+    a = ShardId.new()
+    wa = client.open_writer(a)
+    fresh = str(ShardId.new())
+    txn = client.transaction()
+    txn.compare_and_append(wa, [(b"k", b"v", 0, 1)], 0, 1)
+    txn.compare_and_append(fresh if new == "id" else "orders/new",
+                           [(b"k", b"v", 0, 1)], 0, 1)
+    wa.expire()
+    before = _part_keys(client)
+    with pytest.raises(LeaseExpired):
+        txn.commit()
+    other = location.client()
+    assert other.list_shards() == [str(a)]
+    assert other.shard_names() == {}
+    assert other._machine(str(a)).fetch_latest().upper == 0
+    assert _part_keys(other) == before
+    other.close()
     client.close()
