@@ -168,6 +168,11 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # fails to decode or decodes into wrong rows or a wrong state (0)
     "blobs_without_checksums": (r"unexpected Corrupt|PHANTOM|LOST|DUPLICATED", 20,
                                 "checksums"),
+    # a write found already committed deletes the parts it staged without asking whose
+    # parts the committed batch holds: a lost reply settled from the batch's history
+    # (its record truncated) finds the write's own batch, whose parts it then deletes
+    # (4; 24 of the default rotation)
+    "retry_drops_every_part": (r"deleted blob .* references|PartMissing", 20, "clocks"),
 }
 
 #: The first seed that caught each of the costlier controls when last measured: the test

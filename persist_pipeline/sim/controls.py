@@ -607,6 +607,18 @@ def blobs_without_checksums() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def retry_drops_every_part() -> Iterator[None]:
+    """A write found already committed deletes the parts it staged whatever batch the
+    shard holds: also when that batch is this very write's (its lost reply landed, and
+    its commit found its own batch on the next attempt), whose parts are then gone."""
+    def drop(self: write.WriteHandle, staged: write.Staged) -> None:
+        self._delete_uncommitted(staged.parts)
+
+    with _patched(write.WriteHandle, "_drop_superseded", drop):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -650,4 +662,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "wal_parts_stay": wal_parts_stay,
     "names_registered_before_commit": names_registered_before_commit,
     "blobs_without_checksums": blobs_without_checksums,
+    "retry_drops_every_part": retry_drops_every_part,
 }

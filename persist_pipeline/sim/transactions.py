@@ -5,7 +5,8 @@ seed (one row per transaction, the same key in both), inline or in blob, at the 
 they believe current (sometimes stale), while they also append to the first shard
 alone; now and then one commits a pair whose second append holds no rows, then commits
 it again with the same tokens through fresh writers, as a process that never learnt the
-outcome does. Compaction and GC run on both shards as on every shard of the seed.
+outcome does, or commits one twice at once from two threads (a retry that did not wait
+for the first attempt's answer). Compaction and GC run on both shards as on every shard of the seed.
 
 What they check: a transaction's row is in both shards or neither, read in the order
 first, second, first again (a commit lands in both at one moment, so the first read's
@@ -251,6 +252,67 @@ def _commit_and_retry(run: SimRun, client: PersistClient, ledger: TxnLedger) -> 
     entry.status = "acked"
 
 
+def _commit_racing_retry(run: SimRun, proc: Process, client: PersistClient,
+                         ledger: TxnLedger) -> None:
+    """A pair transaction committed by two threads of one process at once with the same
+    tokens, through fresh writers (a retry whose timer fired while the first attempt was
+    still on its way), its rows inline or in blob parts uploaded by each: one lands and
+    the other finds it (its own parts deleted, the landed ones kept), or both are
+    refused; never one acknowledged and the other refused, never written twice."""
+    pair = ledger.pair
+    assert pair is not None
+    uppers = [run.monitors.get(shard).upper for shard in pair]
+    if None in uppers:
+        return
+    ledger.count += 1
+    entry = Txn(TXN_PREFIX + b"%d" % ledger.count)
+    tokens = [new_token(), new_token()]
+    value = b"r" * (6000 if run.rng.random() < 0.5 else 3)
+    told: list[str] = []
+
+    def commit() -> None:
+        txn = client.transaction()
+        try:
+            for shard, upper, token in zip(pair, uppers, tokens, strict=True):
+                assert upper is not None
+                txn.compare_and_append(shard, [(entry.key, value, upper, 1)], upper,
+                                       upper + 1, idempotency_token=token)
+            txn.commit()
+            told.append("acked")
+        except (UpperMismatch, CommitDeadlineExceeded):
+            told.append("failed")
+        except Indeterminate:
+            told.append("unknown")
+        if len(told) == 2:
+            _settle_race(run, client, ledger, entry, told)
+
+    ledger.txns.append(entry)
+    run.spawn(f"{proc.name}-retry{ledger.count}", proc, commit)
+    commit()
+
+
+def _settle_race(run: SimRun, client: PersistClient, ledger: TxnLedger, entry: Txn,
+                 told: list[str]) -> None:
+    """Both commits of a raced transaction answered: they must agree where both know,
+    and the rows be in each shard at most once."""
+    if "acked" in told and "failed" in told:
+        run.violation(f"transaction {entry.key!r} committed twice at once with its tokens: "
+                      f"one commit acknowledged, the other refused")
+    entry.status = "acked" if "acked" in told else "failed" if "failed" in told \
+        else "unknown"
+    assert ledger.pair is not None
+    for shard in ledger.pair:
+        try:
+            diffs = latest_diffs(client, shard, entry.key)
+        except (Indeterminate, NotYetAvailable, SinceViolation, LeaseExpired):
+            # A store fault, a since moved on, a reader paused past its lease: the next
+            # check reads again.
+            continue
+        if diffs is not None and diffs.get(entry.key, 0) > 1:
+            run.violation(f"transaction {entry.key!r} committed twice at once with its "
+                          f"tokens was written twice to shard {shard}")
+
+
 def latest_diffs(client: PersistClient, shard: str, prefix: bytes) -> dict[bytes, int] | None:
     """``{key: d}`` of the keys with ``prefix`` in ``shard`` at its latest complete time
     (None: no time yet)."""
@@ -390,8 +452,10 @@ def transactor(run: SimRun, proc: Process) -> None:
                 _commit_naming(run, client, ledger, writers)
             elif roll < 0.6:
                 _commit(run, client, ledger, writers, stale=run.rng.random() < 0.3)
-            elif roll < 0.65:
+            elif roll < 0.63:
                 _commit_and_retry(run, client, ledger)
+            elif roll < 0.65:
+                _commit_racing_retry(run, proc, client, ledger)
             elif roll < 0.68:
                 _abort_naming(run, client, ledger, writers)
             elif roll < 0.8:
