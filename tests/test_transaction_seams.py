@@ -1,22 +1,30 @@
-"""Transactions and single writes where they meet retries, compaction and group commit.
+"""Transactions and single writes where they meet retries, expired handles, GC's orphan
+sweep and group commit, on every location kind (SQLite + files, PostgreSQL + S3 with
+and without a WAL store).
 
 A write retried with the token of an attempt that landed (its process never learnt the
 outcome) uploads its parts again before its commit finds the batch already there: those
 parts are certainly never committed (a batch id lands once, and every staging writes
 fresh keys), so they are deleted at once, as a refused write's are, rather than left in
 the store until GC's orphan sweep. The parts of the attempt that landed are kept.
+
+A commit refused before it starts (an expired handle) creates no shard; one paused past
+the orphan age while GC sweeps one of its shards lands in none.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
-from persist_pipeline import InlinePolicy, PersistClient, ShardId
-from persist_pipeline.exceptions import LeaseExpired
+from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
+from persist_pipeline.consensus import open_consensus
+from persist_pipeline.consensus.base import CasWrite, Consensus
+from persist_pipeline.exceptions import CommitDeadlineExceeded, LeaseExpired
 from tests.fixtures.location import Location
-from tests.helpers import rows
+from tests.helpers import ForwardingConsensus, HandClock, client_on_clock, rows
 
 BLOB = InlinePolicy(0, 0)  # every write uploads parts before its commit
 
@@ -130,3 +138,69 @@ def test_a_commit_refused_for_an_expired_writer_creates_no_shard(
     assert _part_keys(other) == before
     other.close()
     client.close()
+
+
+class _BeforeNextCasMany(ForwardingConsensus):
+    """Runs a hook right before the next multi-shard compare-and-set, once armed: a
+    process paused between computing a transaction's commit and sending it."""
+
+    def __init__(self, inner: Consensus) -> None:
+        super().__init__(inner)
+        self._hook: Callable[[], None] | None = None
+
+    def arm(self, hook: Callable[[], None]) -> None:
+        self._hook = hook
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook()
+        return self.inner.compare_and_set_many(writes)
+
+
+ORPHAN_AGE_S = 120.0
+
+
+@pytest.mark.parametrize("swept", [0, 1], ids=["first-shard", "second-shard"])
+def test_a_transaction_paused_past_the_orphan_age_while_gc_sweeps_one_shard_lands_nowhere(
+        location: Location, swept: int) -> None:
+    """A transaction computes its commit in time, then pauses before its compare-and-set
+    past the orphan age while GC sweeps one of its shards (committing only its fence
+    there: a reader holds an older seqno) and deletes the parts staged for it. The
+    fence alone makes the one statement fail for every shard, and its re-run refuse the
+    whole transaction for the deadline: no shard moves, no version references a deleted
+    part, and the parts staged for the shard GC did not sweep are deleted too."""
+    cfg = PersistConfig(inline_policy=BLOB, gc_orphan_min_age_s=ORPHAN_AGE_S,
+                        heartbeat_interval_s=0)
+    clock = HandClock()
+    paused = _BeforeNextCasMany(open_consensus(location.consensus_uri))
+    writer_client = client_on_clock(location, clock, config=cfg, consensus=paused)
+    collector = client_on_clock(location, clock, config=cfg)
+    shards = [ShardId.new(), ShardId.new()]
+    writers = [writer_client.open_writer(s) for s in shards]
+    for w in writers:
+        w.compare_and_append([(b"a", b"b", 0, 1)], 0, 1)
+    reader = collector.open_reader(shards[swept])  # holds this seqno under the sweep
+    before = _part_keys(collector)
+    metrics: list[dict[str, Any]] = []
+
+    def gc_while_paused() -> None:
+        clock.advance(ORPHAN_AGE_S + 1 + writer_client.blobs.main.stamp_resolution_s)
+        metrics.append(collector.gc(shards[swept]))
+
+    paused.arm(gc_while_paused)
+    txn = writer_client.transaction()
+    for w in writers:
+        txn.compare_and_append(w, [(b"late", b"x", 1, 1)], 1, 2)
+    with pytest.raises(CommitDeadlineExceeded):
+        txn.commit()
+    assert metrics and metrics[0]["orphans_deleted"] == 1  # the swept shard's staged part
+    for shard in shards:
+        state = collector._machine(str(shard)).fetch_latest()
+        assert state.upper == 1
+        assert _referenced(collector, shard) <= _part_keys(collector)
+        assert _rows(collector, shard) == [(b"a", b"b", 1)]
+    assert _part_keys(collector) == before, "a part staged by the refused commit is left"
+    assert rows(reader.snapshot(0), 0) == [(b"a", b"b", 1)]
+    for client in (writer_client, collector):
+        client.close()
