@@ -25,6 +25,13 @@ from persist_pipeline.consensus.base import CasWrite, Consensus
 from persist_pipeline.exceptions import CommitDeadlineExceeded, LeaseExpired
 from tests.fixtures.location import Location
 from tests.helpers import ForwardingConsensus, HandClock, client_on_clock, rows
+from tests.test_regressions_lost_replies import (
+    NO_INLINE,
+    PAUSE_S,
+    SHORT_LEASE_S,
+    Clients,
+    LoseNextReply,
+)
 
 BLOB = InlinePolicy(0, 0)  # every write uploads parts before its commit
 
@@ -204,3 +211,46 @@ def test_a_transaction_paused_past_the_orphan_age_while_gc_sweeps_one_shard_land
     assert rows(reader.snapshot(0), 0) == [(b"a", b"b", 1)]
     for client in (writer_client, collector):
         client.close()
+
+
+@pytest.mark.parametrize("through", ["transaction", "write"])
+def test_a_lost_reply_settled_from_history_keeps_the_parts_that_landed(
+        location: Location, through: str) -> None:
+    """A commit of blob parts lands; its process pauses past its writers' leases, GC
+    expires them and truncates the records that would settle it; then its reply is
+    lost. Settled from the batch found in the shard's state, it is reported committed,
+    and that batch's parts, this very commit's, are kept: a fresh process reads the
+    rows, and every part the shards reference is in the store."""
+    clients = Clients(location)
+    try:
+        a, b = ShardId.new(), ShardId.new()
+        lossy = LoseNextReply(open_consensus(location.consensus_uri))
+        client = clients._open(lossy, NO_INLINE, reader_lease_duration_s=SHORT_LEASE_S)
+        wa, wb = client.open_writer(a), client.open_writer(b)
+        wa.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+        wb.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+        gc = clients.plain()
+
+        def pause_then_gc() -> None:
+            clients.clock.advance(PAUSE_S)
+            gc.gc(a)
+            gc.gc(b)
+
+        lossy.arm(pause_then_gc)
+        if through == "transaction":
+            txn = client.transaction()
+            txn.compare_and_append(wa, [(b"x", b"1", 1, 1)], 1, 2)
+            txn.compare_and_append(wb, [(b"y", b"2", 1, 1)], 1, 2)
+            results = list(txn.commit().values())
+        else:
+            results = [wa.compare_and_append([(b"x", b"1", 1, 1)], 1, 2)]
+        assert lossy.lost == 1
+        assert all(r.upper == 2 for r in results)
+        reader = clients.plain()
+        assert (b"x", b"1", 1) in _rows(reader, a)
+        if through == "transaction":
+            assert (b"y", b"2", 1) in _rows(reader, b)
+        for shard in (a, b):
+            assert _referenced(reader, shard) <= _part_keys(reader)
+    finally:
+        clients.close()
