@@ -258,7 +258,8 @@ def _commit_racing_retry(run: SimRun, proc: Process, client: PersistClient,
     tokens, through fresh writers (a retry whose timer fired while the first attempt was
     still on its way), its rows inline or in blob parts uploaded by each: one lands and
     the other finds it (its own parts deleted, the landed ones kept), or both are
-    refused; never one acknowledged and the other refused, never written twice."""
+    refused; never one acknowledged and the other refused for its upper, never written
+    twice. (One refused for its own commit deadline fences nothing: the other may land.)"""
     pair = ledger.pair
     assert pair is not None
     uppers = [run.monitors.get(shard).upper for shard in pair]
@@ -279,8 +280,12 @@ def _commit_racing_retry(run: SimRun, proc: Process, client: PersistClient,
                                        upper + 1, idempotency_token=token)
             txn.commit()
             told.append("acked")
-        except (UpperMismatch, CommitDeadlineExceeded):
-            told.append("failed")
+        except UpperMismatch:
+            told.append("refused")
+        except CommitDeadlineExceeded:
+            # This commit's own parts were uploaded too long ago: it refused itself, but
+            # fences nothing (the other, uploaded later, may still land).
+            told.append("late")
         except Indeterminate:
             told.append("unknown")
         if len(told) == 2:
@@ -293,13 +298,14 @@ def _commit_racing_retry(run: SimRun, proc: Process, client: PersistClient,
 
 def _settle_race(run: SimRun, client: PersistClient, ledger: TxnLedger, entry: Txn,
                  told: list[str]) -> None:
-    """Both commits of a raced transaction answered: they must agree where both know,
-    and the rows be in each shard at most once."""
-    if "acked" in told and "failed" in told:
+    """Both commits of a raced transaction answered: an upper mismatch (which settles
+    the other commit's batch from history first) never meets an acknowledgement, and the
+    rows are in each shard at most once."""
+    if "acked" in told and "refused" in told:
         run.violation(f"transaction {entry.key!r} committed twice at once with its tokens: "
                       f"one commit acknowledged, the other refused")
-    entry.status = "acked" if "acked" in told else "failed" if "failed" in told \
-        else "unknown"
+    entry.status = "acked" if "acked" in told else "unknown" if "unknown" in told \
+        else "failed"
     assert ledger.pair is not None
     for shard in ledger.pair:
         try:
