@@ -6,12 +6,16 @@ enqueue: it commits with the schema it was encoded with (an evolution appended o
 nullable columns, so its rows still fit, and read back identically through every read
 path), or it is refused with the typed error of a single write, nothing written and its
 uploaded parts deleted. Deterministic: the other client acts inside the leader's window
-sleep, on SQLite + files and PostgreSQL + S3, inline and blob.
+sleep, on SQLite + files and PostgreSQL + S3, inline and blob. A group mixing a stale
+append, one to a closed shard, one by a writer whose lease lapsed and a plain one
+answers each alone.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import duckdb
@@ -27,7 +31,9 @@ from persist_pipeline import (
     ShardSchema,
     UpperMismatch,
 )
+from persist_pipeline.write import WriteResult
 from tests.fixtures.location import Location
+from tests.helpers import HandClock, client_on_clock
 
 V1 = ShardSchema({"id": pa.int64()}, {"a": pa.string()})
 V2 = ShardSchema({"id": pa.int64()}, {"a": pa.string(), "b": pa.int32()})
@@ -142,5 +148,76 @@ def test_an_append_held_while_the_shard_is_closed_writes_nothing(
     assert closed_after.placement == "none" and closed_after.upper is None
     assert other.inspect(shard)["upper"] is None
     assert _part_keys(other, shard) == set()
+    client.close()
+    other.close()
+
+
+LEASE_S = 10.0
+
+
+@pytest.mark.parametrize("placement", list(POLICIES))
+def test_one_group_of_a_stale_a_closed_a_lapsed_and_a_plain_append_answers_each_alone(
+        durable_location: Location, placement: str):
+    """Four threads' appends meet in the funnel's window: one at a stale upper, one to a
+    shard another client closed, one by a writer whose lease lapsed (this process
+    paused; GC expired it from the state), one plain. Each gets its own answer: the
+    stale and the closed one are refused (``UpperMismatch``, nothing written, their
+    parts deleted), the lapsed writer's append commits (registering its writer again),
+    as does the plain one; the refusals never hold back the others."""
+    policy = POLICIES[placement]
+    clock = HandClock()
+    cfg = PersistConfig(inline_policy=policy, group_commit_window_s=0.05,
+                        reader_lease_duration_s=LEASE_S, heartbeat_interval_s=0)
+    client = client_on_clock(durable_location, clock, config=cfg)
+    other = client_on_clock(durable_location, clock, config=replace(
+        cfg, group_commit_window_s=0.0))
+    names = ("plain", "stale", "closed", "lapsed")
+    shards = {n: str(ShardId.new()) for n in names}
+    writers = {n: client.open_writer(shards[n]) for n in names}
+    for w in writers.values():
+        w.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+    other.open_writer(shards["closed"]).compare_and_append([], 1, None)
+    clock.advance(LEASE_S + 1)  # every writer's lease lapses; GC expires one shard's
+    other.gc(shards["lapsed"])
+    lapsed_id = writers["lapsed"].writer_id
+    assert lapsed_id not in other._machine(shards["lapsed"]).fetch_latest().writers
+    parts_before = {n: _part_keys(other, shards[n]) for n in names}
+    groups, grouped = client.metrics.group_commits, client.metrics.group_commit_appends
+    barrier = threading.Barrier(len(names))
+    outcomes: dict[str, object] = {}
+
+    def append(name: str) -> None:
+        expected = 0 if name == "stale" else 1
+        barrier.wait()
+        try:
+            outcomes[name] = writers[name].compare_and_append(
+                [(name.encode(), b"v" * 100, expected, 1)], expected, expected + 1)
+        except Exception as e:  # asserted below
+            outcomes[name] = e
+
+    threads = [threading.Thread(target=append, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert client.metrics.group_commit_appends - grouped > \
+        client.metrics.group_commits - groups, "no two appends shared a round trip"
+    stale, closed = outcomes["stale"], outcomes["closed"]
+    assert isinstance(stale, UpperMismatch) and stale.current == 1
+    assert isinstance(closed, UpperMismatch) and closed.current is None
+    for name in ("plain", "lapsed"):
+        result = outcomes[name]
+        assert isinstance(result, WriteResult) and result.upper == 2, (name, result)
+        reader = other.open_reader(shards[name])
+        try:
+            assert (name.encode(), b"v" * 100, 1) in [
+                (r["k"], r["v"], r["d"]) for r in reader.snapshot(1).to_pylist()]
+        finally:
+            reader.expire()
+    assert lapsed_id in other._machine(shards["lapsed"]).fetch_latest().writers
+    assert other.inspect(shards["stale"])["upper"] == 1
+    assert other.inspect(shards["closed"])["upper"] is None
+    for name in ("stale", "closed"):
+        assert _part_keys(other, shards[name]) == parts_before[name]
     client.close()
     other.close()
