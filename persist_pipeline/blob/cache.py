@@ -101,6 +101,12 @@ class CachingBlob(Blob):
                 self._admit(key, value, epoch)
         return value
 
+    def held(self, key: str) -> bytes | None:
+        """``key``'s cached value, or None when the cache does not hold it (the inner
+        store is not asked; no hit or miss is counted)."""
+        with self._lock:
+            return self._values.get(key)
+
     def forget(self, key: str) -> None:
         """Drop ``key``'s cached value, if any: a reader found it is not the value
         written (its checksum failed), so the next read goes to the inner store."""

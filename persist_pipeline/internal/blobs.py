@@ -298,9 +298,21 @@ class ShardBlobs:
         return pq.read_metadata(pa.BufferReader(footer))
 
     def _open(self, part: HollowPart, where: str) -> pa.NativeFile | _BlobFile:
-        """A seekable file over a part: the local file itself, natively, when the store
-        keeps one (no Python on the read path), else ranged gets."""
+        """A seekable file over a part: the part cache's copy when it holds one, else
+        the local file itself, natively, when the store keeps one (no Python on the read
+        path), else ranged gets.
+
+        The cache's copy first: the part's check (:meth:`footer`, :meth:`_check_whole`)
+        read that copy when the cache held it, so its pages must be read from it too. A
+        store's file beside it is other bytes when the stored object changed after the
+        copy was cached (a bad restore): another valid part there passes the checked
+        footer's offsets and its own pages' CRC-32s, and its rows would be read as this
+        part's. A copy found bad was dropped by the check, which then read the store."""
         blob = self.store(part.store, cached=True)
+        if isinstance(blob, CachingBlob):
+            held = blob.held(part.key)
+            if held is not None:
+                return pa.BufferReader(held)
         path = blob.local_file(part.key)
         if path is not None:
             try:
