@@ -53,6 +53,7 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     NotYetAvailable,
     PartMissing,
+    PersistError,
 )
 from persist_pipeline.frontier import MAX_TIME, Frontier
 from persist_pipeline.internal.blobs import (
@@ -367,7 +368,7 @@ class SnapshotPlan:
             table = self.to_dataset().to_table(
                 columns=SCHEMA.names, filter=pads.field("t") <= pa.scalar(self.as_of))
         except (OSError, pa.ArrowException) as e:
-            raise self._read_error(e) from e
+            raise self._read_error(e, scanned=True) from e
         with naming_shard(self.shard_id):
             table = consolidate(table, as_of=self.as_of)
         if self.schema is not None:
@@ -408,11 +409,12 @@ class SnapshotPlan:
         except PartMissing as e:
             raise self._read_error(e) from e
 
-    def _read_error(self, error: Exception) -> Exception:
+    def _read_error(self, error: Exception, scanned: bool = False) -> Exception:
         """What :meth:`to_table` raises for ``error``: :class:`PartMissing` naming a file
         of the plan that is gone (GC deleted it: the plan was closed, or its reader's
         lease ran out), :class:`CorruptPart` for a page whose CRC-32 failed (retrying
-        reads the same bytes), else :class:`BlobUnavailable`."""
+        reads the same bytes) or, when a scan (``scanned``) failed, for a file this
+        library's own reader cannot decode either, else :class:`BlobUnavailable`."""
         import pyarrow.fs as pafs
 
         for f in self.file_details:
@@ -428,8 +430,37 @@ class SnapshotPlan:
         if _PAGE_CHECKSUM_FAILED in str(error):
             return CorruptPart(f"shard {self.shard_id}: a file of this snapshot plan holds "
                                f"bytes that changed since it was written: {error}")
+        if scanned:
+            # Arrow's scan says alike (an OSError) that a store is away and that a page
+            # header it read does not decode (headers are not covered by the pages'
+            # CRC-32s). Called unavailable, the damage would be retried for ever: read
+            # the files as snapshot() does, which tells the two apart, naming the part.
+            corrupt = self._undecodable()
+            if corrupt is not None:
+                return corrupt
         return BlobUnavailable(f"shard {self.shard_id}: reading this snapshot plan's files "
                                f"failed: {error}")
+
+    def _undecodable(self) -> CorruptPart | None:
+        """The error of the first file of the plan that this library's own streaming
+        reader cannot decode (as a snapshot reads it: checked, then row group by row
+        group), None when each decodes or one cannot be read now (a store away: then
+        so is the scan's failure, most likely). The stores are asked once, without the
+        retries of a read, so that an outage is reported as soon as the scan found it."""
+        main = base_blob(self._stores["main"])
+        wal = self._stores.get("wal")
+        wal = None if wal is None else base_blob(wal)
+        blobs = ShardBlobs(main, wal, main, wal)
+        where = f"shard {self.shard_id}, snapshot plan"
+        for f in self.file_details:
+            try:
+                for _ in blobs.stream_part(f.hollow_part(), where, _DECODE_BATCH_BYTES):
+                    pass
+            except CorruptPart as e:
+                return e
+            except PersistError:
+                return None
+        return None
 
     @property
     def dataset_schema(self) -> pa.Schema:
@@ -487,6 +518,9 @@ class SnapshotPlan:
                 f"files={len(self.files)}, inline_rows={self.inline.num_rows}, "
                 f"{'closed' if self.closed else 'open'})")
 
+
+#: Bytes of updates a failed scan's files are decoded in, to tell damage from an outage.
+_DECODE_BATCH_BYTES = 1 << 20
 
 #: What Arrow's Parquet reader says of a page whose CRC-32 does not match.
 _PAGE_CHECKSUM_FAILED = "CRC checksum verification failed"

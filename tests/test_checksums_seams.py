@@ -6,20 +6,31 @@ a WAL store) and asserts what a user sees: the right rows, or a typed error."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from persist_pipeline import (
+    CorruptPart,
     InlinePolicy,
     PartChecksumMismatch,
     PersistConfig,
     ShardId,
+    Unavailable,
 )
 from persist_pipeline.blob.cache import CachingBlob
 from tests.fixtures.location import Location, location_kinds, make_location
-from tests.test_checksums import _hollow, _large_table, _random_rows, _stored
+from tests.test_checksums import (
+    _hollow,
+    _large_table,
+    _random_rows,
+    _stored,
+    _write_large_part,
+)
 
 
 @pytest.fixture(params=location_kinds("embedded", "embedded-wal", "pg-s3", "pg-s3-wal"))
@@ -87,3 +98,53 @@ def test_a_part_the_cache_holds_is_decoded_from_the_copy_its_check_read(
     reader.expire()
     bare.close()
     fresh.close()
+
+
+def test_a_plans_scan_of_a_damaged_page_header_is_corrupt_not_unavailable(
+        loc: Location) -> None:
+    """A page header is not covered by its page's CRC-32, and a part larger than a
+    whole fetch has only its footer checked before a plan's scan: a byte changed there
+    fails the scan with a decoding error. ``to_table`` reported that as
+    ``BlobUnavailable`` (an ``Unavailable``: transient, safe to retry), so a caller
+    retried a read that fails the same way for ever; ``snapshot`` of the same part says
+    ``CorruptPart``. Every flip of the header's first bytes is either harmless (the same
+    rows) or a ``CorruptPart`` naming the part, in each read; DuckDB scanning the plan's
+    dataset fails too, never counting wrong rows."""
+    client = loc.client(policy=InlinePolicy(0, 0))
+    shard, table, part = _write_large_part(client)
+    good = _stored(client, part)
+    meta = pq.read_metadata(pa.BufferReader(good))
+    header = meta.row_group(1).column(meta.schema.names.index("v")).data_page_offset
+    reader = client.open_reader(shard)
+    expected = reader.snapshot(0)
+    assert expected.num_rows == table.num_rows
+    counted = (table.num_rows, table.num_rows)  # count(*), sum(d): every diff is 1
+    blob = client.blobs.store(part.store)
+    failed = 0
+    for at in range(header, header + 8):
+        data = bytearray(good)
+        data[at] ^= 0x01
+        blob.set(part.key, bytes(data))
+        with reader.snapshot_plan(0) as plan:
+            try:
+                got = plan.to_table()
+            except CorruptPart as e:
+                assert not isinstance(e, Unavailable)
+                assert part.key in str(e), e
+                failed += 1
+            else:
+                assert got.equals(expected), at
+            con = duckdb.connect()
+            con.register("parts", plan.to_dataset())
+            with contextlib.suppress(duckdb.Error):
+                assert con.sql("SELECT count(*), sum(d) FROM parts").fetchone() == counted
+        try:
+            assert reader.snapshot(0).equals(expected), at
+        except CorruptPart as e:
+            assert part.key in str(e)
+    assert failed >= 4  # most flips of a header fail to decode
+    blob.set(part.key, good)
+    with reader.snapshot_plan(0) as plan:
+        assert plan.to_table().equals(expected)
+    reader.expire()
+    client.close()
