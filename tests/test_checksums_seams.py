@@ -148,3 +148,32 @@ def test_a_plans_scan_of_a_damaged_page_header_is_corrupt_not_unavailable(
         assert plan.to_table().equals(expected)
     reader.expire()
     client.close()
+
+
+def test_a_cached_copy_of_a_large_part_with_a_rotted_page_is_dropped_for_the_store(
+        loc: Location) -> None:
+    """A copy of a large part in the part cache (a listen fetched it whole) that went
+    bad in a page, its footer intact: its footer passes its check, so the pages were
+    read from that copy (ranged reads of the cache) and failed their CRC-32, every read
+    of an intact part failing while the copy stayed cached. The copy is checked whole
+    before its pages are read from it (it is in memory: a CRC-32 costs a few ms), and a
+    bad one is dropped for the store's bytes, as a whole read's is."""
+    client = loc.client(policy=InlinePolicy(0, 0))
+    shard, table, part = _write_large_part(client)
+    good = _stored(client, part)
+    meta = pq.read_metadata(pa.BufferReader(good))
+    chunk = meta.row_group(1).column(meta.schema.names.index("v"))
+    rotted = bytearray(good)
+    rotted[chunk.data_page_offset + chunk.total_compressed_size // 2] ^= 0xFF
+    cache = client.blobs.store(part.store, cached=True)
+    assert isinstance(cache, CachingBlob)
+    with cache._lock:
+        cache._admit(part.key, bytes(rotted), cache._epoch)
+    reader = client.open_reader(shard)
+    got = reader.snapshot(0)
+    assert got.column("k").to_pylist() == table.column("k").to_pylist()
+    assert got.column("v").to_pylist() == table.column("v").to_pylist()
+    assert part.key not in cache  # the bad copy is gone
+    assert pa.Table.from_batches(list(reader.snapshot_batches(0))).equals(got)
+    reader.expire()
+    client.close()
