@@ -23,6 +23,7 @@ from persist_pipeline import (
     Unavailable,
 )
 from persist_pipeline.blob.cache import CachingBlob
+from persist_pipeline.internal.lookup import current_rows
 from tests.fixtures.location import Location, location_kinds, make_location
 from tests.test_checksums import (
     _hollow,
@@ -175,5 +176,12 @@ def test_a_cached_copy_of_a_large_part_with_a_rotted_page_is_dropped_for_the_sto
     assert got.column("v").to_pylist() == table.column("v").to_pylist()
     assert part.key not in cache  # the bad copy is gone
     assert pa.Table.from_batches(list(reader.snapshot_batches(0))).equals(got)
+    # A key lookup (what an upsert or delete reads) of a key in that row group alike.
+    with cache._lock:
+        cache._admit(part.key, bytes(rotted), cache._epoch)
+    key = meta.row_group(1).column(meta.schema.names.index("k")).statistics.min
+    state = client._machine(str(shard)).fetch_latest()
+    assert current_rows(client.blobs, state, [key]).column("k").to_pylist() == [key]
+    assert part.key not in cache
     reader.expire()
     client.close()

@@ -121,17 +121,22 @@ class DecodedParts:
         try:
             with self._lock:
                 meta = self._footers.get((part.store, part.key))
-            source = _BlobFile(blobs.store(part.store, cached=True), part, where)
             if meta is None:
                 meta = blobs.footer(part, where)  # checked: only what matched is kept
                 with self._lock:
                     self._footers[(part.store, part.key)] = meta
                     while len(self._footers) > _FOOTERS_CACHED:
                         self._footers.popitem(last=False)
+            source = None
             for group in _row_groups_from(meta, None, None, keys):
                 key = (part.store, part.key, group)
                 table = self._cached(key)
                 if table is None:
+                    if source is None:
+                        # After the footer's check (which drops a bad cached copy), as
+                        # a stream opens a part: a cached copy checked whole, else the
+                        # store's bytes.
+                        source = blobs._open(part, where)
                     reader = pq.ParquetFile(source, metadata=meta,
                                             page_checksum_verification=True)
                     table = reader.read_row_group(group, columns=SCHEMA.names,
