@@ -185,3 +185,85 @@ def test_a_cached_copy_of_a_large_part_with_a_rotted_page_is_dropped_for_the_sto
     assert part.key not in cache
     reader.expire()
     client.close()
+
+
+@pytest.fixture(params=location_kinds("embedded-wal", "pg-s3"))
+def two_locs(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
+    """Both consensus backends, both kinds of store, with and without a WAL store."""
+    return make_location(request.param, request, tmp_path)
+
+
+@pytest.mark.parametrize("unrecorded", [("crc32", "footer_crc32"), ("footer_crc32",)],
+                         ids=["no-checksums", "no-footer-checksum"])
+def test_parts_recorded_before_checksums_read_compact_and_plan_as_before(
+        two_locs: Location, monkeypatch: pytest.MonkeyPatch,
+        unrecorded: tuple[str, ...]) -> None:
+    """A shard whose parts were recorded by an earlier version (the state's encoding
+    without the fields, as that version wrote it): every read of them (snapshots,
+    streamed ones, a plan's table, a Spark read's partitions and tasks, key lookups,
+    verify --deep) returns what the same rows recorded with checksums return, with no
+    false mismatch; compaction merges them into parts that record both."""
+    from persist_pipeline.internal import state_codec
+    from persist_pipeline.proto import persist_pb2 as pb
+    from persist_pipeline.spark_source import _read_partition, make_read_plan
+
+    config = PersistConfig(inline_policy=InlinePolicy(0, 0),
+                           compaction_memory_bound_bytes=4 << 20)
+    earlier = two_locs.client(config=config)
+    current = two_locs.client(config=config)
+    part_to = state_codec._part_to
+
+    def as_earlier_versions_wrote(part: object, out: pb.Part) -> None:
+        part_to(part, out)  # type: ignore[arg-type]
+        for name in unrecorded:
+            if out.HasField("hollow"):
+                out.hollow.ClearField(name)
+
+    old, new = ShardId.new(), ShardId.new()
+    for shard, client in ((old, earlier), (new, current)):
+        if client is earlier:
+            monkeypatch.setattr(state_codec, "_part_to", as_earlier_versions_wrote)
+        with client.open_writer(shard) as w:
+            w.compare_and_append([(b"a", b"1", 0, 1)], 0, 1)
+            w.compare_and_append(_large_table().set_column(
+                2, "t", pa.array([1] * 120_000, pa.int64())), 1, 2)
+            w.compare_and_append(_random_rows(40_000, 2, 1), 2, 3)
+        monkeypatch.setattr(state_codec, "_part_to", part_to)
+    earlier.close()
+
+    fresh = two_locs.client(config=config)  # decodes the earlier version's records
+    parts = _hollow(fresh, old)
+    assert len(parts) == 3 and all(getattr(p, name) is None for p in parts
+                                   for name in unrecorded)
+    assert all(p.crc32 is not None and p.footer_crc32 is not None
+               for p in _hollow(fresh, new))
+    expected = current.open_reader(new).snapshot(2)
+    reader = fresh.open_reader(old)
+    assert reader.snapshot(2).equals(expected)
+    assert pa.Table.from_batches(list(reader.snapshot_batches(2))).equals(expected)
+    with reader.snapshot_plan(2) as plan:
+        assert plan.to_table().equals(expected)
+    keys = [b"a", b"k0000000", b"k0060000", b"k0119999"]
+    assert current_rows(fresh.blobs, fresh._machine(str(old)).fetch_latest(), keys).equals(
+        current_rows(current.blobs, current._machine(str(new)).fetch_latest(), keys))
+    # A Spark read, its driver's split points and its tasks (no Spark needed).
+    opts = {"consensus": two_locs.consensus_uri, "blob": two_locs.blob_uri, "shard": str(old),
+            "as_of": "2", "partition_bytes": str(1 << 20)}
+    if two_locs.wal_blob_uri:
+        opts["wal_blob"] = two_locs.wal_blob_uri
+    location, as_of, partitions, lease, _, reader_id, _ = make_read_plan(opts)
+    assert len(partitions) > 1
+    read = pa.Table.from_batches([b for p in partitions for b in _read_partition(
+        location, as_of, p, lease, reader_id=reader_id)])
+    assert read.sort_by([("k", "ascending"), ("v", "ascending")]).to_pydict() == \
+        expected.to_pydict()
+    assert fresh.verify(old, deep=True).ok
+    assert fresh.compact(old)["applied"] >= 1
+    merged = [p for p in _hollow(fresh, old) if p not in parts]
+    assert merged and all(p.crc32 is not None and p.footer_crc32 is not None
+                          for p in merged)
+    assert fresh.open_reader(old).snapshot(2).equals(expected)
+    assert fresh.verify(old, deep=True).ok
+    reader.expire()
+    fresh.close()
+    current.close()
