@@ -7,6 +7,7 @@ a WAL store) and asserts what a user sees: the right rows, or a typed error."""
 from __future__ import annotations
 
 import contextlib
+import random
 from pathlib import Path
 
 import duckdb
@@ -20,12 +21,15 @@ from persist_pipeline import (
     PartChecksumMismatch,
     PersistConfig,
     ShardId,
+    ShardSchema,
     Unavailable,
 )
 from persist_pipeline.blob.cache import CachingBlob
+from persist_pipeline.internal.blobs import FOOTER_READ_BYTES, WHOLE_FETCH_MAX_BYTES
 from persist_pipeline.internal.lookup import current_rows
 from tests.fixtures.location import Location, location_kinds, make_location
 from tests.test_checksums import (
+    _footer,
     _hollow,
     _large_table,
     _random_rows,
@@ -267,3 +271,88 @@ def test_parts_recorded_before_checksums_read_compact_and_plan_as_before(
     reader.expire()
     fresh.close()
     current.close()
+
+
+def _wide_schema(columns: int) -> ShardSchema:
+    return ShardSchema([("id", pa.int64())],
+                       [(f"measurement_with_a_long_descriptive_name_{i:03d}", pa.int64())
+                        for i in range(columns)])
+
+
+def test_a_wide_typed_parts_footer_longer_than_one_ranged_read(two_locs: Location) -> None:
+    """A typed shard of 200 value columns writes parts whose footers (a column chunk's
+    metadata per column and row group, the typed columns' long names in each) exceed
+    the first ranged read of a footer: every read of such a part in row groups
+    (snapshots, a plan's table, a Spark read's split points and tasks, an upsert's
+    lookup) takes the footer in two reads, checks it whole, and reads the same rows; a
+    byte changed in the footer's first bytes, which the first read does not fetch, is a
+    PartChecksumMismatch in each."""
+    from persist_pipeline.spark_source import _read_partition, make_read_plan
+
+    client = two_locs.client(policy=InlinePolicy(0, 0))
+    schema = _wide_schema(200)
+    n = 10_000
+    rng = random.Random(3)
+    columns: dict[str, list[int]] = {"id": list(range(n)), "t": [0] * n, "d": [1] * n}
+    for name in schema.value.names:
+        columns[name] = [rng.getrandbits(62) for _ in range(n)]
+    shard = ShardId.new()
+    writer = client.open_writer(shard, schema=schema)
+    writer.compare_and_append(pa.table(columns), 0, 1)
+    [part] = _hollow(client, shard)
+    good = _stored(client, part)
+    start, footer = _footer(good)
+    assert len(footer) > FOOTER_READ_BYTES and part.encoded_size > WHOLE_FETCH_MAX_BYTES
+    assert pq.read_metadata(pa.BufferReader(good)).num_row_groups > 1
+
+    reader = client.open_reader(shard)
+    expected = reader.snapshot(0)
+    assert expected.num_rows == n
+    assert expected.column("id").to_pylist() == list(range(n))
+    name = schema.value.names[-1]
+    assert expected.column(name).to_pylist() == columns[name]
+    assert pa.Table.from_batches(list(reader.snapshot_batches(0))).equals(expected)
+    with reader.snapshot_plan(0) as plan:
+        assert plan.to_table().equals(expected)
+    opts = {"consensus": two_locs.consensus_uri, "blob": two_locs.blob_uri,
+            "shard": str(shard), "as_of": "0", "partition_bytes": str(8 << 20)}
+    if two_locs.wal_blob_uri:
+        opts["wal_blob"] = two_locs.wal_blob_uri
+    location, as_of, partitions, lease, encoded, reader_id, _ = make_read_plan(opts)
+    assert len(partitions) > 1
+    read = pa.Table.from_batches([b for p in partitions for b in _read_partition(
+        location, as_of, p, lease, encoded, reader_id=reader_id)])
+    assert sorted(read.column("id").to_pylist()) == list(range(n))
+    assert sorted(read.column(name).to_pylist()) == sorted(columns[name])
+
+    # A byte of the footer's schema (a typed column's name), before its last
+    # FOOTER_READ_BYTES: changed, every read through the footer says so.
+    at = start + footer.index(b"measurement_with_a_long_descriptive_name_000") + 3
+    assert at < len(good) - FOOTER_READ_BYTES
+    client.blobs.store(part.store).set(part.key, good[:at] + b"X" + good[at + 1:])
+    fresh = two_locs.client(policy=InlinePolicy(0, 0))
+    fresh_reader = fresh.open_reader(shard)
+    with pytest.raises(PartChecksumMismatch, match="footer of part"):
+        fresh_reader.snapshot(0)
+    with fresh_reader.snapshot_plan(0) as plan, \
+            pytest.raises(PartChecksumMismatch, match="footer of part"):
+        plan.to_table()
+    with pytest.raises(PartChecksumMismatch, match="footer of part"):
+        make_read_plan(opts)
+    with pytest.raises(PartChecksumMismatch, match="footer of part"):
+        for p in partitions:
+            list(_read_partition(location, as_of, p, lease, encoded, reader_id=reader_id))
+    upsert = {"id": [5], **{c: [0] for c in schema.value.names}}
+    with pytest.raises(PartChecksumMismatch, match="footer of part"):
+        fresh.open_writer(shard).upsert(pa.table(upsert), 1)
+    # The intact part again: the same upsert's lookup finds the old row and retracts it.
+    client.blobs.store(part.store).set(part.key, good)
+    fresh.open_writer(shard).upsert(pa.table(upsert), 1)
+    after = fresh_reader.snapshot(1)
+    assert after.num_rows == n
+    row = after.filter(pa.compute.equal(after.column("id"), 5))
+    assert row.column(name).to_pylist() == [0]
+    fresh_reader.expire()
+    reader.expire()
+    fresh.close()
+    client.close()
