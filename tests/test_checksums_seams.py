@@ -356,3 +356,49 @@ def test_a_wide_typed_parts_footer_longer_than_one_ranged_read(two_locs: Locatio
     reader.expire()
     fresh.close()
     client.close()
+
+
+@pytest.fixture(params=location_kinds("embedded-wal", "pg-s3-wal"))
+def wal_loc(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
+    return make_location(request.param, request, tmp_path)
+
+
+def test_cli_verify_reports_damaged_wal_parts_as_the_readme_says(wal_loc: Location) -> None:
+    """``verify`` lists each store and finds parts present at their recorded size: a
+    WAL part swapped for another of its size and a large one whose footer was zeroed
+    pass that (exit 0); ``--deep`` checks their CRC-32s and reports each as
+    ``checksum`` in the ``wal`` store (exit 1), naming only the damaged shard."""
+    import json
+    import os
+
+    from tests.helpers import run_cli
+
+    assert wal_loc.wal_blob_uri is not None
+    env = {**os.environ, "PERSIST_CONSENSUS_URI": wal_loc.consensus_uri,
+           "PERSIST_BLOB_URI": wal_loc.blob_uri, "PERSIST_WAL_BLOB_URI": wal_loc.wal_blob_uri}
+    client = wal_loc.client(policy=InlinePolicy(0, 0))
+    mine, other = ShardId.new(), ShardId.new()
+    for shard, diff in ((mine, 1), (other, 2)):
+        with client.open_writer(shard) as w:
+            w.compare_and_append(_random_rows(40_000, 0, diff), 0, 1)
+            w.compare_and_append(_large_table().set_column(
+                2, "t", pa.array([1] * 120_000, pa.int64())), 1, 2)
+    small, large = sorted(_hollow(client, mine), key=lambda p: p.encoded_size)
+    [theirs] = [p for p in _hollow(client, other) if p.encoded_size == small.encoded_size]
+    assert {small.store, large.store} == {"wal"}
+    wal = client.blobs.store("wal")
+    wal.set(small.key, _stored(client, theirs))
+    data = _stored(client, large)
+    wal.set(large.key, data[:-100] + bytes(100))
+    out = run_cli(env, "verify", str(mine))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ok"] is True
+    out = run_cli(env, "verify", "--all", "--deep")
+    assert out.returncode == 1, out.stderr
+    report = json.loads(out.stdout)
+    assert report["shards"][str(other)]["ok"] is True
+    problems = report["shards"][str(mine)]["problems"]
+    assert sorted((p["kind"], p["store"], p["key"]) for p in problems) == sorted(
+        [("checksum", "wal", small.key), ("checksum", "wal", large.key)])
+    assert f"2 problem(s) in 1 shard(s): {mine}" in out.stderr
+    client.close()
