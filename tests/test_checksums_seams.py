@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 from pathlib import Path
 
 import duckdb
@@ -25,7 +26,11 @@ from persist_pipeline import (
     Unavailable,
 )
 from persist_pipeline.blob.cache import CachingBlob
-from persist_pipeline.internal.blobs import FOOTER_READ_BYTES, WHOLE_FETCH_MAX_BYTES
+from persist_pipeline.internal.blobs import (
+    FOOTER_READ_BYTES,
+    PART_KEY_METADATA,
+    WHOLE_FETCH_MAX_BYTES,
+)
 from persist_pipeline.internal.lookup import current_rows
 from tests.fixtures.location import Location, location_kinds, make_location
 from tests.test_checksums import (
@@ -402,3 +407,54 @@ def test_cli_verify_reports_damaged_wal_parts_as_the_readme_says(wal_loc: Locati
         [("checksum", "wal", small.key), ("checksum", "wal", large.key)])
     assert f"2 problem(s) in 1 shard(s): {mine}" in out.stderr
     client.close()
+
+
+def test_a_large_part_swapped_for_one_with_the_same_footer_is_an_error(
+        loc: Location) -> None:
+    """A part larger than a whole fetch is read in row groups, its footer and pages
+    checked, never its whole CRC-32. Another shard's part over the same keys, times and
+    sizes of values (fixed-width values, other counts) had a byte-identical footer, and
+    its pages carry their own valid CRC-32s: put under this part's key (a bad restore,
+    a copy by hand), its rows were read as this shard's, silently, by snapshots and a
+    plan's table. Each part's footer names its key, so no two parts' footers are alike
+    and the footer check finds the swap in every read through it."""
+    from persist_pipeline.spark_source import _read_partition, make_read_plan
+
+    client = loc.client(policy=InlinePolicy(0, 0))
+    mine, other = ShardId.new(), ShardId.new()
+    table = _large_table()
+    for shard, diff in ((mine, 1), (other, 2)):
+        with client.open_writer(shard) as w:
+            w.compare_and_append(_with_diff(table, diff), 0, 1)
+    [part], [theirs] = _hollow(client, mine), _hollow(client, other)
+    assert part.encoded_size == theirs.encoded_size > WHOLE_FETCH_MAX_BYTES
+    for p in (part, theirs):
+        named = pq.read_metadata(pa.BufferReader(_stored(client, p))).metadata
+        assert named[PART_KEY_METADATA] == p.key.encode()
+    client.blobs.store(part.store).set(part.key, _stored(client, theirs))
+    client.close()
+
+    fresh = loc.client()
+    reader = fresh.open_reader(mine)
+    footer_changed = re.escape(f"the footer of part {part.key!r}")
+    with pytest.raises(PartChecksumMismatch, match=footer_changed):
+        reader.snapshot(0)
+    with pytest.raises(PartChecksumMismatch, match=footer_changed):
+        list(reader.snapshot_batches(0))
+    with reader.snapshot_plan(0) as plan, \
+            pytest.raises(PartChecksumMismatch, match=footer_changed):
+        plan.to_table()
+    state = fresh._machine(str(mine)).fetch_latest()
+    with pytest.raises(PartChecksumMismatch, match=footer_changed):
+        current_rows(fresh.blobs, state, [b"k0000005"])
+    opts = {"consensus": loc.consensus_uri, "blob": loc.blob_uri, "shard": str(mine),
+            "as_of": "0"}
+    if loc.wal_blob_uri:
+        opts["wal_blob"] = loc.wal_blob_uri
+    location, as_of, [partition], lease, _, reader_id, _ = make_read_plan(opts)
+    with pytest.raises(PartChecksumMismatch, match=footer_changed):
+        list(_read_partition(location, as_of, partition, lease, reader_id=reader_id))
+    [problem] = fresh.verify(mine, deep=True).problems
+    assert (problem.kind, problem.key) == ("checksum", part.key)
+    reader.expire()
+    fresh.close()

@@ -612,6 +612,10 @@ class _BlobFile(io.RawIOBase):
         return len(data)
 
 
+#: The Parquet footer's key-value metadata that names the part's blob key.
+PART_KEY_METADATA = b"persist_pipeline.part_key"
+
+
 class PartWriter:
     """Writes a stream of sorted, consolidated k/v/t/d tables as Parquet parts.
 
@@ -675,7 +679,15 @@ class PartWriter:
                 self._sink = io.BytesIO()
                 options = parquet_write_options(piece)
                 del options["row_group_size"]
-                self._writer = pq.ParquetWriter(self._sink, self._file_schema, **options)
+                # The footer names the part's key, so that no two parts' footers are
+                # alike: reads in row groups check the footer, not the whole part, and
+                # another part over the same keys, times and value sizes had the same
+                # footer byte for byte (pages with their own valid CRC-32s): put under
+                # this key, it passed as this part.
+                schema = self._file_schema.with_metadata(
+                    {**(self._file_schema.metadata or {}),
+                     PART_KEY_METADATA: self._part_key().encode()})
+                self._writer = pq.ParquetWriter(self._sink, schema, **options)
             assert self._sink is not None
             self._writer.write_table(self._with_typed_columns(piece), row_group_size=step)
             self._track(piece)
@@ -703,6 +715,10 @@ class PartWriter:
         self._last_key = keys[-1].as_py()
         self._rows += piece.num_rows
 
+    def _part_key(self) -> str:
+        """The blob key of the part being written."""
+        return paths.part_key(self._shard_id, self._batch_id, self._nonce, len(self._parts))
+
     def _flush_part(self) -> None:
         if self._writer is None:
             return
@@ -710,7 +726,7 @@ class PartWriter:
         self._writer.close()
         data = self._sink.getvalue()
         self._writer, self._sink = None, None
-        key = paths.part_key(self._shard_id, self._batch_id, self._nonce, len(self._parts))
+        key = self._part_key()
         self._blob.set(key, data)
         min_key, max_key = key_bounds(self._first_key, self._last_key)
         footer = footer_bytes(data)
