@@ -458,3 +458,28 @@ def test_a_large_part_swapped_for_one_with_the_same_footer_is_an_error(
     assert (problem.kind, problem.key) == ("checksum", part.key)
     reader.expire()
     fresh.close()
+
+
+def test_the_merge_benchmarks_runs_record_their_checksums(tmp_path: Path) -> None:
+    """The synthetic runs that ``make bench`` and the merge memory tests merge are read
+    back from a manifest: it dropped each part's CRC-32s, so those merges measured the
+    unchecked path (no footer checks, no whole check of a small part streamed), not the
+    one compaction runs. Each part is loaded as written, both CRC-32s included."""
+    import zlib
+
+    from persist_pipeline.examples.merge_data import load_request, merge, write_runs
+    from persist_pipeline.internal.blobs import footer_bytes
+
+    write_runs(tmp_path, 20_000, 3)
+    req = load_request(tmp_path)
+    parts = [p for b in req.inputs for p in b.hollow_parts()]
+    assert parts
+    for part in parts:
+        data = (tmp_path / "blobs" / part.key).read_bytes()
+        footer = footer_bytes(data)
+        assert footer is not None
+        assert (part.crc32, part.footer_crc32) == (zlib.crc32(data), zlib.crc32(footer))
+    # Checked: a part whose bytes changed fails the benchmark's merge.
+    (tmp_path / "blobs" / parts[0].key).write_bytes(b"\0" * parts[0].encoded_size)
+    with pytest.raises(PartChecksumMismatch):
+        merge(tmp_path, 16 << 20)
