@@ -31,7 +31,7 @@ from persist_pipeline.internal.state import (
     State,
     Writer,
 )
-from persist_pipeline.internal.trace import _level_for, push_batch
+from persist_pipeline.internal.trace import _level_for, _push_stepwise, push_batch
 from persist_pipeline.updates import Updates
 from persist_pipeline.write import Staged, WriteResult
 
@@ -141,6 +141,27 @@ def test_push_batch_fuses_as_the_reference() -> None:
         push_batch(ours, batch)
         _push_batch_reference(reference, batch)
         assert ours == reference
+
+
+def test_push_batch_makes_the_entries_of_stepwise_fusion_in_the_same_order() -> None:
+    # One entry made per push (not per fusion step): the same entries, at the same keys
+    # and in the same dict order, as fusing step by step; a batch that is not past the
+    # newest entry (never an append's) goes the stepwise way itself.
+    rng = random.Random(7)
+    ours: dict[int, SpineEntry] = {}
+    stepwise: dict[int, SpineEntry] = {}
+    lower = 0
+    for _ in range(3000):
+        if rng.random() < 0.02 and ours:
+            at = rng.choice(sorted(ours))  # a lower not past the newest entry
+        else:
+            lower += rng.randint(1, 3)
+            at = lower
+        batch = _batch(at, rng.choice([1, 5, 10, 64, 1000, 70_000]),
+                       inline=rng.random() < 0.5)
+        push_batch(ours, batch)
+        _push_stepwise(stepwise, batch)
+        assert list(ours.items()) == list(stepwise.items())
 
 
 def test_summary_counts_the_spine() -> None:

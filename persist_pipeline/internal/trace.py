@@ -59,18 +59,47 @@ def _level_for(num_updates: int) -> int:
 def push_batch(
     spine: dict[int, SpineEntry], batch: Batch
 ) -> None:
-    """Add a new (latest, non-empty) batch to ``spine`` in place, fusing levels."""
+    """Add a new (latest, non-empty) batch to ``spine`` in place, fusing levels.
+
+    The new entry fuses with its predecessor while its level is at least the
+    predecessor's, one level up each time; the fused entry is computed as it goes and
+    made once, at the key of the oldest entry it absorbed (where each step of the
+    fusion would have left it), rather than one entry per step."""
+    desc = batch.desc
+    lower = desc.lower
+    level = max(0, batch.num_updates.bit_length() - 1)  # _level_for
+    num_batches, num_inline, num_wal = 1, batch.num_inline_parts, batch.num_wal_parts
+    if spine:
+        lowers = sorted(spine)
+        if lowers[-1] >= lower:
+            # Never the case for a new latest batch (its lower is past every entry's):
+            # fused step by step, as the newest entry then is.
+            _push_stepwise(spine, batch)
+            return
+        n = len(lowers)
+        while n:
+            n -= 1
+            prev = spine[lowers[n]]
+            if level < prev.level:
+                break
+            if lower != desc.lower:
+                del spine[lower]  # absorbed by an earlier step: its key goes too
+            lower = prev.lower
+            level += 1
+            num_batches += prev.num_batches
+            num_inline += prev.num_inline_parts
+            num_wal += prev.num_wal_parts
+    spine[lower] = SpineEntry(lower, desc.upper, level, num_batches, num_inline, num_wal)
+
+
+def _push_stepwise(spine: dict[int, SpineEntry], batch: Batch) -> None:
+    """:func:`push_batch` one fusion step at a time (an entry made per step)."""
     desc = batch.desc
     spine[desc.lower] = SpineEntry(desc.lower, desc.upper,
-                                   max(0, batch.num_updates.bit_length() - 1),  # _level_for
+                                   max(0, batch.num_updates.bit_length() - 1),
                                    1, batch.num_inline_parts, batch.num_wal_parts)
-    lowers = sorted(spine)  # once: fusing only ever removes the last entry
+    lowers = sorted(spine)
     n = len(lowers) - 1
-    if not n:
-        return
-    # The last entry is kept in hand as it fuses (it is what the next step compares);
-    # it fuses only while its level is at least its predecessor's, so the fused level
-    # is one above its own.
     last = spine[lowers[n]]
     while n:
         prev = spine[lowers[n - 1]]
