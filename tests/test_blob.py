@@ -780,6 +780,39 @@ def test_cache_evicts_least_recently_used_by_bytes() -> None:
     assert cache.cached_bytes <= 100 and len(cache) == 2
 
 
+def test_cache_checks_each_held_value_once_against_its_crc(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``held_matching``: a held value whose CRC-32 matches is served, checked once
+    while it stays held (a held value never changes); a value that does not match is
+    dropped, so the next read goes to the store; a value written over the key, or
+    admitted again after an eviction, is checked again."""
+    from persist_pipeline.internal import checksum
+
+    hashed: list[int] = []
+    real = checksum.crc32
+    monkeypatch.setattr(checksum, "crc32", lambda data: hashed.append(len(data)) or real(data))
+    inner = MemoryBlob()
+    cache = CachingBlob(inner, 100)
+    cache.set("k", b"one" * 10)
+    good = real(b"one" * 10)
+    assert cache.held_matching("absent", good) is None
+    assert cache.held_matching("k", good) == b"one" * 10
+    assert cache.held_matching("k", good) == b"one" * 10
+    assert hashed == [30]  # once
+    assert cache.held_matching("k", None) == b"one" * 10 and hashed == [30]
+    assert cache.held_matching("k", good ^ 1) is None  # not what was recorded: dropped
+    assert "k" not in cache and inner.get("k") == b"one" * 10
+    cache.get("k")
+    assert cache.held_matching("k", good) == b"one" * 10 and hashed == [30, 30, 30]
+    cache.set("k", b"two" * 10)  # another value under the key: checked again
+    assert cache.held_matching("k", real(b"two" * 10)) == b"two" * 10
+    assert len(hashed) == 4
+    cache.set("e", b"e" * 80)  # evicts k
+    assert "k" not in cache
+    cache.get("k")
+    assert cache.held_matching("k", real(b"two" * 10)) == b"two" * 10 and len(hashed) == 5
+
+
 def test_cache_write_through_and_invalidation() -> None:
     inner = CountingBlob()
     cache = CachingBlob(inner, 1000)

@@ -22,6 +22,7 @@ from persist_pipeline.blob.base import (
     validate_value,
 )
 from persist_pipeline.exceptions import InvalidConfig
+from persist_pipeline.internal import checksum
 
 
 class CachingBlob(Blob):
@@ -64,6 +65,9 @@ class CachingBlob(Blob):
         self._epoch = 0
         # Mutations of a key in flight: while any is, nothing is cached for the key.
         self._inflight: dict[str, int] = {}
+        # The CRC-32 each held value was found to have by held_matching: a held value
+        # never changes, so it is checked once, not on every read of it.
+        self._checked: dict[str, int] = {}
 
     @property
     def cached_bytes(self) -> int:
@@ -81,6 +85,7 @@ class CachingBlob(Blob):
         """Drop every cached value (counters are kept)."""
         with self._lock:
             self._values.clear()
+            self._checked.clear()
             self._bytes = 0
             self._epoch += 1
 
@@ -101,11 +106,22 @@ class CachingBlob(Blob):
                 self._admit(key, value, epoch)
         return value
 
-    def held(self, key: str) -> bytes | None:
-        """``key``'s cached value, or None when the cache does not hold it (the inner
-        store is not asked; no hit or miss is counted)."""
+    def held_matching(self, key: str, crc32: int | None) -> bytes | None:
+        """``key``'s cached value if its CRC-32 is ``crc32`` (None: nothing recorded to
+        check), else None; a held value that does not match is dropped, so the next read
+        goes to the inner store. Each held value is checked once."""
         with self._lock:
-            return self._values.get(key)
+            value = self._values.get(key)
+            if value is None or crc32 is None or self._checked.get(key) == crc32:
+                return value
+        ok = checksum.matches(value, crc32)  # outside the lock: a few ms for a large part
+        with self._lock:
+            if self._values.get(key) is value:
+                if ok:
+                    self._checked[key] = crc32
+                else:
+                    self._drop(key)
+        return value if ok else None
 
     def forget(self, key: str) -> None:
         """Drop ``key``'s cached value, if any: a reader found it is not the value
@@ -206,7 +222,8 @@ class CachingBlob(Blob):
             return
         self._drop(key)
         while self._bytes + size > self.max_bytes and self._values:
-            _, evicted = self._values.popitem(last=False)
+            evicted_key, evicted = self._values.popitem(last=False)
+            self._checked.pop(evicted_key, None)
             self._bytes -= len(evicted)
             self.evictions += 1
         self._values[key] = value
@@ -215,5 +232,6 @@ class CachingBlob(Blob):
     def _drop(self, key: str) -> None:
         """Forget ``key``. Called with the lock held."""
         old = self._values.pop(key, None)
+        self._checked.pop(key, None)
         if old is not None:
             self._bytes -= len(old)

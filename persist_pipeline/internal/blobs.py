@@ -312,17 +312,15 @@ class ShardBlobs:
         store's file beside it is other bytes when the stored object changed after the
         copy was cached (a bad restore): another valid part there passes the checked
         footer's offsets and its own pages' CRC-32s, and its rows would be read as this
-        part's. The copy is checked whole first (it is in memory: a few ms a part), since
-        a footer check passes a copy that went bad in a page: such a copy is dropped for
-        the store's bytes, as a whole read drops it, not failing every read of an intact
-        part while it stays cached."""
+        part's. The copy is checked whole first (it is in memory: a few ms a part, once per
+        cached copy), since a footer check passes a copy that went bad in a page: such a
+        copy is dropped for the store's bytes, as a whole read drops it, not failing every
+        read of an intact part while it stays cached."""
         blob = self.store(part.store, cached=True)
         if isinstance(blob, CachingBlob):
-            held = blob.held(part.key)
+            held = blob.held_matching(part.key, part.crc32)
             if held is not None:
-                if checksum.matches(held, part.crc32):
-                    return pa.BufferReader(held)
-                blob.forget(part.key)
+                return pa.BufferReader(held)
         path = blob.local_file(part.key)
         if path is not None:
             try:
