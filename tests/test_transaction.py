@@ -23,6 +23,7 @@ from persist_pipeline import (
     ShardId,
     ShardSchema,
     UpperMismatch,
+    WriteHandle,
 )
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
@@ -35,7 +36,7 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     SchemaMismatch,
 )
-from tests.fixtures.location import location_kinds, make_location
+from tests.fixtures.location import Location, location_kinds, make_location
 from tests.helpers import process_context, rows, wait_until
 from tests.test_regressions_lost_replies import (
     NO_INLINE,
@@ -568,6 +569,30 @@ def test_lost_replies_at_a_commit_creating_names_register_a_name_iff_it_committe
     setup.close()
 
 
+def pair_losing_a_reply_after_gc(clients: Clients, location: Location) -> tuple[
+        PersistClient, LoseNextReply, ShardId, ShardId, WriteHandle, WriteHandle,
+        PersistClient]:
+    """A client, two shards at upper 1 and its writers of them: its next compare-and-set
+    lands, then its process pauses past the writers' leases while GC (another client,
+    also returned) expires them and truncates the records that would settle it, then
+    its reply is lost."""
+    a, b = ShardId.new(), ShardId.new()
+    lossy = LoseNextReply(open_consensus(location.consensus_uri))
+    client = clients._open(lossy, NO_INLINE, reader_lease_duration_s=SHORT_LEASE_S)
+    wa, wb = client.open_writer(a), client.open_writer(b)
+    wa.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+    wb.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+    gc = clients.plain()
+
+    def pause_then_gc() -> None:
+        clients.clock.advance(PAUSE_S)
+        gc.gc(a)
+        gc.gc(b)
+
+    lossy.arm(pause_then_gc)
+    return client, lossy, a, b, wa, wb, gc
+
+
 @pytest.mark.parametrize("rows_first", [False, True], ids=["empty-first", "rows-first"])
 def test_a_lost_reply_is_settled_by_any_shards_batch_in_history(location, rows_first):
     """A transaction lands; its process pauses past its writers' leases, GC expires them
@@ -576,20 +601,7 @@ def test_a_lost_reply_is_settled_by_any_shards_batch_in_history(location, rows_f
     found there, the commit is reported, whichever shard was added first."""
     clients = Clients(location)
     try:
-        a, b = ShardId.new(), ShardId.new()
-        lossy = LoseNextReply(open_consensus(location.consensus_uri))
-        client = clients._open(lossy, NO_INLINE, reader_lease_duration_s=SHORT_LEASE_S)
-        wa, wb = client.open_writer(a), client.open_writer(b)
-        wa.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
-        wb.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
-        gc = clients.plain()
-
-        def pause_then_gc() -> None:
-            clients.clock.advance(PAUSE_S)
-            gc.gc(a)
-            gc.gc(b)
-
-        lossy.arm(pause_then_gc)
+        client, lossy, a, b, wa, wb, gc = pair_losing_a_reply_after_gc(clients, location)
         txn = client.transaction()
         appends = [(wa, []), (wb, [(b"x", b"", 1, 1)])]
         for writer, updates in reversed(appends) if rows_first else appends:

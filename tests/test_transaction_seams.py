@@ -25,13 +25,8 @@ from persist_pipeline.consensus.base import CasWrite, Consensus
 from persist_pipeline.exceptions import CommitDeadlineExceeded, LeaseExpired
 from tests.fixtures.location import Location
 from tests.helpers import ForwardingConsensus, HandClock, client_on_clock, rows
-from tests.test_regressions_lost_replies import (
-    NO_INLINE,
-    PAUSE_S,
-    SHORT_LEASE_S,
-    Clients,
-    LoseNextReply,
-)
+from tests.test_regressions_lost_replies import Clients
+from tests.test_transaction import pair_losing_a_reply_after_gc
 
 BLOB = InlinePolicy(0, 0)  # every write uploads parts before its commit
 
@@ -223,20 +218,7 @@ def test_a_lost_reply_settled_from_history_keeps_the_parts_that_landed(
     rows, and every part the shards reference is in the store."""
     clients = Clients(location)
     try:
-        a, b = ShardId.new(), ShardId.new()
-        lossy = LoseNextReply(open_consensus(location.consensus_uri))
-        client = clients._open(lossy, NO_INLINE, reader_lease_duration_s=SHORT_LEASE_S)
-        wa, wb = client.open_writer(a), client.open_writer(b)
-        wa.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
-        wb.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
-        gc = clients.plain()
-
-        def pause_then_gc() -> None:
-            clients.clock.advance(PAUSE_S)
-            gc.gc(a)
-            gc.gc(b)
-
-        lossy.arm(pause_then_gc)
+        client, lossy, a, b, wa, wb, _ = pair_losing_a_reply_after_gc(clients, location)
         if through == "transaction":
             txn = client.transaction()
             txn.compare_and_append(wa, [(b"x", b"1", 1, 1)], 1, 2)

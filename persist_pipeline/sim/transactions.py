@@ -202,19 +202,29 @@ def check_named(run: SimRun, client: PersistClient, where: str) -> None:
                           f"registered: {registered}, row present: {present})")
 
 
+def _start_pair_retry(run: SimRun, ledger: TxnLedger, *, first_only: bool
+                      ) -> tuple[tuple[str, str], list[int | None], Txn, list[str]] | None:
+    """The shards, their uppers as last seen, a new ledger entry and two recorded tokens
+    of a pair transaction to commit more than once; None while an upper is unknown."""
+    pair = ledger.pair
+    assert pair is not None
+    uppers = [run.monitors.get(shard).upper for shard in pair]
+    if None in uppers:
+        return None
+    ledger.count += 1
+    return pair, uppers, Txn(TXN_PREFIX + b"%d" % ledger.count, first_only=first_only), \
+        [new_token(), new_token()]
+
+
 def _commit_and_retry(run: SimRun, client: PersistClient, ledger: TxnLedger) -> None:
     """A pair transaction whose append to the second shard holds no rows, committed with
     recorded tokens, then committed again with the same tokens through fresh writers
     (the shards' ids), as a process does that never learnt the outcome: a transaction
     that landed is reported committed again, never refused nor written twice."""
-    pair = ledger.pair
-    assert pair is not None
-    uppers = [run.monitors.get(shard).upper for shard in pair]
-    if None in uppers:
+    started = _start_pair_retry(run, ledger, first_only=True)
+    if started is None:
         return
-    ledger.count += 1
-    entry = Txn(TXN_PREFIX + b"%d" % ledger.count, first_only=True)
-    tokens = [new_token(), new_token()]
+    pair, uppers, entry, tokens = started
 
     def commit() -> dict[str, WriteResult]:
         txn = client.transaction()
@@ -260,14 +270,10 @@ def _commit_racing_retry(run: SimRun, proc: Process, client: PersistClient,
     the other finds it (its own parts deleted, the landed ones kept), or both are
     refused; never one acknowledged and the other refused for its upper, never written
     twice. (One refused for its own commit deadline fences nothing: the other may land.)"""
-    pair = ledger.pair
-    assert pair is not None
-    uppers = [run.monitors.get(shard).upper for shard in pair]
-    if None in uppers:
+    started = _start_pair_retry(run, ledger, first_only=False)
+    if started is None:
         return
-    ledger.count += 1
-    entry = Txn(TXN_PREFIX + b"%d" % ledger.count)
-    tokens = [new_token(), new_token()]
+    pair, uppers, entry, tokens = started
     value = b"r" * (6000 if run.rng.random() < 0.5 else 3)
     told: list[str] = []
 
