@@ -29,7 +29,7 @@ from persist_pipeline.dagster_io import (
 )
 from persist_pipeline.dagster_io.encoding import contents_for
 from persist_pipeline.exceptions import InvalidConfig, InvalidFrontier, InvalidInput
-from tests.pipeline_support import spark_session, table_location
+from tests.pipeline_support import dagster_instance, spark_session, table_location
 
 __all__ = ["spark_session", "table_location"]  # fixtures, imported for pytest
 
@@ -54,7 +54,7 @@ def io_manager(table_location: tuple[str, str]) -> Any:
 
 
 def _materialize(io_manager: PersistIOManager, *assets: Any) -> dg.ExecuteInProcessResult:
-    with dg.instance_for_test() as instance:
+    with dagster_instance() as instance:
         result = dg.materialize(list(assets), resources={"io_manager": io_manager},
                                 instance=instance)
     assert result.success
@@ -296,7 +296,7 @@ def test_a_declared_table_name_is_where_an_asset_is_stored_and_loaded(
     def regions() -> pa.Table:
         return pa.table({"id": [1]})
 
-    with dg.instance_for_test() as instance:
+    with dagster_instance() as instance:
         result = dg.materialize([regions], partition_key="eu", instance=instance,
                                 resources={"io_manager": io_manager}, raise_on_error=False)
     assert not result.success
@@ -408,7 +408,7 @@ def test_a_materialization_that_starts_a_generation_says_why_in_the_run_log(
 
     warnings = []
     for _ in range(3):
-        with dg.instance_for_test() as instance:
+        with dagster_instance() as instance:
             result = dg.materialize([scores], resources={"io_manager": io_manager},
                                     instance=instance)
             assert result.success
@@ -491,7 +491,7 @@ def test_a_shard_of_an_earlier_version_is_read_then_migrated(io_manager: Persist
     contents = contents_for(ORDERS)
     updates = [(k, v, 0, d) for (k, v), d in contents.items()]
     client.open_writer(legacy).compare_and_append(updates, 0, 1)
-    with dg.instance_for_test() as instance:
+    with dagster_instance() as instance:
         @dg.asset(key_prefix=["sales"])
         def order_count(orders: pa.Table) -> int:
             return orders.num_rows
@@ -566,7 +566,7 @@ def test_compaction_definitions_request_a_run_for_pending_shards(tmp_path: Path)
     defs = compaction_definitions()
     sensor = defs.sensors[0]  # type: ignore[index]
     try:
-        with dg.instance_for_test() as instance:
+        with dagster_instance() as instance:
             with dg.build_sensor_context(instance=instance,
                                          resources={"io_manager": manager}) as context:
                 skipped = sensor.evaluate_tick(context)
@@ -625,7 +625,7 @@ def test_a_multi_asset_stores_its_outputs_in_one_transaction(
             yield dg.MaterializeResult(asset_key=dg.AssetKey(name.split("/")),
                                        metadata=meta)
 
-    with dg.instance_for_test() as instance:
+    with dagster_instance() as instance:
         result = dg.materialize([shop], resources={"io_manager": io_manager},
                                 instance=instance)
     assert result.success
@@ -660,7 +660,7 @@ def test_pandas_outputs_of_other_lengths_stay_in_one_shard(io_manager: PersistIO
     # pandas metadata; kept in the shard schema, every other length was a new
     # generation (a new shard, nothing retracted).
     metas = []
-    with dg.instance_for_test() as instance:
+    with dagster_instance() as instance:
         for rows in (3, 5, 4):
             result = dg.materialize(
                 [daily_totals], instance=instance, resources={"io_manager": io_manager},
@@ -707,7 +707,7 @@ def signup_count(signups: pd.DataFrame) -> pd.DataFrame:
 
 def test_partitions_with_a_column_of_nulls_load_as_one_table(io_manager: PersistIOManager
                                                              ) -> None:
-    with dg.instance_for_test() as instance:
+    with dagster_instance() as instance:
         for region in ("eu", "us", "apac"):
             assert dg.materialize([signups], partition_key=region, instance=instance,
                                   resources={"io_manager": io_manager}).success
@@ -926,7 +926,7 @@ def test_an_asset_declaring_a_partition_folder_as_its_table_keeps_off_its_partit
         return pa.table({"region": ["all"], "n": [0]})
 
     resources = {"io_manager": io_manager}
-    with dg.instance_for_test() as instance:
+    with dagster_instance() as instance:
         assert dg.materialize([visits], partition_key="_v2", instance=instance,
                               resources=resources).success
         second = dg.materialize([totals], instance=instance, resources=resources,

@@ -33,7 +33,7 @@ from persist_pipeline.dagster_io import (
     asset_shard_name,
 )
 from persist_pipeline.dagster_io.encoding import contents_for, table_from_contents
-from tests.pipeline_support import table_location
+from tests.pipeline_support import dagster_instance, table_location
 
 __all__ = ["table_location"]  # fixtures, imported for pytest
 
@@ -144,7 +144,7 @@ def _stored(manager: PersistIOManager, name: str, as_of: int) -> pa.Table:
 
 def test_store_load_overwrite_and_load_an_earlier_upper(io_manager: PersistIOManager) -> None:
     resources = {"io_manager": io_manager}
-    with dg.instance_for_test() as instance:
+    with dagster_instance() as instance:
         first = dg.materialize([orders, order_summary], resources=resources,
                                instance=instance)
         assert first.success
@@ -205,7 +205,7 @@ def test_store_load_overwrite_and_load_an_earlier_upper(io_manager: PersistIOMan
 def test_partitions_have_their_own_shards(io_manager: PersistIOManager) -> None:
     resources = {"io_manager": io_manager}
     assets = [visits, visits_polars, visit_totals]
-    with dg.instance_for_test() as instance:
+    with dagster_instance() as instance:
         for region in ("eu", "us"):
             result = dg.materialize(assets, resources=resources, instance=instance,
                                     partition_key=region,
@@ -279,7 +279,7 @@ def test_clear_errors(io_manager: PersistIOManager) -> None:
     def reader_of(orders: pa.Table) -> int:
         return orders.num_rows
 
-    with dg.instance_for_test() as instance:
+    with dagster_instance() as instance:
         bad = dg.materialize([not_a_table], resources={"io_manager": io_manager},
                              instance=instance, raise_on_error=False)
         assert not bad.success
@@ -343,7 +343,7 @@ def test_the_documented_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyP
     exec(compile(source, "docs/pipeline.md", "exec"), namespace)
     defs = namespace["defs"]
     job = defs.resolve_implicit_global_asset_job_def()
-    with dg.instance_for_test() as instance:
+    with dagster_instance() as instance:
         result = job.execute_in_process(instance=instance)
         assert result.success
         assert result.output_for_node("order_total").to_pylist() == [{"total": 12.5}]
