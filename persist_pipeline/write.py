@@ -665,9 +665,11 @@ class WriteHandle:
             if result.already_committed:
                 self._drop_superseded(staged)
             return result
-        except CERTAINLY_NOT_COMMITTED:
-            # The CaS loop settles every lost reply before it answers "no". Indeterminate
-            # (and any other error) leaves the parts to GC.
+        except (*CERTAINLY_NOT_COMMITTED, LeaseExpired):
+            # The CaS loop settles every lost reply before it answers "no" (a handle
+            # expired while its write waited is such an answer: see _transition), and
+            # these parts are this attempt's own fresh keys. Indeterminate (and any
+            # other error) leaves the parts to GC.
             self._delete_uncommitted(staged.parts)
             raise
 
@@ -740,7 +742,7 @@ class WriteHandle:
         deadline_from = staged.upload_started_s
 
         def transition(state: State) -> tuple[State, transitions.AppendResult]:
-            return transitions.compare_and_append(
+            new, result = transitions.compare_and_append(
                 state, staged.batch, writer_id=self.writer_id, token=staged.token,
                 expected_upper=staged.expected, new_upper=staged.upper,
                 now_ms=machine.now_ms(), lease_ms=lease, inline_max_bytes=policy.max_bytes,
@@ -749,6 +751,16 @@ class WriteHandle:
                 else machine.commit_deadline(deadline_from),
                 encoded_with=staged.encoding.recorded, record=staged.encoding.record,
                 exact=staged.encoding.exact)
+            # Asked on every attempt, as a heartbeat asks: expire() closes the handle
+            # before its own commit, so a write still waiting (queued in the funnel
+            # behind another group, or re-run after a lost race) once it is closed is
+            # refused as it would be at its start, changing nothing, instead of
+            # committing and registering the expired writer again. A write found
+            # already committed (an earlier attempt landed before the expiry) is
+            # still reported so.
+            if self._closed and not already_appended(result):
+                raise LeaseExpired(f"writer {self.writer_id} was expired")
+            return new, result
 
         return transition
 

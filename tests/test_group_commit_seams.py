@@ -24,6 +24,7 @@ import pytest
 
 from persist_pipeline import (
     InlinePolicy,
+    LeaseExpired,
     PersistClient,
     PersistConfig,
     SchemaMismatch,
@@ -219,5 +220,106 @@ def test_one_group_of_a_stale_a_closed_a_lapsed_and_a_plain_append_answers_each_
     assert other.inspect(shards["closed"])["upper"] is None
     for name in ("stale", "closed"):
         assert _part_keys(other, shards[name]) == parts_before[name]
+    client.close()
+    other.close()
+
+
+@pytest.mark.parametrize("placement", list(POLICIES))
+def test_an_append_held_while_its_handle_is_expired_is_refused_and_changes_nothing(
+        durable_location: Location, placement: str):
+    """Another thread ``expire()``s the handle while its append waits in the funnel's
+    window: the append is refused with ``LeaseExpired``, as the same write through the
+    expired handle is when it starts, and changes nothing: the shard's upper and rows
+    stay, the writer is not registered again, and the parts it uploaded are deleted."""
+    policy = POLICIES[placement]
+    shard = str(ShardId.new())
+    handle: list[Any] = []
+
+    def expire_from_another_thread() -> None:
+        expirer = threading.Thread(target=handle[0].expire)
+        expirer.start()
+        expirer.join(timeout=60)
+        assert not expirer.is_alive()
+
+    client = _grouping_client(durable_location, policy, expire_from_another_thread)
+    other = durable_location.client(policy)
+    with other.open_writer(shard) as first:
+        first.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+    writer = client.open_writer(shard)
+    handle.append(writer)
+    before = other._machine(shard).fetch_latest()
+    parts_before = _part_keys(other, shard)
+    with pytest.raises(LeaseExpired):
+        writer.compare_and_append([(b"k", b"v" * 100, 1, 1)], 1, 2)
+    after = other._machine(shard).fetch_latest()
+    assert writer.writer_id not in after.writers, "the expired writer registered again"
+    assert after.upper == 1 and after.batches.keys() == before.batches.keys()
+    assert _part_keys(other, shard) == parts_before  # certainly refused: parts deleted
+    with pytest.raises(LeaseExpired):  # as the same write is once the handle is expired
+        writer.compare_and_append([(b"k", b"v" * 100, 1, 1)], 1, 2)
+    client.close()
+    other.close()
+
+
+@pytest.mark.parametrize("placement", list(POLICIES))
+def test_threads_racing_expire_against_queued_appends_never_bring_a_writer_back(
+        durable_location: Location, placement: str):
+    """Threads append through their own handles (their appends queue in the funnel
+    behind each other's groups) while another thread expires each handle at some point
+    of its run. Every append either commits before its handle's expiry or is refused
+    with ``LeaseExpired``; afterwards no expired writer is in any shard's state, and
+    each shard holds exactly the rows of the appends that were acknowledged."""
+    policy = POLICIES[placement]
+    client = durable_location.client(policy, PersistConfig(group_commit_window_s=0.002))
+    n, rounds = 4, 12
+    shards = [str(ShardId.new()) for _ in range(n)]
+    writers = [client.open_writer(s) for s in shards]
+    acked: list[list[int]] = [[] for _ in range(n)]
+    refused: list[int] = [0] * n
+    errors: list[BaseException] = []
+    started = threading.Barrier(n + 1)
+
+    def append(i: int) -> None:
+        started.wait()
+        for r in range(rounds):
+            try:
+                writers[i].compare_and_append([(b"r%d" % r, b"v" * 100, r, 1)], r, r + 1)
+            except LeaseExpired:
+                refused[i] += 1
+                return
+            except BaseException as e:  # asserted below
+                errors.append(e)
+                return
+            acked[i].append(r)
+
+    def expire_all() -> None:
+        started.wait()
+        for i, w in enumerate(writers):
+            # Each handle at another point of its run: after 0, 3, 6, ... appends of it.
+            while len(acked[i]) < min(3 * i, rounds) and not errors:
+                client.clock.sleep(0.0005)
+            w.expire()
+
+    threads = [threading.Thread(target=append, args=(i,)) for i in range(n)]
+    threads.append(threading.Thread(target=expire_all))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and errors == []
+    other = durable_location.client(policy)
+    for i, shard in enumerate(shards):
+        state = other._machine(shard).fetch_latest()
+        assert writers[i].writer_id not in state.writers, f"writer {i} registered again"
+        assert state.upper == len(acked[i])
+        assert acked[i] == list(range(len(acked[i])))
+        if state.upper:
+            reader = other.open_reader(shard)
+            try:
+                got = sorted(r["k"] for r in reader.snapshot(state.upper - 1).to_pylist())
+            finally:
+                reader.expire()
+            assert got == sorted(b"r%d" % r for r in acked[i])
+    assert sum(refused) + sum(len(a) == rounds for a in acked) == n
     client.close()
     other.close()
