@@ -37,7 +37,7 @@ from persist_pipeline.exceptions import (
 from persist_pipeline.frontier import Frontier, less_than
 from persist_pipeline.ids import ShardId, check_token, new_token
 from persist_pipeline.internal import history, transitions
-from persist_pipeline.internal.machine import RecordTaken, Step, apply_many
+from persist_pipeline.internal.machine import RecordTaken, Step, apply_many, create_all
 from persist_pipeline.names import name_record, refuse_new_generation_name, registry_key
 from persist_pipeline.updates import Updates
 from persist_pipeline.write import (
@@ -310,6 +310,10 @@ class Transaction:
                 (every shard or none has its batch). Uploaded parts are left for GC.
             InvalidInput: the transaction is empty or already finished.
             LeaseExpired: a writer handle given was expired since; no shard changed.
+
+        Shards added before they existed are created all together or none, after the
+        checks that may refuse the commit; one refused after that by its
+        compare-and-set leaves them empty and unnamed (docs/design.md, Transactions).
         """
         self._check_open()
         if not self._ops:
@@ -389,24 +393,76 @@ class Transaction:
             raise
 
     def _open_new_shards(self) -> None:
-        """Create each shard added before it existed, and open its writer: the commit's
-        first step, before any part is uploaded (so GC's orphan sweep of the shard finds
-        the parts of a commit that never lands).
+        """Create the shards added before they existed, and open their writers: the
+        commit's first step, before any part is uploaded (so GC's orphan sweep of the
+        shard finds the parts of a commit that never lands).
 
-        Its updates were taken as an untyped shard's. Another client may have created
-        the shard (given by id) and recorded a schema since: they are then checked
-        against that schema, as a writer opened on it checks them.
+        All or none of them: they are created together in one compare-and-set, and only
+        after what may refuse the transaction here was checked, so a refusal at this
+        step leaves no shard of it behind. A new name another client registered
+        meanwhile refuses the commit before anything is created (as the commit's own
+        compare-and-set would refuse it, after creating the shards). A shard given by
+        id that another client created meanwhile is opened as an existing one: its
+        updates, taken as an untyped shard's, are checked against the schema it records
+        (as a writer opened on it checks them); when another client creates one between
+        that check and the creation, the creation lands nowhere and the shards are
+        checked again.
 
         Raises:
-            SchemaMismatch: the shard was typed meanwhile and the updates are not rows
-                of its schema; no shard changed.
+            SchemaMismatch: a shard was typed meanwhile and the updates are not rows of
+                its schema; no shard of the transaction was created or changed.
+            UpperMismatch: another client registered one of the new names meanwhile
+                (``.shard`` is the name); no shard was created.
+        """
+        client = self._client
+        while True:
+            pending = [shard_id for shard_id, op in self._ops.items() if op.writer is None]
+            if not pending:
+                return
+            for name in self._new_names:
+                if client.name_registry.lookup(name) is not None:
+                    raise self._name_taken(registry_key(name))
+            absent: list[str] = []
+            for shard_id in pending:
+                if client.consensus.head(shard_id) is None:
+                    absent.append(shard_id)
+                else:
+                    self._open_new(shard_id)  # created by another client meanwhile
+            if absent:
+                self._refuse_stale_uppers()
+            if absent and not create_all([client._machine(s) for s in absent]):
+                continue  # another client created one of them first: check it as such
+            for shard_id in absent:
+                self._open_new(shard_id)
+
+    def _refuse_stale_uppers(self) -> None:
+        """Refuse the commit before its new shards are created when one of its
+        ``compare_and_append``s to an existing shard certainly will be: the shard's upper
+        (read from consensus now) is already past the one expected, and uppers never go
+        back. Not an ``append`` (cut, or left out), a replacement (planned again) or a
+        retry with the caller's token (settled by its batch's history): the commit
+        decides those.
+
+        Raises:
+            UpperMismatch: as the commit would raise it (``.shard`` names the shard).
         """
         for shard_id, op in self._ops.items():
-            if op.writer is None:
-                handle = self._client.open_writer(shard_id, debug="transaction")
-                self._opened.append(handle)
-                op.data = handle._coerce(op.data)
-                op.writer = handle
+            if op.writer is None or op.lower is not None or op.contents is not None \
+                    or op.given_token:
+                continue
+            current = op.writer._machine.fetch_latest().upper
+            if less_than(op.expected, current):
+                op.writer._upper = current
+                raise UpperMismatch(op.expected, current, shard=shard_id)
+
+    def _open_new(self, shard_id: str) -> None:
+        """Open the writer of an append added before its shard existed, which exists
+        now; its untyped updates are checked against the schema the shard records."""
+        op = self._ops[shard_id]
+        handle = self._client.open_writer(shard_id, debug="transaction")
+        self._opened.append(handle)
+        op.data = handle._coerce(op.data)
+        op.writer = handle
 
     def _name_taken(self, key: str) -> UpperMismatch:
         """The refusal of a commit that another client's registration of one of its new

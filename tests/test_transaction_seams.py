@@ -9,7 +9,11 @@ fresh keys), so they are deleted at once, as a refused write's are, rather than 
 the store until GC's orphan sweep. The parts of the attempt that landed are kept.
 
 A commit refused before it starts (an expired handle) creates no shard; one paused past
-the orphan age while GC sweeps one of its shards lands in none.
+the orphan age while GC sweeps one of its shards lands in none. A commit's new shards
+are created all together or none, after the checks that may refuse it (another client
+typing one, registering one of its names, or an upper already moved past), also when
+the creation's reply is lost; one refused after creating them leaves them empty and
+unnamed.
 """
 
 from __future__ import annotations
@@ -17,12 +21,22 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pyarrow as pa
 import pytest
 
-from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
+from persist_pipeline import (
+    InlinePolicy,
+    PersistClient,
+    PersistConfig,
+    SchemaMismatch,
+    ShardId,
+    ShardSchema,
+    UpperMismatch,
+)
 from persist_pipeline.consensus import open_consensus
 from persist_pipeline.consensus.base import CasWrite, Consensus
-from persist_pipeline.exceptions import CommitDeadlineExceeded, LeaseExpired
+from persist_pipeline.exceptions import CommitDeadlineExceeded, ConsensusUnavailable, LeaseExpired
+from persist_pipeline.names import registry_key
 from tests.fixtures.location import Location
 from tests.helpers import ForwardingConsensus, HandClock, client_on_clock, rows
 from tests.test_regressions_lost_replies import Clients
@@ -236,3 +250,183 @@ def test_a_lost_reply_settled_from_history_keeps_the_parts_that_landed(
             assert _referenced(reader, shard) <= _part_keys(reader)
     finally:
         clients.close()
+
+
+class _BeforeCreating(ForwardingConsensus):
+    """Runs a hook once, right before the first compare-and-set (single or multi-shard)
+    that would create the record of ``key``: a transaction paused between adding its
+    appends to new shards and creating them."""
+
+    def __init__(self, inner: Consensus) -> None:
+        super().__init__(inner)
+        self.key = ""
+        self._hook: Callable[[], None] | None = None
+
+    def arm(self, key: str, hook: Callable[[], None]) -> None:
+        self.key, self._hook = key, hook
+
+    def _before(self, writes: Sequence[CasWrite]) -> None:
+        if self._hook is not None and any(
+                w.shard == self.key and w.expected is None for w in writes):
+            hook, self._hook = self._hook, None
+            hook()
+
+    def compare_and_set(self, shard: str, expected: int | None, new: Any) -> bool:
+        self._before([CasWrite(shard, expected, new)])
+        return self.inner.compare_and_set(shard, expected, new)
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        self._before(writes)
+        return self.inner.compare_and_set_many(writes)
+
+
+TYPED = ShardSchema(pa.schema([("id", pa.int64())]), pa.schema([]))
+
+
+def _two_new_shards(location: Location) -> tuple[PersistClient, PersistClient,
+                                                  _BeforeCreating]:
+    """A client whose consensus runs a hook before it creates a shard, and another."""
+    hooked = _BeforeCreating(open_consensus(location.consensus_uri))
+    client = client_on_clock(location, HandClock(), BLOB, consensus=hooked)
+    return client, location.client(BLOB), hooked
+
+
+@pytest.mark.parametrize("when", ["before-commit", "mid-commit"])
+def test_a_transaction_to_two_new_ids_refused_for_the_second_creates_neither(
+        location: Location, when: str) -> None:
+    """Appends to two shard ids no shard has yet; another client creates and types the
+    second (after the appends were added, or while the commit is about to create the
+    shards). The untyped append to it is refused (``SchemaMismatch``) and the first
+    shard is not created either: all or nothing, also for which shards exist."""
+    client, other, hooked = _two_new_shards(location)
+    first, second = str(ShardId.new()), str(ShardId.new())
+    txn = client.transaction()
+    txn.compare_and_append(first, [(b"k", b"v", 0, 1)], 0, 1)
+    txn.compare_and_append(second, [(b"k", b"v", 0, 1)], 0, 1)
+
+    def type_second() -> None:
+        other.open_writer(second, schema=TYPED).expire()
+
+    if when == "before-commit":
+        type_second()
+    else:
+        hooked.arm(first, type_second)
+    before = _part_keys(other)
+    with pytest.raises(SchemaMismatch):
+        txn.commit()
+    assert other.list_shards() == [second], "the refused transaction created a shard"
+    assert other.schema(second) == TYPED and other.inspect(second)["upper"] == 0
+    assert _part_keys(other) == before
+    client.close()
+    other.close()
+
+
+def test_a_transaction_to_two_new_names_refused_for_the_second_creates_neither(
+        location: Location) -> None:
+    """Appends to two names no shard has yet; another client registers the second
+    before the commit. The commit is refused (``UpperMismatch`` naming it) before it
+    creates any shard: no shard of the transaction, and no name of it, is left."""
+    client, other, _ = _two_new_shards(location)
+    txn = client.transaction()
+    txn.compare_and_append("orders/a", [(b"k", b"v", 0, 1)], 0, 1)
+    txn.compare_and_append("orders/b", [(b"k", b"v", 0, 1)], 0, 1)
+    theirs = other.resolve("orders/b", create=True)
+    with pytest.raises(UpperMismatch) as refused:
+        txn.commit()
+    assert refused.value.shard == "orders/b"
+    assert other.shard_names() == {"orders/b": theirs}
+    assert set(other.list_shards()) <= {str(theirs)}
+    client.close()
+    other.close()
+
+
+def test_new_shards_left_by_a_commit_refused_after_creating_them_are_empty_and_unnamed(
+        location: Location) -> None:
+    """What may remain (see docs/design.md, Transactions): a commit refused by its own
+    compare-and-set after it created its new shards (here: another client registers
+    one of its names just before that compare-and-set) leaves each of them empty
+    (upper 0, no updates, no schema) and unnamed; its parts are deleted."""
+    client, other, hooked = _two_new_shards(location)
+    fresh = str(ShardId.new())
+    txn = client.transaction()
+    txn.compare_and_append(fresh, [(b"k", b"v", 0, 1)], 0, 1)
+    txn.compare_and_append("orders/c", [(b"k", b"v", 0, 1)], 0, 1)
+    ours = txn._new_names["orders/c"]
+    hooked.arm(registry_key("orders/c"), lambda: other.resolve("orders/c", create=True))
+    before = _part_keys(other)
+    with pytest.raises(UpperMismatch) as refused:
+        txn.commit()
+    assert refused.value.shard == "orders/c"
+    theirs = str(other.resolve("orders/c"))
+    assert theirs != ours and other.shard_names() == {"orders/c": ShardId.parse(theirs)}
+    left = set(other.list_shards()) - {theirs}
+    assert left == {fresh, ours}
+    for shard in left:
+        state = other._machine(shard).fetch_latest()
+        assert state.upper == 0 and not state.batches and not state.schema
+    assert _part_keys(other) == before
+    client.close()
+    other.close()
+
+
+class _LoseCreationReply(ForwardingConsensus):
+    """Loses the reply of the first multi-shard compare-and-set that creates records:
+    after it ran (``landed``) or instead of running it."""
+
+    def __init__(self, inner: Consensus, landed: bool) -> None:
+        super().__init__(inner)
+        self.landed = landed
+        self.lost = 0
+
+    def compare_and_set_many(self, writes: Sequence[CasWrite]) -> bool:
+        if self.lost or not all(w.expected is None for w in writes):
+            return self.inner.compare_and_set_many(writes)
+        self.lost += 1
+        if self.landed:
+            self.inner.compare_and_set_many(writes)
+        raise ConsensusUnavailable("the reply was lost")
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+def test_a_lost_reply_creating_two_new_shards_is_settled_and_the_commit_lands_once(
+        location: Location, landed: bool) -> None:
+    """The one compare-and-set creating a transaction's two new shards loses its reply,
+    having created both or neither: the commit settles it by the shards' records (sent
+    again when neither exists) and lands once in both."""
+    lossy = _LoseCreationReply(open_consensus(location.consensus_uri), landed)
+    client = client_on_clock(location, HandClock(), BLOB, consensus=lossy)
+    first, second = str(ShardId.new()), str(ShardId.new())
+    with client.transaction() as txn:
+        txn.compare_and_append(first, [(b"a", b"1", 0, 1)], 0, 1)
+        txn.compare_and_append(second, [(b"b", b"2", 0, 1)], 0, 1)
+    assert lossy.lost == 1
+    other = location.client(BLOB)
+    assert sorted(other.list_shards()) == sorted([first, second])
+    assert _rows(other, first) == [(b"a", b"1", 1)]
+    assert _rows(other, second) == [(b"b", b"2", 1)]
+    other.close()
+    client.close()
+
+
+@pytest.mark.parametrize("new", ["id", "name"])
+def test_a_commit_certain_to_be_refused_for_a_stale_upper_creates_no_shard(
+        location: Location, new: str) -> None:
+    """A transaction appending to a new shard (id or name) and, at an upper that has
+    moved past, to an existing one: refused (``UpperMismatch`` naming the existing
+    shard) before the new shard is created, since uppers never go back; nothing is
+    left, and the existing shard is as it was."""
+    client = location.client(BLOB)
+    existing = ShardId.new()
+    with client.open_writer(existing) as w:
+        w.compare_and_append([(b"x", b"", 0, 1)], 0, 1)
+    fresh = str(ShardId.new())
+    with pytest.raises(UpperMismatch) as refused, client.transaction() as txn:
+        txn.compare_and_append(fresh if new == "id" else "orders/stale",
+                               [(b"k", b"v", 0, 1)], 0, 1)
+        txn.compare_and_append(existing, [(b"k", b"v", 0, 1)], 0, 1)
+    assert refused.value.shard == str(existing) and refused.value.current == 1
+    other = location.client()
+    assert other.list_shards() == [str(existing)] and other.shard_names() == {}
+    assert _rows(other, existing) == [(b"x", b"", 1)]
+    other.close()
+    client.close()

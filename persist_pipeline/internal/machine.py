@@ -209,7 +209,8 @@ class Machine:
         raise CorruptState(f"shard {self.shard_id}: could not read a consistent state "
                            f"after {_FETCH_ATTEMPTS} attempts (records truncated meanwhile)")
 
-    def _create(self) -> None:
+    def first_record(self) -> VersionedData:
+        """The record that creates this shard (seqno 1, written expecting no record)."""
         empty = State(shard_id=self.shard_id)
         # The creator's inline max becomes the shard's: every process then inlines only
         # up to it (and its own), whatever each one is configured with. A creator with
@@ -219,8 +220,11 @@ class Machine:
         first = transitions.create(empty, self.now_ms(), self.orphan_min_age_ms,
                                    policy.max_bytes if policy.threshold_bytes else None)
         first = replace(first, seqno=1)
-        data = VersionedData(1, state_codec.encode_diff(empty, first),
+        return VersionedData(1, state_codec.encode_diff(empty, first),
                              state_codec.encode_summary(first))
+
+    def _create(self) -> None:
+        data = self.first_record()
         backoff = self._backoff()
         while True:
             try:
@@ -423,6 +427,44 @@ def apply_many(steps: Sequence[Step[R]], *, routine: bool = True,
     finally:
         for lock in reversed(taken):
             lock.__exit__(None, None, None)
+
+
+def create_all(machines: Sequence[Machine]) -> bool:
+    """Create the shards of ``machines`` (distinct, of one consensus) in ONE
+    compare-and-set, each record expecting none: all of them or none.
+
+    Returns True once every one of them exists (this call's statement landed, or, after
+    a lost reply, every one has a record: this call's or other creators'), False when
+    none was created by this call because another creator got to one first: the caller
+    looks at what exists now and decides again.
+
+    Raises:
+        Indeterminate: consensus stayed unavailable past the retry deadline.
+    """
+    lead = machines[0]
+    writes = [CasWrite(m.shard_id, None, m.first_record()) for m in machines]
+    consensus = lead.consensus
+    backoff: Backoff | None = None
+    while True:
+        try:
+            if len(writes) == 1:
+                only = writes[0]
+                return consensus.compare_and_set(only.shard, None, only.new)
+            return consensus.compare_and_set_many(writes)
+        except Unavailable as e:
+            if backoff is None:
+                backoff = lead._backoff()
+            backoff.wait(e)
+        # A lost reply: the statement created every record or none. Once one exists and
+        # another does not, it cannot land any more (it expected none of them); once all
+        # exist, they are created, by it or by others (the caller checks each shard's
+        # state as it opens it); while none does, it is sent again (identical records:
+        # whichever statement lands first, the other inserts nothing).
+        present = sum(consensus.head(w.shard) is not None for w in writes)
+        if present == len(writes):
+            return True
+        if present:
+            return False
 
 
 def _shard_of(step: Step[Any]) -> str:
