@@ -173,6 +173,10 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # (its record truncated) finds the write's own batch, whose parts it then deletes
     # (4; 24 of the default rotation)
     "retry_drops_every_part": (r"deleted blob .* references|PartMissing", 20, "clocks"),
+    # an append whose handle another thread expires while it is on its way (in the
+    # group-commit funnel, uploading) commits, registering the expired writer again (0)
+    "expired_handle_commits": (r"expired by another thread, is registered again", 20,
+                               "transactions"),
 }
 
 #: The first seed that caught each of the costlier controls when last measured: the test

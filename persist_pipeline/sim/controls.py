@@ -619,6 +619,33 @@ def retry_drops_every_part() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def expired_handle_commits() -> Iterator[None]:
+    """An append whose handle is expired while it is on its way (waiting in the
+    group-commit funnel, uploading, re-run after a lost race) is not asked again: it
+    commits, and registers the expired writer again."""
+    def unchecked(self: write.WriteHandle, staged: write.Staged) -> Any:
+        machine_ = self._machine
+        policy = self.policy
+        lease = self._lease_ms()
+
+        def transition(state: Any) -> Any:
+            return transitions.compare_and_append(
+                state, staged.batch, writer_id=self.writer_id, token=staged.token,
+                expected_upper=staged.expected, new_upper=staged.upper,
+                now_ms=machine_.now_ms(), lease_ms=lease, inline_max_bytes=policy.max_bytes,
+                fell_back=staged.fell_back, records_inline_max=policy.threshold_bytes > 0,
+                commit_deadline=None if staged.upload_started_s is None
+                else machine_.commit_deadline(staged.upload_started_s),
+                encoded_with=staged.encoding.recorded, record=staged.encoding.record,
+                exact=staged.encoding.exact)
+
+        return transition
+
+    with _patched(write.WriteHandle, "_transition", unchecked):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -663,4 +690,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "names_registered_before_commit": names_registered_before_commit,
     "blobs_without_checksums": blobs_without_checksums,
     "retry_drops_every_part": retry_drops_every_part,
+    "expired_handle_commits": expired_handle_commits,
 }

@@ -273,6 +273,8 @@ class SimRun:
         # Drawn apart from the seed's other choices, which stay as they were.
         self._age_rng = random.Random(seed + 0x5EED_A6E)
         self._inline_rng = random.Random(seed + 0x1_11E)
+        #: Whether a grouped append races an expiry of its handle (drawn apart too).
+        self.expiry_rng = random.Random(seed + 0xE_C91E)
 
     # --- for the actors ------------------------------------------------------------------
 

@@ -17,7 +17,9 @@ is reported committed, neither refused nor written twice.
 Grouped writers are processes of several threads sharing one client, each appending to
 its own shard (or one of the pair) at once, so their appends meet in the client's
 group-commit funnel; each append's outcome is checked alike: acknowledged, present;
-refused, absent.
+refused, absent. Now and then another thread expires a grouped writer's handle while
+its append is on its way: once both are done, the expired writer must not be in the
+shard's state (the append never registers it again).
 """
 
 from __future__ import annotations
@@ -396,9 +398,13 @@ def check_grouped(run: SimRun, client: PersistClient, where: str) -> None:
             run.violation(f"{where}: refused grouped append {entry.key!r} was written")
 
 
-def _grouped_loop(run: SimRun, client: PersistClient, shard: str) -> None:
+def _grouped_loop(run: SimRun, proc: Process, client: PersistClient, shard: str) -> None:
     """One thread of a grouped writer: appends to ``shard`` at its upper (sometimes a
-    stale one), recording what it is told."""
+    stale one), recording what it is told. Now and then another thread of its process
+    expires the handle while the append is on its way (waiting in the funnel, uploading,
+    re-run after a lost race): the append then commits before the expiry or is refused
+    with ``LeaseExpired``, and once both are done the expired writer is not in the
+    shard's state (never registered again by the append)."""
     ledger: TxnLedger = run.txns
     writer = run.retry_open(functools.partial(client.open_writer, shard))
     if writer is None:
@@ -412,6 +418,12 @@ def _grouped_loop(run: SimRun, client: PersistClient, shard: str) -> None:
         entry = Txn(GROUPED_PREFIX + b"%d" % ledger.count)
         ledger.singles.append((shard, entry))
         value = b"w" * (6000 if run.rng.random() < 0.2 else 3)
+        racing: list[bool] | None = None
+        expired = False
+        if run.expiry_rng.random() < EXPIRY_RACES:
+            racing = []
+            run.spawn(f"{proc.name}-expire{ledger.count}", proc,
+                      functools.partial(_expire_racing, run, client, writer, racing))
         try:
             writer.compare_and_append([(entry.key, value, upper, 1)], upper, upper + 1)
             entry.status = "acked"
@@ -420,14 +432,49 @@ def _grouped_loop(run: SimRun, client: PersistClient, shard: str) -> None:
         except Indeterminate:
             entry.status = "unknown"
         except LeaseExpired:
-            entry.status = "failed"
-            writer = run.retry_open(functools.partial(client.open_writer, shard))
-            if writer is None:
-                return
+            entry.status, expired = "failed", True
         except PersistError as e:
             entry.status = "unknown"
             run.violation(f"grouped writer: unexpected {type(e).__name__}: {e}")
         run.ops += 1
+        if racing is not None:
+            racing.append(True)
+            _check_expired(run, client, writer, racing)
+        if racing is not None or expired:
+            writer = run.retry_open(functools.partial(client.open_writer, shard))
+            if writer is None:
+                return
+
+
+#: How often a grouped append races an expiry of its handle by another thread.
+EXPIRY_RACES = 0.05
+
+
+def _expire_racing(run: SimRun, client: PersistClient, writer: WriteHandle,
+                   racing: list[bool]) -> None:
+    """Another thread's ``expire()`` of a handle whose append is on its way."""
+    try:
+        writer.expire()
+    except (Indeterminate, ShardNotFound):
+        racing.append(False)  # not known to be expired: its entry lapses with its lease
+    else:
+        racing.append(True)
+    _check_expired(run, client, writer, racing)
+
+
+def _check_expired(run: SimRun, client: PersistClient, writer: WriteHandle,
+                   racing: list[bool]) -> None:
+    """Once both the append and the expiry that raced it are done (``racing`` holds two
+    answers, all True when the expiry committed): the writer is not in the state."""
+    if len(racing) < 2 or not all(racing):
+        return
+    try:
+        state = client._machine(writer.shard_id).fetch_latest()
+    except (Indeterminate, ShardNotFound):
+        return  # a store fault: nothing to check this time
+    if writer.writer_id in state.writers:
+        run.violation(f"grouped writer: writer {writer.writer_id} of shard "
+                      f"{writer.shard_id}, expired by another thread, is registered again")
 
 
 def grouped_writer(run: SimRun, proc: Process) -> None:
@@ -441,8 +488,8 @@ def grouped_writer(run: SimRun, proc: Process) -> None:
     own = str(ShardId.new())
     for i, shard in enumerate((ledger.pair[1], own, own)):
         run.spawn(f"{proc.name}-g{i}", proc,
-                  functools.partial(_grouped_loop, run, client, shard))
-    _grouped_loop(run, client, ledger.pair[0])
+                  functools.partial(_grouped_loop, run, proc, client, shard))
+    _grouped_loop(run, proc, client, ledger.pair[0])
 
 
 def transactor(run: SimRun, proc: Process) -> None:
