@@ -32,9 +32,12 @@ from persist_pipeline import (
     ShardSchema,
     UpperMismatch,
 )
+from persist_pipeline.consensus import open_consensus
+from persist_pipeline.consensus.base import Consensus
+from persist_pipeline.exceptions import ConsensusUnavailable, Indeterminate
 from persist_pipeline.write import WriteResult
 from tests.fixtures.location import Location
-from tests.helpers import HandClock, client_on_clock
+from tests.helpers import ForwardingConsensus, HandClock, client_on_clock
 
 V1 = ShardSchema({"id": pa.int64()}, {"a": pa.string()})
 V2 = ShardSchema({"id": pa.int64()}, {"a": pa.string(), "b": pa.int32()})
@@ -321,5 +324,68 @@ def test_threads_racing_expire_against_queued_appends_never_bring_a_writer_back(
                 reader.expire()
             assert got == sorted(b"r%d" % r for r in acked[i])
     assert sum(refused) + sum(len(a) == rounds for a in acked) == n
+    client.close()
+    other.close()
+
+
+class _LoseAppendReply(ForwardingConsensus):
+    """Loses the reply of the next compare-and-set once armed (after it ran when
+    ``landed``, instead of running it otherwise), running a hook first."""
+
+    def __init__(self, inner: Consensus, landed: bool) -> None:
+        super().__init__(inner)
+        self.landed = landed
+        self.hook: Callable[[], None] | None = None
+
+    def compare_and_set(self, shard: str, expected: int | None, new: Any) -> bool:
+        hook, self.hook = self.hook, None
+        if hook is None:
+            return self.inner.compare_and_set(shard, expected, new)
+        if self.landed:
+            assert self.inner.compare_and_set(shard, expected, new)
+        hook()
+        raise ConsensusUnavailable("the reply was lost")
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+def test_an_append_whose_reply_is_lost_while_its_handle_is_expired(
+        durable_location: Location, landed: bool):
+    """An append's compare-and-set loses its reply, and another thread expires the
+    handle before the commit loop settles it. One that landed is reported committed
+    (its rows there); one that did not is never re-run into a commit through the
+    expired handle: the outcome is unknown (``Indeterminate``, nothing at its seqno
+    yet) and nothing is written. Either way, once the expiry commits, the writer is not
+    in the state."""
+    lossy = _LoseAppendReply(open_consensus(durable_location.consensus_uri), landed)
+    client = client_on_clock(durable_location, HandClock(), POLICIES["inline"],
+                             consensus=lossy)
+    shard = str(ShardId.new())
+    writer = client.open_writer(shard)
+    expirer = threading.Thread(target=writer.expire)
+
+    def expire_while_unsettled() -> None:
+        expirer.start()  # closes the handle at once, then waits for the commit loop
+        while not writer._closed:
+            threading.Event().wait(0.001)
+
+    lossy.hook = expire_while_unsettled
+    if landed:
+        result = writer.compare_and_append([(b"k", b"v", 0, 1)], 0, 1)
+        assert result.upper == 1
+    else:
+        with pytest.raises(Indeterminate):
+            writer.compare_and_append([(b"k", b"v", 0, 1)], 0, 1)
+    expirer.join(timeout=60)
+    assert not expirer.is_alive()
+    other = durable_location.client()
+    state = other._machine(shard).fetch_latest()
+    assert writer.writer_id not in state.writers
+    assert state.upper == (1 if landed else 0)
+    if landed:
+        reader = other.open_reader(shard)
+        try:
+            assert [(r["k"], r["d"]) for r in reader.snapshot(0).to_pylist()] == [(b"k", 1)]
+        finally:
+            reader.expire()
     client.close()
     other.close()
