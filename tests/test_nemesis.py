@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 def test_short_nemesis_on_postgres_and_s3(pg_restartable, s3_uri, tmp_path):
     cluster = pg_restartable
     report = runner.run(runner.NemesisOptions(
-        consensus_uri=cluster.server.url("postgres"), blob_uri=s3_uri, seconds=25, writers=3,
+        consensus_uri=cluster.server.url("postgres"), blob_uri=s3_uri, seconds=15, writers=3,
         readers=2, seed=11, fault_rate=0.02, pg_restart=" ".join(cluster.restart_command()),
         workdir=str(tmp_path / "nemesis")), out=print)
     assert report.check.violations == []
@@ -42,7 +42,7 @@ def test_short_nemesis_on_postgres_and_s3(pg_restartable, s3_uri, tmp_path):
 def test_short_nemesis_on_the_embedded_default_with_a_wal_store(tmp_path):
     report = runner.run(runner.NemesisOptions(
         consensus_uri=f"sqlite:///{tmp_path / 'c.db'}", blob_uri=f"file://{tmp_path / 'b'}",
-        wal_blob_uri=f"file://{tmp_path / 'wal'}", seconds=15, writers=2, readers=1, seed=3,
+        wal_blob_uri=f"file://{tmp_path / 'wal'}", seconds=10, writers=2, readers=1, seed=3,
         workdir=str(tmp_path / "nemesis")), out=print)
     assert report.check.violations == []
     assert report.kills > 0 and report.check.acked > 0
