@@ -338,24 +338,3 @@ def test_spark_splits_a_large_merge_by_key_range_and_commits_it_once(
     assert reader.snapshot_fingerprint(4) == before
     reader.expire()
     client.close()
-
-
-def test_the_spark_drivers_own_output_goes_to_its_log_file(tmp_path: Path) -> None:
-    """The resource's driver JVM writes its start-up notices and log4j lines to the log
-    file, not among the run's messages."""
-    import os
-    import subprocess
-    import sys
-
-    log = tmp_path / "spark-driver.log"
-    script = ("from resources.spark import build_pyspark_resource\n"
-              "r = build_pyspark_resource('local[1]')\n"
-              "print(r.spark_session.range(3).count())\n"
-              "r.spark_session.stop()\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300, check=False, cwd=Path(__file__).resolve().parents[1],
-                         env={**os.environ, "PERSIST_SPARK_LOG": str(log)})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "3"
-    assert "log4j" in log.read_text()
-    assert "log4j" not in out.stderr and "WARN" not in out.stderr, out.stderr[-2000:]

@@ -247,7 +247,8 @@ def dagster_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagsterUI]:
     assert "inline_pressure_sensor fired" in demo.stdout, demo.stdout[-3000:]
     # The Spark driver JVM's own output went to its log file, not to the terminal.
     assert JVM_NOTICE not in demo.stdout + demo.stderr, demo.stderr[-3000:]
-    assert (home / "spark" / "spark-driver.log").stat().st_size > 0
+    assert "log4j" not in demo.stdout + demo.stderr, demo.stderr[-3000:]
+    assert "log4j" in (home / "spark" / "spark-driver.log").read_text()
     facts = _facts(home, env)
 
     port = _free_port()
