@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from persist_pipeline.frontier import Frontier, less_equal
 from persist_pipeline.internal.records import quick_init
@@ -253,6 +253,23 @@ class Rollup:
     crc32: int | None = None
 
 
+class Appended(NamedTuple):
+    """What :meth:`State.note_appended` records: the maps of the state before the
+    append (``before_*``), this state's, and the change. A tuple, made once per append."""
+
+    before_batches: Mapping[str, Batch]
+    before_spine: Mapping[int, SpineEntry]
+    before_writers: Mapping[str, Writer]
+    batches: Mapping[str, Batch]
+    spine: Mapping[int, SpineEntry]
+    writers: Mapping[str, Writer]
+    batch_id: str | None
+    writer_id: str
+    #: The Spine entry the batch made (or fused into) and the lowers of the entries it
+    #: absorbed besides the one at the entry's own lower, in no particular order.
+    spine_change: tuple[SpineEntry, tuple[int, ...]] | None
+
+
 @dataclass(frozen=True)
 class State:
     """One shard's state at one seqno.
@@ -330,10 +347,36 @@ class State:
 
     @property
     def batch_added(self) -> tuple[Mapping[str, Batch], Mapping[str, Batch], str] | None:
-        """What :meth:`note_batch_added` recorded."""
+        """What :meth:`note_batch_added` recorded (or :meth:`note_appended`, of an
+        append that added a batch)."""
         added: tuple[Mapping[str, Batch], Mapping[str, Batch], str] | None = \
             self.__dict__.get("_batch_added")
+        if added is None:
+            appended = self.appended
+            if appended is not None and appended.batch_id is not None:
+                return appended.before_batches, appended.batches, appended.batch_id
         return added
+
+    def note_appended(self, before: State, batch_id: str | None, writer_id: str,
+                      spine_change: tuple[SpineEntry, tuple[int, ...]] | None) -> None:
+        """Record that this state is ``before`` after an append, changed only in its
+        scalars, its writer ``writer_id`` (replaced) and, when ``batch_id`` is given, that
+        batch added and ``spine_change`` (the entry upserted, the lowers removed) made to
+        the Spine, so that the diff codec writes the append's record straight from these
+        (see :func:`~persist_pipeline.internal.state_codec.encode_diff`). The maps are
+        recorded, not ``before`` itself (states would otherwise hold every state before
+        them); the record is read only while it names both states' maps. Not a field,
+        as :meth:`note_batch_added`."""
+        # tuple.__new__ directly: the named tuple's own __new__ is a Python call.
+        object.__setattr__(self, "_appended", _new_tuple(Appended, (
+            before.batches, before.spine, before.writers, self.batches, self.spine,
+            self.writers, batch_id, writer_id, spine_change)))
+
+    @property
+    def appended(self) -> Appended | None:
+        """What :meth:`note_appended` recorded."""
+        appended: Appended | None = self.__dict__.get("_appended")
+        return appended
 
     @cached_property
     def ordered_batches(self) -> tuple[Batch, ...]:
@@ -382,6 +425,8 @@ class State:
             keys.update((p.store, p.key) for p in batch.hollow_parts())
         return keys
 
+
+_new_tuple = tuple.__new__
 
 #: The fields of a :class:`State`, and its cached properties (which
 #: :meth:`State.evolve` leaves behind).

@@ -58,24 +58,29 @@ def _level_for(num_updates: int) -> int:
 
 def push_batch(
     spine: dict[int, SpineEntry], batch: Batch
-) -> None:
+) -> tuple[SpineEntry, tuple[int, ...]] | None:
     """Add a new (latest, non-empty) batch to ``spine`` in place, fusing levels.
 
     The new entry fuses with its predecessor while its level is at least the
     predecessor's, one level up each time; the fused entry is computed as it goes and
     made once, at the key of the oldest entry it absorbed (where each step of the
-    fusion would have left it), rather than one entry per step."""
+    fusion would have left it), rather than one entry per step.
+
+    Returns the change: the entry made and the keys removed (those of absorbed entries
+    other than the one at the entry's key); None when the batch was fused step by step
+    (a batch not past the newest entry), whose change the caller does not learn."""
     desc = batch.desc
     lower = desc.lower
     level = max(0, batch.num_updates.bit_length() - 1)  # _level_for
     num_batches, num_inline, num_wal = 1, batch.num_inline_parts, batch.num_wal_parts
+    removed: tuple[int, ...] = ()
     if spine:
         lowers = sorted(spine)
         if lowers[-1] >= lower:
             # Never the case for a new latest batch (its lower is past every entry's):
             # fused step by step, as the newest entry then is.
             _push_stepwise(spine, batch)
-            return
+            return None
         n = len(lowers)
         while n:
             n -= 1
@@ -84,12 +89,15 @@ def push_batch(
                 break
             if lower != desc.lower:
                 del spine[lower]  # absorbed by an earlier step: its key goes too
+                removed += (lower,)
             lower = prev.lower
             level += 1
             num_batches += prev.num_batches
             num_inline += prev.num_inline_parts
             num_wal += prev.num_wal_parts
-    spine[lower] = SpineEntry(lower, desc.upper, level, num_batches, num_inline, num_wal)
+    entry = spine[lower] = SpineEntry(lower, desc.upper, level, num_batches, num_inline,
+                                      num_wal)
+    return entry, removed
 
 
 def _push_stepwise(spine: dict[int, SpineEntry], batch: Batch) -> None:

@@ -283,17 +283,22 @@ def compare_and_append(
         batches = dict(state.batches)
         batches[batch.id] = batch
         spine = dict(state.spine)
-        push_batch(spine, batch)
+        spine_change = push_batch(spine, batch)
         # The seqno its commit carries (the machine's bump then copies nothing).
         new = base.evolve(upper=new_upper, writers=writers, walltime_ms=now_ms,
                           inline_fallbacks=fallbacks, batches=batches, spine=spine,
                           inline_bytes=state.inline_bytes + inline,
                           inline_max_bytes=recorded, seqno=state.seqno + 1)
-        new.note_batch_added(state.batches, batches, batch.id)
+        if spine_change is None:
+            new.note_batch_added(state.batches, batches, batch.id)
+        else:
+            new.note_appended(state, batch.id, writer_id, spine_change)
         return new, APPENDED
-    return base.evolve(upper=new_upper, writers=writers, walltime_ms=now_ms,
-                       inline_fallbacks=fallbacks, inline_max_bytes=recorded,
-                       seqno=state.seqno + 1), APPENDED
+    new = base.evolve(upper=new_upper, writers=writers, walltime_ms=now_ms,
+                      inline_fallbacks=fallbacks, inline_max_bytes=recorded,
+                      seqno=state.seqno + 1)
+    new.note_appended(state, None, writer_id, None)
+    return new, APPENDED
 
 
 def record_schema(state: State, requested: ShardSchema, now_ms: int
