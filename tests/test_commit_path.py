@@ -5,9 +5,11 @@ against the general path it stands in for."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import os
+import pickle
 import random
 import uuid
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from persist_pipeline.consensus._sql_statements import Rendered
 from persist_pipeline.exceptions import InvalidInput, InvalidUpdates, UpperMismatch
 from persist_pipeline.ids import new_token, seeded_ids
 from persist_pipeline.internal import state_codec, transitions
-from persist_pipeline.internal.records import quick_init
+from persist_pipeline.internal.records import TWIN_MIN_FIELDS, quick_init
 from persist_pipeline.internal.state import (
     Batch,
     Description,
@@ -202,6 +204,45 @@ def test_quick_init_keeps_signature_defaults_and_immutability(cls: type[Any]) ->
         setattr(made, fields[0].name, 1)
     with pytest.raises(TypeError):
         cls()
+
+
+@pytest.mark.parametrize("cls", [Description, InlinePart, Batch, SpineEntry, Writer,
+                                 Staged, WriteResult, VersionedData, CasWrite])
+def test_quick_init_instances_copy_pickle_and_replace_as_dataclasses(cls: type[Any]) -> None:
+    # Classes of many fields are built through a slotted twin (a __new__, no __init__):
+    # copies, pickles and replace() still rebuild them whole, equal to the original.
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    made = cls(**{f.name: (f.name, n) for n, f in enumerate(fields)})
+    assert type(made) is cls
+    built_through_twin = len(dataclasses.fields(cls)) >= TWIN_MIN_FIELDS
+    assert ("__new__" in vars(cls)) == built_through_twin
+    for again in (copy.copy(made), copy.deepcopy(made), pickle.loads(pickle.dumps(made)),
+                  dataclasses.replace(made)):
+        assert type(again) is cls and again == made and hash(again) == hash(made)
+    changed = dataclasses.replace(made, **{fields[-1].name: "changed"})
+    assert getattr(changed, fields[-1].name) == "changed"
+    assert all(getattr(changed, f.name) == getattr(made, f.name) for f in fields[:-1])
+
+
+def test_quick_init_twin_sets_hidden_fields_to_their_defaults() -> None:
+    @quick_init
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Wide:
+        a: int
+        b: int
+        c: int = 3
+        d: int = 4
+        e: int = 5
+        hidden: bytes | None = dataclasses.field(default=None, init=False, compare=False)
+
+    made = Wide(1, 2, e=9)
+    assert "__new__" in vars(Wide)
+    assert (made.a, made.b, made.c, made.d, made.e, made.hidden) == (1, 2, 3, 4, 9, None)
+    assert copy.deepcopy(made) == made and copy.deepcopy(made).hidden is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.hidden = b""  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Wide(1, 2, 3, 4, 5, 6)  # type: ignore[call-arg]
 
 
 def test_quick_init_refuses_what_it_cannot_keep() -> None:
