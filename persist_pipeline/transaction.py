@@ -29,6 +29,7 @@ from persist_pipeline.exceptions import (
     CorruptState,
     Indeterminate,
     InvalidInput,
+    LeaseExpired,
     PersistError,
     SchemaMismatch,
     ShardNotFound,
@@ -386,7 +387,10 @@ class Transaction:
                         op.result = with_row_counts(op.result, op.data)
                 return self._results(ops)
             raise AssertionError("unreachable")
-        except CERTAINLY_NOT_COMMITTED:
+        except (*CERTAINLY_NOT_COMMITTED, LeaseExpired):
+            # A handle expired as the commit ran is refused by its append transition
+            # only once every lost reply is settled (as a single write's is): nothing
+            # landed, and the parts are this commit's own fresh keys.
             for op in ops:
                 if op.staged is not None:
                     op.handle._delete_uncommitted(op.staged.parts)

@@ -389,3 +389,89 @@ def test_an_append_whose_reply_is_lost_while_its_handle_is_expired(
             reader.expire()
     client.close()
     other.close()
+
+
+@pytest.mark.parametrize("placement", list(POLICIES))
+def test_a_write_refused_for_its_expired_handle_is_retried_once_through_a_fresh_one(
+        durable_location: Location, placement: str):
+    """The write refused with ``LeaseExpired`` while it waited in the funnel left
+    nothing that could still land: the expired handle answers nothing more (its
+    ``committed`` is refused as its writes are), a fresh handle reports the token's
+    write not committed at its ``expected_upper``, and the same write retried through
+    it with the same token commits once (its rows read back once; a second retry is
+    reported already committed)."""
+    policy = POLICIES[placement]
+    shard = str(ShardId.new())
+    handle: list[Any] = []
+
+    def expire_from_another_thread() -> None:
+        expirer = threading.Thread(target=handle[0].expire)
+        expirer.start()
+        expirer.join(timeout=60)
+        assert not expirer.is_alive()
+
+    client = _grouping_client(durable_location, policy, expire_from_another_thread)
+    other = durable_location.client(policy)
+    with other.open_writer(shard) as first:
+        first.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+    writer = client.open_writer(shard)
+    handle.append(writer)
+    token = "t" * 32
+    rows = [(b"k", b"v" * 100, 1, 1)]
+    with pytest.raises(LeaseExpired):
+        writer.compare_and_append(rows, 1, 2, idempotency_token=token)
+    with pytest.raises(LeaseExpired):
+        writer.committed(token, 1)
+    fresh = other.open_writer(shard)
+    assert fresh.committed(token, 1) is False
+    result = fresh.compare_and_append(rows, 1, 2, idempotency_token=token)
+    assert not result.already_committed and result.upper == 2
+    again = fresh.compare_and_append(rows, 1, 2, idempotency_token=token)
+    assert again.already_committed and again.upper == 2
+    assert fresh.committed(token, 1) is True
+    reader = other.open_reader(shard)
+    got = sorted((r["k"], r["d"]) for r in reader.snapshot(1).to_pylist())
+    assert got == [(b"base", 1), (b"k", 1)]
+    reader.expire()
+    fresh.expire()
+    client.close()
+    other.close()
+
+
+@pytest.mark.parametrize("placement", list(POLICIES))
+def test_a_transaction_whose_handle_is_expired_as_it_commits_changes_nothing(
+        durable_location: Location, placement: str, monkeypatch: pytest.MonkeyPatch):
+    """A writer handle given to a transaction is expired after the commit checked it
+    open and staged its append, before the compare-and-set: the commit is refused with
+    ``LeaseExpired`` (the append transition asks the handle), no shard changes, the
+    expired writer is not registered again, and the parts staged for the commit (its
+    own fresh keys, certainly not committed) are deleted, as a single write's are."""
+    from persist_pipeline.transaction import Transaction
+
+    policy = POLICIES[placement]
+    client = durable_location.client(policy)
+    shards = [str(ShardId.new()) for _ in range(2)]
+    for s in shards:
+        with client.open_writer(s) as first:
+            first.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
+    writer = client.open_writer(shards[0])
+    staging = Transaction._stage_all
+
+    def stage_then_expire(live: Any, ops: Any) -> None:
+        staging(live, ops)
+        writer.expire()
+
+    monkeypatch.setattr(Transaction, "_stage_all", staticmethod(stage_then_expire))
+    before = {s: client._machine(s).fetch_latest() for s in shards}
+    parts_before = {s: _part_keys(client, s) for s in shards}
+    txn = client.transaction()
+    txn.compare_and_append(writer, [(b"a", b"v" * 100, 1, 1)], 1, 2)
+    txn.compare_and_append(shards[1], [(b"b", b"v" * 100, 1, 1)], 1, 2)
+    with pytest.raises(LeaseExpired):
+        txn.commit()
+    for s in shards:
+        after = client._machine(s).fetch_latest()
+        assert after.upper == 1 and after.batches.keys() == before[s].batches.keys()
+        assert writer.writer_id not in after.writers, "the expired writer registered again"
+        assert _part_keys(client, s) == parts_before[s]  # certainly refused: parts deleted
+    client.close()
