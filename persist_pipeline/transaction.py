@@ -304,17 +304,19 @@ class Transaction:
         Raises:
             UpperMismatch: a shard's upper was not the expected one (``.shard`` names
                 it), or another client registered one of its new names meanwhile
-                (``.shard`` is the name); no shard changed.
+                (``.shard`` is the name); no shard changed (but see below).
             SchemaMismatch / CommitDeadlineExceeded: as for a single write; no shard
-                changed.
+                changed (but see below).
             Indeterminate: a lost reply whose outcome cannot be told; read the shards
                 (every shard or none has its batch). Uploaded parts are left for GC.
             InvalidInput: the transaction is empty or already finished.
-            LeaseExpired: a writer handle given was expired since; no shard changed.
+            LeaseExpired: a writer handle given was expired since; no shard changed
+                (but see below); the parts it uploaded are deleted.
 
         Shards added before they existed are created all together or none, after the
-        checks that may refuse the commit; one refused after that by its
-        compare-and-set leaves them empty and unnamed (docs/design.md, Transactions).
+        checks that may refuse the commit; one refused after that (by its
+        compare-and-set, or a handle expired meanwhile) leaves them empty and unnamed
+        (docs/design.md, Transactions).
         """
         self._check_open()
         if not self._ops:
