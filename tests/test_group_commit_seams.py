@@ -227,15 +227,11 @@ def test_one_group_of_a_stale_a_closed_a_lapsed_and_a_plain_append_answers_each_
     other.close()
 
 
-@pytest.mark.parametrize("placement", list(POLICIES))
-def test_an_append_held_while_its_handle_is_expired_is_refused_and_changes_nothing(
-        durable_location: Location, placement: str):
-    """Another thread ``expire()``s the handle while its append waits in the funnel's
-    window: the append is refused with ``LeaseExpired``, as the same write through the
-    expired handle is when it starts, and changes nothing: the shard's upper and rows
-    stay, the writer is not registered again, and the parts it uploaded are deleted."""
-    policy = POLICIES[placement]
-    shard = str(ShardId.new())
+def _expired_while_held(location: Location, policy: InlinePolicy, shard: str
+                        ) -> tuple[PersistClient, PersistClient, Any]:
+    """A grouping client whose next append's handle another thread ``expire()``s while
+    the append waits in the funnel, a second client, and that handle, on ``shard``,
+    which holds one row at upper 1."""
     handle: list[Any] = []
 
     def expire_from_another_thread() -> None:
@@ -244,12 +240,24 @@ def test_an_append_held_while_its_handle_is_expired_is_refused_and_changes_nothi
         expirer.join(timeout=60)
         assert not expirer.is_alive()
 
-    client = _grouping_client(durable_location, policy, expire_from_another_thread)
-    other = durable_location.client(policy)
+    client = _grouping_client(location, policy, expire_from_another_thread)
+    other = location.client(policy)
     with other.open_writer(shard) as first:
         first.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
     writer = client.open_writer(shard)
     handle.append(writer)
+    return client, other, writer
+
+
+@pytest.mark.parametrize("placement", list(POLICIES))
+def test_an_append_held_while_its_handle_is_expired_is_refused_and_changes_nothing(
+        durable_location: Location, placement: str):
+    """Another thread ``expire()``s the handle while its append waits in the funnel's
+    window: the append is refused with ``LeaseExpired``, as the same write through the
+    expired handle is when it starts, and changes nothing: the shard's upper and rows
+    stay, the writer is not registered again, and the parts it uploaded are deleted."""
+    shard = str(ShardId.new())
+    client, other, writer = _expired_while_held(durable_location, POLICIES[placement], shard)
     before = other._machine(shard).fetch_latest()
     parts_before = _part_keys(other, shard)
     with pytest.raises(LeaseExpired):
@@ -400,22 +408,8 @@ def test_a_write_refused_for_its_expired_handle_is_retried_once_through_a_fresh_
     write not committed at its ``expected_upper``, and the same write retried through
     it with the same token commits once (its rows read back once; a second retry is
     reported already committed)."""
-    policy = POLICIES[placement]
     shard = str(ShardId.new())
-    handle: list[Any] = []
-
-    def expire_from_another_thread() -> None:
-        expirer = threading.Thread(target=handle[0].expire)
-        expirer.start()
-        expirer.join(timeout=60)
-        assert not expirer.is_alive()
-
-    client = _grouping_client(durable_location, policy, expire_from_another_thread)
-    other = durable_location.client(policy)
-    with other.open_writer(shard) as first:
-        first.compare_and_append([(b"base", b"", 0, 1)], 0, 1)
-    writer = client.open_writer(shard)
-    handle.append(writer)
+    client, other, writer = _expired_while_held(durable_location, POLICIES[placement], shard)
     token = "t" * 32
     rows = [(b"k", b"v" * 100, 1, 1)]
     with pytest.raises(LeaseExpired):
