@@ -33,6 +33,7 @@ from persist_pipeline.exceptions import (
     PersistError,
     SchemaMismatch,
     ShardNotFound,
+    UntypedUpdates,
     UpperMismatch,
 )
 from persist_pipeline.frontier import Frontier, less_than
@@ -93,6 +94,9 @@ class _Op:
     #: The caller named the token (a retry of an attempt whose outcome it never
     #: learnt): an upper mismatch is then settled by the batch's id in history.
     given_token: bool = False
+    #: Added for a shard that did not exist, from untyped input (tuples, a k/v table),
+    #: not rows already encoded: refused if another client types the shard first.
+    untyped: bool = False
 
     @property
     def handle(self) -> WriteHandle:
@@ -235,7 +239,8 @@ class Transaction:
         check_times(data, expected, upper)
         self._ops[shard_id] = _Op(handle, data, expected, upper, lower,
                                   new_token() if token is None else token,
-                                  given_token=token is not None)
+                                  given_token=token is not None,
+                                  untyped=handle is None and not isinstance(updates, Updates))
 
     def _require_absent(self, shard_id: str) -> None:
         if shard_id in self._ops:
@@ -409,14 +414,15 @@ class Transaction:
         meanwhile refuses the commit before anything is created (as the commit's own
         compare-and-set would refuse it, after creating the shards). A shard given by
         id that another client created meanwhile is opened as an existing one: its
-        updates, taken as an untyped shard's, are checked against the schema it records
-        (as a writer opened on it checks them); when another client creates one between
+        untyped updates are refused if it records a schema, whatever their bytes (as a
+        writer opened on it refuses them); when another client creates one between
         that check and the creation, the creation lands nowhere and the shards are
         checked again.
 
         Raises:
-            SchemaMismatch: a shard was typed meanwhile and the updates are not rows of
-                its schema; no shard of the transaction was created or changed.
+            SchemaMismatch: a shard was typed meanwhile (``UntypedUpdates``: its
+                updates were untyped); no shard of the transaction was created or
+                changed.
             UpperMismatch: another client registered one of the new names meanwhile
                 (``.shard`` is the name); no shard was created.
         """
@@ -463,10 +469,19 @@ class Transaction:
 
     def _open_new(self, shard_id: str) -> None:
         """Open the writer of an append added before its shard existed, which exists
-        now; its untyped updates are checked against the schema the shard records."""
+        now; its untyped updates are refused if the shard records a schema."""
         op = self._ops[shard_id]
         handle = self._client.open_writer(shard_id, debug="transaction")
         self._opened.append(handle)
+        if op.untyped and handle.schema is not None:
+            # Refused as a typed writer refuses the same input, whatever its bytes: an
+            # untyped key and value that happen to be valid encodings of the schema's
+            # rows are still no typed write, and would land as rows nobody wrote.
+            raise UntypedUpdates(f"shard {shard_id} was created and typed "
+                                 f"({handle.schema!r}) by another client after this "
+                                 f"transaction's untyped append to it was added: a typed "
+                                 f"shard takes a table with columns {handle.schema.columns} "
+                                 f"(+ t, d), not untyped updates; nothing was written")
         op.data = handle._coerce(op.data)
         op.writer = handle
 

@@ -31,6 +31,7 @@ from persist_pipeline import (
     SchemaMismatch,
     ShardId,
     ShardSchema,
+    UntypedUpdates,
     UpperMismatch,
 )
 from persist_pipeline.consensus import open_consensus
@@ -316,6 +317,59 @@ def test_a_transaction_to_two_new_ids_refused_for_the_second_creates_neither(
         txn.commit()
     assert other.list_shards() == [second], "the refused transaction created a shard"
     assert other.schema(second) == TYPED and other.inspect(second)["upper"] == 0
+    assert _part_keys(other) == before
+    client.close()
+    other.close()
+
+
+@pytest.mark.parametrize("how", ["tuples", "table", "append"])
+@pytest.mark.parametrize("when", ["before-commit", "mid-commit"])
+def test_an_untyped_append_to_a_new_id_typed_meanwhile_is_refused_also_when_its_bytes_decode(
+        location: Location, when: str, how: str) -> None:
+    """An untyped append (``(key, val, ts, diff)`` tuples, a ``k``/``v`` table, or an
+    ``append``) to a shard id no shard has yet, which another client creates and types
+    before the commit creates it: refused with ``SchemaMismatch`` (``UntypedUpdates``
+    for tuples) as the same updates given to a typed writer are, also when its key and value bytes
+    happen to be valid encodings of rows of the schema (taken as typed rows, they would
+    land in the typed shard as rows nobody wrote as such). Nothing is written, no shard
+    of the transaction is created, and its typed shard stays empty."""
+    client, other, hooked = _two_new_shards(location)
+    first, second = str(ShardId.new()), str(ShardId.new())
+    encoded = TYPED.to_updates(pa.table({"id": [7], "t": [0], "d": [1]})).table()
+    key, val = encoded.column("k")[0].as_py(), encoded.column("v")[0].as_py()
+    updates: Any = [(key, val, 0, 1)] if how != "table" else pa.table(
+        {"k": [key], "v": [val], "t": [0], "d": [1]},
+        schema=pa.schema([("k", pa.binary()), ("v", pa.binary()), ("t", pa.int64()),
+                          ("d", pa.int64())]))
+    # What a typed writer answers to them: tuples are untyped updates, a k/v table's
+    # columns are not the schema's.
+    refusal = SchemaMismatch if how == "table" else UntypedUpdates
+    typed_writer = other.open_writer(ShardId.new(), schema=TYPED)
+    with pytest.raises(refusal):
+        typed_writer.compare_and_append(updates, 0, 1)
+    typed_writer.expire()
+    txn = client.transaction()
+    txn.compare_and_append(first, [(b"k", b"v", 0, 1)], 0, 1)
+    if how == "append":
+        txn.append(second, updates, 0, 1)
+    else:
+        txn.compare_and_append(second, updates, 0, 1)
+
+    def type_second() -> None:
+        other.open_writer(second, schema=TYPED).expire()
+
+    if when == "before-commit":
+        type_second()
+    else:
+        hooked.arm(first, type_second)
+    shards = set(other.list_shards())
+    before = _part_keys(other)
+    with pytest.raises(refusal):
+        txn.commit()
+    assert set(other.list_shards()) == shards | {second}, "the refused commit created a shard"
+    state = other._machine(second).fetch_latest()
+    assert other.schema(second) == TYPED
+    assert state.upper == 0 and not state.batches, "untyped rows landed in a typed shard"
     assert _part_keys(other) == before
     client.close()
     other.close()

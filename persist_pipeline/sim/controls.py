@@ -646,6 +646,24 @@ def expired_handle_commits() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def untyped_rows_taken_as_typed() -> Iterator[None]:
+    """A transaction's untyped append to a shard id that another client created and
+    typed meanwhile is only checked to decode as rows of the schema: keys and values
+    that happen to be valid encodings land in the typed shard as its rows."""
+    from persist_pipeline import transaction
+
+    def opening(self: Any, shard_id: str) -> None:
+        op = self._ops[shard_id]
+        handle = self._client.open_writer(shard_id, debug="transaction")
+        self._opened.append(handle)
+        op.data = handle._coerce(op.data)
+        op.writer = handle
+
+    with _patched(transaction.Transaction, "_open_new", opening):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -691,4 +709,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "blobs_without_checksums": blobs_without_checksums,
     "retry_drops_every_part": retry_drops_every_part,
     "expired_handle_commits": expired_handle_commits,
+    "untyped_rows_taken_as_typed": untyped_rows_taken_as_typed,
 }

@@ -275,6 +275,9 @@ class SimRun:
         self._inline_rng = random.Random(seed + 0x1_11E)
         #: Whether a grouped append races an expiry of its handle (drawn apart too).
         self.expiry_rng = random.Random(seed + 0xE_C91E)
+        #: Whether a transactor's untyped append to a new shard races another process
+        #: typing that shard (drawn apart too).
+        self.typing_rng = random.Random(seed + 0x7_1BED)
 
     # --- for the actors ------------------------------------------------------------------
 

@@ -20,6 +20,12 @@ group-commit funnel; each append's outcome is checked alike: acknowledged, prese
 refused, absent. Now and then another thread expires a grouped writer's handle while
 its append is on its way: once both are done, the expired writer must not be in the
 shard's state (the append never registers it again).
+
+Now and then a transactor commits an untyped append to a shard id that does not exist
+yet while another process creates that shard typed; the append's keys and values are
+valid encodings of the schema's rows, so only its untypedness tells it apart. Whoever
+wins, the shard is typed and empty, or untyped with the append's rows: a typed shard
+holding them is a defect.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+
 from persist_pipeline.exceptions import (
     BackendError,
     CommitDeadlineExceeded,
@@ -35,11 +43,13 @@ from persist_pipeline.exceptions import (
     LeaseExpired,
     NotYetAvailable,
     PersistError,
+    SchemaMismatch,
     ShardNotFound,
     SinceViolation,
     UpperMismatch,
 )
 from persist_pipeline.ids import ShardId, new_token
+from persist_pipeline.schema import ShardSchema
 from persist_pipeline.sim.scheduler import Process
 
 if TYPE_CHECKING:
@@ -504,6 +514,10 @@ def transactor(run: SimRun, proc: Process) -> None:
         return
     while not run.stopping:
         run.think()
+        if run.typing_rng.random() < TYPED_MID_COMMIT:
+            _untyped_commit_typed_meanwhile(run, client)
+            run.ops += 1
+            continue
         roll = run.rng.random()
         try:
             if run.profile.naming_commits and roll < 0.3:
@@ -534,6 +548,61 @@ def transactor(run: SimRun, proc: Process) -> None:
         except PersistError as e:
             run.violation(f"transactor: unexpected {type(e).__name__}: {e}")
         run.ops += 1
+
+
+#: How often a transactor's step is an untyped commit to a new shard typed meanwhile.
+TYPED_MID_COMMIT = 0.05
+
+
+def _untyped_commit_typed_meanwhile(run: SimRun, client: PersistClient) -> None:
+    """A transaction's untyped append to a fresh shard id that another process creates
+    typed while the commit is on its way. Its rows' keys and values are valid
+    encodings of rows of that schema: taken for typed rows, they would land in the typed
+    shard. Whoever wins, the shard reads typed and empty, or untyped with the rows."""
+    schema = ShardSchema({"id": pa.int64()}, {"a": pa.string()})
+    encoded = schema.to_updates(pa.table({"id": [1, 2], "a": ["x", None], "t": [0, 0],
+                                          "d": [1, 1]})).table()
+    rows = list(zip(encoded.column("k").to_pylist(), encoded.column("v").to_pylist(),
+                    [0, 0], [1, 1], strict=True))
+    shard = str(ShardId.new())
+    typer = run.new_process(f"txn-typer-of-{shard[:9]}")
+    typed: list[bool] = []
+
+    def type_it() -> None:
+        run.think(scale=0.3)
+        other = run.client(typer)
+        try:
+            other.open_writer(shard, schema=schema).stop_heartbeats()
+            typed.append(True)
+        except (SchemaMismatch, Indeterminate):
+            typed.append(False)  # the transaction created it first (or a fault)
+        except PersistError as e:
+            typed.append(False)
+            run.violation(f"typing a fresh shard: unexpected {type(e).__name__}: {e}")
+
+    txn = client.transaction()
+    try:
+        txn.compare_and_append(shard, rows, 0, 1)
+    except Indeterminate:
+        txn.abort()
+        return
+    run.spawn(typer.name, typer, type_it)
+    try:
+        txn.commit()
+    except (SchemaMismatch, Indeterminate, UpperMismatch, CommitDeadlineExceeded):
+        pass  # typed first (refused as untyped), or a fault
+    except PersistError as e:
+        run.violation(f"untyped transaction to a shard typed meanwhile: unexpected "
+                      f"{type(e).__name__}: {e}")
+    while not typed and not run.stopping:
+        run.think()
+    try:
+        state = client._machine(shard).fetch_latest()
+    except (Indeterminate, ShardNotFound):
+        return
+    if state.schema and state.batches:
+        run.violation(f"typed shard {shard} holds the rows of an untyped transaction "
+                      f"(committed into it once another process typed it)")
 
 
 ROLES = {"transactor": transactor, "grouped_writer": grouped_writer}
