@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -36,7 +37,13 @@ from persist_pipeline.internal.machine import Machine, Step, apply_many
 from persist_pipeline.internal.records import quick_init
 from persist_pipeline.internal.state import Batch, Description, HollowPart, InlinePart, Store
 from persist_pipeline.schema import ShardSchema
-from persist_pipeline.updates import SCHEMA, Updates, empty_table
+from persist_pipeline.updates import (
+    SCHEMA,
+    Updates,
+    empty_table,
+    exact_segment_sums,
+    numpy_values,
+)
 
 if TYPE_CHECKING:
     from persist_pipeline.consensus.base import CasWrite
@@ -871,11 +878,22 @@ def encode_contents(schema: ShardSchema, table: object) -> pa.Table:
 
 def with_row_counts(result: WriteResult, data: Updates) -> WriteResult:
     """``result`` with the rows its updates added and retracted (sums of the positive
-    and the negative diffs)."""
-    diffs = data.table().column("d")
-    added = pc.sum(pc.filter(diffs, pc.greater(diffs, 0))).as_py() or 0
-    removed = pc.sum(pc.filter(diffs, pc.less(diffs, 0))).as_py() or 0
-    return replace(result, rows_added=added, rows_retracted=-removed)
+    and the negative diffs).
+
+    Summed exactly: a replacement retracts rows with the counts other writers left on
+    them (any 64-bit count), whose totals may leave 64 bits, where an int64 sum would
+    wrap into a wrong number (diffs never wrap, counts of rows neither)."""
+    diffs = numpy_values(data.table().column("d"))
+    return replace(result, rows_added=_exact_total(diffs[diffs > 0]),
+                   rows_retracted=-_exact_total(diffs[diffs < 0]))
+
+
+def _exact_total(diffs: np.ndarray) -> int:
+    """The sum of ``diffs``, exact (a Python int, also beyond 64 bits)."""
+    if not len(diffs):
+        return 0
+    sums, beyond = exact_segment_sums(diffs, np.zeros(1, np.int64))
+    return beyond[0][1] if beyond else int(sums[0])
 
 
 def _fences_commits_at(refused: PersistError, expected: int) -> bool:

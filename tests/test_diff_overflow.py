@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from persist_pipeline import InlinePolicy, PersistClient, ShardId, ShardSchema
+from persist_pipeline import InlinePolicy, PersistClient, ShardId, ShardSchema, tables
 from persist_pipeline.exceptions import DiffOverflow, InvalidUpdates
 from persist_pipeline.updates import consolidate_sorted, exact_segment_sums
 from tests.fixtures.location import Location
@@ -215,3 +215,54 @@ def test_exact_segment_sums_fast_path_for_unit_diffs():
     diffs = np.array([1, -1, 1, 1, 1], dtype=np.int64)
     sums, beyond = exact_segment_sums(diffs, np.array([0, 2], dtype=np.int64))
     assert sums.tolist() == [0, 3] and beyond == []
+
+
+#: A typed table (key id, value a) and the counts other writers leave on its rows: three
+#: rows counted 2**62 and three counted -2**62, whose sums each leave 64 bits.
+_COUNTED = {"id": [1, 2, 3, 4, 5, 6], "a": ["x"] * 6,
+            "d": [1 << 62] * 3 + [-(1 << 62)] * 3}
+
+
+@pytest.mark.parametrize("op", ["replace_contents", "upsert", "delete", "transaction",
+                                "store_table"])
+def test_rows_a_replacement_adds_and_retracts_are_counted_exactly(
+        durable_location: Location, op: str):
+    """A replacement (``replace_contents``, ``upsert``, ``delete``, one in a
+    transaction, a table store: what the IO manager reports as ``persist/rows_added``
+    and ``persist/rows_retracted``) of rows that other writers counted far beyond one
+    (any 64-bit count is a valid diff) reports the rows it added and retracted exactly:
+    their totals leave 64 bits here, and are never wrapped into a wrong number."""
+    with durable_location.client(BLOB) as client:
+        schema = ShardSchema({"id": pa.int64()}, {"a": pa.string()})
+        if op == "store_table":
+            stored = tables.store_table(client, "counted", pa.table(
+                {"id": pa.array([0], pa.int64()), "a": ["seed"]}), ["id"])
+            shard = stored.shard
+            writer = client.open_writer(shard)
+            writer.delete(pa.table({"id": pa.array([0], pa.int64())}))
+        else:
+            shard = ShardId.new()
+            writer = client.open_writer(shard, schema=schema)
+        upper = writer.fetch_recent_upper()
+        assert upper is not None
+        writer.compare_and_append(pa.table(
+            {**_COUNTED, "id": pa.array(_COUNTED["id"], pa.int64()),
+             "t": [upper] * 6}), upper, upper + 1)
+        replacement = pa.table({"id": pa.array([9], pa.int64()), "a": ["new"]})
+        if op == "replace_contents":
+            result = writer.replace_contents(replacement)
+        elif op == "upsert":  # the keys of both counts, and one new key
+            result = writer.upsert(pa.table({"id": pa.array([1, 2, 3, 4, 5, 6, 9]),
+                                             "a": ["y"] * 7}))
+        elif op == "delete":
+            result = writer.delete(pa.table({"id": pa.array([1, 2, 3, 4, 5, 6])}))
+        elif op == "transaction":
+            txn = client.transaction()
+            txn.replace_contents(writer, replacement)
+            result = txn.commit()[str(shard)]
+        else:
+            result = tables.store_table(client, "counted", pa.table(
+                {"id": pa.array([9], pa.int64()), "a": ["new"]}), ["id"]).result
+        added = {"upsert": 7, "delete": 0}.get(op, 1) + 3 * (1 << 62)
+        assert (result.rows_added, result.rows_retracted) == (added, 3 * (1 << 62))
+        writer.expire()
