@@ -143,6 +143,20 @@ def _check_table(table: pa.Table) -> pa.Table:
                 f"values are bytes: encode them as UTF-8 first (pyarrow: "
                 f"pc.cast(col, pa.binary()); pandas: df[{name!r}].str.encode('utf-8'); "
                 f"polars: pl.col({name!r}).cast(pl.Binary))")
+    for name, what in (("t", "time"), ("d", "diff")):
+        type_ = table.schema.field(name).type
+        if pa.types.is_dictionary(type_):
+            type_ = type_.value_type
+        if not pa.types.is_integer(type_):
+            # As for tuples, whose times and diffs must be ints: a bool, float, decimal
+            # or temporal column is not cast into int64 (True taken as a diff of 1, a
+            # timestamp as its count of nanoseconds), it is refused.
+            raise InvalidUpdates(
+                f"updates table has wrong column types: column {name} (the {what}) must "
+                f"hold integers, as a tuple's {what} is an int; got "
+                f"{table.schema.field(name).type}"
+                + (": convert times to integers yourself (for example epoch "
+                   "milliseconds)" if name == "t" and pa.types.is_temporal(type_) else ""))
     for name in SCHEMA.names:
         if table.column(name).null_count:
             raise InvalidUpdates(f"column {name} contains nulls")

@@ -4,6 +4,8 @@ way in tuples and in every kind of table, with a hint to encode them."""
 
 from __future__ import annotations
 
+import datetime
+import decimal
 from typing import Any
 
 import pandas as pd
@@ -113,3 +115,55 @@ def test_a_lazy_frame_and_bad_frames_get_clear_errors(client: PersistClient) -> 
             writer.compare_and_append(pd.DataFrame({"k": [b"a"], "v": [b"1"], "t": [0.5],
                                                     "d": [1]}), 0, 3)
         assert writer.fetch_recent_upper() == 0
+
+
+# Times and diffs are ints in tuples (a bool, a float, a Decimal or a datetime is refused
+# there): a table column of any other type is refused alike, not cast into int64 (True as
+# a diff of 1, 1.0 as a time, a timestamp as its count of nanoseconds).
+NOT_INTEGERS = {
+    "tuple-bool-diff": lambda: [(b"a", b"1", 0, True)],
+    "tuple-float-time": lambda: [(b"a", b"1", 1.0, 1)],
+    "tuple-decimal-diff": lambda: [(b"a", b"1", 0, decimal.Decimal(1))],
+    "tuple-datetime-time": lambda: [(b"a", b"1", datetime.datetime(2024, 1, 2), 1)],
+    "arrow-bool-diff": lambda: pa.table({"k": [b"a"], "v": [b"1"], "t": [0], "d": [True]}),
+    "arrow-float-time": lambda: pa.table({"k": [b"a"], "v": [b"1"], "t": [1.0], "d": [1]}),
+    "arrow-decimal-diff": lambda: pa.table({"k": [b"a"], "v": [b"1"], "t": [0],
+                                            "d": pa.array([decimal.Decimal(1)])}),
+    "arrow-timestamp-time": lambda: pa.table({"k": [b"a"], "v": [b"1"], "d": [1],
+                                              "t": pa.array([datetime.datetime(2024, 1, 2)])}),
+    "arrow-duration-time": lambda: pa.table({"k": [b"a"], "v": [b"1"], "d": [1],
+                                             "t": pa.array([datetime.timedelta(seconds=1)])}),
+    "pandas-datetime-time": lambda: pd.DataFrame({"k": [b"a"], "v": [b"1"], "d": [1],
+                                                  "t": pd.to_datetime(["2024-01-02"])}),
+    "polars-bool-diff": lambda: pl.DataFrame({"k": [b"a"], "v": [b"1"], "t": [0],
+                                              "d": [True]}),
+    # Past the small-write path: the wide table's own checks.
+    "arrow-wide-float-time": lambda: pa.table({
+        "k": [b"%d" % i for i in range(500)], "v": [b"1"] * 500,
+        "t": [float(i) for i in range(500)], "d": [1] * 500}),
+}
+
+
+@pytest.mark.parametrize("kind", list(NOT_INTEGERS))
+def test_times_and_diffs_that_are_not_integers_are_refused_alike(client: PersistClient,
+                                                                  kind: str) -> None:
+    shard = ShardId.new()
+    with client.open_writer(shard) as writer:
+        with pytest.raises(InvalidUpdates, match=r"\b(ts|diff|t|d)\b.*int"):
+            writer.compare_and_append(NOT_INTEGERS[kind](), 0, 600)
+        assert writer.fetch_recent_upper() == 0  # nothing was written
+
+
+def test_integer_columns_of_any_width_are_taken(client: PersistClient) -> None:
+    """Narrower and unsigned integers are ints: taken, as pandas' nullable Int64 is."""
+    shard = ShardId.new()
+    table = pa.table({"k": [b"a", b"b"], "v": [b"1", b"2"],
+                      "t": pa.array([0, 1], pa.uint16()), "d": pa.array([1, -2], pa.int8())})
+    frame = pd.DataFrame({"k": [b"c"], "v": [b"3"], "t": pd.array([2], "Int64"),
+                          "d": pd.array([1], "Int32")})
+    with client.open_writer(shard) as writer:
+        writer.compare_and_append(table, 0, 2)
+        writer.compare_and_append(frame, 2, 3)
+    with client.open_reader(shard) as reader:
+        assert rows(reader.snapshot(2), 2) == [(b"a", b"1", 1), (b"b", b"2", -2),
+                                                (b"c", b"3", 1)]
