@@ -664,6 +664,21 @@ def untyped_rows_taken_as_typed() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def store_tables_one_by_one() -> Iterator[None]:
+    """``store_tables`` stores its tables one after the other, each in its own write,
+    instead of in one transaction: a load between the two (or after the second was
+    refused) finds the first table of the pair without the second."""
+    from persist_pipeline import tables
+
+    def one_by_one(client: Any, entries: Any, *, debug: str = "") -> Any:
+        return {name: tables.store_table(client, name, table, keys, debug=debug)
+                for name, (table, keys) in entries.items()}
+
+    with _patched(tables, "store_tables", one_by_one):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -710,4 +725,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "retry_drops_every_part": retry_drops_every_part,
     "expired_handle_commits": expired_handle_commits,
     "untyped_rows_taken_as_typed": untyped_rows_taken_as_typed,
+    "store_tables_one_by_one": store_tables_one_by_one,
 }

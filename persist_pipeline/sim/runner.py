@@ -18,7 +18,7 @@ from persist_pipeline.config import InlinePolicy, PersistConfig
 from persist_pipeline.exceptions import Indeterminate, PersistError
 from persist_pipeline.ids import ShardId, new_critical_reader_id, seeded_ids
 from persist_pipeline.internal.sync import event_factory, inline_workers, lock_factory
-from persist_pipeline.sim import actors, ingestion, plans, seams, transactions
+from persist_pipeline.sim import actors, ingestion, plans, seams, table_pairs, transactions
 from persist_pipeline.sim.monitor import Model, Monitor, Monitors
 from persist_pipeline.sim.scheduler import (
     Nemesis,
@@ -40,7 +40,7 @@ INLINE_SETTINGS = (InlinePolicy(1024, 3000), InlinePolicy(0, 0), InlinePolicy(10
 
 #: Every simulated process kind, by role name.
 ROLES = {**actors.ROLES, **seams.ROLES, **transactions.ROLES, **ingestion.ROLES,
-         **plans.ROLES}
+         **plans.ROLES, **table_pairs.ROLES}
 
 #: The share of seeds whose processes (and blob stores) have skewed wall clocks (their
 #: offsets: up to past half the orphan sweep's age, 8 s in ``sim_config``, and near the
@@ -183,6 +183,13 @@ PROFILES: dict[str, Profile] = {
                        "compactor": (1, 1), "gc": (1, 2)},
                       nemesis=Nemesis(pause_at_cas=0.1, pause_then_lose=0.1),
                       naming_commits=True),
+    # Several tables stored in one transaction (store_tables) racing single-table
+    # stores of the same names, schema evolution and new generations, compaction that
+    # advances the tables' times to their uppers, and GC, with lost replies and pauses
+    # at the commit: each pair store lands in both tables or in neither.
+    "tables": Profile({"pair_storer": (1, 3), "pair_checker": (1, 1), "compactor": (1, 1),
+                       "gc": (1, 2)},
+                      nemesis=Nemesis(pause_at_cas=0.1, pause_then_lose=0.05)),
 }
 
 #: The profiles seeds take in turn (``profile_for``). A profile added later is left out

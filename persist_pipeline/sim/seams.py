@@ -186,6 +186,8 @@ class SeamState:
     pinned: list[tuple[str, int, list[str]]] = field(default_factory=list)
     #: Spark writes to commit again later (see _commit_again).
     recommits: list[Recommit] = field(default_factory=list)
+    #: State of actors defined in other modules (by their own key).
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def table_event(self) -> int:
         self.table_events += 1
@@ -917,18 +919,18 @@ def _load_and_check_table(run: SimRun, client: PersistClient) -> None:
                       f"load began: {got.to_pylist()[:4]}")
 
 
-def _release_and_compact_table(run: SimRun, client: Any) -> None:
+def _release_and_compact_table(run: SimRun, client: Any, name: str = TABLE_NAME) -> None:
     """A reader of the table's newest generation that has read everything releases every
     time below the upper (since == upper, as the API allows), and compaction runs: the
     merge advances the rows' times to the upper, where the next store must still find
     them (a store that missed them would leave each row twice)."""
     from persist_pipeline import tables
 
-    found = tables.generations(TABLE_NAME, client.shard_names())
+    found = tables.generations(name, client.shard_names())
     if not found:
         return
     try:
-        shard = client.resolve(tables.generation_name(TABLE_NAME, found[-1]))
+        shard = client.resolve(tables.generation_name(name, found[-1]))
         reader = client.open_reader(shard, debug="table release")
         try:
             upper = client.inspect(shard)["upper"]
