@@ -51,10 +51,11 @@ start a new generation.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,6 +76,7 @@ from persist_pipeline.exceptions import (
     ShardNameNotFound,
     ShardNotFound,
     SinceViolation,
+    UpperMismatch,
 )
 from persist_pipeline.frontier import MAX_TIME
 from persist_pipeline.ids import ShardId
@@ -259,7 +261,10 @@ def store_tables(client: PersistClient,
                  tables: Mapping[str, tuple[pa.Table, Sequence[str] | None]], *,
                  debug: str = "") -> dict[str, Stored]:
     """:func:`store_table` for several names at once, in ONE transaction: every name's
-    newest generation holds its table afterwards, or (on any error) none changed.
+    newest generation holds its table afterwards, or (on any error) none changed. A
+    generation that another store supersedes after this one chose it refuses the
+    transaction (see :func:`_seal`), which then opens its generations again: never one
+    table committed where loads read it and another where they do not.
 
     Args:
         tables: each name's table and primary key (None: none).
@@ -298,7 +303,9 @@ def store_tables(client: PersistClient,
                 writer, gen_name, shard, reason = _open_generation(client, name, plan,
                                                                    names, debug)
                 opened.append(writer)
-                txn._replace_encoded(writer, rows)
+                # All or none of the tables where loads read them: a generation
+                # superseded meanwhile refuses the whole transaction (see _seal).
+                txn._replace_encoded(writer, rows, _newest_check(client, name, gen_name))
                 where[name] = (gen_name, shard, reason)
             results = txn.commit()
         except SchemaMismatch:
@@ -432,11 +439,16 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
     found = generations(name, names)
     generation = found[-1] if found else 1
     reason: str | None = None
+    passed: ShardId | None = None
     for _ in range(MAX_GENERATION_ATTEMPTS):
         gen_name = generation_name(name, generation)
         # Through the registry itself: the client's resolve keeps generation names for
         # table stores like this one.
         shard = client.name_registry.resolve(gen_name, create=True)
+        if passed is not None:
+            # Only once the next generation is registered: see _seal.
+            _seal(client, passed)
+            passed = None
         try:
             # The schema is recorded by the store's own commit: a refused store leaves
             # the generation's schema (and so its loads) as they were.
@@ -445,7 +457,7 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
             _refuse_foreign(client, gen_name, shard, None)
             # Keys or types changed: a new generation, a new shard.
             reason = reason or generation_reason(client.schema(shard), plan.shard_schema)
-            generation += 1
+            generation, passed = generation + 1, shard
             continue
         if writer.schema is None or not same_storage(writer.schema, plan.shard_schema):
             # Same columns with other metadata, or fewer value columns: a load must
@@ -453,11 +465,45 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
             reason = reason or generation_reason(writer.schema, plan.shard_schema)
             writer.expire()
             _refuse_foreign(client, gen_name, shard, writer.schema)
-            generation += 1
+            generation, passed = generation + 1, shard
             continue
         return writer, gen_name, shard, reason
     raise Contended(f"{name}: could not settle on a generation for this table's schema "
                     f"in {MAX_GENERATION_ATTEMPTS} attempts (its schema keeps changing)")
+
+
+def _seal(client: PersistClient, shard: ShardId) -> None:
+    """Move the upper of a generation that a newer one (registered before this is
+    called) supersedes, without changing its contents: a ``store_tables`` that read it
+    before can then no longer commit into it.
+
+    Its commit would land where no load reads, while its other tables' commits land
+    where loads read: half of one transaction visible (and all of it, if its store made
+    again in the newest generation were refused). A store of several tables checks that
+    each generation it writes is the newest registered after each read it plans on
+    (``_newest_check``), so such a read came before this registration; its commit then
+    expects an upper this moves. An upper moved by anyone since it was read here does
+    the same: nothing more to do then. A closed generation takes no commit at all.
+    """
+    writer = client.open_writer(shard, debug="table generation superseded")
+    try:
+        upper = writer.fetch_recent_upper()
+        if upper is not None:
+            with contextlib.suppress(UpperMismatch):
+                writer.compare_and_append([], upper, upper + 1)
+    finally:
+        writer.expire()
+
+
+def _newest_check(client: PersistClient, name: str, gen_name: str) -> Callable[[], None]:
+    """A check, run by a transaction's replace after each read of ``gen_name``'s shard,
+    that refuses the transaction (``SchemaMismatch``, which makes ``store_tables`` open
+    its generations again) once a newer generation of ``name`` is registered."""
+    def check() -> None:
+        if _superseded(name, gen_name, client.shard_names()):
+            raise SchemaMismatch(f"{name}: a newer generation than {gen_name!r} was "
+                                 "started while this table was stored")
+    return check
 
 
 def _refuse_foreign_newest(client: PersistClient, name: str,

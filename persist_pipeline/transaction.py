@@ -56,6 +56,8 @@ from persist_pipeline.write import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from persist_pipeline.internal.state import State
 
 if TYPE_CHECKING:
@@ -97,6 +99,11 @@ class _Op:
     #: Added for a shard that did not exist, from untyped input (tuples, a k/v table),
     #: not rows already encoded: refused if another client types the shard first.
     untyped: bool = False
+    #: For a replace: called after each read of the shard's state it plans against
+    #: (the first and every one after the shard moved), before it commits; raises to
+    #: refuse the transaction (a table store's check that the shard is still the
+    #: newest generation of its table).
+    check: Callable[[], None] | None = None
 
     @property
     def handle(self) -> WriteHandle:
@@ -119,6 +126,8 @@ class _Op:
                         machine.fetch_latest().seqno <= state.seqno:
                     raise
                 continue
+            if self.check is not None:
+                self.check()
             self.expected, self.upper, self.token = time, time + 1, new_token()
             return
 
@@ -207,12 +216,14 @@ class Transaction:
         handle = self._handle(shard, shard_id)
         self._replace_encoded(handle, handle._encode_contents(table))
 
-    def _replace_encoded(self, handle: WriteHandle, contents: pa.Table) -> None:
-        """:meth:`replace_contents` of rows already encoded with ``handle``'s schema."""
+    def _replace_encoded(self, handle: WriteHandle, contents: pa.Table,
+                         check: Callable[[], None] | None = None) -> None:
+        """:meth:`replace_contents` of rows already encoded with ``handle``'s schema;
+        ``check`` (see :class:`_Op`) runs after each read of the shard it plans on."""
         self._check_open()
         self._require_absent(handle.shard_id)
         self._ops[handle.shard_id] = _Op(handle, Updates.coerce([]), 0, 1, None, new_token(),
-                                  contents=contents)
+                                  contents=contents, check=check)
 
     def _add(self, shard: WriteHandle | ShardLike, updates: object, expected: int,
              upper: Frontier, lower: int | None, token: str | None = None) -> None:

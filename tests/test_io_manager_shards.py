@@ -388,8 +388,14 @@ def test_a_schema_change_starts_a_generation_loads_read_the_newest(
     assert (rekeyed["dagster/table_name"], rekeyed["persist/new_generation"]) == (
         "kpis/_v4", "primary key none (the whole row) -> (y); columns added: y")
     client = io_manager.client()
-    assert client.open_reader(client.resolve("kpis")).snapshot("latest").to_pylist() == [
-        {"x": 1, "t": 0, "d": 1}]  # the first generation is untouched
+    first = client.resolve("kpis")
+    # The first generation's contents are untouched; its upper moved by one (an empty
+    # append) once the second was registered, so that no store of several tables that
+    # read it can commit into it any more (tables._seal).
+    assert client.open_reader(first).snapshot(0).to_pylist() == [{"x": 1, "t": 0, "d": 1}]
+    assert client.inspect(first)["upper"] == 2
+    assert client.open_reader(first).snapshot("latest").to_pylist() == [
+        {"x": 1, "t": 1, "d": 1}]
 
 
 def test_a_materialization_that_starts_a_generation_says_why_in_the_run_log(

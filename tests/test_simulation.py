@@ -184,9 +184,9 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     "untyped_rows_taken_as_typed": (r"holds the rows of an untyped transaction", 20,
                                     "transactions"),
     # store_tables stores its tables one by one instead of in one transaction: a load
-    # between the two finds the pair in one table only (1, 10, 12 and 15 of the first 20
+    # between the two finds the pair in one table only (10, 26 and 28 of the first 40
     # tables seeds; the profile is outside the rotation)
-    "store_tables_one_by_one": (r"the pair landed in one table only|was refused", 20,
+    "store_tables_one_by_one": (r"the pair landed in one table only|was refused", 40,
                                 "tables"),
 }
 
@@ -200,7 +200,7 @@ CAUGHT_AT: dict[str, int] = {
     "funnel_forgets_successor": 14, "table_uppers_memoized": 13,
     "settle_from_latest_state_only": 12, "commit_ignores_an_earlier_abort": 8,
     "contents_read_at_the_upper": 7, "expired_read_reports_corruption": 7,
-    "merge_without_deadline": 44, "wal_parts_stay": 5, "store_tables_one_by_one": 1,
+    "merge_without_deadline": 44, "wal_parts_stay": 5, "store_tables_one_by_one": 10,
 }
 
 #: Reverted fixes the random simulation reaches too rarely to test this way (a heartbeat
@@ -239,6 +239,12 @@ DETERMINISTIC_ONLY = {
     # process paused past the commit deadline): 1 of its first 150 seeds (20) did, none
     # of 260 since the schedule shifted (a refused parts commit asks its batch's history
     # first: more store calls, other draws)
+    # a store_tables committing into a generation that a single-table store superseded
+    # after it was chosen: loads alone cannot tell that commit order from a legal one
+    # (the sim has no oracle of commit points), so the interleaving is made by hand
+    "store_tables_into_superseded_generations": "tests/test_table_seams.py::"
+                                                "test_superseded_generations_control_"
+                                                "changes_a_table_of_a_refused_store",
     "table_schema_recorded_at_open": "tests/test_tables.py::"
                                      "test_control_schema_recorded_at_open_loads_a_column_"
                                      "never_stored",

@@ -679,6 +679,22 @@ def store_tables_one_by_one() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def store_tables_into_superseded_generations() -> Iterator[None]:
+    """A table store neither moves the upper of a generation it passes for a newer one,
+    nor does ``store_tables`` check its generations are still the newest after reading
+    them: a commit into a generation superseded meanwhile lands where no load reads,
+    while its other tables land where loads read."""
+    from persist_pipeline import tables
+
+    def unchecked(client: Any, name: str, gen_name: str) -> Callable[[], None]:
+        return lambda: None
+
+    with _patched(tables, "_seal", lambda client, shard: None), \
+            _patched(tables, "_newest_check", unchecked):
+        yield
+
+
 CONTROLS: dict[str, Callable[[], Any]] = {
     "trust_cached_negatives": trust_cached_negatives,
     "guess_lost_replies": guess_lost_replies,
@@ -726,4 +742,5 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "expired_handle_commits": expired_handle_commits,
     "untyped_rows_taken_as_typed": untyped_rows_taken_as_typed,
     "store_tables_one_by_one": store_tables_one_by_one,
+    "store_tables_into_superseded_generations": store_tables_into_superseded_generations,
 }
