@@ -483,12 +483,13 @@ def _seal(client: PersistClient, shard: ShardId) -> None:
     each generation it writes is the newest registered after each read it plans on
     (``_newest_check``), so such a read came before this registration; its commit then
     expects an upper this moves. An upper moved by anyone since it was read here does
-    the same: nothing more to do then. A closed generation takes no commit at all.
+    the same: nothing more to do then. A closed generation takes no commit at all, and
+    one never written (upper 0) is left so: moved, loads would take it for written.
     """
     writer = client.open_writer(shard, debug="table generation superseded")
     try:
         upper = writer.fetch_recent_upper()
-        if upper is not None:
+        if upper:
             with contextlib.suppress(UpperMismatch):
                 writer.compare_and_append([], upper, upper + 1)
     finally:
