@@ -439,16 +439,11 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
     found = generations(name, names)
     generation = found[-1] if found else 1
     reason: str | None = None
-    passed: ShardId | None = None
     for _ in range(MAX_GENERATION_ATTEMPTS):
         gen_name = generation_name(name, generation)
         # Through the registry itself: the client's resolve keeps generation names for
         # table stores like this one.
         shard = client.name_registry.resolve(gen_name, create=True)
-        if passed is not None:
-            # Only once the next generation is registered: see _seal.
-            _seal(client, passed)
-            passed = None
         try:
             # The schema is recorded by the store's own commit: a refused store leaves
             # the generation's schema (and so its loads) as they were.
@@ -457,7 +452,7 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
             _refuse_foreign(client, gen_name, shard, None)
             # Keys or types changed: a new generation, a new shard.
             reason = reason or generation_reason(client.schema(shard), plan.shard_schema)
-            generation, passed = generation + 1, shard
+            generation = generation + 1
             continue
         if writer.schema is None or not same_storage(writer.schema, plan.shard_schema):
             # Same columns with other metadata, or fewer value columns: a load must
@@ -465,8 +460,14 @@ def _open_generation(client: PersistClient, name: str, plan: StoragePlan,
             reason = reason or generation_reason(writer.schema, plan.shard_schema)
             writer.expire()
             _refuse_foreign(client, gen_name, shard, writer.schema)
-            generation, passed = generation + 1, shard
+            generation = generation + 1
             continue
+        if generation > 1 and _stored_upper(client, shard) == 0:
+            # This store may be the first to write the generation: the one before it is
+            # moved first (see _seal), after this one was registered.
+            previous = client.name_registry.lookup(generation_name(name, generation - 1))
+            if previous is not None:
+                _seal(client, previous)
         return writer, gen_name, shard, reason
     raise Contended(f"{name}: could not settle on a generation for this table's schema "
                     f"in {MAX_GENERATION_ATTEMPTS} attempts (its schema keeps changing)")
@@ -479,12 +480,16 @@ def _seal(client: PersistClient, shard: ShardId) -> None:
 
     Its commit would land where no load reads, while its other tables' commits land
     where loads read: half of one transaction visible (and all of it, if its store made
-    again in the newest generation were refused). A store of several tables checks that
-    each generation it writes is the newest registered after each read it plans on
-    (``_newest_check``), so such a read came before this registration; its commit then
-    expects an upper this moves. An upper moved by anyone since it was read here does
-    the same: nothing more to do then. A closed generation takes no commit at all, and
-    one never written (upper 0) is left so: moved, loads would take it for written.
+    again in the newest generation were refused). Loads read a newer generation only
+    once it was written, and every store that may be the first to write one moves the
+    one before it first (two such stores move it twice), after the newer one was
+    registered. A store of several tables checks that each generation it writes is the
+    newest registered after each read it plans on (``_newest_check``): a read that
+    passed came before that registration, so its commit, expecting the upper it read,
+    is refused once the newer generation can have been written. An upper moved by
+    anyone since it was read here does the same: nothing more to do then. A closed
+    generation takes no commit at all, and one never written (upper 0) is left so:
+    moved, loads would take it for written.
     """
     writer = client.open_writer(shard, debug="table generation superseded")
     try:

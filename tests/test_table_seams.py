@@ -122,3 +122,37 @@ def test_store_tables_is_never_seen_in_one_table_only_after_a_new_generation(ope
     assert _tags(client, "t/a") == _tags(client, "t/b") == {"pair"}
     for a, b in seen:
         assert (a == {"pair"}) == (b == {"pair"}), f"after a commit: t/a {a}, t/b {b}"
+
+
+def test_store_tables_refused_after_a_dead_stores_generation_is_written(open_client):
+    """A store that registered the next generation of t/a died before writing it (so it
+    moved nothing); right before ``store_tables``' compare-and-set (after it checked its
+    generations), another client writes that generation, the first to, and closes it.
+    The commit must not land in the superseded generation: the store is refused (the
+    newest generation is closed) and t/b holds its old table."""
+    from persist_pipeline import transaction as transaction_module
+
+    client, other = open_client(), open_client()
+    tables.store_tables(client, {"t/a": (OLD, ["id"]), "t/b": (OLD, ["id"])})
+    original = transaction_module.apply_many
+    pending = [True]
+
+    def apply_many(*args: Any, **kwargs: Any) -> Any:
+        if pending:
+            pending.pop()
+            other.name_registry.resolve("t/a/_v2", create=True)  # then it died
+            stored = tables.store_table(other, "t/a", OTHER, ["id"])
+            assert stored.name == "t/a/_v2"
+            writer = other.open_writer(stored.shard)
+            writer.compare_and_append([], writer.fetch_recent_upper(), None)
+            writer.expire()
+        return original(*args, **kwargs)
+
+    transaction_module.apply_many = apply_many  # type: ignore[assignment]
+    try:
+        with pytest.raises(InvalidFrontier):
+            tables.store_tables(client, {"t/a": (NEW, ["id"]), "t/b": (NEW, ["id"])})
+    finally:
+        transaction_module.apply_many = original  # type: ignore[assignment]
+    assert _tags(client, "t/a") == {"other"}
+    assert _tags(client, "t/b") == {"old"}
