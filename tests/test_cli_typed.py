@@ -89,13 +89,18 @@ def test_a_tables_old_generation_is_read_by_its_name_with_a_note_and_latest_by_d
         tables.store_table(client, "sales", pa.table({"id": [2], "amt": ["x"]}), ["id"])
     code, out, err = _run(env, capsys, "snapshot", "sales")  # --as-of latest by default
     assert code == 0, err
-    assert out.splitlines()[1:] == ["1,1.5,0,1"]  # the first generation, as named
+    # The first generation, as named: its row unchanged, at its latest time (its upper
+    # moved by one, an empty append, when the second generation was first written, so
+    # that no store of several tables can commit into it any more).
+    assert out.splitlines()[1:] == ["1,1.5,1,1"]
     assert "newest generation is 'sales/_v2'" in err
+    code, out, err = _run(env, capsys, "snapshot", "sales", "--as-of", "0")
+    assert code == 0 and out.splitlines()[1:] == ["1,1.5,0,1"], err
     code, out, err = _run(env, capsys, "snapshot", "sales/_v2")
     assert code == 0 and err == "", err
     assert out.splitlines()[1:] == ['2,"x",0,1']
     code, out, err = _run(env, capsys, "inspect", "sales")
-    assert code == 0 and json.loads(out)["upper"] == 1 and "sales/_v2" in err
+    assert code == 0 and json.loads(out)["upper"] == 2 and "sales/_v2" in err
 
 
 def test_new_shard_takes_a_parquet_files_schema_with_keys(
