@@ -46,6 +46,11 @@ SNAPSHOT_BATCH_ROWS = 64 * 1024
 #: Parallel blob fetches per read.
 _FETCH_THREADS = 8
 
+#: A snapshot streaming at most this many runs decodes each large part's columns in
+#: parallel (Arrow's CPU pool, within each read of a batch: nothing runs ahead, no
+#: buffer more): the merge of one or two runs waits on decoding, its own work is light.
+DECODE_THREADS_MAX_RUNS = 4
+
 
 #: One shared pool for blob fetches (threads are reused across reads).
 _FETCH_POOL = SharedPool(_FETCH_THREADS, "persist-fetch")
@@ -80,9 +85,11 @@ def stream_snapshot(machine: Machine, batches: list[Batch], as_of: int) -> Itera
         runs.append((iter([table]), f"small batches of {where}"))
     large_runs = [(b, run) for b in large for run in b.runs()]
     plan = memory_plan(bound, len(runs) + len(large_runs), bound)
+    threads = len(large_runs) <= DECODE_THREADS_MAX_RUNS
     for n, (b, run) in enumerate(large_runs):
         runs.append((machine.blobs.stream_run(run, where, plan.chunk_bytes // 2,
-                                              plan.read_bytes, as_of=as_of),
+                                              plan.read_bytes, as_of=as_of,
+                                              decode_threads=threads),
                      f"batch {b.id} (run {n}) of {where}"))
     yield from merge_runs(runs, plan.chunk_bytes)
 

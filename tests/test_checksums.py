@@ -261,6 +261,26 @@ def test_a_small_part_streamed_by_a_merge_is_checked_whole(loc: Location) -> Non
     fresh.close()
 
 
+def _rot_a_page(good: bytes, table: pa.Table, tmp_path: Path) -> bytes:
+    """``good`` (a part of ``table``) with a byte flipped inside the v column's pages,
+    on a value rather than a length (which fails to decode anyway): the first such byte
+    from the middle on. Negative control: without the page checks the rot decodes,
+    silently, into other rows."""
+    path = tmp_path / "rotted.parquet"
+    for offset in range(len(good) // 2, len(good) // 2 + 200):
+        data = bytearray(good)
+        data[offset] ^= 0xFF
+        path.write_bytes(bytes(data))
+        try:
+            unchecked = pq.read_table(path, columns=["k", "v"],
+                                      page_checksum_verification=False)
+        except pa.ArrowInvalid:
+            continue
+        break
+    assert not unchecked.equals(table.select(["k", "v"]))
+    return bytes(data)
+
+
 def test_a_rotted_page_of_a_part_read_in_row_groups_is_an_error(tmp_path: Path) -> None:
     """A part larger than a whole fetch is read in row groups, not checked whole: the
     pages' own CRC-32s find a flipped byte that zstd would pass (random values are
@@ -269,23 +289,7 @@ def test_a_rotted_page_of_a_part_read_in_row_groups_is_an_error(tmp_path: Path) 
                                 inline_policy=InlinePolicy(0, 0))
     shard, table, part = _write_large_part(client)
     assert part.encoded_size > WHOLE_FETCH_MAX_BYTES  # streamed, not fetched whole
-    good = _stored(client, part)
-    path = tmp_path / "rotted.parquet"
-    # A byte flipped inside the v column's pages, on a value rather than a length
-    # (which fails to decode anyway): the first such byte from the middle on.
-    for offset in range(len(good) // 2, len(good) // 2 + 200):
-        data = bytearray(good)
-        data[offset] ^= 0xFF
-        path.write_bytes(bytes(data))
-        try:
-            # Negative control: without the page checks the rot decodes, silently.
-            unchecked = pq.read_table(path, columns=["k", "v"],
-                                      page_checksum_verification=False)
-        except pa.ArrowInvalid:
-            continue
-        break
-    assert not unchecked.equals(table.select(["k", "v"]))
-    client.blobs.main.set(part.key, bytes(data))
+    client.blobs.main.set(part.key, _rot_a_page(_stored(client, part), table, tmp_path))
     client.close()
 
     fresh = PersistClient.open(f"sqlite:///{tmp_path / 'c.db'}", f"file://{tmp_path / 'b'}")
@@ -308,6 +312,55 @@ def test_a_rotted_page_of_a_part_read_in_row_groups_is_an_error(tmp_path: Path) 
     assert (problem.kind, problem.key) == ("checksum", part.key)
     reader.expire()
     fresh.close()
+
+
+@pytest.mark.parametrize("kind", location_kinds("embedded", "pg-s3"))
+def test_a_rotted_page_is_an_error_when_a_snapshot_reads_column_chunks_whole(
+        kind: str, request: pytest.FixtureRequest, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot of one run reads each column chunk of a large part whole when it fits
+    the read buffer (no buffered stream copying pages out), and from a local file
+    decodes the columns in parallel (Arrow's threads): every page is still checked
+    against its CRC-32 on those paths, natively from a local file and through ranged
+    gets from the S3 server; the intact part reads the same rows."""
+    loc = make_location(kind, request, tmp_path)
+    client = loc.client(policy=InlinePolicy(0, 0))
+    shard, table, part = _write_large_part(client)
+    assert part.encoded_size > WHOLE_FETCH_MAX_BYTES  # streamed, not fetched whole
+    good = _stored(client, part)
+    client.close()
+    reads: list[tuple[int, bool]] = []  # (buffer size, threads) of each read of a part
+    opened, iter_batches = pq.ParquetFile.__init__, pq.ParquetFile.iter_batches
+
+    def open_spy(self: pq.ParquetFile, *args: Any, **kwargs: Any) -> None:
+        self._spied_buffer_size = kwargs.get("buffer_size", 0)
+        opened(self, *args, **kwargs)
+
+    def read_spy(self: pq.ParquetFile, *args: Any, **kwargs: Any) -> Any:
+        reads.append((self._spied_buffer_size, kwargs.get("use_threads", True)))
+        return iter_batches(self, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "__init__", open_spy)
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", read_spy)
+    # Column chunks read whole; Arrow's threads only over the local file.
+    expected = (0, kind == "embedded")
+    fresh = loc.client()
+    reader = fresh.open_reader(shard)
+    assert pa.Table.from_batches(list(reader.snapshot_batches(0))).cast(table.schema) \
+        .equals(table)
+    assert reads and set(reads) == {expected}
+    reader.expire()
+    fresh.close()
+
+    reads.clear()
+    rotted = loc.client()
+    rotted.blobs.store(part.store).set(part.key, _rot_a_page(good, table, tmp_path))
+    reader = rotted.open_reader(shard)
+    with pytest.raises(CorruptPart, match="CRC"):
+        list(reader.snapshot_batches(0))
+    assert reads and set(reads) == {expected}
+    reader.expire()
+    rotted.close()
 
 
 def _raise_lowest_key(data: bytes, group: int) -> tuple[bytes, bytes, bytes]:

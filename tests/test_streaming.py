@@ -174,6 +174,38 @@ def test_merge_runs_refuses_a_run_that_is_not_sorted() -> None:
         list(merge_runs([(iter([unsorted]), "run x")], 1 << 20))
 
 
+def _piece(*updates: Update) -> pa.Table:
+    return pa.table({"k": [u[0] for u in updates], "v": [u[1] for u in updates],
+                     "t": [u[2] for u in updates], "d": [u[3] for u in updates]},
+                    schema=SCHEMA)
+
+
+def test_one_run_taken_in_pieces_is_passed_on_only_when_nothing_needs_merging() -> None:
+    """A round that takes one run's rows in several pieces (a large part's row groups)
+    passes them on as they are, uncopied, when every row sorts above the one before it
+    and no diff is zero; rows equal within or across pieces are still summed, a zero
+    diff dropped, and a row below the previous piece's last refused as not sorted."""
+    def merged(*pieces: pa.Table) -> list[pa.Table]:
+        return list(merge_runs([(iter(pieces), "run x")], 1 << 20))
+
+    clean = [_piece((b"a", b"", 3, 1), (b"b", b"", 3, 2)), _piece((b"b", b"x", 3, -1))]
+    [out] = merged(*clean)
+    assert out.column("k").num_chunks == 2  # the pieces as they are
+    assert as_updates([out]) == as_updates(clean)
+    equal_across = [_piece((b"a", b"", 3, 1), (b"b", b"", 3, 2)),
+                    _piece((b"b", b"", 3, 3), (b"c", b"", 3, 1))]
+    assert as_updates(merged(*equal_across)) == \
+        [(b"a", b"", 3, 1), (b"b", b"", 3, 5), (b"c", b"", 3, 1)]
+    equal_within = [_piece((b"a", b"", 3, 1), (b"a", b"", 3, 1)), _piece((b"b", b"", 3, 1))]
+    assert as_updates(merged(*equal_within)) == [(b"a", b"", 3, 2), (b"b", b"", 3, 1)]
+    zero = [_piece((b"a", b"", 3, 1), (b"b", b"", 3, 0)), _piece((b"c", b"", 3, 1))]
+    assert as_updates(merged(*zero)) == [(b"a", b"", 3, 1), (b"c", b"", 3, 1)]
+    with pytest.raises(CorruptPart, match="not sorted"):
+        merged(_piece((b"a", b"", 3, 1), (b"c", b"", 3, 1)), _piece((b"b", b"", 3, 1)))
+    with pytest.raises(CorruptPart, match="not sorted"):
+        merged(_piece((b"a", b"", 3, 1)), _piece((b"c", b"", 3, 1), (b"b", b"", 3, 1)))
+
+
 def _request(blob: MemoryBlob, runs: list[list[Update]], part_bytes: int,
              writers_per_batch: int = 1) -> MergeReq:
     """One batch per run; with several writers a batch's updates are dealt to them in

@@ -230,16 +230,21 @@ class ShardBlobs:
 
     def stream_part(self, part: Part, where: str, batch_bytes: int,
                     key_lower: bytes | None = None, key_upper: bytes | None = None,
-                    read_bytes: int = WHOLE_FETCH_MAX_BYTES) -> Iterator[pa.Table]:
+                    read_bytes: int = WHOLE_FETCH_MAX_BYTES,
+                    decode_threads: bool = False) -> Iterator[pa.Table]:
         """A part's updates in order, as tables of about ``batch_bytes`` of updates.
 
         A part up to ``read_bytes`` (and :data:`WHOLE_FETCH_MAX_BYTES`) is fetched
         whole. A larger one is read row group by row group, each column through a read
-        buffer of ``read_bytes`` (so a reader holds its buffers and the pages being
-        decoded, not a row group), natively when the store keeps it as a local file,
-        else with ranged gets; row groups whose keys all lie outside ``[key_lower,
-        key_upper)`` are skipped (their statistics say so). Rows outside the range may
-        still be returned.
+        buffer of ``read_bytes``, or whole when its column chunks are no larger (so a
+        reader holds its buffers and the pages being decoded, not a row group),
+        natively when the store keeps it as a local file, else with ranged gets; row
+        groups whose keys all lie outside ``[key_lower, key_upper)`` are skipped (their
+        statistics say so). Rows outside the range may still be returned.
+
+        ``decode_threads``: a large part kept as a local file has its columns decoded
+        in parallel on Arrow's CPU pool (for a read of few runs, which waits on
+        decoding), within each batch's read: nothing runs ahead or holds more.
         """
         if isinstance(part, InlinePart) or \
                 part.encoded_size <= min(read_bytes, WHOLE_FETCH_MAX_BYTES):
@@ -257,19 +262,30 @@ class ShardBlobs:
             checked = self._check_whole(part, where)
         try:
             meta = self.footer(part, where) if checked is None else checked
-            reader = pq.ParquetFile(self._open(part, where), metadata=meta,
-                                    buffer_size=max(1, read_bytes), pre_buffer=False,
-                                    page_checksum_verification=True)
+            groups = _row_groups_from(meta, key_lower, key_upper)
+            # A column chunk no larger than the read buffer is read whole, with one read
+            # (buffer size 0): it holds no more than the buffer would, and its pages are
+            # checked and decoded in place, not copied out of a buffer first.
+            whole_chunks = _largest_column_chunk(meta, groups) <= read_bytes
+            source = self._open(part, where)
+            # Arrow's threads only over a native file: over ranged gets or a cached copy
+            # they would call into Python or hold its buffers (as pq.read_table's tasks
+            # did: see decode_parquet), for no gain (the ranged gets take turns).
+            threads = decode_threads and isinstance(source, pa.OSFile)
+            reader = pq.ParquetFile(source, metadata=meta,
+                                    buffer_size=0 if whole_chunks else max(1, read_bytes),
+                                    pre_buffer=False, page_checksum_verification=True)
             # Batches of the storage types need no cast (a cast per batch costs more
             # than decoding a small one).
             stored = reader.schema_arrow
             exact = [stored.field(name).type for name in SCHEMA.names] == SCHEMA.types
-            for group in _row_groups_from(meta, key_lower, key_upper):
+            for group in groups:
                 info = meta.row_group(group)
                 rows = _batch_rows(batch_bytes, info.total_byte_size, info.num_rows)
                 # One row group at a time: asked for several, pyarrow pre-buffers them all.
                 for batch in reader.iter_batches(batch_size=rows, row_groups=[group],
-                                                 columns=SCHEMA.names, use_threads=False):
+                                                 columns=SCHEMA.names,
+                                                 use_threads=threads):
                     yield pa.Table.from_arrays(batch.columns, schema=SCHEMA) if exact \
                         else pa.Table.from_batches([batch]).cast(SCHEMA)
         except Exception as e:
@@ -333,7 +349,8 @@ class ShardBlobs:
     def stream_run(self, run: Sequence[Part], where: str, batch_bytes: int,
                    read_bytes: int = WHOLE_FETCH_MAX_BYTES, *,
                    key_lower: bytes | None = None, key_upper: bytes | None = None,
-                   since: int | None = None, as_of: int | None = None) -> Iterator[pa.Table]:
+                   since: int | None = None, as_of: int | None = None,
+                   decode_threads: bool = False) -> Iterator[pa.Table]:
         """A sorted run's updates in order (:meth:`stream_part` part after part) with
         times advanced to ``since`` or ``as_of`` (:func:`advance_times`), without the
         rows outside ``[key_lower, key_upper)`` and without parts whose updates are all
@@ -342,7 +359,7 @@ class ShardBlobs:
             if as_of is not None and isinstance(part, HollowPart) and part.min_time > as_of:
                 continue
             for chunk in self.stream_part(part, where, batch_bytes, key_lower, key_upper,
-                                          read_bytes):
+                                          read_bytes, decode_threads):
                 if key_upper is not None and chunk.num_rows and \
                         chunk.column("k")[0].as_py() >= key_upper:
                     return  # a run is in key order: nothing further is in range
@@ -454,6 +471,14 @@ def split_keys(starts: list[tuple[bytes, int]], ranges: int) -> list[bytes]:
             points.append(key)
         seen += size
     return points
+
+
+def _largest_column_chunk(meta: pq.FileMetaData, groups: Sequence[int]) -> int:
+    """The most bytes a column of ``SCHEMA`` takes in one of row groups ``groups``."""
+    names = meta.schema.names
+    columns = [names.index(name) for name in SCHEMA.names if name in names]
+    return max((meta.row_group(g).column(c).total_compressed_size
+                for g in groups for c in columns), default=0)
 
 
 def _row_groups_from(meta: pq.FileMetaData, key_lower: bytes | None,

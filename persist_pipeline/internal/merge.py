@@ -298,6 +298,10 @@ def _merge_round(taken: list[tuple[_Cursor, list[pa.Table]]],
         DiffOverflow: a sum leaves 64 bits and ``overflow`` is ``"raise"``.
     """
     tables = [t for _, pieces in taken for t in pieces]
+    if len(taken) == 1 and len(tables) > 1:
+        as_they_are = _consolidated_pieces(tables)
+        if as_they_are is not None:
+            return as_they_are
     table = tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks()
     n = table.num_rows
     k, v, t, d = (table.column(i).chunk(0) for i in range(4))
@@ -347,6 +351,27 @@ def _merge_round(taken: list[tuple[_Cursor, list[pa.Table]]],
         index = int64_array(keep)
         ks, vs, ts = ks.take(index), vs.take(index), ts.take(index)
     return pa.Table.from_arrays([ks, vs, ts, int64_array(sums)], schema=SCHEMA)
+
+
+def _consolidated_pieces(pieces: list[pa.Table]) -> pa.Table | None:
+    """One run's pieces of a round as one table of them as they are (not copied into
+    one chunk) when there is nothing to merge or consolidate: every row sorts strictly
+    above the one before it, within a piece and across two, and no diff is zero (a
+    compacted batch, read as of a time its rows are at). None otherwise: the round is
+    merged as any other (which then finds the disorder, or sums the equal rows)."""
+    before: Row | None = None
+    for piece in pieces:
+        if not piece.num_rows:
+            continue
+        k, v, t, d = (piece.column(i).combine_chunks() if piece.column(i).num_chunks != 1
+                      else piece.column(i).chunk(0) for i in range(4))
+        same, disorder = neighbours(k, v, t)
+        if len(disorder) or same.any() or not numpy_values(d).all():
+            return None
+        if before is not None and _row(piece, 0) <= before:
+            return None
+        before = _row(piece, piece.num_rows - 1)
+    return pa.concat_tables(pieces)
 
 
 def neighbours(k: pa.Array, v: pa.Array, t: pa.Array) -> tuple[np.ndarray, np.ndarray]:
