@@ -46,9 +46,9 @@ SNAPSHOT_BATCH_ROWS = 64 * 1024
 #: Parallel blob fetches per read.
 _FETCH_THREADS = 8
 
-#: A snapshot streaming at most this many runs decodes each large part's columns in
-#: parallel (Arrow's CPU pool, within each read of a batch: nothing runs ahead, no
-#: buffer more): the merge of one or two runs waits on decoding, its own work is light.
+#: A snapshot streaming at most this many runs decodes a large local part on two threads
+#: (row groups two at a time, else columns in parallel: see ``ShardBlobs.stream_part``):
+#: the merge of a few runs waits on decoding, its own work is light.
 DECODE_THREADS_MAX_RUNS = 4
 
 

@@ -35,6 +35,7 @@ from persist_pipeline import (
     ShardId,
 )
 from persist_pipeline.blob.cache import CachingBlob
+from persist_pipeline.internal import blobs as blobs_module
 from persist_pipeline.internal import state_codec
 from persist_pipeline.internal.blobs import (
     FOOTER_READ_BYTES,
@@ -315,50 +316,63 @@ def test_a_rotted_page_of_a_part_read_in_row_groups_is_an_error(tmp_path: Path) 
 
 
 @pytest.mark.parametrize("kind", location_kinds("embedded", "pg-s3"))
-def test_a_rotted_page_is_an_error_when_a_snapshot_reads_column_chunks_whole(
+def test_a_rotted_page_is_an_error_when_a_snapshot_decodes_row_groups_in_parallel(
         kind: str, request: pytest.FixtureRequest, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A snapshot of one run reads each column chunk of a large part whole when it fits
     the read buffer (no buffered stream copying pages out), and from a local file
-    decodes the columns in parallel (Arrow's threads): every page is still checked
-    against its CRC-32 on those paths, natively from a local file and through ranged
-    gets from the S3 server; the intact part reads the same rows."""
+    decodes its row groups two at a time (the second on a pool thread, from a file of
+    its own): every page is still checked against its CRC-32 on those paths, natively
+    from a local file and through ranged gets from the S3 server, and a rotted page
+    found on the pool thread fails the read; the intact part reads the same rows."""
     loc = make_location(kind, request, tmp_path)
     client = loc.client(policy=InlinePolicy(0, 0))
     shard, table, part = _write_large_part(client)
     assert part.encoded_size > WHOLE_FETCH_MAX_BYTES  # streamed, not fetched whole
     good = _stored(client, part)
+    assert pq.read_metadata(pa.BufferReader(good)).num_row_groups == 3
     client.close()
-    reads: list[tuple[int, bool]] = []  # (buffer size, threads) of each read of a part
-    opened, iter_batches = pq.ParquetFile.__init__, pq.ParquetFile.iter_batches
+    buffers: list[int] = []  # the buffer size of each Parquet reader opened
+    pairs: list[tuple[int, int]] = []  # the row groups decoded two at a time
+    opened, decode_two = pq.ParquetFile.__init__, blobs_module._decode_two
 
     def open_spy(self: pq.ParquetFile, *args: Any, **kwargs: Any) -> None:
-        self._spied_buffer_size = kwargs.get("buffer_size", 0)
+        buffers.append(kwargs.get("buffer_size", 0))
         opened(self, *args, **kwargs)
 
-    def read_spy(self: pq.ParquetFile, *args: Any, **kwargs: Any) -> Any:
-        reads.append((self._spied_buffer_size, kwargs.get("use_threads", True)))
-        return iter_batches(self, *args, **kwargs)
+    def pair_spy(first: pq.ParquetFile, group: int, second: pq.ParquetFile,
+                 next_group: int, exact: bool) -> list[pa.Table]:
+        pairs.append((group, next_group))
+        return decode_two(first, group, second, next_group, exact)
 
     monkeypatch.setattr(pq.ParquetFile, "__init__", open_spy)
-    monkeypatch.setattr(pq.ParquetFile, "iter_batches", read_spy)
-    # Column chunks read whole; Arrow's threads only over the local file.
-    expected = (0, kind == "embedded")
+    monkeypatch.setattr(blobs_module, "_decode_two", pair_spy)
+    # Column chunks read whole; row groups paired only from the local file.
+    expected_pairs = [(0, 1)] if kind == "embedded" else []
     fresh = loc.client()
     reader = fresh.open_reader(shard)
     assert pa.Table.from_batches(list(reader.snapshot_batches(0))).cast(table.schema) \
         .equals(table)
-    assert reads and set(reads) == {expected}
+    assert buffers and set(buffers) == {0}
+    assert pairs == expected_pairs
     reader.expire()
     fresh.close()
 
-    reads.clear()
+    buffers.clear()
+    pairs.clear()
     rotted = loc.client()
-    rotted.blobs.store(part.store).set(part.key, _rot_a_page(good, table, tmp_path))
+    data = _rot_a_page(good, table, tmp_path)
+    rotted.blobs.store(part.store).set(part.key, data)
+    # The rot is in the second row group: on the pool thread when paired.
+    meta = pq.read_metadata(pa.BufferReader(good))
+    offset = next(i for i in range(len(good)) if good[i] != data[i])
+    assert meta.row_group(1).column(0).data_page_offset <= offset < \
+        meta.row_group(2).column(0).data_page_offset
     reader = rotted.open_reader(shard)
     with pytest.raises(CorruptPart, match="CRC"):
         list(reader.snapshot_batches(0))
-    assert reads and set(reads) == {expected}
+    assert set(buffers) == {0}
+    assert pairs == expected_pairs
     reader.expire()
     rotted.close()
 

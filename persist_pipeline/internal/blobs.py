@@ -16,6 +16,7 @@ import io
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,7 @@ from persist_pipeline.internal.state import (
     Store,
     key_bounds,
 )
+from persist_pipeline.internal.sync import SharedPool
 from persist_pipeline.updates import (
     PARQUET_ROW_GROUP_BYTES as _ROW_GROUP_BYTES,
 )
@@ -242,9 +244,11 @@ class ShardBlobs:
         groups whose keys all lie outside ``[key_lower, key_upper)`` are skipped (their
         statistics say so). Rows outside the range may still be returned.
 
-        ``decode_threads``: a large part kept as a local file has its columns decoded
-        in parallel on Arrow's CPU pool (for a read of few runs, which waits on
-        decoding), within each batch's read: nothing runs ahead or holds more.
+        ``decode_threads`` (a read of few runs, which waits on decoding): a large part
+        kept as a local file has its row groups decoded two at a time when each is one
+        batch (the second on a pool thread), else its columns in parallel on Arrow's CPU
+        pool; within the read of a batch either way, so nothing runs ahead of the
+        caller, and a pair holds one batch more.
         """
         if isinstance(part, InlinePart) or \
                 part.encoded_size <= min(read_bytes, WHOLE_FETCH_MAX_BYTES):
@@ -268,26 +272,52 @@ class ShardBlobs:
             # checked and decoded in place, not copied out of a buffer first.
             whole_chunks = _largest_column_chunk(meta, groups) <= read_bytes
             source = self._open(part, where)
-            # Arrow's threads only over a native file: over ranged gets or a cached copy
-            # they would call into Python or hold its buffers (as pq.read_table's tasks
-            # did: see decode_parquet), for no gain (the ranged gets take turns).
+            # Other threads decode only from a native file: over ranged gets or a cached
+            # copy they would call into Python or hold its buffers (as pq.read_table's
+            # tasks did: see decode_parquet), for no gain (the ranged gets take turns).
             threads = decode_threads and isinstance(source, pa.OSFile)
-            reader = pq.ParquetFile(source, metadata=meta,
-                                    buffer_size=0 if whole_chunks else max(1, read_bytes),
+            buffer_size = 0 if whole_chunks else max(1, read_bytes)
+            reader = pq.ParquetFile(source, metadata=meta, buffer_size=buffer_size,
                                     pre_buffer=False, page_checksum_verification=True)
             # Batches of the storage types need no cast (a cast per batch costs more
             # than decoding a small one).
             stored = reader.schema_arrow
             exact = [stored.field(name).type for name in SCHEMA.names] == SCHEMA.types
-            for group in groups:
+
+            def batch_rows(group: int) -> int:
                 info = meta.row_group(group)
-                rows = _batch_rows(batch_bytes, info.total_byte_size, info.num_rows)
+                return _batch_rows(batch_bytes, info.total_byte_size, info.num_rows)
+
+            def one_batch(group: int) -> bool:
+                return batch_rows(group) >= int(meta.row_group(group).num_rows)
+
+            other: pq.ParquetFile | None = None  # a second reader, for pairs of row groups
+            i = 0
+            while i < len(groups):
+                group = groups[i]
+                if threads and i + 1 < len(groups) and one_batch(group) and \
+                        one_batch(groups[i + 1]):
+                    if other is None:
+                        second = self._open(part, where)
+                        if not isinstance(second, pa.OSFile):
+                            threads = False
+                            continue
+                        other = pq.ParquetFile(second, metadata=meta,
+                                               buffer_size=buffer_size, pre_buffer=False,
+                                               page_checksum_verification=True)
+                    # Two row groups of one batch each, decoded at once (the second on a
+                    # pool thread, each from its own file, its pages checked the same):
+                    # both are done before the first is yielded, so nothing runs while
+                    # the caller holds this generator, which holds one batch more.
+                    yield from _decode_two(reader, group, other, groups[i + 1], exact)
+                    i += 2
+                    continue
                 # One row group at a time: asked for several, pyarrow pre-buffers them all.
-                for batch in reader.iter_batches(batch_size=rows, row_groups=[group],
-                                                 columns=SCHEMA.names,
+                for batch in reader.iter_batches(batch_size=batch_rows(group),
+                                                 row_groups=[group], columns=SCHEMA.names,
                                                  use_threads=threads):
-                    yield pa.Table.from_arrays(batch.columns, schema=SCHEMA) if exact \
-                        else pa.Table.from_batches([batch]).cast(SCHEMA)
+                    yield _storage_table(batch, exact)
+                i += 1
         except Exception as e:
             raise _part_error(e, f"{described} ({part.encoded_size} bytes)") from None
 
@@ -471,6 +501,39 @@ def split_keys(starts: list[tuple[bytes, int]], ranges: int) -> list[bytes]:
             points.append(key)
         seen += size
     return points
+
+
+def _storage_table(batch: pa.RecordBatch, exact: bool) -> pa.Table:
+    """A batch of a part's k/v/t/d columns as a table of :data:`SCHEMA` (cast only
+    when stored as other types)."""
+    return pa.Table.from_arrays(batch.columns, schema=SCHEMA) if exact \
+        else pa.Table.from_batches([batch]).cast(SCHEMA)
+
+
+def _decode_group(reader: pq.ParquetFile, group: int, exact: bool) -> pa.Table:
+    """Row group ``group`` of ``reader`` decoded as one table (on this thread)."""
+    rows = reader.metadata.row_group(group).num_rows
+    batches = reader.iter_batches(batch_size=max(1, rows), row_groups=[group],
+                                  columns=SCHEMA.names, use_threads=False)
+    tables = [_storage_table(batch, exact) for batch in batches]
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+
+#: Threads that decode the second row group of a pair (:meth:`ShardBlobs.stream_part`).
+_DECODE_POOL = SharedPool(4, "persist-decode")
+
+
+def _decode_two(first: pq.ParquetFile, group: int, second: pq.ParquetFile, next_group: int,
+                exact: bool) -> list[pa.Table]:
+    """Row groups ``group`` of ``first`` and ``next_group`` of ``second`` decoded at
+    once, the second on :data:`_DECODE_POOL`; it has finished (or failed) when this
+    returns or raises."""
+    pending = _DECODE_POOL.get().submit(_decode_group, second, next_group, exact)
+    try:
+        mine = _decode_group(first, group, exact)
+    finally:
+        futures.wait([pending])
+    return [mine, pending.result()]
 
 
 def _largest_column_chunk(meta: pq.FileMetaData, groups: Sequence[int]) -> int:
