@@ -35,6 +35,7 @@ from persist_pipeline.exceptions import (
     InvalidShardId,
     InvalidShardName,
     InvalidUpdates,
+    LeaseExpired,
     LocationNotFound,
     PersistError,
     ShardNameNotFound,
@@ -151,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a time, or 'latest' (default)")
     s.add_argument("--hold-seconds", type=float, default=0.0,
                    help="keep the files from GC this long after printing (the reader "
-                        "heartbeats meanwhile); without it they are guaranteed only "
-                        "while the command runs")
+                        "heartbeats meanwhile; exit 1, LeaseExpired, if it was expired "
+                        "during the hold); without it they are guaranteed only while "
+                        "the command runs")
     s = sub.add_parser("compact", help="run pending merges and flush inline parts")
     s.add_argument("shard")
     s = sub.add_parser("gc", help="delete unreferenced blobs and truncate consensus")
@@ -409,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
                     reader.snapshot_plan(args.as_of) as plan:
                 print(plan.to_json(), flush=True)
                 if args.hold_seconds:
-                    client.clock.sleep(args.hold_seconds)
+                    _hold(client, reader, args.hold_seconds)
         elif args.command == "compact":
             _print_json(client.compact(shard))
         elif args.command == "gc":
@@ -464,6 +466,32 @@ def _int_or_text(text: str) -> int | str:
         return int(text)
     except ValueError:
         return text
+
+
+def _hold(client: PersistClient, reader: ReadHandle, seconds: float) -> None:
+    """Keep the printed plan's files from GC for ``seconds``, renewing the reader's lease
+    at every heartbeat interval and once more at the end.
+
+    The hold is only as good as the lease: a GC whose wall clock runs ahead of this
+    host's by more than the lease, or a pause of this process past it, expires the
+    reader, and GC may then delete the files while someone reads them under the hold.
+    Such a hold is reported (``LeaseExpired``, exit 1) as soon as a renewal finds it,
+    never ended with exit 0 as if the files had been kept: a reader still registered at
+    the end was never expired (an expired reader never comes back)."""
+    clock = client.clock
+    interval = client.config.heartbeat_interval_s
+    deadline = clock.monotonic() + seconds
+    while (left := deadline - clock.monotonic()) > 0:
+        clock.sleep(min(left, interval) if interval > 0 else left)
+        try:
+            reader.heartbeat()
+        except LeaseExpired as e:
+            raise LeaseExpired(
+                f"the plan's files were not held for --hold-seconds {seconds:g}: its reader "
+                f"was expired (a GC whose clock runs ahead of this host's by more than the "
+                f"reader's lease, or this process paused past it), so GC may have deleted "
+                f"them; a read of them under this hold may have failed: make a new plan "
+                f"({e})") from None
 
 
 def _open(args: argparse.Namespace) -> PersistClient:
