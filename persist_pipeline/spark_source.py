@@ -33,7 +33,9 @@ The files stay undeleted while the reader's lease lasts (``lease_seconds``, defa
 location's reader lease, 15 minutes): Spark has no hook that ends a read, so the reader
 stops heartbeating when planning ends and GC expires it once the lease runs out. A read
 that outlasts its lease may fail on a part GC has deleted (never return wrong data): raise
-``lease_seconds`` for such reads. The reader holds ``since`` at ``as_of`` only.
+``lease_seconds`` for such reads. Its executors, and its planner reading split points
+(whose reader a GC with a clock ahead by more than the lease may expire), then fail with
+``LeaseExpired``, not ``PartMissing``. The reader holds ``since`` at ``as_of`` only.
 
 **Typed shards** read as their key and value columns plus ``t`` and ``d`` (Spark's types:
 timestamps in microseconds; unsigned integers, ``date64`` and ``time32``, which Spark has
@@ -593,7 +595,17 @@ def make_read_plan(options: Mapping[str, str], declared: StructType | None = Non
             # plan's files before the executors read them. The hold ends when the
             # reader's lease runs out and GC expires it.
             reader.downgrade_since(plan.as_of)
-            partitions = plan_partitions(plan, client.blobs, partition_bytes, max_partitions)
+            try:
+                partitions = plan_partitions(plan, client.blobs, partition_bytes,
+                                             max_partitions)
+            except PartMissing as e:
+                # A part of the held plan gone while the split points are read: GC may
+                # collect it only once the reader was expired (a GC whose clock runs
+                # ahead by more than the lease, a pause past it). The read fails as its
+                # executors do then (LeaseExpired: run it again), not as a shard that
+                # lost data (PartMissing is a CorruptPart).
+                reader._raise_if_expired(e)
+                raise
             schema = plan.schema.to_bytes() if plan.schema is not None else b""
             # Checked before the reader is left to its lease: a read refused here must
             # not hold since and the plan's files for a whole lease.

@@ -19,6 +19,7 @@ import pytest
 from persist_pipeline import InlinePolicy, PersistClient, PersistConfig, ShardId
 from persist_pipeline.blob import open_blob
 from persist_pipeline.consensus import open_consensus
+from persist_pipeline.exceptions import CorruptPart, LeaseExpired, PersistError
 from persist_pipeline.internal.clock import SystemClock
 from tests.fixtures.location import Location
 from tests.helpers import SkewedClock, run_cli
@@ -103,3 +104,40 @@ def test_a_plan_hold_lost_to_a_gc_with_a_fast_clock_is_reported(
     assert out.returncode == 1, (out.returncode, out.stderr)
     assert "LeaseExpired" in out.stderr and "--hold-seconds 0.3" in out.stderr, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_a_spark_read_whose_planner_lost_its_lease_while_splitting_is_lease_expired(
+        durable_location: Location, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Spark source's planner holds its plan's files with its reader, then reads
+    their footers for split points. A GC whose wall clock runs two leases ahead expires
+    that reader right after it took its plan (after a compaction replaced the parts),
+    and deletes them before the footers are read: the read fails as its executors fail
+    when the lease ran out (LeaseExpired: re-run it), not with PartMissing, a
+    CorruptPart that says the shard lost data it never lost (no Spark needed)."""
+    from persist_pipeline import ReadHandle
+    from persist_pipeline.spark_source import make_read_plan
+
+    location = durable_location
+    shard = _shard_of_four_parts(location)
+    gc_client = _skewed_client(location, 2 * LEASE_S)
+    ran: list[dict[str, Any]] = []
+    downgrade = ReadHandle.downgrade_since
+
+    def downgrade_then_peer_maintenance(self: ReadHandle, new_since: Any) -> None:
+        downgrade(self, new_since)
+        gc_client.compact(shard)
+        ran.append(gc_client.gc(shard))
+
+    monkeypatch.setattr(ReadHandle, "downgrade_since", downgrade_then_peer_maintenance)
+    opts = {"consensus": location.consensus_uri, "blob": location.blob_uri,
+            "shard": shard, "partition_bytes": "1"}
+    if location.wal_blob_uri:
+        opts["wal_blob"] = location.wal_blob_uri
+    try:
+        with pytest.raises(PersistError) as refused:
+            make_read_plan(opts)
+    finally:
+        gc_client.close()
+    assert ran and ran[0]["blobs_deleted"] >= 4, ran
+    assert isinstance(refused.value, LeaseExpired), repr(refused.value)
+    assert not isinstance(refused.value, CorruptPart)
