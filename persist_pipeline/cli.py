@@ -477,14 +477,21 @@ def _hold(client: PersistClient, reader: ReadHandle, seconds: float) -> None:
     reader, and GC may then delete the files while someone reads them under the hold.
     Such a hold is reported (``LeaseExpired``, exit 1) as soon as a renewal finds it,
     never ended with exit 0 as if the files had been kept: a reader still registered at
-    the end was never expired (an expired reader never comes back)."""
+    the end was never expired (an expired reader never comes back).
+
+    Any other failure of a renewal (consensus away for a moment) ends nothing early:
+    leaving would release the hold while the files may still be read, and the lease
+    outlasts a few missed renewals. Only the last renewal's failure is raised, after
+    the hold: that one leaves the hold unconfirmed."""
     clock = client.clock
     interval = client.config.heartbeat_interval_s
     deadline = clock.monotonic() + seconds
+    unconfirmed: PersistError | None = None
     while (left := deadline - clock.monotonic()) > 0:
         clock.sleep(min(left, interval) if interval > 0 else left)
         try:
             reader.heartbeat()
+            unconfirmed = None
         except LeaseExpired as e:
             raise LeaseExpired(
                 f"the plan's files were not held for --hold-seconds {seconds:g}: its reader "
@@ -492,6 +499,10 @@ def _hold(client: PersistClient, reader: ReadHandle, seconds: float) -> None:
                 f"reader's lease, or this process paused past it), so GC may have deleted "
                 f"them; a read of them under this hold may have failed: make a new plan "
                 f"({e})") from None
+        except PersistError as e:
+            unconfirmed = e
+    if unconfirmed is not None:
+        raise unconfirmed
 
 
 def _open(args: argparse.Namespace) -> PersistClient:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -141,3 +142,39 @@ def test_a_spark_read_whose_planner_lost_its_lease_while_splitting_is_lease_expi
     assert ran and ran[0]["blobs_deleted"] >= 4, ran
     assert isinstance(refused.value, LeaseExpired), repr(refused.value)
     assert not isinstance(refused.value, CorruptPart)
+
+
+def test_a_renewal_failing_for_a_moment_does_not_end_a_plan_hold_early(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hold's renewals that fail for another reason than an expired reader
+    (consensus away for a moment) end nothing early: leaving would release the files
+    while they may still be read. Only a failure of the last renewal leaves the hold
+    unconfirmed, and is raised after the whole hold."""
+    import time
+
+    from persist_pipeline import ReadHandle
+    from persist_pipeline.cli import _hold
+    from persist_pipeline.exceptions import ConsensusUnavailable
+
+    location = Location("embedded", f"sqlite:///{tmp_path / 'c.db'}",
+                        f"file://{tmp_path / 'b'}")
+    shard = _shard_of_four_parts(location)
+    client = location.client(BLOB, PersistConfig(heartbeat_interval_s=0.05))
+    beat = ReadHandle.heartbeat
+    failing = {"left": 1}
+
+    def flaky(self: ReadHandle) -> None:
+        if failing["left"]:
+            failing["left"] -= 1
+            raise ConsensusUnavailable("consensus away for a moment")
+        beat(self)
+
+    with client.open_reader(shard) as reader, reader.snapshot_plan(3):
+        monkeypatch.setattr(ReadHandle, "heartbeat", flaky)
+        started = time.monotonic()
+        _hold(client, reader, 0.3)  # the first renewal fails, the later ones pass
+        assert time.monotonic() - started >= 0.3
+        failing["left"] = 1000
+        with pytest.raises(ConsensusUnavailable):
+            _hold(client, reader, 0.12)
+    client.close()
