@@ -254,15 +254,22 @@ class ReadHandle:
         return (empty_table() if schema is None else schema.arrow_schema().empty_table(),
                 schema)
 
-    def _contents_with_schema(self) -> tuple[pa.Table, ShardSchema | None, Frontier]:
+    def _contents_with_schema(self) -> tuple[pa.Table, ShardSchema | None, int]:
         """Every row of the latest state, each update counted whatever its time (its
-        times as compaction left them), decoded with that state's schema, and that
-        state's upper: a shard's whole contents even when its since reached its upper,
-        so that no time below the upper is exact any more (what a table load reads
-        then); they are the collection as of ``upper - 1``, every update lying below
-        the upper."""
+        times as compaction left them), decoded with that state's schema, and the
+        upper of the last batch holding any update (0: none): a shard's whole contents
+        even when its since reached its upper, so that no time below the upper is exact
+        any more (what a table load reads then). They are the collection as of every
+        time from that batch's ``upper - 1`` on: every update was written below it,
+        and appends after it (empty ones: a seal) moved the upper without a row."""
         with self._reading_state() as state:
             schema = ShardSchema.from_bytes(state.schema) if state.schema else None
+            # A batch's upper bounds the times its updates were written at, however
+            # compaction advanced them since (merged batches span their inputs).
+            written = max((b.desc.upper for b in state.ordered_batches
+                           if b.parts and b.desc.upper is not None), default=0)
+            if any(b.parts and b.desc.upper is None for b in state.ordered_batches):
+                written = MAX_TIME + 1  # a closed shard's last batch: never exact below
             try:
                 with naming_shard(self.shard_id):
                     tables = list(stream_snapshot(self._machine,
@@ -273,7 +280,7 @@ class ReadHandle:
         table = pa.concat_tables(tables) if tables else empty_table()
         if schema is not None:
             table = schema.decode(table, f"shard {self.shard_id}")
-        return table, schema, state.upper
+        return table, schema, written
 
     def schema(self) -> ShardSchema | None:
         """The shard's schema as last seen (None: untyped). Reads of a typed shard

@@ -602,9 +602,11 @@ def load_table(client: PersistClient, name: str, upper: int | None = None, *,
         except SinceViolation:
             # Readers released every time up to the upper (since == upper): no time
             # below it is exact, but the latest table is every update's sum, and so is
-            # the version pinned at the upper it was read at (the one its write left).
-            typed, schema, at = reader._contents_with_schema()
-            if upper is not None and at != upper:
+            # a version pinned at an upper no update was written at or after: the one
+            # the last write left, also once empty appends moved the upper on (the seal
+            # of a generation that a newer one passed).
+            typed, schema, written = reader._contents_with_schema()
+            if upper is not None and written > upper:
                 raise
         if upper is not None and schema is not None:
             # The version a pinned load asks for has the columns it was stored with,

@@ -127,6 +127,11 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
     # of the first 80 seams seeds since a store first to write a generation moves the
     # upper of the one before it)
     "table_uppers_memoized": (r"later store had replaced", 60, "seams"),
+    # a table load pinned to an upper below the since takes the shard's whole contents
+    # without checking that nothing was written at or after that upper: a later store's
+    # table for an earlier store's upper (52 and 102 of the first 150 seams seeds)
+    "pinned_contents_unchecked": (r"pinned to upper \d+ is not the table stored there",
+                                  60, "seams"),
     # a write retried with its token is not settled by its batch's history: a Spark write
     # committed again after compaction merged its batch away is refused, and its parts,
     # which older versions reference, deleted (31 and 41 of the typed profile, the only
@@ -200,6 +205,7 @@ CAUGHT: dict[str, tuple[str, int, str | None]] = {
 CAUGHT_AT: dict[str, int] = {
     "open_fails_on_replaced_rollup": 21, "listen_without_hold": 16,
     "funnel_forgets_successor": 14, "table_uppers_memoized": 41,
+    "pinned_contents_unchecked": 52,
     "settle_from_latest_state_only": 12, "commit_ignores_an_earlier_abort": 8,
     "contents_read_at_the_upper": 7, "expired_read_reports_corruption": 7,
     "merge_without_deadline": 44, "wal_parts_stay": 5, "store_tables_one_by_one": 10,

@@ -156,3 +156,27 @@ def test_store_tables_refused_after_a_dead_stores_generation_is_written(open_cli
         transaction_module.apply_many = original  # type: ignore[assignment]
     assert _tags(client, "t/a") == {"other"}
     assert _tags(client, "t/b") == {"old"}
+
+
+def test_a_pinned_load_of_a_passed_generation_survives_its_seal(open_client):
+    """Readers released every time up to the upper the last store of t's first
+    generation left (since == upper), so a load pinned at that upper reads the
+    generation's whole contents. Then another client starts t's next generation, which
+    first moves the first one's upper by one (the seal: an empty append, its contents
+    unchanged). The version pinned at that upper is still exactly the contents: nothing
+    was written at or after it. The load must still return it, by the table's name and
+    by the generation's own, never SinceViolation for a version that is intact."""
+    client, other = open_client(), open_client()
+    tables.store_table(client, "t", OLD, ["id"])
+    stored = tables.store_table(client, "t", NEW, ["id"])
+    pinned = stored.result.upper
+    reader = client.open_reader(stored.shard)
+    reader.downgrade_since(pinned)
+    reader.expire()
+    assert tables.load_table(client, "t", pinned).equals(NEW)
+    assert tables.store_table(other, "t", OTHER, ["id"]).name == "t/_v2"
+    info = client.inspect(stored.shard)
+    assert (info["since"], info["upper"]) == (pinned, pinned + 1)  # sealed
+    assert tables.load_table(client, "t", pinned).equals(NEW)
+    assert tables.load_table(client, "t/_v1", pinned).equals(NEW)
+    assert tables.load_table(client, "t/_v1").equals(NEW)

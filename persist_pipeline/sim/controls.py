@@ -379,6 +379,21 @@ def contents_read_at_the_upper() -> Iterator[None]:
 
 
 @contextmanager
+def pinned_contents_unchecked() -> Iterator[None]:
+    """A table load pinned to an upper below the since reads the shard's whole contents
+    without checking that no update was written at or after that upper: a later
+    store's table is returned for an earlier store's upper."""
+    real = read.ReadHandle._contents_with_schema
+
+    def unchecked(self: read.ReadHandle) -> Any:
+        table, schema, _ = real(self)
+        return table, schema, 0
+
+    with _patched(read.ReadHandle, "_contents_with_schema", unchecked):
+        yield
+
+
+@contextmanager
 def table_uppers_memoized() -> Iterator[None]:
     """Table loads and stores remember each generation's upper per client (saving a
     round trip per generation) and a load reads at the upper it remembers: after another
@@ -723,6 +738,7 @@ CONTROLS: dict[str, Callable[[], Any]] = {
     "funnel_forgets_successor": funnel_forgets_successor,
     "contents_read_at_the_upper": contents_read_at_the_upper,
     "table_uppers_memoized": table_uppers_memoized,
+    "pinned_contents_unchecked": pinned_contents_unchecked,
     "table_schema_recorded_at_open": table_schema_recorded_at_open,
     "pinned_loads_with_the_newest_schema": pinned_loads_with_the_newest_schema,
     "latest_load_at_looked_up_upper": latest_load_at_looked_up_upper,
