@@ -200,10 +200,12 @@ def append(writer: WriteHandle, plan: Callable[[int], Planned], intent: Intent |
     """
     upper = writer.fetch_recent_upper()
     for _ in range(MAX_ATTEMPTS):
+        # Settled first: a shard closed after an earlier attempt's commit landed unheard
+        # still holds that write, which is recorded then rather than the file failed.
+        _settle_before_commit(settle)
         if upper is None:
             raise dg.Failure(f"shard {writer.shard_id} is closed: it takes no more writes",
                              allow_retries=False)
-        _settle_before_commit(settle)
         planned = plan(upper)
         # A token only for a recorded write: with one, a refused attempt also searches
         # the shard's history, which a write nobody will settle later does not need.
@@ -700,11 +702,14 @@ def commit_routed(client: PersistClient, writers: Mapping[str, WriteHandle],
     plans_of = {name: file_plan(parts[name], source, shown, identity) for name in writers}
     uppers = {name: w.fetch_recent_upper() for name, w in writers.items()}
     for _ in range(MAX_ATTEMPTS):
+        # Settled first: a target closed after an earlier attempt's commit landed unheard
+        # (a lost reply, a run that died) still holds that write, which is recorded then
+        # rather than the file failed as written nowhere.
+        _settle_before_commit(settle)
         closed = [name for name, upper in uppers.items() if upper is None]
         if closed:
             raise dg.Failure(f"shard(s) {', '.join(closed)} closed: they take no more "
                              "writes, so no shard of the route was written", allow_retries=False)
-        _settle_before_commit(settle)
         plans = {name: plans_of[name](upper) for name, upper in uppers.items()
                  if upper is not None}
         txn = client.transaction()

@@ -8,26 +8,30 @@ the run does not retry) and no shard changes, now or on a retry; a target closed
 meanwhile fails the file naming it and no shard changes; a table store under a target's
 name meanwhile is refused (NotATable), so no generation seals the target and the file
 lands once in every target; a target whose name is a table's superseded generation
-refuses the whole file with SchemaMismatch. (A commit whose reply was lost, or whose
-run died after it, is settled not repeated: tests/test_pipeline_retries.py and
+refuses the whole file with SchemaMismatch. A retry after a commit whose reply was
+lost settles that write (SettledElsewhere: the file is in every target once) even when a
+target was closed since, for a route and for a files shard. (Lost replies and runs that
+died after their commit, with Dagster runs: tests/test_pipeline_retries.py and
 tests/test_pipeline_routes.py.)"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pyarrow as pa
 import pytest
 
-from assets.ingestion import commit_routed, split_routed
+from assets.ingestion import SettledElsewhere, append, commit_routed, file_plan, split_routed
 from assets.pipeline_config import FileSource, RouteConfig
 from assets.retries import is_transient
 from persist_pipeline import PersistClient, ShardSchema
-from persist_pipeline.exceptions import NotATable, SchemaMismatch
+from persist_pipeline.exceptions import Indeterminate, NotATable, SchemaMismatch
 from persist_pipeline.ingest import read_updates_file
 from persist_pipeline.tables import store_table
+from persist_pipeline.transaction import Transaction
 from persist_pipeline.write import WriteHandle
 from tests.fixtures.location import Location
 
@@ -175,3 +179,85 @@ def test_a_target_naming_a_superseded_table_generation_refuses_the_whole_file(
         assert _uppers(client, writers) == {"orders": 0, "refunds": 2}
         assert _contents(client, str(writers["orders"].shard_id)) == []
         assert client.shard_summaries()[str(client.resolve("refunds/_v2"))].upper == 1
+
+
+def test_a_retry_after_a_lost_commit_reply_settles_even_once_a_target_is_closed(
+        durable_location: Location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route's commit landed but its reply was lost (Indeterminate); before the
+    step's retry a target is closed. The retry settles the earlier write (the file is in
+    every target, once) instead of failing with "no shard of the route was written",
+    which would leave the file unrecorded and its message false."""
+    source, parts, shown = _parts(tmp_path)
+    recorded: list[tuple[str, int, str]] = []
+    with durable_location.client() as client:
+        def intent(name: str, upper: int, token: str) -> None:
+            recorded.append((name, upper, token))
+
+        def settle() -> list[dg.MaterializeResult[Any]]:
+            # As settle_intents: one committed recorded write settles the file.
+            for name, upper, token in recorded:
+                writer = client.open_writer(client.resolve(name))
+                try:
+                    if writer.committed(token, upper):
+                        return [dg.MaterializeResult(asset_key=dg.AssetKey(name))]
+                finally:
+                    writer.expire()
+            return []
+
+        real = Transaction.commit
+
+        def lost_reply(self: Transaction) -> Any:
+            real(self)
+            raise Indeterminate("the commit's reply was lost")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(Transaction, "commit", lost_reply)
+            with pytest.raises(Indeterminate):
+                commit_routed(client, _writers(client), parts, source, shown, "id",
+                              intent, settle)
+        writers = _writers(client)
+        writers["refunds"].compare_and_append([], 1, None)  # closed before the retry
+        with pytest.raises(SettledElsewhere) as info:
+            commit_routed(client, writers, parts, source, shown, "id", intent, settle)
+        assert len(info.value.results) == 1
+        assert _uppers(client, writers) == {"orders": 1, "refunds": None}
+        assert _contents(client, str(writers["orders"].shard_id)) == [(b"o1", b"10", 1)]
+
+
+def test_a_files_shard_retry_after_a_lost_reply_settles_even_once_it_is_closed(
+        durable_location: Location, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for a ``files`` shard's single write (:func:`assets.ingestion.append`):
+    the retry settles the write that landed unheard, not "shard is closed"."""
+    path = tmp_path / "g.csv"
+    path.write_text("k,v,t\no1,10,0\n")
+    plan = file_plan(read_updates_file(path), FileSource(uri=str(tmp_path)), str(path))
+    recorded: list[tuple[int, str]] = []
+    with durable_location.client() as client:
+        shard = client.resolve("orders", create=True)
+
+        def settle() -> list[dg.MaterializeResult[Any]]:
+            writer = client.open_writer(shard)
+            try:
+                if any(writer.committed(token, upper) for upper, token in recorded):
+                    return [dg.MaterializeResult(asset_key=dg.AssetKey("orders"))]
+            finally:
+                writer.expire()
+            return []
+
+        real = WriteHandle.compare_and_append
+
+        def lost_reply(self: WriteHandle, *args: Any, **kwargs: Any) -> Any:
+            real(self, *args, **kwargs)
+            raise Indeterminate("the commit's reply was lost")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(WriteHandle, "compare_and_append", lost_reply)
+            with pytest.raises(Indeterminate):
+                append(client.open_writer(shard), plan,
+                       lambda upper, token: recorded.append((upper, token)), settle)
+        writer = client.open_writer(shard)
+        writer.compare_and_append([], 1, None)  # closed before the retry
+        with pytest.raises(SettledElsewhere):
+            append(writer, plan, lambda upper, token: recorded.append((upper, token)),
+                   settle)
+        assert client.shard_summaries()[str(shard)].upper is None
